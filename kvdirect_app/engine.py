@@ -1,0 +1,386 @@
+"""Run several KV-cache strategies in lockstep on one conversation.
+
+The full cache is always the reference and always runs first in a step, so a
+strategy can compare what it hands to attention with what the reference
+holds for the same step.  Each strategy decodes greedily on its own history
+(its *free* run: the text a person sees).  When its token first differs from
+the reference's, its cache is forked into a *teacher-forced* twin that is fed
+the reference's tokens from then on; teacher-forced agreement, KL, max
+|Δlogit| and max |ΔK|, |ΔV| are all measured on that identical-history path
+(before the divergence the free run is that path).
+
+The engine yields plain dict events and never imports gradio.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import psutil
+import torch
+
+from . import compat
+from .geometry import ModelGeometry
+from .metrics import StepTimes, clock, kl_divergence, token_match
+from .models import LoadedModel
+from .strategies import Strategy, StrategyCache
+from .strategies.full import Full
+
+
+class InputError(ValueError):
+    """Bad input to a run (empty prompt, prompt longer than the context...)."""
+
+
+class InputTap:
+    """Forward hooks on every attention module: hands the attention input to the cache layers that
+    keep it, and times the attention modules.  Installed for one run and removed after it."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.cache: StrategyCache | None = None
+        self.wants: set[int] = set()
+        self.device = device
+        self.attention_s = 0.0
+        self._t0 = 0.0
+        self.handles = []
+        for i, layer in enumerate(compat.decoder_layers(model)):
+            attn = compat.attention_module(layer)
+            self.handles.append(attn.register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            self.handles.append(attn.register_forward_hook(self._post))
+
+    def _pre(self, index: int):
+        def hook(module, args, kwargs):
+            if index in self.wants:
+                x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                self.cache.layers[index].capture(x)
+            self._t0 = clock(self.device)
+
+        return hook
+
+    def _post(self, module, args, output):
+        self.attention_s += clock(self.device) - self._t0
+
+    def target(self, cache: StrategyCache):
+        self.cache = cache
+        self.wants = set(cache.wants_inputs())
+        self.attention_s = 0.0
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class Prompter:
+    """Token ids of each user turn: the chat template's pieces for chat models, plain text otherwise."""
+
+    _U1, _A1, _U2 = "\u2063U1\u2063", "\u2063A1\u2063", "\u2063U2\u2063"
+
+    def __init__(self, loaded: LoadedModel, raw: bool = False):
+        self.tok = loaded.tokenizer
+        self.chat = loaded.chat and not raw
+        if self.chat:
+            render = lambda msgs, gen: self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+            a = render([{"role": "user", "content": self._U1}, {"role": "assistant", "content": self._A1}], False)
+            b = render([{"role": "user", "content": self._U1}, {"role": "assistant", "content": self._A1},
+                        {"role": "user", "content": self._U2}], True)
+            if not b.startswith(a) or self._A1 not in a:
+                raise InputError("this chat template does not extend turn by turn; use --raw")
+            self.next_template = a[a.index(self._A1) + len(self._A1):] + b[len(a):]
+
+    def encode(self, text: str, special: bool) -> list[int]:
+        return self.tok(text, add_special_tokens=special)["input_ids"]
+
+    def first(self, text: str) -> list[int]:
+        if self.chat:
+            rendered = self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                    add_generation_prompt=True)
+            return self.encode(rendered, False)
+        return self.encode(text, True)
+
+    def next(self, text: str, pending: int | None) -> list[int]:
+        """The next turn: the unfed last token of the reply (if it was cut), the end of turn, the user turn."""
+        body = self.next_template.replace(self._U2, text) if self.chat else "\n" + text
+        return ([pending] if pending is not None else []) + self.encode(body, False)
+
+
+@dataclass
+class Lane:
+    """One strategy's state during a run."""
+
+    strategy: Strategy
+    cache: StrategyCache
+    label: str
+    tokens: list[list[int]] = field(default_factory=list)  # generated ids per turn (free run)
+    texts: list[str] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    active: bool = False
+    pending: int | None = None  # last generated token not yet fed (reply cut by max_new_tokens)
+    tf_cache: StrategyCache | None = None  # teacher-forced twin after the first divergence
+    tf_logits: torch.Tensor | None = None
+    diverged: bool = False
+    times: StepTimes = field(default_factory=StepTimes)
+    tf_steps: int = 0
+    tf_agree: int = 0
+    kl_sum: float = 0.0
+    max_dlogit: float = 0.0
+    persistent_peak: int = 0
+    peak: int = 0
+    formula_persistent_peak: int = 0
+    formula_peak: int = 0
+    bytes_mismatch: list = field(default_factory=list)  # (seen, measured, formula) where they disagree
+    kv: dict = field(default_factory=dict)  # kv report frozen from the identical-history cache
+
+
+class Engine:
+    """Lockstep runner.  `run(turns)` yields events; `results()` gives the summary afterwards."""
+
+    def __init__(self, loaded: LoadedModel, strategies: list[Strategy], max_new_tokens: int = 64,
+                 raw: bool = False, threads: int | None = None):
+        if max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens: {max_new_tokens} must be >= 1")
+        self.loaded = loaded
+        self.model = loaded.model
+        self.max_new_tokens = max_new_tokens
+        self.threads = threads or torch.get_num_threads()
+        self.prompter = Prompter(loaded, raw)
+        self.geometry = ModelGeometry.from_config(loaded.config, loaded.dtype)
+        ref = Full()
+        self.reference = Lane(ref, ref.build_cache(self.model), ref.label)
+        self.lanes = [Lane(s, s.build_cache(self.model), s.label) for s in strategies if s.spec() != ref.spec()]
+        self.show = [s.label if s.spec() != ref.spec() else ref.label for s in strategies]
+        self.prompt_ids: list[int] = []
+        self.turn_chunks: list[list[int]] = []
+        self.rss_peak = 0
+
+    # --- one forward ---------------------------------------------------------
+    def _forward(self, lane: Lane, cache: StrategyCache, ids: list[int], tap: InputTap, timed: bool,
+                 turn_start: bool) -> torch.Tensor:
+        tap.target(cache)
+        seen_before = cache.get_seq_length()
+        x = torch.tensor([ids], device=self.loaded.device)
+        t0 = clock(self.loaded.device)
+        logits = compat.forward_step(self.model, x, cache)
+        wall = clock(self.loaded.device) - t0
+        ops = cache.take_timers()
+        if timed:
+            total = wall - ops["compare"]
+            in_cache = ops["recompute"] + ops["cache_update"]
+            attention = tap.attention_s - ops["compare"] - in_cache
+            lane.times.add({"recompute": ops["recompute"], "cache_update": ops["cache_update"],
+                            "attention": attention, "other": total - (tap.attention_s - ops["compare"]),
+                            "total": total}, prefill=turn_start)
+            self._account(lane, seen_before, len(ids), turn_start)
+        return logits
+
+    def _account(self, lane: Lane, seen_before: int, q: int, turn_start: bool):
+        cache, strategy, geom = lane.cache, lane.strategy, self.geometry
+        seen = seen_before + q
+        persistent, transient = cache.persistent_bytes(), cache.transient_bytes()
+        f_persistent = strategy.formula_persistent(geom, seen)
+        f_transient = strategy.formula_transient(geom, seen_before, q, turn_start)
+        if (persistent, transient) != (f_persistent, f_transient):
+            lane.bytes_mismatch.append((seen, persistent, f_persistent, transient, f_transient))
+        lane.persistent_peak = max(lane.persistent_peak, persistent)
+        lane.peak = max(lane.peak, persistent + transient)
+        lane.formula_persistent_peak = max(lane.formula_persistent_peak, f_persistent)
+        lane.formula_peak = max(lane.formula_peak, f_persistent + f_transient)
+        self.rss_peak = max(self.rss_peak, psutil.Process().memory_info().rss)
+
+    # --- the run -------------------------------------------------------------
+    def check_turns(self, turns: list[str]):
+        if not turns or any(not t or not t.strip() for t in turns):
+            raise InputError("--prompt: empty prompt; give a non-empty user message")
+
+    def run(self, turns: list[str]) -> Iterator[dict]:
+        self.check_turns(turns)
+        first = self.prompter.first(turns[0])
+        if len(first) >= self.loaded.max_context:
+            raise InputError(f"--prompt: {len(first)} tokens, longer than the model's context of {self.loaded.max_context}")
+        self.prompt_ids = first
+        previous_threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        tap = InputTap(self.model, self.loaded.device)
+        ref = self.reference
+        for lane in self.lanes:
+            lane.cache.compare_with(ref.cache)
+        try:
+            with torch.inference_mode():
+                yield {"type": "start", "strategies": self.show, "prompt_ids": first, "threads": self.threads}
+                for k, text in enumerate(turns):
+                    yield from self._turn(k, text, tap)
+        finally:
+            tap.close()
+            torch.set_num_threads(previous_threads)
+        yield {"type": "done", "result": self.results()}
+
+    def _turn(self, k: int, text: str, tap: InputTap) -> Iterator[dict]:
+        ref, lanes = self.reference, self.lanes
+        chunk = lambda lane: self.prompt_ids if k == 0 else self.prompter.next(text, lane.pending)
+        ref_chunk = chunk(ref)
+        if ref.cache.get_seq_length() + len(ref_chunk) >= self.loaded.max_context:
+            raise InputError(f"turn {k + 1}: the conversation passes the model's context of {self.loaded.max_context}")
+        self.turn_chunks.append(ref_chunk)
+        yield {"type": "turn", "turn": k, "user": text, "chunk_ids": ref_chunk}
+        ref.logits = self._forward(ref, ref.cache, ref_chunk, tap, True, True)
+        for lane in lanes:
+            lane.logits = self._forward(lane, lane.cache, chunk(lane), tap, True, True)
+            if lane.tf_cache is not None:
+                lane.tf_logits = self._forward(lane, lane.tf_cache, ref_chunk, tap, False, True)
+        for lane in [ref, *lanes]:
+            lane.tokens.append([])
+            lane.texts.append("")
+            lane.active, lane.pending = True, None
+        index = 0
+        while ref.active or any(lane.active for lane in lanes):
+            ref_token = self._choose(ref, index) if ref.active else None
+            ref_logits = ref.logits if ref_token is not None else None
+            event = {"type": "step", "turn": k, "index": index, "lanes": {}}
+            for lane in lanes:
+                self._teacher_forced(lane, index, ref_token, ref_logits)
+                if lane.active:
+                    self._choose(lane, index)
+            # Feed the reference first, then every strategy (and its teacher-forced twin).
+            if ref_token is not None and ref.active:
+                ref.logits = self._forward(ref, ref.cache, [ref_token], tap, True, False)
+            for lane in lanes:
+                token = lane.tokens[k][-1] if lane.tokens[k] and len(lane.tokens[k]) == index + 1 else None
+                if token is not None and lane.active:
+                    lane.logits = self._forward(lane, lane.cache, [token], tap, True, False)
+                if lane.tf_cache is not None and ref_token is not None and ref.active:
+                    lane.tf_logits = self._forward(lane, lane.tf_cache, [ref_token], tap, False, False)
+            for lane in [ref, *lanes]:
+                if len(lane.tokens[k]) == index + 1:
+                    event["lanes"][lane.label] = self._lane_event(lane, k)
+            yield event
+            index += 1
+        for lane in [ref, *lanes]:
+            lane.cache.end_turn()
+            if lane.tf_cache is not None:
+                lane.tf_cache.end_turn()
+        yield {"type": "turn_end", "turn": k, "texts": {lane.label: lane.texts[k] for lane in [ref, *lanes]}}
+
+    def _choose(self, lane: Lane, index: int) -> int:
+        """Greedy token at `index` of the current turn; ends the lane's turn on EOS, the token limit or the context."""
+        token = int(torch.argmax(lane.logits))
+        lane.tokens[-1].append(token)
+        lane.texts[-1] = self.loaded.tokenizer.decode(lane.tokens[-1], skip_special_tokens=True)
+        seen = lane.cache.get_seq_length()
+        if token in self.loaded.eos_ids:
+            lane.active = False
+        elif index + 1 >= self.max_new_tokens or seen + 1 >= self.loaded.max_context:
+            lane.active, lane.pending = False, token
+        return token
+
+    def _teacher_forced(self, lane: Lane, index: int, ref_token: int | None, ref_logits: torch.Tensor | None):
+        """Compare this step's teacher-forced logits with the reference; fork at the first divergence."""
+        if not lane.diverged:
+            lane_done, ref_done = not lane.active, ref_token is None
+            if lane_done and ref_done:
+                return
+            if lane_done != ref_done or int(torch.argmax(lane.logits)) != ref_token:
+                # The free run leaves the reference's history here: keep measuring on a twin fed its tokens.
+                lane.diverged = True
+                lane.tf_cache = lane.cache.fork()
+                lane.tf_cache.compare_with(self.reference.cache)
+                lane.kv = lane.cache.kv_report()
+                lane.cache.compare_with(None)
+                lane.tf_logits = lane.logits
+        if ref_token is None:
+            return
+        logits = lane.tf_logits if lane.diverged else lane.logits
+        lane.tf_steps += 1
+        lane.tf_agree += int(torch.argmax(logits)) == ref_token
+        lane.kl_sum += kl_divergence(ref_logits, logits)
+        lane.max_dlogit = max(lane.max_dlogit, float((logits - ref_logits).abs().max()))
+
+    def _lane_event(self, lane: Lane, k: int) -> dict:
+        last = (lane.times.decode or lane.times.prefill)[-1]
+        return {
+            "token_id": lane.tokens[k][-1],
+            "text": lane.texts[k],
+            "active": lane.active,
+            "seen": lane.cache.get_seq_length(),
+            "persistent_bytes": lane.cache.persistent_bytes(),
+            "peak_bytes": lane.cache.persistent_bytes() + lane.cache.transient_bytes(),
+            "formula_bytes": lane.strategy.formula_persistent(self.geometry, lane.cache.get_seq_length()),
+            "latency_ms": {op: 1e3 * s for op, s in last.items()},
+            "diverged": lane.diverged,
+            "kl_mean": lane.kl_sum / lane.tf_steps if lane.tf_steps else 0.0,
+        }
+
+    # --- summary -------------------------------------------------------------
+    def _summary(self, lane: Lane) -> dict:
+        ref = self.reference
+        is_ref = lane is ref
+        match, first = token_match(ref.tokens, lane.tokens)
+        kv = {"kv_exact": True, "max_abs_dk": 0.0, "max_abs_dv": 0.0, "layers_compared": len(lane.cache.layers)} \
+            if is_ref else self._kv(lane)
+        times = lane.times.summary()
+        decode_s = sum(step["total"] for step in lane.times.decode)
+        return {
+            "token_ids": [t for turn in lane.tokens for t in turn],
+            "turn_token_ids": lane.tokens,
+            "text": "\n\n".join(lane.texts),
+            "turn_texts": lane.texts,
+            "token_match": match,
+            "first_divergence": first,
+            "teacher_forced_agreement": 1.0 if is_ref else (lane.tf_agree / lane.tf_steps if lane.tf_steps else None),
+            "kl_mean": 0.0 if is_ref else (lane.kl_sum / lane.tf_steps if lane.tf_steps else None),
+            "max_abs_dlogit": 0.0 if is_ref else lane.max_dlogit,
+            **kv,
+            "canonical_spec": lane.strategy.spec(),
+            "claims_exact": lane.strategy.claims_exact,
+            "state_bytes": {
+                "persistent_peak": lane.persistent_peak,
+                "peak": lane.peak,
+                "formula_persistent_peak": lane.formula_persistent_peak,
+                "formula_peak": lane.formula_peak,
+                "final_persistent": lane.cache.persistent_bytes(),
+                "formula_matches_measurement": not lane.bytes_mismatch,
+            },
+            "latency_ms": times,
+            "tokens_per_s": len(lane.times.decode) / decode_s if decode_s > 0 else None,
+        }
+
+    def _kv(self, lane: Lane) -> dict:
+        live = (lane.tf_cache if lane.diverged else lane.cache).kv_report()
+        if not lane.diverged:
+            return live
+        before = lane.kv
+        if before.get("kv_exact") is None:
+            return live
+        if live.get("kv_exact") is None:
+            return before
+        return {"layers_compared": max(before["layers_compared"], live["layers_compared"]),
+                "kv_exact": before["kv_exact"] and live["kv_exact"],
+                "max_abs_dk": max(before["max_abs_dk"], live["max_abs_dk"]),
+                "max_abs_dv": max(before["max_abs_dv"], live["max_abs_dv"])}
+
+    def results(self) -> dict:
+        by_label = {self.reference.label: self.reference, **{lane.label: lane for lane in self.lanes}}
+        out = {
+            "model": self.loaded.name,
+            "model_source": self.loaded.source,
+            "device": str(self.loaded.device),
+            "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "threads": self.threads,
+            "prompt_ids": self.prompt_ids,
+            "turn_chunk_ids": self.turn_chunks,
+            "max_new_tokens": self.max_new_tokens,
+            "process_rss_peak_bytes": self.rss_peak,
+            "strategies": {label: self._summary(by_label[label]) for label in self.show if label in by_label},
+        }
+        if self.loaded.device.type == "cuda":
+            out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.loaded.device)
+        return out
+
+
+def run_to_end(engine: Engine, turns: list[str]) -> dict:
+    """Consume every event; return the summary."""
+    result = None
+    for event in engine.run(turns):
+        if event["type"] == "done":
+            result = event["result"]
+    return result

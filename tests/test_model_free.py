@@ -1,0 +1,84 @@
+"""Model-free checks: byte accounting, spec parsing, agreement metrics, the row kernel check."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from kvdirect_app.metrics import kl_divergence, token_match
+from kvdirect_app.replay import _linear_rows_batched, _linear_rows_loop, rows_kernel_is_exact
+from kvdirect_app.strategies import StrategyError, parse_spec, parse_specs, registry
+from kvdirect_app.strategies.base import storage_bytes
+
+
+def test_storage_bytes_counts_a_view_at_its_buffer_size_once():
+    buf = torch.zeros(10, 4)
+    view = buf[-2:]
+    assert storage_bytes(view) == 10 * 4 * 4
+    assert storage_bytes(buf, view) == 10 * 4 * 4
+    assert storage_bytes(view.clone()) == 2 * 4 * 4
+    assert storage_bytes(None, torch.zeros(0)) == 0
+
+
+def test_registry_has_the_engine_strategies():
+    assert {"full", "kvdirect"} <= set(registry())
+
+
+def test_parse_spec_reads_settings_and_keeps_the_written_label():
+    s = parse_spec("kvdirect:budget=16:mode=fast")
+    assert (s.budget, s.mode, s.rebuild) == (16, "fast", "step")
+    assert s.spec() == "kvdirect:budget=16:mode=fast"
+    assert parse_spec("kvdirect:budget=64:mode=exact").label == "kvdirect:budget=64:mode=exact"
+    assert parse_spec("kvdirect:budget=64:mode=exact").spec() == "kvdirect"
+    assert not parse_spec("kvdirect:mode=fast").claims_exact
+    assert parse_spec("kvdirect").claims_exact and parse_spec("full").claims_exact
+
+
+@pytest.mark.parametrize("text, words", [
+    ("nope", "unknown strategy 'nope'; known strategies:"),
+    ("kvdirect:colour=red", "unknown setting 'colour'; allowed: budget, mode, rebuild"),
+    ("kvdirect:budget=0", "budget=0 must be >= 1"),
+    ("kvdirect:budget=many", "budget='many' is not a valid int"),
+    ("kvdirect:mode=sloppy", "mode='sloppy' is not allowed; allowed: exact, fast"),
+    ("kvdirect:budget", "is not of the form key=value"),
+    ("", "empty strategy spec"),
+])
+def test_bad_specs_name_the_setting_and_allowed_values(text, words):
+    with pytest.raises(StrategyError, match=None) as info:
+        parse_spec(text)
+    assert words in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_duplicate_specs_are_refused():
+    with pytest.raises(StrategyError, match="listed twice"):
+        parse_specs("kvdirect:budget=64,kvdirect")
+
+
+def test_token_match_counts_over_turns_and_finds_the_first_divergence():
+    assert token_match([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) == (1.0, None)
+    assert token_match([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 9]]) == (0.8, 4)
+    assert token_match([[1, 2, 3]], [[1]]) == (pytest.approx(1 / 3), 1)
+    assert token_match([[1, 2]], [[1, 2, 7]]) == (1.0, 2)
+
+
+def test_kl_is_zero_for_equal_logits_and_matches_the_definition():
+    a = torch.tensor([1.0, 2.0, 3.0])
+    b = torch.tensor([3.0, 2.0, 1.0])
+    assert kl_divergence(a, a) == 0.0
+    p, q = torch.softmax(a, 0), torch.softmax(b, 0)
+    assert math.isclose(kl_divergence(a, b), float((p * (p / q).log()).sum()), rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_row_kernels_agree_with_one_row_linear_calls(bias):
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 24, bias=bias)
+    rows = torch.randn(7, 48)
+    loop = _linear_rows_loop(lin, rows)
+    for i in range(7):
+        assert torch.equal(loop[i], lin(rows[i].view(1, 1, -1)).view(-1))
+    # The batched kernel is only used where the start-up check holds; where it holds it must be bit-equal.
+    if rows_kernel_is_exact(lin):
+        assert torch.equal(_linear_rows_batched(lin, rows), loop)
