@@ -14,7 +14,7 @@ The engine yields plain dict events and never imports gradio.
 
 from __future__ import annotations
 
-import time
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -31,6 +31,16 @@ from .strategies.full import Full
 
 class InputError(ValueError):
     """Bad input to a run (empty prompt, prompt longer than the context...)."""
+
+
+_MODEL_LOCKS: dict[int, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: torch.nn.Module) -> threading.Lock:
+    """One generation at a time per model object (hooks are per model)."""
+    with _LOCKS_GUARD:
+        return _MODEL_LOCKS.setdefault(id(model), threading.Lock())
 
 
 class InputTap:
@@ -131,6 +141,7 @@ class Lane:
     formula_peak: int = 0
     bytes_mismatch: list = field(default_factory=list)  # (seen, measured, formula) where they disagree
     kv: dict = field(default_factory=dict)  # kv report frozen from the identical-history cache
+    history: list[int] = field(default_factory=list)  # every id fed to the free run, in order
 
 
 class Engine:
@@ -165,6 +176,7 @@ class Engine:
         wall = clock(self.loaded.device) - t0
         ops = cache.take_timers()
         if timed:
+            lane.history.extend(ids)
             total = wall - ops["compare"]
             in_cache = ops["recompute"] + ops["cache_update"]
             attention = tap.attention_s - ops["compare"] - in_cache
@@ -189,30 +201,51 @@ class Engine:
         self.rss_peak = max(self.rss_peak, psutil.Process().memory_info().rss)
 
     # --- the run -------------------------------------------------------------
-    def check_turns(self, turns: list[str]):
-        if not turns or any(not t or not t.strip() for t in turns):
+    def turn(self, text: str) -> Iterator[dict]:
+        """One user turn for every strategy, continuing the conversation; yields "turn", "step"... "turn_end".
+
+        Hooks go on the (shared, read-only) model for the turn only, under a
+        per-model lock, so sessions sharing a model never see each other's
+        hooks.  Closing the generator early (a stop button) ends the turn
+        cleanly: every token chosen so far has been fed.
+        """
+        if not text or not text.strip():
             raise InputError("--prompt: empty prompt; give a non-empty user message")
+        k = len(self.turn_chunks)
+        if k == 0:
+            first = self.prompter.first(text)
+            if len(first) >= self.loaded.max_context:
+                raise InputError(
+                    f"--prompt: {len(first)} tokens, longer than the model's context of {self.loaded.max_context}")
+            self.prompt_ids = first
+        with model_lock(self.model):
+            previous_threads = torch.get_num_threads()
+            torch.set_num_threads(self.threads)
+            tap = InputTap(self.model, self.loaded.device)
+            try:
+                with torch.inference_mode():
+                    if k == 0:
+                        for lane in self.lanes:
+                            lane.cache.compare_with(self.reference.cache)
+                        yield {"type": "start", "strategies": self.show, "prompt_ids": self.prompt_ids,
+                               "threads": self.threads}
+                    yield from self._turn(k, text, tap)
+            finally:
+                tap.close()
+                torch.set_num_threads(previous_threads)
+                for lane in [self.reference, *self.lanes]:
+                    if lane.active:  # interrupted: all chosen tokens were fed, nothing is pending
+                        lane.active = False
+                        lane.cache.end_turn()
+                        if lane.tf_cache is not None:
+                            lane.tf_cache.end_turn()
 
     def run(self, turns: list[str]) -> Iterator[dict]:
-        self.check_turns(turns)
-        first = self.prompter.first(turns[0])
-        if len(first) >= self.loaded.max_context:
-            raise InputError(f"--prompt: {len(first)} tokens, longer than the model's context of {self.loaded.max_context}")
-        self.prompt_ids = first
-        previous_threads = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        tap = InputTap(self.model, self.loaded.device)
-        ref = self.reference
-        for lane in self.lanes:
-            lane.cache.compare_with(ref.cache)
-        try:
-            with torch.inference_mode():
-                yield {"type": "start", "strategies": self.show, "prompt_ids": first, "threads": self.threads}
-                for k, text in enumerate(turns):
-                    yield from self._turn(k, text, tap)
-        finally:
-            tap.close()
-            torch.set_num_threads(previous_threads)
+        """Every turn in order, then a "done" event with `results()`."""
+        if not turns or any(not t or not t.strip() for t in turns):
+            raise InputError("--prompt: empty prompt; give a non-empty user message")
+        for text in turns:
+            yield from self.turn(text)
         yield {"type": "done", "result": self.results()}
 
     def _turn(self, k: int, text: str, tap: InputTap) -> Iterator[dict]:
@@ -309,6 +342,14 @@ class Engine:
             "diverged": lane.diverged,
             "kl_mean": lane.kl_sum / lane.tf_steps if lane.tf_steps else 0.0,
         }
+
+    def token_map(self, label: str, layer: int) -> dict:
+        """Per fed token of a strategy's free run at `layer`: its text and what is kept of it
+        ("kv", "residual", "anchor", "evicted"), as plain lists."""
+        lane = self.reference if label == self.reference.label else next(l for l in self.lanes if l.label == label)
+        states = lane.cache.layers[layer].token_states()
+        pieces = [self.loaded.tokenizer.decode([t]) for t in lane.history[:len(states)]]
+        return {"tokens": pieces, "states": states}
 
     # --- summary -------------------------------------------------------------
     def _summary(self, lane: Lane) -> dict:

@@ -95,6 +95,9 @@ class FullLayer(MeasuredLayer, DynamicLayer):
         super().__init__(**kwargs)
         self.init_measures()
 
+    def token_states(self) -> list[str]:
+        return ["kv"] * self.get_seq_length()
+
     def update(self, key_states, value_states, *args, **kwargs):
         t0 = time.perf_counter()
         keys, values = super().update(key_states, value_states, *args, **kwargs)
@@ -115,6 +118,10 @@ class SlidingLayer(MeasuredLayer, compat.DynamicSlidingWindowLayer):
     def __init__(self, sliding_window: int, **kwargs):
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.init_measures()
+
+    def token_states(self) -> list[str]:
+        kept = 0 if self.keys is None else self.keys.shape[-2]
+        return ["evicted"] * (self.cumulative_length - kept) + ["kv"] * kept
 
     def update(self, key_states, value_states, *args, **kwargs):
         t0 = time.perf_counter()

@@ -142,6 +142,10 @@ class ResidualLayer(MeasuredLayer, CacheLayerMixin):
     def end_turn(self):
         self.active = None
 
+    def token_states(self) -> list[str]:
+        hot = 0 if self.keys is None else self.keys.shape[-2]
+        return ["residual"] * (self.seen - hot) + ["kv"] * hot
+
     def state_bytes(self) -> int:
         active = self.active or (None, None)
         return storage_bytes(self.inputs, self.keys, self.values, *active)
