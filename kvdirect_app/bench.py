@@ -100,7 +100,7 @@ def cmd_run(args) -> int:
     turns, raw = turns_from_args(args)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     engine = Engine(loaded, strategies, max_new_tokens=args.max_new_tokens, raw=raw, threads=args.threads)
-    result = run_to_end(engine, turns)
+    result = run_to_end(engine, turns, park=args.park)
     print(table(result))
     for spec, r in result["strategies"].items():
         print(f"\n[{spec}] {r['text'][:400]!r}")
@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
     run.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICES)}")
     run.add_argument("--threads", type=int, default=None, help="torch threads while timing (default: torch's)")
+    run.add_argument("--park", action="store_true", help="park every session between turns and resume it")
     run.add_argument("--json", help="write the results here")
     run.set_defaults(func=cmd_run)
     return parser

@@ -104,3 +104,27 @@ def forward_step(model: nn.Module, input_ids: torch.Tensor, cache: Cache) -> tor
     """
     out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1].float()
+
+
+def mask_function(layer_type: str):
+    """The masking_utils builder a model's forward uses for layers of this type."""
+    from transformers import masking_utils
+
+    return {
+        "full_attention": masking_utils.create_causal_mask,
+        "sliding_attention": masking_utils.create_sliding_window_causal_mask,
+        "chunked_attention": masking_utils.create_chunked_causal_mask,
+    }[layer_type]
+
+
+def input_embeddings(model: torch.nn.Module) -> torch.nn.Module:
+    """The token embedding whose output is decoder layer 0's input (Gemma's includes its sqrt(d) scale)."""
+    return model.get_input_embeddings()
+
+
+def run_decoder_layer(layer: torch.nn.Module, hidden: torch.Tensor, mask, position_embeddings, position_ids,
+                      cache: Cache) -> torch.Tensor:
+    """One decoder layer called as the model's own forward calls it."""
+    out = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids,
+                cache=cache, use_cache=True)
+    return out[0] if isinstance(out, tuple) else out

@@ -50,17 +50,28 @@ class InputTap:
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.cache: StrategyCache | None = None
         self.wants: set[int] = set()
+        self.residuals: set[int] = set()
         self.device = device
         self.attention_s = 0.0
         self._t0 = 0.0
         self.handles = []
         for i, layer in enumerate(compat.decoder_layers(model)):
             attn = compat.attention_module(layer)
+            self.handles.append(layer.register_forward_pre_hook(self._residual(i), with_kwargs=True))
             self.handles.append(attn.register_forward_pre_hook(self._pre(i), with_kwargs=True))
             self.handles.append(attn.register_forward_hook(self._post))
 
+    def _residual(self, index: int):
+        def hook(module, args, kwargs):
+            if index in self.residuals and not self.cache.replaying:  # residuals is empty until target()
+                self.cache.capture_residual(index, args[0] if args else kwargs["hidden_states"])
+
+        return hook
+
     def _pre(self, index: int):
         def hook(module, args, kwargs):
+            if self.cache is None or self.cache.replaying:
+                return
             if index in self.wants:
                 x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
                 self.cache.layers[index].capture(x)
@@ -69,11 +80,13 @@ class InputTap:
         return hook
 
     def _post(self, module, args, output):
-        self.attention_s += clock(self.device) - self._t0
+        if self.cache is not None and not self.cache.replaying:
+            self.attention_s += clock(self.device) - self._t0
 
     def target(self, cache: StrategyCache):
         self.cache = cache
         self.wants = set(cache.wants_inputs())
+        self.residuals = set(cache.wants_residuals())
         self.attention_s = 0.0
 
     def close(self):
@@ -142,6 +155,7 @@ class Lane:
     bytes_mismatch: list = field(default_factory=list)  # (seen, measured, formula) where they disagree
     kv: dict = field(default_factory=dict)  # kv report frozen from the identical-history cache
     history: list[int] = field(default_factory=list)  # every id fed to the free run, in order
+    parks: list[dict] = field(default_factory=list)  # per park: seen, bytes measured and by formula, resume ms
 
 
 class Engine:
@@ -164,6 +178,7 @@ class Engine:
         self.prompt_ids: list[int] = []
         self.turn_chunks: list[list[int]] = []
         self.rss_peak = 0
+        self.parked = False
 
     # --- one forward ---------------------------------------------------------
     def _forward(self, lane: Lane, cache: StrategyCache, ids: list[int], tap: InputTap, timed: bool,
@@ -172,6 +187,7 @@ class Engine:
         seen_before = cache.get_seq_length()
         x = torch.tensor([ids], device=self.loaded.device)
         t0 = clock(self.loaded.device)
+        cache.begin_step(ids)
         logits = compat.forward_step(self.model, x, cache)
         wall = clock(self.loaded.device) - t0
         ops = cache.take_timers()
@@ -229,6 +245,10 @@ class Engine:
                             lane.cache.compare_with(self.reference.cache)
                         yield {"type": "start", "strategies": self.show, "prompt_ids": self.prompt_ids,
                                "threads": self.threads}
+                    if self.parked:
+                        self._resume(tap)
+                        yield {"type": "resume", "lanes": {lane.label: lane.parks[-1]
+                                                           for lane in [self.reference, *self.lanes]}}
                     yield from self._turn(k, text, tap)
             finally:
                 tap.close()
@@ -240,11 +260,50 @@ class Engine:
                         if lane.tf_cache is not None:
                             lane.tf_cache.end_turn()
 
-    def run(self, turns: list[str]) -> Iterator[dict]:
-        """Every turn in order, then a "done" event with `results()`."""
+    def park(self) -> dict:
+        """Between turns: every cache keeps only its persistent state (full KV, inputs, anchors or token ids).
+
+        The next `turn()` resumes each cache first (timed), rebuilding K/V exactly.
+        Returns a "park" event with the parked bytes per strategy, measured and by formula.
+        """
+        if any(lane.active for lane in [self.reference, *self.lanes]):
+            raise InputError("park: a turn is still running")
+        event = {"type": "park", "lanes": {}}
+        for lane in [self.reference, *self.lanes]:
+            for cache in (lane.cache, lane.tf_cache):
+                if cache is not None:
+                    cache.park()
+            seen = lane.cache.get_seq_length()
+            record = {"seen": seen, "bytes": lane.cache.persistent_bytes(),
+                      "formula_bytes": lane.strategy.formula_parked(self.geometry, seen), "resume_ms": None}
+            if record["bytes"] != record["formula_bytes"]:
+                lane.bytes_mismatch.append(("parked", seen, record["bytes"], record["formula_bytes"]))
+            lane.parks.append(record)
+            event["lanes"][lane.label] = record
+        self.parked = True
+        return event
+
+    def _resume(self, tap: InputTap):
+        for lane in [self.reference, *self.lanes]:
+            for cache in (lane.cache, lane.tf_cache):
+                if cache is None:
+                    continue
+                tap.target(cache)
+                t0 = clock(self.loaded.device)
+                cache.resume()
+                elapsed = clock(self.loaded.device) - t0
+                cache.take_timers()
+                if cache is lane.cache:
+                    lane.parks[-1]["resume_ms"] = 1e3 * elapsed
+        self.parked = False
+
+    def run(self, turns: list[str], park: bool = False) -> Iterator[dict]:
+        """Every turn in order (parking every session between turns when `park`), then "done" with `results()`."""
         if not turns or any(not t or not t.strip() for t in turns):
             raise InputError("--prompt: empty prompt; give a non-empty user message")
-        for text in turns:
+        for i, text in enumerate(turns):
+            if park and i:
+                yield self.park()
             yield from self.turn(text)
         yield {"type": "done", "result": self.results()}
 
@@ -382,6 +441,7 @@ class Engine:
                 "formula_matches_measurement": not lane.bytes_mismatch,
             },
             "latency_ms": times,
+            "parks": lane.parks,
             "tokens_per_s": len(lane.times.decode) / decode_s if decode_s > 0 else None,
         }
 
@@ -418,10 +478,10 @@ class Engine:
         return out
 
 
-def run_to_end(engine: Engine, turns: list[str]) -> dict:
+def run_to_end(engine: Engine, turns: list[str], park: bool = False) -> dict:
     """Consume every event; return the summary."""
     result = None
-    for event in engine.run(turns):
+    for event in engine.run(turns, park=park):
         if event["type"] == "done":
             result = event["result"]
     return result

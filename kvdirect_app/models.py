@@ -151,7 +151,7 @@ def _package_dir(package: str) -> Path | None:
     return Path(spec.origin).parent
 
 
-def _gguf_location(preset: dict) -> tuple[Path, str] | None:
+def gguf_location(preset: dict) -> tuple[Path, str] | None:
     pkg_dir = _package_dir(preset["package"])
     if pkg_dir is None:
         return None
@@ -172,7 +172,7 @@ def _pretrained(name: str, preset: dict | None, dtype, device, progress) -> Load
     source = name
     chat = None
     if preset is not None:
-        location = _gguf_location(preset)
+        location = gguf_location(preset)
         chat = bool(preset.get("chat", False))
         if location is not None:
             path, file = location

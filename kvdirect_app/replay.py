@@ -128,3 +128,91 @@ class KVProjector:
         k = linear_rows(self.k_proj, rows).unsqueeze(0)
         v = linear_rows(self.v_proj, rows).unsqueeze(0)
         return self._finish(k, v, positions.view(1, -1))
+
+
+class _ReplayStop(Exception):
+    """Raised by the last layer of a replay once its K/V are stored: the rest of that layer is not needed."""
+
+
+class _StopLayer(compat.DynamicLayer):
+    def update(self, key_states, value_states, *args, **kwargs):
+        super().update(key_states, value_states, *args, **kwargs)
+        raise _ReplayStop
+
+
+class _SizeLayer(compat.DynamicLayer):
+    """Stands in for a layer outside the replayed segment: stores nothing, reports mask sizes as the real
+    layer would have (the model builds each type's mask from its first layer of that type)."""
+
+    def __init__(self, sliding_window: int | None):
+        super().__init__()
+        self.is_sliding = sliding_window is not None
+        self.window = sliding_window
+        self.count = 0
+
+    def advance(self, n: int):
+        self.count += n
+
+    def get_seq_length(self) -> int:
+        return self.count
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if not self.is_sliding:
+            return self.count + query_length, 0
+        offset = max(self.count - self.window + 1, 0)
+        if self.count >= self.window:
+            return self.window - 1 + query_length, offset
+        return self.count + query_length, offset
+
+
+class LayerReplayer:
+    """Replays decoder layers on stored anchors, repeating the original chunking (AnchorKV).
+
+    `replay(start_hidden, anchor, targets, chunks)` runs layers
+    `anchor..max(targets)` over `chunks` [(start, n)] in order, each chunk as
+    one causal forward over everything before it, with the masks and rotary
+    embeddings the model's own forward builds for those shapes; the last layer
+    stops once its K/V are stored.  Counts decoder-layer passes (per segment
+    replay) and layer calls (per chunk).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.config = compat.text_config(model.config)
+        self.layers = compat.decoder_layers(model)
+        self.specs = compat.layer_specs(model.config)
+        self.embed = compat.input_embeddings(model)
+        self.rotary = {s.layer_type: compat.rotary_for_layer(model, s.layer_type) for s in self.specs}
+        self.passes = 0
+        self.calls = 0
+
+    def replay(self, start_hidden, anchor: int, targets: list[int], chunks: list[tuple[int, int]]):
+        last = max(targets)
+        layers = []
+        for s in self.specs:
+            if anchor <= s.index < last:
+                layers.append(compat.DynamicSlidingWindowLayer(s.sliding_window) if s.is_sliding else compat.DynamicLayer())
+            elif s.index == last:
+                layers.append(_StopLayer())
+            else:
+                layers.append(_SizeLayer(s.sliding_window))
+        cache = compat.Cache(layers=layers)
+        types = {self.specs[j].layer_type for j in range(anchor, last + 1)}
+        for start, n in chunks:
+            hidden = start_hidden(start, n)
+            positions = torch.arange(start, start + n, device=hidden.device).unsqueeze(0)
+            masks = {t: compat.mask_function(t)(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                                cache=cache, position_ids=positions) for t in types}
+            embeddings = {t: self.rotary[t](hidden, positions) if self.rotary[t] else None for t in types}
+            for j in range(anchor, last + 1):
+                t = self.specs[j].layer_type
+                try:
+                    hidden = compat.run_decoder_layer(self.layers[j], hidden, masks[t], embeddings[t], positions, cache)
+                except _ReplayStop:
+                    pass
+                self.calls += 1
+            for layer in layers:
+                if isinstance(layer, _SizeLayer):
+                    layer.advance(n)
+        self.passes += last - anchor + 1
+        return {g: (cache.layers[g].keys, cache.layers[g].values) for g in targets}

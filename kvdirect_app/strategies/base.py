@@ -192,9 +192,30 @@ class StrategyCache(Cache):
         }
 
     # --- life cycle ----------------------------------------------------------
+    replaying = False  # True while a cache replays layers of the model for itself (hooks stand aside)
+
     def wants_inputs(self) -> list[int]:
         """Layer indices whose attention input must be handed over before `update`."""
         return [i for i, layer in enumerate(self.layers) if hasattr(layer, "capture")]
+
+    def wants_residuals(self) -> list[int]:
+        """Layer indices whose decoder-layer input (raw residual) must be handed to `capture_residual`."""
+        return []
+
+    def begin_step(self, ids: list[int]):
+        """Called with the token ids of a forward, before it runs."""
+
+    def park(self):
+        """Keep only the persistent state (what the strategy promises to rebuild from)."""
+        for layer in self.layers:
+            if hasattr(layer, "park"):
+                layer.park()
+
+    def resume(self):
+        """Rebuild what `park` dropped, exactly."""
+        for layer in self.layers:
+            if hasattr(layer, "resume"):
+                layer.resume()
 
     def end_turn(self):
         for layer in self.layers:
@@ -278,6 +299,10 @@ class Strategy:
     def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False) -> int:
         """Largest transient buffer of any layer during a step of `q` tokens after `seen_before`."""
         raise NotImplementedError
+
+    def formula_parked(self, geom: ModelGeometry, seen: int) -> int:
+        """Bytes held after `park()`; strategies that drop nothing hold what they always hold."""
+        return self.formula_persistent(geom, seen)
 
     @property
     def label(self) -> str:

@@ -1,0 +1,71 @@
+"""The benchmark CLI: JSON shape, and one clear line for every kind of bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvdirect_app import bench
+
+TOP_KEYS = {"model", "device", "dtype", "prompt_ids", "strategies"}
+STRATEGY_KEYS = {"token_ids", "text", "token_match", "first_divergence", "kv_exact", "max_abs_dk", "max_abs_dv",
+                 "max_abs_dlogit", "kl_mean", "state_bytes", "latency_ms", "tokens_per_s"}
+
+
+def test_run_writes_the_documented_json(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    code = bench.main(["run", "--model", "tiny-qwen3", "--strategies", "full,kvdirect:budget=4:mode=exact",
+                       "--prompt", "hello", "--max-new-tokens", "6", "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "kvdirect:budget=4:mode=exact" in printed and "K/V exact" in printed
+    result = json.loads(out.read_text())
+    assert TOP_KEYS <= set(result)
+    assert set(result["strategies"]) == {"full", "kvdirect:budget=4:mode=exact"}
+    for r in result["strategies"].values():
+        assert STRATEGY_KEYS <= set(r)
+        assert {"persistent_peak", "peak", "formula_peak"} <= set(r["state_bytes"])
+        assert 1 <= len(r["token_ids"]) <= 6
+    exact = result["strategies"]["kvdirect:budget=4:mode=exact"]
+    assert exact["token_match"] == 1.0 and exact["kv_exact"] is True
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--strategies", "full,nope"], "unknown strategy 'nope'"),
+    (["--strategies", "kvdirect:speed=9"], "unknown setting 'speed'; allowed: budget, mode, rebuild"),
+    (["--strategies", "kvdirect:budget=0"], "budget=0 must be >= 1"),
+    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--prompt", "   "], "empty prompt"),
+    (["--prompt", "x" * 1100], "longer than the model's context of 1024"),
+    (["--device", "tpu"], "unknown device 'tpu'; allowed: auto, cpu, cuda, mps"),
+    (["--dtype", "int3"], "unknown dtype 'int3'; allowed: float32, bfloat16, float16"),
+    (["--scenario", "nope"], "unknown scenario 'nope'; allowed:"),
+    (["--prompt-file", "/nonexistent/prompt.txt"], "no such file"),
+    (["--max-new-tokens", "0"], "must be >= 1"),
+])
+def test_bad_input_is_one_clear_line_and_status_2(argv, words, capsys):
+    base = ["run", "--model", "tiny-llama", "--max-new-tokens", "2"]
+    code = bench.main(base + argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert words in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_cuda_request_without_cuda_is_an_error_not_a_fallback(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present here")
+    code = bench.main(["run", "--model", "tiny-llama", "--device", "cuda", "--max-new-tokens", "2"])
+    assert code == 2
+    assert "'cuda' requested but no CUDA device" in capsys.readouterr().err
+
+
+def test_the_module_runs_as_a_program_and_fails_cleanly():
+    proc = subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "run", "--model", "tiny-llama",
+                           "--strategies", "h2o_typo"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: unknown strategy 'h2o_typo'")
+    assert "Traceback" not in proc.stderr
