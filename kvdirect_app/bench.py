@@ -15,6 +15,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+from . import anchor_bench
 from .models import DEVICES, DTYPES, PRESETS_DIR, ModelError, load_model
 from .strategies import StrategyError, parse_specs
 
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--park", action="store_true", help="park every session between turns and resume it")
     run.add_argument("--json", help="write the results here")
     run.set_defaults(func=cmd_run)
+    anchor_bench.register(sub)
     return parser
 
 
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CliError, ModelError, StrategyError, InputError) as e:
+    except (CliError, ModelError, StrategyError, InputError, anchor_bench.BenchInputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

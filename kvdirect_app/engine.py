@@ -33,14 +33,14 @@ class InputError(ValueError):
     """Bad input to a run (empty prompt, prompt longer than the context...)."""
 
 
-_MODEL_LOCKS: dict[int, threading.Lock] = {}
+_MODEL_LOCKS: dict[int, threading.RLock] = {}
 _LOCKS_GUARD = threading.Lock()
 
 
-def model_lock(model: torch.nn.Module) -> threading.Lock:
+def model_lock(model: torch.nn.Module) -> threading.RLock:
     """One generation at a time per model object (hooks are per model)."""
     with _LOCKS_GUARD:
-        return _MODEL_LOCKS.setdefault(id(model), threading.Lock())
+        return _MODEL_LOCKS.setdefault(id(model), threading.RLock())
 
 
 class InputTap:
@@ -217,19 +217,22 @@ class Engine:
         self.rss_peak = max(self.rss_peak, psutil.Process().memory_info().rss)
 
     # --- the run -------------------------------------------------------------
-    def turn(self, text: str) -> Iterator[dict]:
+    def turn(self, text: str, ids: list[int] | None = None) -> Iterator[dict]:
         """One user turn for every strategy, continuing the conversation; yields "turn", "step"... "turn_end".
 
         Hooks go on the (shared, read-only) model for the turn only, under a
         per-model lock, so sessions sharing a model never see each other's
         hooks.  Closing the generator early (a stop button) ends the turn
-        cleanly: every token chosen so far has been fed.
+        cleanly: every token chosen so far has been fed.  `ids` gives the first
+        turn's token ids directly (benchmarks at an exact context length).
         """
         if not text or not text.strip():
             raise InputError("--prompt: empty prompt; give a non-empty user message")
         k = len(self.turn_chunks)
+        if ids is not None and k != 0:
+            raise InputError("token ids can only be given for the first turn")
         if k == 0:
-            first = self.prompter.first(text)
+            first = list(ids) if ids is not None else self.prompter.first(text)
             if len(first) >= self.loaded.max_context:
                 raise InputError(
                     f"--prompt: {len(first)} tokens, longer than the model's context of {self.loaded.max_context}")
@@ -282,6 +285,16 @@ class Engine:
             event["lanes"][lane.label] = record
         self.parked = True
         return event
+
+    def resume(self) -> dict:
+        """Rebuild every parked cache now (`turn()` does this itself when needed); returns a "resume" event."""
+        with model_lock(self.model), torch.inference_mode():
+            tap = InputTap(self.model, self.loaded.device)
+            try:
+                self._resume(tap)
+            finally:
+                tap.close()
+        return {"type": "resume", "lanes": {lane.label: lane.parks[-1] for lane in [self.reference, *self.lanes]}}
 
     def _resume(self, tap: InputTap):
         for lane in [self.reference, *self.lanes]:

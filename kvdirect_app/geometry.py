@@ -236,10 +236,12 @@ def breakeven_report(geom: ModelGeometry, context: int = 32768, max_passes: int 
     }
     if any(lg.is_sliding for lg in geom.layers):
         anchors, bytes_, passes = geom.place_anchors(max_passes=max_passes)
-        uniform = [
-            {"spacing": row["spacing"], "bytes_per_token": row["anchor_bytes_per_token_token_id_anchor"],
-             "cascade_passes": row["cascade_passes"]} for row in per_spacing
-        ]
+        uniform = []
+        for row in per_spacing:
+            dp_anchors, dp_bytes, dp_passes = geom.place_anchors(max_passes=row["cascade_passes"])
+            uniform.append({"spacing": row["spacing"], "bytes_per_token": row["anchor_bytes_per_token_token_id_anchor"],
+                            "cascade_passes": row["cascade_passes"], "dp_anchors": dp_anchors,
+                            "dp_bytes_per_token": dp_bytes, "dp_passes": dp_passes})
         report["windowed"] = {
             "context": context,
             "global_kv_bytes_per_token": geom.global_kv_bytes_per_token,

@@ -164,6 +164,16 @@ class AnchorCache(StrategyCache):
         return {"layer_passes": self.store.replayer.passes, "layer_calls": self.store.replayer.calls}
 
 
+def rebuild_all(cache: AnchorCache, replay: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """K/V of every seen token at every global layer from the anchors alone, with `replay` (cascade|naive)."""
+    store = cache.store
+    saved, store.replay_kind, store.scratch = store.replay_kind, replay, {}
+    try:
+        return {g: store.old_kv(g, store.seen) for g in store.segment_of}
+    finally:
+        store.replay_kind, store.scratch = saved, {}
+
+
 def _parse_anchors(text: str) -> list[int] | str:
     if text in ("", "uniform", "dp"):
         return text

@@ -1,0 +1,250 @@
+"""AnchorKV benchmarks: `breakeven`, `capacity` and `replay` subcommands of `python -m kvdirect_app.bench`.
+
+    bench breakeven (--model NAME | --config PATH) [--dtype bfloat16|float32] [--json OUT]
+    bench capacity --model NAME --context 32768 [--memory-gb G] [--json OUT]
+    bench replay --model NAME --context N --spacing s [--json OUT]
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from .geometry import ModelGeometry, breakeven_report, load_config
+from .models import DTYPES, PRESETS_DIR, resolve_dtype
+
+
+class BenchInputError(ValueError):
+    pass
+
+
+def _kib(n: float) -> str:
+    if n >= 2**20:
+        return f"{n / 2**20:.2f} MiB"
+    return f"{n / 1024:.2f} KiB" if n >= 1024 else f"{n:.0f} B"
+
+
+def _write(path: str | None, data: dict):
+    if path:
+        Path(path).write_text(json.dumps(data, indent=1))
+        print(f"\nwrote {path}")
+
+
+# --- breakeven -----------------------------------------------------------------
+def cmd_breakeven(args) -> int:
+    if (args.model is None) == (args.config is None):
+        raise BenchInputError("give exactly one of --model NAME or --config PATH")
+    if args.config is not None and not Path(args.config).is_file():
+        raise BenchInputError(f"--config: no such file {args.config!r}")
+    try:
+        config = load_config(args.config or args.model)
+    except (OSError, ValueError) as e:
+        raise BenchInputError(f"--model: cannot read a config for {args.model!r} ({str(e).splitlines()[0]})") from None
+    geom = ModelGeometry.from_config(config, resolve_dtype(args.dtype))
+    report = breakeven_report(geom, context=args.context, max_passes=args.max_passes)
+    report["source"] = args.config or args.model
+    report["dtype"] = args.dtype
+    print(f"{report['source']} ({args.dtype}): L={report['layers']} d={report['hidden_size']} "
+          f"n_kv={report['num_kv_heads']} d_h={report['head_dim']}")
+    print(f"  full KV per token (every layer global): {_kib(report['kv_bytes_per_token'])}")
+    print(f"  residual per stored layer:              {_kib(report['residual_bytes_per_layer'])}")
+    print(f"  r = d / (2 n_kv d_h) = {report['ratio_r']:.3g}"
+          + ("  (> 1: a residual at every layer costs more than its K/V)" if report["ratio_r"] > 1 else ""))
+    print(f"  break-even spacing s* = {report['break_even_spacing']}  "
+          f"(layer 0 as a token id: {report['break_even_spacing_token_id_anchor']})")
+    print(f"\n  {'s':>3}  {'anchors':>7}  {'bytes/token':>12}  {'token-id anchor':>15}  {'vs full KV':>10}  "
+          f"{'cascade':>7}  {'naive':>6}")
+    for row in report["per_spacing"]:
+        ratio = row["anchor_bytes_per_token_token_id_anchor"] / report["kv_bytes_per_token"]
+        print(f"  {row['spacing']:>3}  {len(row['anchors']):>7}  {_kib(row['anchor_bytes_per_token']):>12}  "
+              f"{_kib(row['anchor_bytes_per_token_token_id_anchor']):>15}  {ratio:>10.3f}  "
+              f"{row['cascade_passes']:>7}  {row['naive_passes']:>6}")
+    windowed = report.get("windowed")
+    if windowed:
+        dp = windowed["dp_placement"]
+        print(f"\n  sliding-window view at {windowed['context']} tokens: global layers {report['global_layers']}, "
+              f"global KV {_kib(windowed['global_kv_bytes_per_token'])}/token, windows "
+              f"{_kib(windowed['window_bytes_per_session'])}/session")
+        print(f"  break-even counting global layers only: s* = {windowed['break_even_spacing_global_only']} "
+              f"(token-id anchor: {windowed['break_even_spacing_global_only_token_id_anchor']})")
+        print(f"  DP placement (bound {dp['max_passes']}): anchors {dp['anchors']}, {_kib(dp['bytes_per_token'])}/token, "
+              f"{dp['cascade_passes']} passes")
+        print(f"\n  {'s':>3}  {'uniform bytes':>13}  {'passes':>6}  {'DP at same passes':>17}  DP anchors")
+        for row in windowed["uniform"]:
+            print(f"  {row['spacing']:>3}  {_kib(row['bytes_per_token']):>13}  {row['cascade_passes']:>6}  "
+                  f"{_kib(row['dp_bytes_per_token']):>17}  {row['dp_anchors']}")
+    _write(args.json, report)
+    return 0
+
+
+# --- shared: a context of exactly N tokens --------------------------------------------
+def filler_ids(tokenizer, n: int) -> list[int]:
+    """`n` token ids of the long-document preset, repeated as needed (deterministic)."""
+    text = (PRESETS_DIR / "long_document.md").read_text(encoding="utf-8")
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    more = tokenizer("\n\n" + text, add_special_tokens=False)["input_ids"]
+    while len(ids) < n:
+        ids += more
+    return ids[:n]
+
+
+def _context_engine(loaded, strategies, n: int):
+    from .engine import Engine
+
+    if n < 2 or n >= loaded.max_context:
+        raise BenchInputError(f"--context: {n} must be between 2 and the model's context {loaded.max_context - 1}")
+    engine = Engine(loaded, strategies, max_new_tokens=1, raw=True)
+    for _ in engine.turn("context", ids=filler_ids(loaded.tokenizer, n)):
+        pass
+    return engine
+
+
+# --- replay ---------------------------------------------------------------------------
+def cmd_replay(args) -> int:
+    from .engine import model_lock
+    from .models import load_model
+    from .strategies.anchorkv import AnchorKV, rebuild_all
+
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    geom = ModelGeometry.from_config(loaded.config, loaded.dtype)
+    if not 1 <= args.spacing <= geom.num_layers:
+        raise BenchInputError(f"--spacing: {args.spacing} must be between 1 and L={geom.num_layers}")
+    strategy = AnchorKV(spacing=args.spacing, budget=1)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    engine = _context_engine(loaded, [strategy], args.context)
+    cache, reference = engine.lanes[0].cache, engine.reference.cache
+    anchors = strategy.anchor_layers(geom)
+    rows = {}
+    with model_lock(loaded.model), torch.inference_mode():
+        for kind in ("cascade", "naive"):
+            replayer = cache.store.replayer
+            replayer.passes = replayer.calls = 0
+            t0 = time.perf_counter()
+            kv = rebuild_all(cache, kind)
+            elapsed = time.perf_counter() - t0
+            exact = all(torch.equal(k, reference.layers[g].keys) and torch.equal(v, reference.layers[g].values)
+                        for g, (k, v) in kv.items())
+            rows[kind] = {"seconds": elapsed, "layer_passes": replayer.passes, "layer_calls": replayer.calls,
+                          "kv_exact": exact, "expected_passes": geom.replay_passes(anchors, cascade=kind == "cascade")}
+            del kv
+    speedup = rows["naive"]["seconds"] / rows["cascade"]["seconds"]
+    ideal = rows["naive"]["layer_passes"] / rows["cascade"]["layer_passes"]
+    result = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
+              "threads": torch.get_num_threads(), "context": args.context, "spacing": args.spacing,
+              "anchors": anchors, "replay": rows, "speedup": speedup, "ideal_pass_ratio": ideal,
+              "speedup_over_ideal": speedup / ideal}
+    print(f"{loaded.name} {result['dtype']} on {result['device']}, {args.context} tokens, spacing {args.spacing} "
+          f"(anchors {anchors}), threads {result['threads']}")
+    print(f"  {'replay':<8} {'seconds':>8} {'layer passes':>12} {'layer calls':>11}  K/V exact")
+    for kind, row in rows.items():
+        print(f"  {kind:<8} {row['seconds']:>8.2f} {row['layer_passes']:>12} {row['layer_calls']:>11}  "
+              f"{'yes' if row['kv_exact'] else 'NO'}")
+    print(f"  cascade speedup {speedup:.2f}x; ideal (pass ratio) {ideal:.2f}x; achieved {speedup / ideal:.2f} of ideal")
+    _write(args.json, result)
+    return 0
+
+
+# --- capacity -------------------------------------------------------------------------
+def _capacity_strategies(geom: ModelGeometry, spacings: list[int]):
+    from .strategies.anchorkv import AnchorKV
+    from .strategies.full import Full
+    from .strategies.kvdirect import KVDirect
+
+    rows = [("full", Full()), ("kvdirect", KVDirect(budget=1))]
+    rows += [(f"anchorkv:spacing={s}", AnchorKV(spacing=s, budget=1)) for s in spacings]
+    if any(layer.is_sliding for layer in geom.layers):
+        rows += [(f"anchorkv:spacing={s}:anchors=dp", AnchorKV(spacing=s, anchors="dp", budget=1))
+                 for s in spacings if s > 1]
+    return rows
+
+
+def _measure_resume(loaded, strategies, n: int) -> dict[str, float]:
+    engine = _context_engine(loaded, [s for _, s in strategies], n)
+    engine.park()
+    event = engine.resume()
+    labels = {s.label: name for name, s in strategies}
+    return {labels.get(label, label): record["resume_ms"] for label, record in event["lanes"].items()}
+
+
+def cmd_capacity(args) -> int:
+    from .models import load_model
+
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    geom = ModelGeometry.from_config(loaded.config, loaded.dtype)
+    if args.context < 2:
+        raise BenchInputError(f"--context: {args.context} must be >= 2")
+    memory = (args.memory_gb * 2**30) if args.memory_gb else psutil.virtual_memory().total
+    if memory <= 0:
+        raise BenchInputError(f"--memory-gb: {args.memory_gb} must be > 0")
+    L = geom.num_layers
+    spacings = sorted({1, 2, geom.break_even_spacing(token_id_anchor=True) or L, L // 2 or 1, L})
+    strategies = _capacity_strategies(geom, spacings)
+    full_bytes = geom.full_kv_bytes(args.context)
+    n = min(args.context, args.measure_context, loaded.max_context - 1)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    large = _measure_resume(loaded, strategies, n)
+    small = _measure_resume(loaded, strategies, max(2, n // 2)) if n < args.context else None
+    rows = []
+    for name, strategy in strategies:
+        parked = strategy.formula_parked(geom, args.context)
+        row = {"strategy": name, "parked_bytes": parked, "parked_bytes_per_token": parked / args.context,
+               "sessions": int(memory // parked), "capacity_vs_full": full_bytes / parked,
+               "resume_ms_measured": large.get(name), "resume_measured_at": n}
+        if small is None:
+            row["resume_ms"], row["resume_estimated"] = large.get(name), False
+        else:
+            # t(n) = a n + b n^2 through the two measurements, extrapolated to the context (b >= 0).
+            t1, t2, n1, n2 = small.get(name) or 0.0, large.get(name) or 0.0, max(2, n // 2), n
+            b = max(0.0, (t2 / n2 - t1 / n1) / (n2 - n1))
+            a = max(0.0, t2 / n2 - b * n2)
+            row["resume_ms"], row["resume_estimated"] = a * args.context + b * args.context**2, True
+        rows.append(row)
+    result = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device),
+              "context": args.context, "memory_bytes": memory, "full_kv_bytes": full_bytes, "rows": rows}
+    print(f"{loaded.name} {result['dtype']}, context {args.context} tokens, memory {memory / 2**30:.1f} GiB; "
+          f"resume measured at {n} tokens on {result['device']}"
+          + (f" and extrapolated (a n + b n^2 through {max(2, n // 2)} and {n})" if small else ""))
+    print(f"  {'strategy':<30} {'parked/session':>15} {'bytes/token':>12} {'sessions':>9} {'vs full':>8} "
+          f"{'resume ms':>10}")
+    for row in rows:
+        resume = "-" if row["resume_ms"] is None else f"{row['resume_ms']:.0f}{'*' if row['resume_estimated'] else ''}"
+        print(f"  {row['strategy']:<30} {row['parked_bytes'] / 2**20:>11.2f} MiB {row['parked_bytes_per_token']:>12.1f} "
+              f"{row['sessions']:>9} {row['capacity_vs_full']:>7.2f}x {resume:>10}")
+    if small:
+        print("  * estimated beyond what was measured on this machine")
+    _write(args.json, result)
+    return 0
+
+
+def register(sub):
+    common_model = dict(default="smollm2-135m", help="preset name, Hub id or local path")
+    p = sub.add_parser("breakeven", help="bytes per token and the break-even anchor spacing, from a config")
+    p.add_argument("--model")
+    p.add_argument("--config", help="a config.json")
+    p.add_argument("--dtype", default="bfloat16", help=f"one of {', '.join(DTYPES)}")
+    p.add_argument("--context", type=int, default=32768, help="context for the sliding-window view")
+    p.add_argument("--max-passes", type=int, default=None, help="replay bound for the DP anchor placement")
+    p.add_argument("--json")
+    p.set_defaults(func=cmd_breakeven)
+    for name, func, helptext in (("replay", cmd_replay, "naive vs cascade reconstruction, timed side by side"),
+                                 ("capacity", cmd_capacity, "parked bytes, sessions that fit, resume time")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--model", **common_model)
+        p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
+        p.add_argument("--device", default="auto")
+        p.add_argument("--threads", type=int, default=None)
+        p.add_argument("--json")
+        p.set_defaults(func=func)
+        if name == "replay":
+            p.add_argument("--context", type=int, default=1024)
+            p.add_argument("--spacing", type=int, required=True)
+        else:
+            p.add_argument("--context", type=int, default=32768)
+            p.add_argument("--memory-gb", type=float, default=None, help="default: this machine's memory")
+            p.add_argument("--measure-context", type=int, default=1024,
+                           help="resume is measured at min(context, this) tokens, then extrapolated")
+    return sub
