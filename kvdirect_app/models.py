@@ -166,6 +166,7 @@ def gguf_location(preset: dict) -> tuple[Path, str] | None:
 
 
 def _pretrained(name: str, preset: dict | None, dtype, device, progress) -> LoadedModel:
+    """A GGUF preset (or its Hub copy when the package is absent), a Hub id, or a local folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {}
@@ -190,8 +191,11 @@ def _pretrained(name: str, preset: dict | None, dtype, device, progress) -> Load
     try:
         tokenizer = AutoTokenizer.from_pretrained(ref, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, **kwargs)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if preset is not None:
+            raise ModelError(f"--model: {name}: {preset['package']} is not installed and its Hub copy {ref} could "
+                             f"not be loaded ({first}); install it: {preset['install']}") from None
         raise ModelError(
             f"--model: cannot load {name!r} ({first}); use a preset ({', '.join(presets())}), "
             "a local model folder, or a Hub id where the Hub is reachable"
