@@ -15,7 +15,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from . import anchor_bench
+from . import anchor_bench, sweep
 from .models import DEVICES, DTYPES, PRESETS_DIR, ModelError, load_model
 from .strategies import StrategyError, parse_specs
 
@@ -73,7 +73,8 @@ def _fmt(x, spec=".3g") -> str:
 
 def table(result: dict) -> str:
     cols = ["strategy", "tokens", "match", "1st div", "TF agree", "KL", "K/V exact", "max|dK|", "max|dV|",
-            "max|dlogit|", "persistent", "peak", "formula peak", "TTFT ms", "ms/step", "recomp ms", "tok/s"]
+            "max|dlogit|", "persistent", "peak", "formula peak", "TTFT ms", "ms/step", "recomp ms", "score ms",
+            "tok/s"]
     rows = []
     for spec, r in result["strategies"].items():
         lat = r["latency_ms"]
@@ -84,7 +85,7 @@ def table(result: dict) -> str:
             _fmt_bytes(r["state_bytes"]["persistent_peak"]), _fmt_bytes(r["state_bytes"]["peak"]),
             _fmt_bytes(r["state_bytes"]["formula_peak"]), _fmt(lat["ttft_ms"], ".1f"),
             _fmt(lat["decode_total_ms_mean"], ".2f"), _fmt(lat["decode_recompute_ms_mean"], ".2f"),
-            _fmt(r["tokens_per_s"], ".1f"),
+            _fmt(lat["decode_scoring_ms_mean"], ".2f"), _fmt(r["tokens_per_s"], ".1f"),
         ])
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     line = lambda cells: "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(cells, widths)))
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", help="write the results here")
     run.set_defaults(func=cmd_run)
     anchor_bench.register(sub)
+    sweep.register(sub)
     return parser
 
 

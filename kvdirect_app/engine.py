@@ -194,11 +194,11 @@ class Engine:
         if timed:
             lane.history.extend(ids)
             total = wall - ops["compare"]
-            in_cache = ops["recompute"] + ops["cache_update"]
+            in_cache = ops["recompute"] + ops["cache_update"] + ops["scoring"]
             attention = tap.attention_s - ops["compare"] - in_cache
             lane.times.add({"recompute": ops["recompute"], "cache_update": ops["cache_update"],
-                            "attention": attention, "other": total - (tap.attention_s - ops["compare"]),
-                            "total": total}, prefill=turn_start)
+                            "scoring": ops["scoring"], "attention": attention,
+                            "other": total - (tap.attention_s - ops["compare"]), "total": total}, prefill=turn_start)
             self._account(lane, seen_before, len(ids), turn_start)
         return logits
 

@@ -59,7 +59,7 @@ class StepTimes:
 
     def summary(self) -> dict:
         """Milliseconds: time to first token, mean per decode step, per-op means and totals."""
-        ops = ("recompute", "cache_update", "attention", "other", "total")
+        ops = ("recompute", "cache_update", "scoring", "attention", "other", "total")
         out = {"ttft_ms": 1e3 * self.prefill[0]["total"] if self.prefill else None}
         n = len(self.decode)
         for op in ops:

@@ -29,17 +29,18 @@ def test_a_local_folder_loads_and_runs(tmp_path):
     assert result["strategies"]["kvdirect:budget=2"]["kv_exact"] is True
 
 
-def test_an_absent_embedded_package_names_the_fix(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_an_absent_embedded_package_names_the_fix(monkeypatch, tmp_path):
+    # The "Hub copy" is a folder that does not exist, so nothing touches the network.
+    missing = str(tmp_path / "nobody" / "no-such-model-xyz")
     table = dict(models.presets())
     table["ghost"] = {"kind": "gguf", "package": "no_such_package_xyz", "file": "x.gguf",
-                      "hub_id": "nobody/no-such-model-xyz", "install": "pip install no-such-package-xyz"}
+                      "hub_id": missing, "install": "pip install no-such-package-xyz"}
     monkeypatch.setattr(models, "presets", lambda: table)
     messages = []
     with pytest.raises(ModelError) as info:
         load_model("ghost", progress=messages.append)
     assert "install it: pip install no-such-package-xyz" in str(info.value)
-    assert any("loading the Hub copy nobody/no-such-model-xyz instead" in m for m in messages)
+    assert any(f"loading the Hub copy {missing} instead" in m for m in messages)
 
 
 @pytest.mark.parametrize("name", ["", "   ", "not-a-preset"])

@@ -26,7 +26,7 @@ def _assert_exact(result):
 
 
 def test_anchorkv_on_smollm2_with_park_and_resume(smollm2):
-    specs = "full,anchorkv:spacing=2:budget=16,anchorkv:spacing=30:budget=16,anchorkv:spacing=7:budget=8:rebuild=step"
+    specs = "full,anchorkv:spacing=2:budget=16,anchorkv:spacing=30:budget=16,anchorkv:spacing=7:budget=8:replay=naive"
     result = _run(smollm2, specs, None, ["Name three primary colours.", "Which one is the sky?"], 10, park=True)
     _assert_exact(result)
     parks = result["strategies"]["anchorkv:spacing=30:budget=16"]["parks"]

@@ -64,6 +64,7 @@ class MeasuredLayer:
         self.transient = 0
         self.compare_s = 0.0
         self.cache_update_s = 0.0
+        self.scoring_s = 0.0
         self.max_dk = 0.0
         self.max_dv = 0.0
         self.kv_equal = True
@@ -167,7 +168,7 @@ class StrategyCache(Cache):
 
     def take_timers(self) -> dict[str, float]:
         """Seconds spent per op inside the cache during the last step (then reset)."""
-        out = {"recompute": 0.0, "cache_update": 0.0, "compare": 0.0}
+        out = {"recompute": 0.0, "cache_update": 0.0, "scoring": 0.0, "compare": 0.0}
         for layer in self.layers:
             for key in out:
                 attr = key + "_s"

@@ -1,0 +1,349 @@
+"""What every eviction strategy shares: a fixed budget of tokens per global layer, kept by score.
+
+An eviction strategy writes one method, `score(step)`: a number per candidate
+token (higher is kept).  This module does the rest, the same way for all of
+them:
+
+* Candidates of a step are the tokens the layer holds plus the step's new
+  tokens.  Attention always sees all of them (so a prefill chunk attends to
+  itself in full, as in the papers); only afterwards does the layer keep the
+  `budget` best-scored candidates, ties going to the newer token.
+* Keys are stored post-RoPE exactly as the model produced them and are never
+  re-rotated; every kept token keeps its original absolute position, stored as
+  int32 (counted in the state bytes).  `get_seq_length()` counts tokens *seen*,
+  so new tokens get the right positions.
+* Mask sizes: transformers places queries at `q_offset = get_seq_length()` =
+  seen and keys at `kv_offset + index`.  With `stored` tokens kept,
+  `get_mask_sizes(q)` returns `(stored + q, seen - stored)`: every stored key
+  lands before every query and the chunk's own keys line up with its queries,
+  so the causal mask inside a prefill chunk stays right after eviction (an
+  offset of 0 would let a chunk's queries see up to `seen - stored` of its
+  future tokens).  The mask is built once per layer type from the first global
+  layer; every global layer keeps `min(seen, budget)` tokens, so all of them
+  report the same sizes.
+* Selection is per KV head (`per_head = True`: each KV head keeps its own
+  `budget` tokens, as H2O and SnapKV do) or per layer (`per_head = False`: all
+  heads keep the same tokens).  Grouped-query heads: the attention of the
+  query heads of one group is *averaged* onto their KV head.
+* Attention weights, for the strategies that need them, are computed inside
+  the cache layer, never by switching the model to eager attention: the engine
+  hands each layer its attention input (`capture`), `QueryProjector` rebuilds
+  the queries from it (q_proj, q_norm where the family has one, RoPE at the
+  original positions, as `replay.KVProjector` does for keys), and
+  `softmax(q K^T * module.scaling + causal mask)` is taken in fp32 over the
+  candidates, with Gemma 2's logit soft-capping (`tanh(x / cap) * cap`) where
+  the module has one.
+* Sliding-window layers (Gemma 2/3, Mistral) are left exactly as the full
+  cache keeps them.
+
+Bytes (persistent, per global layer): `min(seen, budget)` tokens of K/V, plus
+per kept token and per selection row (a KV head, or the layer) its int32
+position and each fp32 score buffer of the strategy (H2O's accumulated
+attention).  Transient: when a step evicts, the candidate K/V, positions and
+buffers handed over and dropped after it.  The scoring scratch (rebuilt
+queries and their fp32 attention probabilities) is not counted, like the
+attention's own workspace.
+
+Eviction layers are not comparable with the full cache in K/V, so they and
+the sliding layers of an eviction cache do not compare (`kv_exact` is None).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+import torch
+from torch import nn
+
+from .. import compat
+from ..compat import CacheLayerMixin
+from ..geometry import ModelGeometry
+from .base import MeasuredLayer, SlidingLayer, Strategy, StrategyCache, storage_bytes, window_layer_bytes, window_layer_transient
+
+POSITION_DTYPE = torch.int32
+POSITION_BYTES = 4
+BUFFER_DTYPE = torch.float32
+BUFFER_BYTES = 4
+
+
+class QueryProjector:
+    """Rebuilds the queries of one attention layer from its attention input, as the model computes them.
+
+    Parameters
+    ----------
+    model : the causal LM (its modules are used read-only).
+    spec : the layer's `compat.LayerSpec`.
+    """
+
+    def __init__(self, model: nn.Module, spec: compat.LayerSpec):
+        attn = compat.attention_module(compat.decoder_layers(model)[spec.index])
+        if not isinstance(getattr(attn, "q_proj", None), nn.Linear):
+            raise ValueError(f"{type(attn).__name__} has no nn.Linear `q_proj`; attention-scored eviction needs one")
+        self.q_proj: nn.Linear = attn.q_proj
+        self.head_dim: int = attn.head_dim
+        self.num_heads: int = attn.q_proj.out_features // attn.head_dim
+        self.scaling: float = attn.scaling
+        self.softcap: float | None = getattr(attn, "attn_logit_softcapping", None)
+        self.q_norm: nn.Module | None = getattr(attn, "q_norm", None)
+        # OLMo 2 normalises the whole projection before splitting heads; Qwen 3 and Gemma 3 per head.
+        self.q_norm_full_width = self.q_norm is not None and self.q_norm.weight.numel() == self.q_proj.out_features
+        self.rope = compat.rope_function(attn)
+        self.rotary = compat.rotary_for_layer(model, spec.layer_type)
+
+    def queries(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x (1, n, d): attention inputs of tokens at positions start..start+n-1 -> queries (1, H, n, d_h)."""
+        q = self.q_proj(x)
+        if self.q_norm is not None and self.q_norm_full_width:
+            q = self.q_norm(q)
+        q = q.view(*x.shape[:-1], -1, self.head_dim)
+        if self.q_norm is not None and not self.q_norm_full_width:
+            q = self.q_norm(q)
+        q = q.transpose(1, 2)
+        if self.rope is not None and self.rotary is not None:
+            positions = torch.arange(start, start + x.shape[1], device=x.device).unsqueeze(0)
+            cos, sin = self.rotary(q, positions)
+            q, _ = self.rope(q, q, cos, sin)
+        return q
+
+
+def attention_probs(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
+                    key_positions: torch.Tensor, scaling: float, softcap: float | None = None) -> torch.Tensor:
+    """Causal attention probabilities in fp32, query heads grouped onto their KV head.
+
+    queries (1, H, n, d_h), keys (1, n_kv, T, d_h), query_positions (n,),
+    key_positions (1, G, T) with G 1 or n_kv.  Returns (1, n_kv, H // n_kv, n, T).
+    """
+    _, heads, n, d_h = queries.shape
+    n_kv = keys.shape[1]
+    q = queries.float().view(1, n_kv, heads // n_kv, n, d_h)
+    logits = torch.einsum("bkgnd,bktd->bkgnt", q, keys.float()) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    visible = key_positions.long()[:, :, None, None, :] <= query_positions.long()[None, None, None, :, None]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def keep_top(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """Indices (1, G, budget), ascending, of the `budget` highest scores per row; ties keep the newer token.
+
+    scores (1, G, T) over candidates in position order (oldest first).
+    """
+    newest_first = scores.flip(-1)
+    order = torch.sort(newest_first, dim=-1, descending=True, stable=True).indices[..., :budget]
+    return (scores.shape[-1] - 1 - order).sort(dim=-1).values
+
+
+@dataclass
+class Step:
+    """What `score()` sees of one forward on one layer.
+
+    positions : (1, G, T) original positions of the candidates (stored, then new), oldest first.
+    seen : tokens seen after this step; the step's queries sit at positions seen - q .. seen - 1.
+    q : new tokens in this step (a prefill chunk, or 1 when decoding).
+    prefill : whether this is the first forward of a turn.
+    evicts : whether candidates exceed the budget (some will be dropped).
+    buffers : the strategy's per-token score buffers (1, G, T); new tokens start at 0.  Write the
+        updated buffers back here; they are kept along with their tokens.
+    state : per-layer values the strategy keeps between steps (plain Python numbers).
+    """
+
+    positions: torch.Tensor
+    seen: int
+    q: int
+    budget: int
+    prefill: bool
+    evicts: bool
+    buffers: dict[str, torch.Tensor]
+    state: dict
+    _attend: Callable[[int], torch.Tensor] | None = field(default=None, repr=False)
+
+    def attention(self, n: int) -> torch.Tensor:
+        """Probabilities (1, n_kv, groups, n, T) of the step's last `n` queries over the candidates."""
+        if self._attend is None:
+            raise RuntimeError("this strategy does not capture attention inputs (needs_attention = False)")
+        return self._attend(n)
+
+
+class UncomparedSlidingLayer(SlidingLayer):
+    """A sliding-window layer kept exactly as the full cache keeps it, in a cache that is not comparable."""
+
+    def compare(self, keys, values):
+        return
+
+
+class ScoredLayer(MeasuredLayer, CacheLayerMixin):
+    """A global-attention layer holding at most `budget` tokens, chosen by the strategy's `score()`.
+
+    Without `capture`, the engine hands it no attention input: the strategy scores without attention.
+    """
+
+    is_sliding = False
+
+    def __init__(self, strategy: "Scored", projector: QueryProjector | None):
+        super().__init__()
+        self.strategy = strategy
+        self.projector = projector  # shared with the model, never copied (see StrategyCache.fork)
+        self.positions: torch.Tensor | None = None  # (1, G, stored) int32
+        self.buffers: dict[str, torch.Tensor] = {}  # name -> (1, G, stored) fp32
+        self.state: dict = {}
+        self.seen = 0
+        self.prefill = True
+        self.pending: torch.Tensor | None = None
+        self.init_measures()
+
+    def lazy_initialization(self, key_states, value_states):
+        self.device = key_states.device
+        _, n_kv, _, d_h = key_states.shape
+        rows = n_kv if self.strategy.per_head else 1
+        self.keys = key_states.new_zeros(1, n_kv, 0, d_h)
+        self.values = value_states.new_zeros(1, n_kv, 0, value_states.shape[-1])
+        self.positions = torch.zeros(1, rows, 0, dtype=POSITION_DTYPE, device=self.device)
+        self.buffers = {name: torch.zeros(1, rows, 0, dtype=BUFFER_DTYPE, device=self.device)
+                        for name in self.strategy.token_buffers}
+        self.is_initialized = True
+
+    def _attend(self, keys: torch.Tensor, positions: torch.Tensor, x: torch.Tensor | None):
+        def attend(n: int) -> torch.Tensor:
+            if x is None:
+                raise RuntimeError(f"{self.strategy.name}: the attention input was not handed over; "
+                                   "run the model through engine.InputTap")
+            start = self.seen - n
+            queries = self.projector.queries(x[:, -n:], start)
+            query_positions = torch.arange(start, self.seen, device=keys.device)
+            return attention_probs(queries, keys, query_positions, positions, self.projector.scaling,
+                                   self.projector.softcap)
+
+        return attend
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        t0 = time.perf_counter()
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        x, self.pending = self.pending, None
+        q = key_states.shape[-2]
+        rows = self.positions.shape[1]
+        keys = torch.cat([self.keys, key_states], dim=-2)
+        values = torch.cat([self.values, value_states], dim=-2)
+        new_positions = torch.arange(self.seen, self.seen + q, dtype=POSITION_DTYPE, device=self.device)
+        positions = torch.cat([self.positions, new_positions.expand(1, rows, q)], dim=-1)
+        buffers = {name: torch.cat([buf, buf.new_zeros(1, rows, q)], dim=-1) for name, buf in self.buffers.items()}
+        self.seen += q
+        evicts = keys.shape[-2] > self.strategy.budget
+        step = Step(positions, self.seen, q, self.strategy.budget, self.prefill, evicts, buffers, self.state,
+                    self._attend(keys, positions, x) if self.projector is not None else None)
+        t1 = time.perf_counter()
+        scores = self.strategy.score(step)
+        scoring_s = time.perf_counter() - t1
+        self.prefill = False
+        if evicts:
+            keep = keep_top(scores, self.strategy.budget)  # (1, G, budget)
+            kv_index = keep.unsqueeze(-1).expand(1, keys.shape[1], -1, keys.shape[-1])
+            self.keys, self.values = keys.gather(2, kv_index), values.gather(2, kv_index)
+            self.positions = positions.gather(2, keep)
+            self.buffers = {name: buf.gather(2, keep) for name, buf in step.buffers.items()}
+            self.transient = storage_bytes(keys, values, positions, *step.buffers.values())
+        else:
+            self.keys, self.values, self.positions, self.buffers = keys, values, positions, step.buffers
+            self.transient = 0
+        self.scoring_s += scoring_s
+        self.cache_update_s += time.perf_counter() - t0 - scoring_s
+        return keys, values
+
+    def compare(self, keys, values):
+        return
+
+    def end_turn(self):
+        self.prefill = True
+
+    def token_states(self) -> list[str]:
+        """"kv" for a token some KV head still holds, "evicted" otherwise."""
+        kept = set() if self.positions is None else set(self.positions.flatten().tolist())
+        return ["kv" if t in kept else "evicted" for t in range(self.seen)]
+
+    def state_bytes(self) -> int:
+        return storage_bytes(self.keys, self.values, self.positions, *self.buffers.values())
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        stored = 0 if self.keys is None else self.keys.shape[-2]
+        return stored + query_length, self.seen - stored
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class AttentionScoredLayer(ScoredLayer):
+    """A scored layer whose strategy needs attention weights: the engine hands it the attention input."""
+
+    def capture(self, x: torch.Tensor):
+        """Receives the attention input (1, q, d) of this forward, just before `update`."""
+        self.pending = x
+
+
+@dataclass
+class Scored(Strategy):
+    """Base of the eviction strategies: `budget` tokens kept per global layer, chosen by `score()`.
+
+    Subclasses set `name`, `per_head`, `needs_attention`, `token_buffers` and
+    write `score(step) -> (1, G, T)` scores (higher is kept; `inf` protects).
+    """
+
+    budget: int = 64
+
+    exact = False
+    per_head: ClassVar[bool] = False  # one selection per KV head (True) or per layer (False)
+    needs_attention: ClassVar[bool] = False  # score() calls step.attention()
+    token_buffers: ClassVar[tuple[str, ...]] = ()  # fp32 per-token buffers kept with their tokens
+
+    def __post_init__(self):
+        self.check_min(self.name, "budget", self.budget, 1)
+
+    def score(self, step: Step) -> torch.Tensor | None:
+        """Scores (1, G, T) of the candidates, higher kept; may return None when `step.evicts` is False."""
+        raise NotImplementedError
+
+    # --- the cache -----------------------------------------------------------
+    def global_layer(self, projector: QueryProjector | None = None) -> ScoredLayer:
+        if self.needs_attention:
+            return AttentionScoredLayer(self, projector)
+        return ScoredLayer(self, None)
+
+    def build_cache(self, model) -> StrategyCache:
+        layers = []
+        for spec in compat.layer_specs(model.config):
+            if spec.is_sliding:
+                layers.append(UncomparedSlidingLayer(spec.sliding_window))
+            else:
+                layers.append(self.global_layer(QueryProjector(model, spec) if self.needs_attention else None))
+        return StrategyCache(self, layers)
+
+    # --- bytes ---------------------------------------------------------------
+    def _token_bytes(self, layer) -> int:
+        """Bytes one kept token costs on a global layer: K/V, its position and buffers per selection row."""
+        rows = layer.num_kv_heads if self.per_head else 1
+        return layer.kv_bytes_per_token + rows * (POSITION_BYTES + BUFFER_BYTES * len(self.token_buffers))
+
+    def formula_persistent(self, geom: ModelGeometry, seen: int) -> int:
+        total = 0
+        for layer in geom.layers:
+            if layer.is_sliding:
+                total += window_layer_bytes(geom, layer.index, seen)
+            else:
+                total += min(seen, self.budget) * self._token_bytes(layer)
+        return total
+
+    def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False) -> int:
+        worst = 0
+        for layer in geom.layers:
+            if layer.is_sliding:
+                worst = max(worst, window_layer_transient(geom, layer.index, seen_before, q))
+                continue
+            candidates = min(seen_before, self.budget) + q
+            if candidates > self.budget:
+                worst = max(worst, candidates * self._token_bytes(layer))
+        return worst
