@@ -60,6 +60,47 @@ def rows_kernel_is_exact(linear: nn.Linear, n_rows: int = 256) -> bool:
         return torch.equal(_linear_rows_batched(linear, rows), _linear_rows_loop(linear, rows))
 
 
+class HeadProjection:
+    """One projection of an attention module, finished as the family finishes it.
+
+    `linear` output (1, T, H*d_h) -> optional RMSNorm (OLMo 2: over the whole
+    projection, before the heads are split; Qwen 3, Gemma 3: per head) ->
+    (1, H, T, d_h) -> RoPE at the given positions (when `rope` is given).
+    Shared by K/V rebuilding and the eviction strategies' query rebuilding.
+    """
+
+    def __init__(self, model: nn.Module, spec: compat.LayerSpec, name: str, norm: str | None, rotate: bool):
+        attn = compat.attention_module(compat.decoder_layers(model)[spec.index])
+        linear = getattr(attn, name, None)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"{type(attn).__name__} has no nn.Linear `{name}`; this needs separate q/k/v "
+                             "projections (llama, mistral, qwen2/3, gemma2/3, olmo2 families)")
+        self.linear: nn.Linear = linear
+        self.head_dim: int = attn.head_dim
+        self.num_heads: int = linear.out_features // attn.head_dim
+        self.norm: nn.Module | None = getattr(attn, norm, None) if norm else None
+        self.norm_full_width = self.norm is not None and self.norm.weight.numel() == linear.out_features
+        self.rope = compat.rope_function(attn) if rotate else None
+        self.rotary = compat.rotary_for_layer(model, spec.layer_type) if rotate else None
+
+    def finish(self, y: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.norm is not None and self.norm_full_width:
+            y = self.norm(y)
+        y = y.view(*y.shape[:-1], -1, self.head_dim)
+        if self.norm is not None and not self.norm_full_width:
+            y = self.norm(y)
+        y = y.transpose(1, 2)
+        if self.rope is not None and self.rotary is not None:
+            cos, sin = self.rotary(y, position_ids)
+            _, y = self.rope(y, y, cos, sin)
+        return y
+
+    def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x (1, T, d) at positions start..start+T-1 -> (1, H, T, d_h), as one GEMM."""
+        positions = torch.arange(start, start + x.shape[1], device=x.device).unsqueeze(0)
+        return self.finish(self.linear(x), positions)
+
+
 class KVProjector:
     """Rebuilds K/V of one attention layer from its attention inputs.
 
@@ -70,64 +111,33 @@ class KVProjector:
     """
 
     def __init__(self, model: nn.Module, spec: compat.LayerSpec):
-        attn = compat.attention_module(compat.decoder_layers(model)[spec.index])
-        for name in ("k_proj", "v_proj"):
-            if not isinstance(getattr(attn, name, None), nn.Linear):
-                raise ValueError(
-                    f"{type(attn).__name__} has no nn.Linear `{name}`; residual strategies need separate "
-                    "k/v projections (llama, mistral, qwen2/3, gemma2/3, olmo2 families)"
-                )
         self.spec = spec
-        self.k_proj: nn.Linear = attn.k_proj
-        self.v_proj: nn.Linear = attn.v_proj
-        self.head_dim: int = attn.head_dim
-        self.num_kv_heads: int = attn.k_proj.out_features // attn.head_dim
-        self.k_norm: nn.Module | None = getattr(attn, "k_norm", None)
-        # OLMo 2 normalises the whole projection before splitting heads; Qwen 3 and Gemma 3 per head.
-        self.k_norm_full_width = (
-            self.k_norm is not None and self.k_norm.weight.numel() == self.k_proj.out_features
-        )
-        self.rope = compat.rope_function(attn)
-        self.rotary = compat.rotary_for_layer(model, spec.layer_type)
+        self.key = HeadProjection(model, spec, "k_proj", norm="k_norm", rotate=True)
+        self.value = HeadProjection(model, spec, "v_proj", norm=None, rotate=False)
         self._rows_exact: bool | None = None
 
     @property
     def rows_batched(self) -> bool:
         """True when the batched row kernel was checked bit-equal here (checked once, lazily)."""
         if self._rows_exact is None:
-            self._rows_exact = rows_kernel_is_exact(self.k_proj) and rows_kernel_is_exact(self.v_proj)
+            self._rows_exact = rows_kernel_is_exact(self.key.linear) and rows_kernel_is_exact(self.value.linear)
         return self._rows_exact
-
-    def _finish(self, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor):
-        """k, v (1, T, n_kv*d_h) straight from the projections -> (1, n_kv, T, d_h) as the cache holds them."""
-        shape = (*k.shape[:-1], -1, self.head_dim)
-        if self.k_norm is not None and self.k_norm_full_width:
-            k = self.k_norm(k)
-        k = k.view(shape)
-        if self.k_norm is not None and not self.k_norm_full_width:
-            k = self.k_norm(k)
-        k = k.transpose(1, 2)
-        v = v.view(shape).transpose(1, 2)
-        if self.rope is not None and self.rotary is not None:
-            cos, sin = self.rotary(v, position_ids)
-            _, k = self.rope(k, k, cos, sin)
-        return k, v
 
     def project(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x (1, T, d): attention inputs of tokens at positions start..start+T-1, as one GEMM.
 
         Returns K, V of shape (1, n_kv, T, d_h).
         """
-        positions = torch.arange(start, start + x.shape[1], device=x.device).unsqueeze(0)
-        return self._finish(self.k_proj(x), self.v_proj(x), positions)
+        return self.key(x, start), self.value(x, start)
 
     def project_rows(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (1, N, d): N single-token inputs at `positions` (N,), each row its own GEMM as in decoding."""
         rows = x[0]
         linear_rows = _linear_rows_batched if self.rows_batched else _linear_rows_loop
-        k = linear_rows(self.k_proj, rows).unsqueeze(0)
-        v = linear_rows(self.v_proj, rows).unsqueeze(0)
-        return self._finish(k, v, positions.view(1, -1))
+        position_ids = positions.view(1, -1)
+        k = self.key.finish(linear_rows(self.key.linear, rows).unsqueeze(0), position_ids)
+        v = self.value.finish(linear_rows(self.value.linear, rows).unsqueeze(0), position_ids)
+        return k, v
 
 
 class _ReplayStop(Exception):

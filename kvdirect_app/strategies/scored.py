@@ -60,6 +60,7 @@ from torch import nn
 from .. import compat
 from ..compat import CacheLayerMixin
 from ..geometry import ModelGeometry
+from ..replay import HeadProjection
 from .base import MeasuredLayer, SlidingLayer, Strategy, StrategyCache, storage_bytes, window_layer_bytes, window_layer_transient
 
 POSITION_DTYPE = torch.int32
@@ -69,43 +70,20 @@ BUFFER_BYTES = 4
 
 
 class QueryProjector:
-    """Rebuilds the queries of one attention layer from its attention input, as the model computes them.
-
-    Parameters
-    ----------
-    model : the causal LM (its modules are used read-only).
-    spec : the layer's `compat.LayerSpec`.
+    """Rebuilds the queries of one attention layer from its attention input, as the model computes them
+    (`replay.HeadProjection`: q_proj, q_norm where the family has one, RoPE), with the module's scaling and
+    logit soft-capping.
     """
 
     def __init__(self, model: nn.Module, spec: compat.LayerSpec):
         attn = compat.attention_module(compat.decoder_layers(model)[spec.index])
-        if not isinstance(getattr(attn, "q_proj", None), nn.Linear):
-            raise ValueError(f"{type(attn).__name__} has no nn.Linear `q_proj`; attention-scored eviction needs one")
-        self.q_proj: nn.Linear = attn.q_proj
-        self.head_dim: int = attn.head_dim
-        self.num_heads: int = attn.q_proj.out_features // attn.head_dim
+        self.query = HeadProjection(model, spec, "q_proj", norm="q_norm", rotate=True)
         self.scaling: float = attn.scaling
         self.softcap: float | None = getattr(attn, "attn_logit_softcapping", None)
-        self.q_norm: nn.Module | None = getattr(attn, "q_norm", None)
-        # OLMo 2 normalises the whole projection before splitting heads; Qwen 3 and Gemma 3 per head.
-        self.q_norm_full_width = self.q_norm is not None and self.q_norm.weight.numel() == self.q_proj.out_features
-        self.rope = compat.rope_function(attn)
-        self.rotary = compat.rotary_for_layer(model, spec.layer_type)
 
     def queries(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x (1, n, d): attention inputs of tokens at positions start..start+n-1 -> queries (1, H, n, d_h)."""
-        q = self.q_proj(x)
-        if self.q_norm is not None and self.q_norm_full_width:
-            q = self.q_norm(q)
-        q = q.view(*x.shape[:-1], -1, self.head_dim)
-        if self.q_norm is not None and not self.q_norm_full_width:
-            q = self.q_norm(q)
-        q = q.transpose(1, 2)
-        if self.rope is not None and self.rotary is not None:
-            positions = torch.arange(start, start + x.shape[1], device=x.device).unsqueeze(0)
-            cos, sin = self.rotary(q, positions)
-            q, _ = self.rope(q, q, cos, sin)
-        return q
+        return self.query(x, start)
 
 
 def attention_probs(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
