@@ -73,7 +73,7 @@ def _fmt(x, spec=".3g") -> str:
 
 def table(result: dict) -> str:
     cols = ["strategy", "tokens", "match", "1st div", "TF agree", "KL", "K/V exact", "max|dK|", "max|dV|",
-            "max|dlogit|", "persistent", "peak", "formula peak", "TTFT ms", "ms/step", "recomp ms", "score ms",
+            "max|dlogit|", "between turns", "persistent", "peak", "formula peak", "TTFT ms", "ms/step", "recomp ms", "score ms",
             "tok/s"]
     rows = []
     for spec, r in result["strategies"].items():
@@ -82,7 +82,8 @@ def table(result: dict) -> str:
             spec, str(len(r["token_ids"])), _fmt(r["token_match"], ".3f"), _fmt(r["first_divergence"], "d"),
             _fmt(r["teacher_forced_agreement"], ".3f"), _fmt(r["kl_mean"], ".2e"), _fmt(r["kv_exact"]),
             _fmt(r["max_abs_dk"], ".1e"), _fmt(r["max_abs_dv"], ".1e"), _fmt(r["max_abs_dlogit"], ".1e"),
-            _fmt_bytes(r["state_bytes"]["persistent_peak"]), _fmt_bytes(r["state_bytes"]["peak"]),
+            _fmt_bytes(r["state_bytes"]["between_turns_peak"]), _fmt_bytes(r["state_bytes"]["persistent_peak"]),
+            _fmt_bytes(r["state_bytes"]["peak"]),
             _fmt_bytes(r["state_bytes"]["formula_peak"]), _fmt(lat["ttft_ms"], ".1f"),
             _fmt(lat["decode_total_ms_mean"], ".2f"), _fmt(lat["decode_recompute_ms_mean"], ".2f"),
             _fmt(lat["decode_scoring_ms_mean"], ".2f"), _fmt(r["tokens_per_s"], ".1f"),

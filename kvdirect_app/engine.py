@@ -152,6 +152,8 @@ class Lane:
     peak: int = 0
     formula_persistent_peak: int = 0
     formula_peak: int = 0
+    between_turns_peak: int = 0  # held after a turn ends, before the next one
+    formula_between_turns_peak: int = 0
     bytes_mismatch: list = field(default_factory=list)  # (seen, measured, formula) where they disagree
     kv: dict = field(default_factory=dict)  # kv report frozen from the identical-history cache
     history: list[int] = field(default_factory=list)  # every id fed to the free run, in order
@@ -364,6 +366,13 @@ class Engine:
             lane.cache.end_turn()
             if lane.tf_cache is not None:
                 lane.tf_cache.end_turn()
+            seen = lane.cache.get_seq_length()
+            measured = lane.cache.persistent_bytes()
+            formula = lane.strategy.formula_between_turns(self.geometry, seen)
+            if measured != formula:
+                lane.bytes_mismatch.append(("between turns", seen, measured, formula))
+            lane.between_turns_peak = max(lane.between_turns_peak, measured)
+            lane.formula_between_turns_peak = max(lane.formula_between_turns_peak, formula)
         yield {"type": "turn_end", "turn": k, "texts": {lane.label: lane.texts[k] for lane in [ref, *lanes]}}
 
     def _choose(self, lane: Lane, index: int) -> int:
@@ -450,6 +459,8 @@ class Engine:
                 "peak": lane.peak,
                 "formula_persistent_peak": lane.formula_persistent_peak,
                 "formula_peak": lane.formula_peak,
+                "between_turns_peak": lane.between_turns_peak,
+                "formula_between_turns_peak": lane.formula_between_turns_peak,
                 "final_persistent": lane.cache.persistent_bytes(),
                 "formula_matches_measurement": not lane.bytes_mismatch,
             },

@@ -84,13 +84,15 @@ def _fmt_row(cells: list[str], widths: list[int]) -> str:
 def table(rows: list[dict]) -> str:
     from .bench import _fmt, _fmt_bytes
 
-    cols = ["strategy", "budget", "match", "1st div", "TF agree", "KL", "persistent", "peak", "formula=meas"]
+    cols = ["strategy", "budget", "match", "1st div", "TF agree", "KL", "between turns", "persistent", "peak",
+            "formula=meas"]
     body = []
     for r in rows:
         sb = r["state_bytes"]
         body.append([r["strategy"], str(r["budget"]), _fmt(r["token_match"], ".3f"), _fmt(r["first_divergence"], "d"),
                      _fmt(r["teacher_forced_agreement"], ".3f"), _fmt(r["kl_mean"], ".2e"),
-                     _fmt_bytes(sb["persistent_peak"]), _fmt_bytes(sb["peak"]), _fmt(sb["formula_matches_measurement"])])
+                     _fmt_bytes(sb["between_turns_peak"]), _fmt_bytes(sb["persistent_peak"]), _fmt_bytes(sb["peak"]),
+                     _fmt(sb["formula_matches_measurement"])])
     widths = [max(len(c), *(len(row[i]) for row in body)) for i, c in enumerate(cols)]
     return "\n".join([_fmt_row(cols, widths), _fmt_row(["-" * w for w in widths], widths),
                       *(_fmt_row(row, widths) for row in body)])

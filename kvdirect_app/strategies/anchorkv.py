@@ -245,13 +245,16 @@ class AnchorKV(Strategy):
         anchors = self.anchor_layers(geom)
         return geom.anchor_bytes_per_token(anchors, self.token_id_anchor)
 
-    def formula_persistent(self, geom: ModelGeometry, seen: int, parked: bool = False) -> int:
+    def formula_between_turns(self, geom: ModelGeometry, seen: int) -> int:
+        return self.formula_persistent(geom, seen, ended=True)
+
+    def formula_persistent(self, geom: ModelGeometry, seen: int, parked: bool = False, ended: bool = False) -> int:
         total = seen * self.store_bytes_per_token(geom)
         for layer in geom.layers:
             if layer.is_sliding:
                 total += window_layer_bytes(geom, layer.index, seen)
             elif not parked:
-                total += rebuilding_persistent(geom, layer, seen, self.budget, self.rebuild)
+                total += rebuilding_persistent(geom, layer, seen, self.budget, "step" if ended else self.rebuild)
         return total
 
     def formula_parked(self, geom: ModelGeometry, seen: int) -> int:

@@ -301,6 +301,10 @@ class Strategy:
         """Largest transient buffer of any layer during a step of `q` tokens after `seen_before`."""
         raise NotImplementedError
 
+    def formula_between_turns(self, geom: ModelGeometry, seen: int) -> int:
+        """Bytes held after a turn has ended (what a live session keeps while it waits for the user)."""
+        return self.formula_persistent(geom, seen)
+
     def formula_parked(self, geom: ModelGeometry, seen: int) -> int:
         """Bytes held after `park()`; strategies that drop nothing hold what they always hold."""
         return self.formula_persistent(geom, seen)

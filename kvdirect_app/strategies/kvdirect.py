@@ -117,7 +117,10 @@ class KVDirect(Strategy):
                 layers.append(ResidualLayer(KVProjector(model, spec), self.budget, self.mode, self.rebuild))
         return StrategyCache(self, layers)
 
-    def formula_persistent(self, geom: ModelGeometry, seen: int, parked: bool = False) -> int:
+    def formula_between_turns(self, geom: ModelGeometry, seen: int) -> int:
+        return self.formula_persistent(geom, seen, ended=True)
+
+    def formula_persistent(self, geom: ModelGeometry, seen: int, parked: bool = False, ended: bool = False) -> int:
         total = 0
         for layer in geom.layers:
             if layer.is_sliding:
@@ -125,7 +128,7 @@ class KVDirect(Strategy):
             else:
                 total += seen * layer.residual_bytes_per_token
                 if not parked:
-                    total += rebuilding_persistent(geom, layer, seen, self.budget, self.rebuild)
+                    total += rebuilding_persistent(geom, layer, seen, self.budget, "step" if ended else self.rebuild)
         return total
 
     def formula_parked(self, geom: ModelGeometry, seen: int) -> int:
