@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install browser bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ install: $(STAMP)
 demo: install
 	$(BIN)/python app.py
 
-test: install
+# Debian's Chromium for the browser tests (Playwright drives /usr/bin/chromium; it never downloads a browser).
+browser:
+	@test -x /usr/bin/chromium || { apt-get update && apt-get install -y --no-install-recommends chromium; }
+
+test: install browser
 	$(BIN)/python -m pytest
 
 bench: install

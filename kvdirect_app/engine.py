@@ -33,14 +33,19 @@ class InputError(ValueError):
     """Bad input to a run (empty prompt, prompt longer than the context...)."""
 
 
-_MODEL_LOCKS: dict[int, threading.RLock] = {}
+_MODEL_LOCKS: dict[int, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
 
 
-def model_lock(model: torch.nn.Module) -> threading.RLock:
-    """One generation at a time per model object (hooks are per model)."""
+def model_lock(model: torch.nn.Module) -> threading.Lock:
+    """One generation at a time per model object (hooks are per model).
+
+    A plain Lock, not an RLock: a turn is a generator that a web server may
+    advance from different worker threads, so the thread that releases the
+    lock need not be the one that took it.
+    """
     with _LOCKS_GUARD:
-        return _MODEL_LOCKS.setdefault(id(model), threading.RLock())
+        return _MODEL_LOCKS.setdefault(id(model), threading.Lock())
 
 
 class InputTap:
@@ -183,6 +188,9 @@ class Engine:
         self.parked = False
 
     # --- one forward ---------------------------------------------------------
+    # Inference mode is entered per call, not around a turn: it is per thread, and a turn's generator may be
+    # advanced from different threads.
+    @torch.inference_mode()
     def _forward(self, lane: Lane, cache: StrategyCache, ids: list[int], tap: InputTap, timed: bool,
                  turn_start: bool) -> torch.Tensor:
         tap.target(cache)
@@ -244,17 +252,16 @@ class Engine:
             torch.set_num_threads(self.threads)
             tap = InputTap(self.model, self.loaded.device)
             try:
-                with torch.inference_mode():
-                    if k == 0:
-                        for lane in self.lanes:
-                            lane.cache.compare_with(self.reference.cache)
-                        yield {"type": "start", "strategies": self.show, "prompt_ids": self.prompt_ids,
-                               "threads": self.threads}
-                    if self.parked:
-                        self._resume(tap)
-                        yield {"type": "resume", "lanes": {lane.label: lane.parks[-1]
-                                                           for lane in [self.reference, *self.lanes]}}
-                    yield from self._turn(k, text, tap)
+                if k == 0:
+                    for lane in self.lanes:
+                        lane.cache.compare_with(self.reference.cache)
+                    yield {"type": "start", "strategies": self.show, "reference": self.reference.label,
+                           "prompt_ids": self.prompt_ids, "threads": self.threads}
+                if self.parked:
+                    self._resume(tap)
+                    yield {"type": "resume", "lanes": {lane.label: lane.parks[-1]
+                                                       for lane in [self.reference, *self.lanes]}}
+                yield from self._turn(k, text, tap)
             finally:
                 tap.close()
                 torch.set_num_threads(previous_threads)
@@ -290,7 +297,7 @@ class Engine:
 
     def resume(self) -> dict:
         """Rebuild every parked cache now (`turn()` does this itself when needed); returns a "resume" event."""
-        with model_lock(self.model), torch.inference_mode():
+        with model_lock(self.model):
             tap = InputTap(self.model, self.loaded.device)
             try:
                 self._resume(tap)
@@ -298,6 +305,7 @@ class Engine:
                 tap.close()
         return {"type": "resume", "lanes": {lane.label: lane.parks[-1] for lane in [self.reference, *self.lanes]}}
 
+    @torch.inference_mode()
     def _resume(self, tap: InputTap):
         for lane in [self.reference, *self.lanes]:
             for cache in (lane.cache, lane.tf_cache):
@@ -387,6 +395,7 @@ class Engine:
             lane.active, lane.pending = False, token
         return token
 
+    @torch.inference_mode()
     def _teacher_forced(self, lane: Lane, index: int, ref_token: int | None, ref_logits: torch.Tensor | None):
         """Compare this step's teacher-forced logits with the reference; fork at the first divergence."""
         if not lane.diverged:
@@ -395,8 +404,8 @@ class Engine:
                 return
             if lane_done != ref_done or int(torch.argmax(lane.logits)) != ref_token:
                 # The free run leaves the reference's history here: keep measuring on a twin fed its tokens.
-                lane.diverged = True
                 lane.tf_cache = lane.cache.fork()
+                lane.diverged = True
                 lane.tf_cache.compare_with(self.reference.cache)
                 lane.kv = lane.cache.kv_report()
                 lane.cache.compare_with(None)
@@ -411,10 +420,14 @@ class Engine:
 
     def _lane_event(self, lane: Lane, k: int) -> dict:
         last = (lane.times.decode or lane.times.prefill)[-1]
+        token = lane.tokens[k][-1]
         return {
-            "token_id": lane.tokens[k][-1],
+            "token_id": token,
+            "piece": self.loaded.tokenizer.decode([token]),
             "text": lane.texts[k],
             "active": lane.active,
+            "fed": lane.active,  # the last token of a turn is not fed; its latency is the previous step's
+            "prefill_ms": 1e3 * lane.times.prefill[-1]["total"],
             "seen": lane.cache.get_seq_length(),
             "persistent_bytes": lane.cache.persistent_bytes(),
             "peak_bytes": lane.cache.persistent_bytes() + lane.cache.transient_bytes(),

@@ -1,0 +1,35 @@
+"""Downloads: the run as JSON and CSV (pandas), the plots as one HTML file."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+from .plots import all_figures
+from .session import Session
+
+
+def write_exports(session: Session) -> dict[str, str]:
+    """Write the session's run into its own folder; returns {kind: path}."""
+    if session.workdir is None:
+        session.workdir = tempfile.mkdtemp(prefix="kvdirect-studio-")
+    folder = Path(session.workdir)
+    paths = {kind: folder / name for kind, name in
+             (("json", "kvdirect-run.json"), ("steps", "kvdirect-steps.csv"), ("summary", "kvdirect-summary.csv"),
+              ("plots", "kvdirect-plots.html"))}
+    run = {"user_turns": session.user_turns, "results": session.result, "steps": session.step_rows()}
+    paths["json"].write_text(json.dumps(run, indent=1))
+    pd.DataFrame(session.step_rows()).to_csv(paths["steps"], index=False)
+    strategies = (session.result or {}).get("strategies", {})
+    summary = pd.json_normalize([{"strategy": label, **r} for label, r in strategies.items()])
+    summary = summary.drop(columns=[c for c in summary.columns if c.endswith("token_ids") or c == "turn_texts"],
+                           errors="ignore")
+    summary.to_csv(paths["summary"], index=False)
+    figures = list(all_figures(session).values())
+    parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figures)]
+    paths["plots"].write_text("<!doctype html><html><head><meta charset='utf-8'><title>KV-Direct Studio plots</title>"
+                              "</head><body>" + "\n".join(parts) + "</body></html>")
+    return {kind: str(path) for kind, path in paths.items()}

@@ -1,0 +1,239 @@
+"""What the buttons do.  Generators stream dict updates {component: value} drawn from the Session.
+
+A turn runs on the session's engine; a change of settings (or a regenerate)
+builds a new engine and replays the conversation, which greedy decoding makes
+identical.  Stop sets a flag that the engine's own thread (`runner.Pump`) checks
+between steps, so the turn is always closed cleanly, on the thread that opened it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import gradio as gr
+
+from ..bench import scenarios
+from . import runner, views
+from .export import write_exports
+from .geometry_panel import break_even, geometry_html
+from .plots import agreement_figure, latency_figure, memory_figure
+from .session import Session
+from .settings import RunConfig, Settings
+
+if TYPE_CHECKING:
+    from .layout import Studio
+
+log = logging.getLogger(__name__)
+UI_EVERY_S = 0.12  # at most this often a streamed update (the first token of a turn always goes out)
+PLOTS_EVERY_S = 1.0
+
+
+class Handlers:
+    def __init__(self, studio: "Studio"):
+        self.s = studio
+
+    # --- drawing ---------------------------------------------------------------
+    def render(self, session: Session, *, busy: bool, message: str | None = None, kind: str = "info",
+               plots: bool = False, final: bool = False) -> dict:
+        a, v = self.s.actions, self.s.views
+        out = {}
+        for i, pane in enumerate(self.s.panes):
+            if i < len(session.shown):
+                label = session.shown[i]
+                out[pane.box] = gr.Column(visible=True)
+                out[pane.head] = views.pane_header(session, label)
+                out[pane.chat] = views.messages(session, label)
+            else:
+                out[pane.box] = gr.Column(visible=False)
+        for button in (a.send, a.regenerate, a.clear, a.play):
+            out[button] = gr.Button(interactive=not busy)
+        out[a.stop] = gr.Button(interactive=busy)
+        out[a.prompt] = gr.Textbox(interactive=not busy)
+        if message is not None:
+            out[v.status] = views.status(message, kind)
+        if plots:
+            out[v.memory] = memory_figure(session)
+            out[v.latency] = latency_figure(session)
+            out[v.agreement] = agreement_figure(session)
+            session.last_plot = time.monotonic()
+        if final:
+            label = session.shown[0] if session.shown else None
+            out[v.map_label] = gr.Dropdown(choices=session.shown, value=label)
+            out[v.token_map] = self._token_map_html(session, label, 0)
+            out[v.map_layer] = gr.Slider(value=0)
+            out.update(self._downloads(session))
+        return out
+
+    def _downloads(self, session: Session) -> dict:
+        v = self.s.views
+        buttons = (v.download_json, v.download_steps, v.download_summary, v.download_plots)
+        if session.result is None:
+            return {b: gr.DownloadButton(value=None, interactive=False) for b in buttons}
+        paths = write_exports(session)
+        return {b: gr.DownloadButton(value=paths[k], interactive=True)
+                for b, k in zip(buttons, ("json", "steps", "summary", "plots"))}
+
+    def _token_map_html(self, session: Session, label: str | None, layer: int) -> str:
+        if label is None or session.busy:
+            return views.token_map_html(None, "", 0)
+        try:
+            data = runner.token_map(session.engine, session.token_maps, label, int(layer))
+        except (IndexError, KeyError, StopIteration):
+            data = None
+        return views.token_map_html(data, label, int(layer))
+
+    # --- the model -------------------------------------------------------------
+    def load_model(self, **controls) -> Iterator[dict]:
+        c, v = self.s.controls, self.s.views
+        name = (controls.get("custom_model") or "").strip() or controls["model"]
+        yield {v.status: views.status(f"Loading {name} on {controls['device']} ({controls['dtype']})…", "busy")}
+        try:
+            loaded = runner.load_model(name, dtype=controls["dtype"], device=controls["device"])
+            geom = runner.geometry(loaded)
+        except runner.USER_ERRORS as e:
+            gr.Warning(str(e))
+            yield {v.status: views.status(str(e), "error")}
+            return
+        except Exception as e:  # e.g. an architecture transformers cannot build: say so, stay up
+            log.error("loading %s failed:\n%s", name, traceback.format_exc())
+            message = f"Cannot load {name}: {type(e).__name__}: {e}"
+            gr.Warning(message)
+            yield {v.status: views.status(message, "error")}
+            return
+        L = geom.num_layers
+        spacing, _ = break_even(geom)
+        yield {
+            v.geometry: geometry_html(name, geom, str(loaded.dtype).removeprefix("torch.")),
+            v.map_layer: gr.Slider(maximum=L - 1),
+            c.spacing: gr.Slider(maximum=L, value=spacing or min(4, L)),
+            v.status: views.status(f"{name} ready ({loaded.source}; {loaded.device}, {L} layers). "
+                                   "Type a message or play a scenario.", "ok"),
+        }
+
+    # --- a run -----------------------------------------------------------------
+    def _stream(self, session: Session, config: RunConfig, turns: list[str], fresh: bool,
+                note: str) -> Iterator[dict]:
+        """Play `turns` (all of them on a fresh engine, else only the new one) and stream the panes."""
+        session.busy, session.stop_requested = True, False
+        yield {**self.render(session, busy=True, message=note, kind="busy"),
+               self.s.actions.prompt: gr.Textbox(value="", interactive=False)}
+        events = None
+        t_start = time.monotonic()
+        stopped = False
+        try:
+            if fresh or session.engine is None or runner.on_zero_gpu():
+                engine = None if runner.on_zero_gpu() else runner.build_engine(config)
+                session.clear()
+                session.busy = True
+                session.config, session.engine = config, engine
+                events = runner.Pump(runner.play(config, turns, engine), lambda: session.stop_requested)
+            else:
+                events = runner.Pump(runner.play(config, turns[-1:], session.engine), lambda: session.stop_requested)
+            last = 0.0
+            for event in events:  # every event the engine produced, also those after a stop request
+                session.apply(event)
+                stopped = session.stop_requested
+                now = time.monotonic()
+                first = event["type"] == "step" and event["index"] == 0
+                if event["type"] in ("turn", "turn_end") or first or now - last >= UI_EVERY_S:
+                    plots = event["type"] == "turn_end" or now - session.last_plot >= PLOTS_EVERY_S
+                    turn = len(session.user_turns)
+                    msg = (f"Turn {turn}/{len(turns) if fresh else turn}: step {session.steps}, "
+                           f"{len(session.shown)} strategies in lockstep…")
+                    yield self.render(session, busy=True, message=msg, kind="busy", plots=plots)
+                    last = now
+        except runner.USER_ERRORS as e:
+            gr.Warning(str(e))
+            message, kind = str(e), "error"
+        except Exception as e:  # the app stays up; the message says what broke
+            log.error("run failed:\n%s", traceback.format_exc())
+            gr.Warning(f"Run failed: {type(e).__name__}: {e}")
+            message, kind = f"Run failed: {type(e).__name__}: {e}", "error"
+        else:
+            took = time.monotonic() - t_start
+            message, kind = ((f"Stopped after step {session.steps}.", "ok") if stopped else
+                             (f"Done: {len(session.user_turns)} turn(s), {session.steps} steps in {took:.1f} s.", "ok"))
+        finally:
+            # Also when Gradio closes this generator (the client went away): the turn must end and free the model.
+            if events is not None:
+                events.close()
+            session.busy = False
+        yield self._final(session, message, kind)
+
+    def _final(self, session: Session, message: str, kind: str) -> dict:
+        if session.engine is not None and session.user_turns:
+            try:
+                session.result = session.engine.results()
+            except Exception as e:  # a summary that cannot be made must not leave the page stuck
+                log.error("results failed:\n%s", traceback.format_exc())
+                session.result = None
+                message, kind = f"{message} (No summary: {type(e).__name__}: {e})", "error"
+        try:
+            return self.render(session, busy=False, message=message, kind=kind, plots=True, final=True)
+        except Exception as e:
+            log.error("drawing the final state failed:\n%s", traceback.format_exc())
+            return self.render(session, busy=False, message=f"{message} (Drawing failed: {e})", kind="error")
+
+    def _refuse(self, session: Session, message: str) -> Iterator[dict]:
+        gr.Warning(message)
+        yield {self.s.views.status: views.status(message, "error")}
+
+    def _run(self, session: Session, controls: dict, turns: list[str], raw: bool, fresh: bool | None,
+             note: Callable[[bool], str], problem: str | None = None) -> Iterator[dict]:
+        """Check, then stream `turns`; `fresh` None: rebuild only if the settings changed."""
+        if session.busy:
+            problem = "A turn is still running: wait for it or press Stop."
+        if problem:
+            yield from self._refuse(session, problem)
+            return
+        try:
+            config = Settings.from_controls(controls).run_config(raw)
+        except runner.USER_ERRORS as e:
+            yield from self._refuse(session, str(e))
+            return
+        fresh = config != session.config if fresh is None else fresh
+        yield from self._stream(session, config, turns, fresh, note(fresh))
+
+    def send(self, session: Session, prompt: str, **controls) -> Iterator[dict]:
+        earlier = len(session.user_turns)
+        note = lambda fresh: "Starting…" if not earlier else (
+            f"Settings changed: rebuilding and replaying {earlier} earlier turn(s)…" if fresh
+            else "Continuing the conversation in every pane…")
+        raw = session.config.raw if session.config else False
+        yield from self._run(session, controls, [*session.user_turns, prompt], raw, None, note,
+                             None if prompt and prompt.strip() else "Type a message first.")
+
+    def regenerate(self, session: Session, **controls) -> Iterator[dict]:
+        turns = list(session.user_turns)
+        raw = session.config.raw if session.config else False
+        yield from self._run(session, controls, turns, raw, True,
+                             lambda _: f"Rebuilding the engine and replaying {len(turns)} turn(s) (greedy: same tokens)…",
+                             None if turns else "Nothing to regenerate yet.")
+
+    def play_scenario(self, session: Session, scenario: str, **controls) -> Iterator[dict]:
+        table = scenarios()
+        chosen = table.get(scenario, {})
+        turns = list(chosen.get("turns", []))
+        yield from self._run(session, controls, turns, bool(chosen.get("raw", False)), True,
+                             lambda _: f"Playing “{scenario}”: {len(turns)} turns…",
+                             None if chosen else f"Unknown scenario {scenario!r}; choose one of {', '.join(table)}.")
+
+    def stop(self, session: Session) -> str:
+        if not session.busy:
+            return views.status("Nothing is running.", "info")
+        session.stop_requested = True
+        return views.status("Stopping after this step…", "busy")
+
+    def clear(self, session: Session) -> dict:
+        if session.busy:
+            gr.Warning("A turn is still running: press Stop first.")
+            return {self.s.views.status: views.status("A turn is still running: press Stop first.", "error")}
+        session.clear()
+        return self.render(session, busy=False, message="Cleared. Type a message to start a new conversation.",
+                           plots=True, final=True)
+
+    def token_map(self, session: Session, label: str | None, layer: int) -> str:
+        return self._token_map_html(session, label, layer)

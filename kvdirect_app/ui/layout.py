@@ -1,0 +1,206 @@
+"""The page: components grouped in small dataclasses, wired to the handlers in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import gradio as gr
+
+from ..bench import scenarios
+from ..models import DTYPES, available_devices, presets
+from . import runner
+from .handlers import Handlers
+from .plots import agreement_figure, latency_figure, memory_figure
+from .session import Session
+from .settings import DEFAULT_MODEL, any_declares, catalogue, default_names, max_panes, title
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+
+
+def asset(name: str) -> str:
+    return (ASSETS / name).read_text(encoding="utf-8")
+
+
+@dataclass
+class Pane:
+    """One strategy's column: header with live figures, and its chat."""
+
+    box: gr.Column
+    head: gr.HTML
+    chat: gr.Chatbot
+
+
+@dataclass
+class Controls:
+    """Every setting of a run; handlers receive them by these names (`Settings` fields)."""
+
+    model: gr.Dropdown
+    custom_model: gr.Textbox
+    device: gr.Dropdown
+    dtype: gr.Dropdown
+    strategies: gr.CheckboxGroup
+    extra_specs: gr.Textbox
+    budget: gr.Slider
+    spacing: gr.Slider
+    mode: gr.Radio
+    max_new_tokens: gr.Slider
+
+    def by_name(self, *names: str) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if not names or f.name in names}
+
+
+@dataclass
+class Actions:
+    prompt: gr.Textbox
+    send: gr.Button
+    stop: gr.Button
+    regenerate: gr.Button
+    clear: gr.Button
+    scenario: gr.Dropdown
+    play: gr.Button
+
+
+@dataclass
+class Views:
+    status: gr.HTML
+    memory: gr.Plot
+    latency: gr.Plot
+    agreement: gr.Plot
+    map_label: gr.Dropdown
+    map_layer: gr.Slider
+    token_map: gr.HTML
+    geometry: gr.HTML
+    download_json: gr.DownloadButton
+    download_steps: gr.DownloadButton
+    download_summary: gr.DownloadButton
+    download_plots: gr.DownloadButton
+
+
+@dataclass
+class Studio:
+    session: gr.State
+    controls: Controls
+    actions: Actions
+    views: Views
+    panes: list[Pane]
+
+    def outputs(self) -> list:
+        parts = [self.controls.spacing]
+        for group in (self.actions, self.views):
+            parts += [getattr(group, f.name) for f in fields(group) if f.name != "scenario"]
+        for pane in self.panes:
+            parts += [pane.box, pane.head, pane.chat]
+        return parts
+
+
+def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tokens: int) -> Controls:
+    names = catalogue()
+    table = presets()
+    with gr.Group():
+        preset = gr.Dropdown(list(table), value=model if model in table else DEFAULT_MODEL, label="Model (preset)")
+        custom = gr.Textbox(value="" if model in table else model, label="…or a Hub id / local path",
+                            placeholder="e.g. HuggingFaceTB/SmolLM2-360M-Instruct", info="Press Enter to load.")
+        with gr.Row():
+            device = gr.Dropdown(available_devices(), value="auto", label="Device", min_width=100)
+            dtype = gr.Dropdown(list(DTYPES), value="float32", label="dtype", min_width=100)
+    picked = gr.CheckboxGroup([(f"{title(n)} ({n})", n) for n in names], value=strategies or default_names(),
+                              label="Strategies (one pane each)")
+    with gr.Group():
+        budget_s = gr.Slider(1, 512, value=budget, step=1, label="Budget (tokens of K/V kept)")
+        spacing = gr.Slider(1, 64, value=4, step=1, label="AnchorKV spacing s (layers)",
+                            visible=any_declares("spacing"))
+        mode = gr.Radio(["exact", "fast"], value="exact", label="Recompute mode",
+                        info="exact: bit-equal K/V; fast: one batched GEMM, error measured",
+                        visible=any_declares("mode"))
+        max_new = gr.Slider(1, 512, value=max_new_tokens, step=1, label="Max new tokens per turn")
+    with gr.Accordion("More panes (extra strategy specs)", open=False):
+        extra = gr.Textbox(label="Extra specs, comma-separated", placeholder="kvdirect:budget=16:mode=fast",
+                           info="name[:key=value]…; budget/spacing/mode above fill in what a spec leaves unset.")
+    return Controls(preset, custom, device, dtype, picked, extra, budget_s, spacing, mode, max_new)
+
+
+def _panes() -> list[Pane]:
+    panes = []
+    with gr.Row(elem_id="kvd-panes"):
+        for i in range(max_panes()):
+            with gr.Column(visible=False, min_width=340, elem_classes="kvd-pane") as box:
+                head = gr.HTML("")
+                chat = gr.Chatbot([], show_label=False, height=340, layout="panel", buttons=["copy"], elem_classes="kvd-chat",
+                                  placeholder="Replies stream here.", feedback_options=None)
+            panes.append(Pane(box, head, chat))
+    return panes
+
+
+def build_demo(model: str = DEFAULT_MODEL, strategies: list[str] | None = None, budget: int = 64,
+               max_new_tokens: int = 64) -> gr.Blocks:
+    """The Studio page.  Launch it with `launch_options()` (theme and CSS go to `launch()` in Gradio 6)."""
+    empty = Session()
+    table = scenarios()
+    with gr.Blocks(title="KV-Direct Studio", analytics_enabled=False) as demo:
+        session = gr.State(empty)
+        gr.HTML(asset("header.html"), elem_id="kvd-header")
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=1, min_width=300, elem_id="kvd-side"):
+                controls = _controls(model, strategies, budget, max_new_tokens)
+                scenario = gr.Dropdown([(f"{name} · {s.get('about', '')}", name) for name, s in table.items()],
+                                       value=next(iter(table), None), label="Scripted conversation")
+                play = gr.Button("▶ Play scenario", variant="secondary")
+            with gr.Column(scale=4, min_width=600):
+                with gr.Accordion("What am I looking at?", open=False, elem_id="kvd-about"):
+                    gr.Markdown(asset("about.md"))
+                status = gr.HTML("", elem_id="kvd-status")
+                with gr.Row(elem_id="kvd-ask"):
+                    prompt = gr.Textbox(show_label=False, placeholder="Ask something; every pane gets the same turn",
+                                        scale=6, lines=1, max_lines=6, autofocus=True, elem_id="kvd-prompt")
+                    send = gr.Button("Send", variant="primary", scale=1, min_width=90, elem_id="kvd-send")
+                    stop = gr.Button("■ Stop", variant="stop", scale=1, min_width=90, interactive=False)
+                    regenerate = gr.Button("↻ Regenerate", scale=1, min_width=120)
+                    clear = gr.Button("Clear", scale=1, min_width=80)
+                panes = _panes()
+                memory = gr.Plot(memory_figure(empty), show_label=False, elem_id="kvd-memory")
+                with gr.Row():
+                    latency = gr.Plot(latency_figure(empty), show_label=False, elem_id="kvd-latency", min_width=620)
+                    agreement = gr.Plot(agreement_figure(empty), show_label=False, elem_id="kvd-agreement",
+                                        min_width=620)
+                with gr.Tabs():
+                    with gr.Tab("Token map"):
+                        with gr.Row():
+                            map_label = gr.Dropdown([], label="Strategy", scale=3)
+                            map_layer = gr.Slider(0, 29, value=0, step=1, label="Layer", scale=2)
+                        token_map = gr.HTML(elem_id="kvd-token-map")
+                    with gr.Tab("Geometry: bytes per token"):
+                        geometry = gr.HTML(elem_id="kvd-geometry")
+                    with gr.Tab("Export"):
+                        gr.Markdown("Downloads hold the last finished (or stopped) turn's run.")
+                        with gr.Row():
+                            downloads = [gr.DownloadButton(text, interactive=False, variant="secondary")
+                                         for text in ("Run (JSON)", "Steps (CSV)", "Summary (CSV)", "Plots (HTML)")]
+        actions = Actions(prompt, send, stop, regenerate, clear, scenario, play)
+        views = Views(status, memory, latency, agreement, map_label, map_layer, token_map, geometry, *downloads)
+        studio = Studio(session, controls, actions, views, panes)
+        _wire(demo, studio, Handlers(studio))
+        gr.api(runner.compare, api_name="compare")
+    return demo
+
+
+def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
+    c, a, v = studio.controls, studio.actions, studio.views
+    out = studio.outputs()
+    model_inputs = c.by_name("model", "custom_model", "device", "dtype")
+    load = dict(fn=h.load_model, inputs_kwargs=model_inputs, outputs=out, api_visibility="private")
+    demo.load(**load)
+    for trigger in (c.model.input, c.device.input, c.dtype.input, c.custom_model.submit):
+        trigger(**load)
+    run = dict(outputs=out, concurrency_id="generate", trigger_mode="once", show_progress="hidden")
+    a.send.click(h.send, inputs=[studio.session, a.prompt], inputs_kwargs=c.by_name(), api_name="send", **run)
+    a.prompt.submit(h.send, inputs=[studio.session, a.prompt], inputs_kwargs=c.by_name(),
+                    api_visibility="private", **run)
+    a.regenerate.click(h.regenerate, inputs=[studio.session], inputs_kwargs=c.by_name(), api_name="regenerate", **run)
+    a.play.click(h.play_scenario, inputs=[studio.session, a.scenario], inputs_kwargs=c.by_name(),
+                 api_name="play_scenario", **run)
+    a.stop.click(h.stop, inputs=[studio.session], outputs=[v.status], queue=False, api_visibility="private")
+    a.clear.click(h.clear, inputs=[studio.session], outputs=out, api_visibility="private")
+    for trigger in (v.map_label.input, v.map_layer.release):
+        trigger(h.token_map, inputs=[studio.session, v.map_label, v.map_layer], outputs=[v.token_map],
+                api_visibility="private")

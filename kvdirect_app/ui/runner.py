@@ -1,0 +1,159 @@
+"""Where the UI meets the engine: building engines, playing turns, the `compare` API.
+
+On Hugging Face ZeroGPU the generation functions run in a short-lived GPU
+worker (`spaces.GPU`), so no engine outlives a call there: each call rebuilds
+the engine and replays the conversation (greedy decoding makes the replay
+identical).  Elsewhere `spaces.GPU` is not applied, or is a no-op, and a
+session keeps its engine between turns.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Callable, Iterator
+
+from ..engine import Engine, InputError, run_to_end
+from ..geometry import ModelGeometry
+from ..models import LoadedModel, ModelError, load_model
+from ..strategies import StrategyError, parse_specs
+from .settings import DEFAULT_MODEL, RunConfig, expand
+
+USER_ERRORS = (InputError, ModelError, StrategyError)
+
+
+def gpu(fn):
+    """`spaces.GPU` where the `spaces` package is importable (it does nothing off ZeroGPU), else `fn`."""
+    try:
+        import spaces
+    except ImportError:
+        return fn
+    return spaces.GPU(duration=180)(fn)
+
+
+def on_zero_gpu() -> bool:
+    return os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")
+
+
+def load(config: RunConfig) -> LoadedModel:
+    return load_model(config.model, dtype=config.dtype, device=config.device)
+
+
+def build_engine(config: RunConfig) -> Engine:
+    return Engine(load(config), parse_specs(",".join(config.specs)), max_new_tokens=config.max_new_tokens,
+                  raw=config.raw)
+
+
+def geometry(loaded: LoadedModel) -> ModelGeometry:
+    return ModelGeometry.from_config(loaded.config, loaded.dtype)
+
+
+def token_maps(engine: Engine, labels: list[str]) -> dict:
+    """Every layer's token states of every shown strategy, for sessions whose engine does not survive the call."""
+    maps = {}
+    for label in labels:
+        first = engine.token_map(label, 0)
+        layers = len(engine.lanes[0].cache.layers) if engine.lanes else len(engine.reference.cache.layers)
+        maps[label] = {"tokens": first["tokens"],
+                       "states": [first["states"]] + [engine.token_map(label, i)["states"] for i in range(1, layers)]}
+    return maps
+
+
+@gpu
+def play(config: RunConfig, turns: list[str], engine: Engine | None = None) -> Iterator[dict]:
+    """The engine's events for `turns`, then "done" with `engine.results()`.
+
+    With no engine (ZeroGPU), a fresh one is built here and the token maps
+    are sent along, because the engine ends with the call.
+    """
+    own = engine is None
+    engine = engine or build_engine(config)
+    for text in turns:
+        yield from engine.turn(text)
+    yield {"type": "done", "result": engine.results()}
+    if own:
+        yield {"type": "token_maps", "maps": token_maps(engine, engine.show)}
+
+
+class Pump:
+    """Drives an engine's event generator on one thread of its own and hands the events over a queue.
+
+    Gradio runs each step of a streaming handler on whichever worker thread is
+    free, and may drop a handler (a closed tab) without closing it.  The
+    engine copes with being advanced from any thread, but a turn holds the
+    model's lock until its generator is closed: one driver thread that asks
+    `should_stop` (the Stop button) and `abandoned` (the reader went away)
+    after every event, and always closes the generator, guarantees that the
+    lock is released and the turn ends cleanly.  Iterating the pump yields
+    every event the engine produced, then re-raises its error, if any.
+    """
+
+    def __init__(self, events: Iterator[dict], should_stop: Callable[[], bool]):
+        self.events, self.should_stop = events, should_stop
+        self.queue: queue.Queue = queue.Queue()
+        self.abandoned = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="kvdirect-engine", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            for event in self.events:
+                self.queue.put(("event", event))
+                if self.should_stop() or self.abandoned.is_set():
+                    break
+        except BaseException as e:  # handed to the reader, who reports it
+            self.queue.put(("error", e))
+        finally:
+            self.events.close()
+            self.queue.put(("end", None))
+
+    def __iter__(self) -> Iterator[dict]:
+        while True:
+            kind, item = self.queue.get()
+            if kind == "event":
+                yield item
+            elif kind == "error":
+                raise item
+            else:
+                return
+
+    def close(self):
+        """Stop after the current step, when the reader goes away early (the engine's thread ends the turn)."""
+        self.abandoned.set()
+
+
+def token_map(engine: Engine | None, maps: dict | None, label: str, layer: int) -> dict | None:
+    if maps is not None and label in maps:
+        states = maps[label]["states"]
+        return {"tokens": maps[label]["tokens"], "states": states[min(layer, len(states) - 1)]}
+    if engine is None or label not in engine.show:
+        return None
+    return engine.token_map(label, layer)
+
+
+def compare_specs(strategies: str, budget: int, spacing: int, mode: str = "") -> str:
+    """API strategies: names get the shared settings they declare; spacing 0 and mode "" keep the defaults."""
+    entries = [e for e in strategies.split(",") if e.strip()]
+    return ",".join(expand(e, budget or None, spacing or None, mode or None) for e in entries)
+
+
+@gpu
+def compare(prompt: str, model: str = DEFAULT_MODEL, strategies: str = "full,kvdirect:mode=exact",
+            budget: int = 64, spacing: int = 0, max_new_tokens: int = 64, device: str = "auto",
+            dtype: str = "float32") -> dict:
+    """Run `strategies` in lockstep on one prompt; returns the same JSON as `python -m kvdirect_app.bench run`.
+
+    `strategies` is comma-separated `name[:key=value]...`; a strategy that
+    declares `budget` or `spacing` and does not set it gets the value given
+    here (spacing 0: the strategy's default).
+    """
+    import gradio as gr
+
+    try:
+        specs = compare_specs(strategies, int(budget), int(spacing))
+        loaded = load_model(model, dtype=dtype, device=device)
+        engine = Engine(loaded, parse_specs(specs), max_new_tokens=int(max_new_tokens))
+        return run_to_end(engine, [prompt])
+    except USER_ERRORS as e:
+        raise gr.Error(str(e)) from None

@@ -1,0 +1,176 @@
+"""One browser session's view of a conversation, built from the engine's events.
+
+Plain Python (no gradio, no torch): `Session.apply(event)` folds each engine
+event into per-strategy records (text with token boundaries, bytes, latency,
+agreement with the full cache) that the panes and plots are drawn from.
+Token agreement follows `metrics.token_match`: every position the full
+cache produced counts; a strategy that stops early or runs on is a mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import psutil
+
+from .settings import REFERENCE, RunConfig
+
+
+@dataclass
+class TurnReply:
+    """A strategy's reply to one user turn, with where each token's text starts."""
+
+    tokens: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    text: str = ""
+
+    def add(self, token: int, text: str):
+        previous = self.text
+        same = 0
+        while same < min(len(previous), len(text)) and previous[same] == text[same]:
+            same += 1
+        self.tokens.append(token)
+        self.starts.append(same)
+        self.text = text
+
+    def piece(self, index: int) -> tuple[int, int]:
+        """Character span of token `index` in the reply text."""
+        start = self.starts[index]
+        end = self.starts[index + 1] if index + 1 < len(self.starts) else len(self.text)
+        return start, max(start, end)
+
+
+@dataclass
+class LaneView:
+    label: str
+    replies: list[TurnReply] = field(default_factory=list)
+    memory: list[dict] = field(default_factory=list)  # per step: seen, persistent, peak, formula bytes
+    latency: list[dict] = field(default_factory=list)  # per fed decode step: ms per op
+    agreement: list[dict] = field(default_factory=list)  # per reference position: running match, KL mean
+    matched: int = 0
+    total: int = 0
+    divergence: tuple[int, int] | None = None  # (turn, token index) of the first token that differs
+    active: bool = False
+
+    @property
+    def match(self) -> float | None:
+        return self.matched / self.total if self.total else None
+
+    def tokens_per_s(self) -> float | None:
+        """Decode steps per second of this strategy's own compute (lanes run one after another)."""
+        ms = [row["total"] for row in self.latency]
+        return 1e3 * len(ms) / sum(ms) if ms and sum(ms) > 0 else None
+
+    def op_means(self) -> dict[str, float]:
+        """Mean ms per decode step of each op (every key the engine reports except the total)."""
+        ops = [k for k in (self.latency[0] if self.latency else {}) if k not in ("total", "step")]
+        return {op: sum(row[op] for row in self.latency) / len(self.latency) for op in ops}
+
+
+@dataclass
+class Session:
+    """Per-browser-session state, held in a `gr.State` (never shared between users)."""
+
+    config: RunConfig | None = None
+    engine: object = None  # the Engine that holds this conversation (None on ZeroGPU: rebuilt per call)
+    user_turns: list[str] = field(default_factory=list)
+    shown: list[str] = field(default_factory=list)
+    lanes: dict[str, LaneView] = field(default_factory=dict)
+    rss: list[dict] = field(default_factory=list)
+    steps: int = 0
+    result: dict | None = None
+    token_maps: dict | None = None  # filled by the run itself where the engine does not outlive it
+    busy: bool = False
+    stop_requested: bool = False
+    workdir: str | None = None
+    last_plot: float = 0.0
+
+    def clear(self):
+        keep = self.workdir
+        self.__init__()
+        self.workdir = keep
+
+    @property
+    def reference(self) -> LaneView | None:
+        return self.lanes.get(REFERENCE)
+
+    def first_divergence_index(self, label: str) -> int | None:
+        """The divergence as one index over the concatenated turns (as `bench run` reports it)."""
+        lane, ref = self.lanes[label], self.reference
+        if lane.divergence is None:
+            return None
+        turn, index = lane.divergence
+        return sum(len(r.tokens) for r in ref.replies[:turn]) + index
+
+    def apply(self, event: dict):
+        kind = event["type"]
+        if kind == "start":
+            self.user_turns, self.steps, self.rss, self.result, self.token_maps = [], 0, [], None, None
+            self.shown = list(event["strategies"])
+            self.lanes = {label: LaneView(label) for label in dict.fromkeys([REFERENCE, *self.shown])}
+        elif kind == "turn":
+            self.user_turns.append(event["user"])
+            for lane in self.lanes.values():
+                lane.replies.append(TurnReply())
+                lane.active = True
+        elif kind == "step":
+            self._step(event)
+        elif kind == "turn_end":
+            for label, text in event["texts"].items():
+                if label in self.lanes:
+                    self.lanes[label].replies[-1].text = text
+            for lane in self.lanes.values():
+                lane.active = False
+        elif kind == "done":
+            self.result = event["result"]
+        elif kind == "token_maps":
+            self.token_maps = event["maps"]
+
+    def _step(self, event: dict):
+        self.steps += 1
+        turn, index, events = event["turn"], event["index"], event["lanes"]
+        ref = events.get(REFERENCE)
+        for label, lane in self.lanes.items():
+            ev = events.get(label)
+            if ev is not None:
+                lane.replies[turn].add(ev["token_id"], ev["text"])
+                lane.active = ev["active"]
+                lane.memory.append({"step": self.steps, "turn": turn, "index": index, "seen": ev["seen"],
+                                    "persistent": ev["persistent_bytes"], "peak": ev["peak_bytes"],
+                                    "formula": ev["formula_bytes"]})
+                if ev["active"]:  # the token was fed: the step's timings are of this token's forward
+                    lane.latency.append({"step": self.steps, **ev["latency_ms"]})
+            else:
+                lane.active = False
+            if ref is None and ev is None:
+                continue
+            same = ref is not None and ev is not None and ev["token_id"] == ref["token_id"]
+            if not same and lane.divergence is None:
+                lane.divergence = (turn, index)
+            if ref is not None:
+                lane.total += 1
+                lane.matched += same
+                kl = ev["kl_mean"] if ev is not None else (lane.agreement[-1]["kl"] if lane.agreement else 0.0)
+                lane.agreement.append({"step": self.steps, "match": lane.matched / lane.total, "kl": kl})
+        seen = ref["seen"] if ref is not None else max((e["seen"] for e in events.values()), default=0)
+        self.rss.append({"step": self.steps, "seen": seen, "rss": psutil.Process().memory_info().rss})
+
+    def step_rows(self) -> list[dict]:
+        """One row per strategy and step: what the CSV export holds."""
+        rows = []
+        for label in self.shown:
+            lane = self.lanes[label]
+            latency = {row["step"]: row for row in lane.latency}
+            agreement = {row["step"]: row for row in lane.agreement}
+            for mem in lane.memory:
+                lat = latency.get(mem["step"], {})
+                agree = agreement.get(mem["step"], {})
+                reply = lane.replies[mem["turn"]]
+                rows.append({
+                    "strategy": label, "step": mem["step"], "turn": mem["turn"], "index": mem["index"],
+                    "token_id": reply.tokens[mem["index"]], "seen": mem["seen"],
+                    "persistent_bytes": mem["persistent"], "peak_bytes": mem["peak"], "formula_bytes": mem["formula"],
+                    **{f"{op}_ms": v for op, v in lat.items() if op != "step"},
+                    "token_match_so_far": agree.get("match"), "kl_mean_so_far": agree.get("kl"),
+                })
+        return rows

@@ -1,0 +1,113 @@
+"""HTML and chat messages drawn from a Session: pane headers, replies, token map, status."""
+
+from __future__ import annotations
+
+import html
+
+from ..bench import _fmt_bytes as fmt_bytes  # one byte format for the CLI table and the page
+from .plots import colours
+from .session import LaneView, Session
+from .settings import REFERENCE, blurb, title
+
+USER_PREVIEW = 360  # characters of a long user turn shown in each pane
+STATE_CLASSES = {"kv": "K/V kept", "residual": "residual kept", "anchor": "anchor kept", "evicted": "evicted"}
+
+
+def _esc(text: str) -> str:
+    return html.escape(text, quote=False)
+
+
+def reply_markup(session: Session, lane: LaneView, turn: int) -> str:
+    """A reply as chat markup; the first token that differs from the full cache is highlighted."""
+    reply = lane.replies[turn]
+    if lane.divergence is None or lane.divergence[0] != turn or lane.label == REFERENCE:
+        return _esc(reply.text) if reply.text else ("▍" if lane.active else "")
+    index = lane.divergence[1]
+    if index >= len(reply.tokens):  # this strategy stopped where the full cache went on
+        return _esc(reply.text) + ' <mark class="kvd-diverge" title="the full cache continues here">⟂ stopped</mark>'
+    start, end = reply.piece(index)
+    piece = reply.text[start:end]
+    shown = _esc(piece).replace("\n", "↵<br>") if piece.strip() else (piece.replace("\n", "↵").replace(" ", "␣") or "∅")
+    return (_esc(reply.text[:start]) + f'<mark class="kvd-diverge" title="first token that differs from the full cache">'
+            f"{shown}</mark>" + _esc(reply.text[end:]))
+
+
+def messages(session: Session, label: str) -> list[dict]:
+    lane = session.lanes.get(label)
+    out = []
+    for k, user in enumerate(session.user_turns):
+        shown = user if len(user) <= USER_PREVIEW else user[:USER_PREVIEW].rstrip() + f" … ({len(user):,} characters)"
+        out.append({"role": "user", "content": _esc(shown)})
+        if lane is not None and k < len(lane.replies):
+            out.append({"role": "assistant", "content": reply_markup(session, lane, k)})
+    return out
+
+
+def _summary(session: Session, label: str) -> dict:
+    if session.result is None:
+        return {}
+    return session.result.get("strategies", {}).get(label, {})
+
+
+def pane_header(session: Session, label: str) -> str:
+    lane = session.lanes.get(label)
+    colour = colours(session.shown).get(label, "#333")
+    name, _, settings = label.partition(":")
+    chips = "".join(f'<span class="kvd-chip">{_esc(s)}</span>' for s in settings.split(":") if s)
+    stats = []
+    if lane is not None and lane.memory:
+        last = lane.memory[-1]
+        stats.append(f'<span title="bytes this strategy holds between steps">state <b>{fmt_bytes(last["persistent"])}</b></span>')
+        stats.append(f'<span title="largest bytes held within a step">peak {fmt_bytes(max(r["peak"] for r in lane.memory))}</span>')
+    if lane is not None and label != REFERENCE and lane.match is not None:
+        cls = "good" if lane.match == 1.0 else "bad"
+        stats.append(f'<span class="kvd-{cls}">match <b>{100 * lane.match:.0f}%</b></span>')
+        if lane.agreement:
+            stats.append(f'<span title="mean KL to the full cache, teacher-forced">KL {lane.agreement[-1]["kl"]:.2g}</span>')
+    rate = lane.tokens_per_s() if lane is not None else None
+    if rate:
+        stats.append(f"<span>{rate:.1f} tok/s</span>")
+    summary = _summary(session, label)
+    notes = []
+    if label == REFERENCE:
+        notes.append('<span class="kvd-note">reference: every other pane is compared with this one</span>')
+    elif lane is not None and lane.divergence is not None:
+        turn, index = lane.divergence
+        notes.append(f'<span class="kvd-bad">first differs at turn {turn + 1}, token {index + 1}</span>')
+    elif lane is not None and lane.total:
+        notes.append('<span class="kvd-good">same tokens as the full cache so far</span>')
+    if summary.get("kv_exact") is not None and label != REFERENCE:
+        if summary["kv_exact"]:
+            notes.append('<span class="kvd-good" title="torch.equal on every compared layer">K/V bit-equal ✓</span>')
+        else:
+            notes.append(f'<span class="kvd-warn" title="largest |ΔK| against the full cache">K/V differ: '
+                         f'max|ΔK| {summary["max_abs_dk"]:.1e}</span>')
+    return (f'<div class="kvd-pane-head" style="border-left-color:{colour}">'
+            f'<div class="kvd-pane-title" title="{html.escape(blurb(name))}"><span class="kvd-dot" style="background:{colour}"></span>'
+            f'{_esc(title(name))} <code>{_esc(name)}</code>{chips}</div>'
+            f'<div class="kvd-stats">{" · ".join(stats) or "&nbsp;"}</div>'
+            f'<div class="kvd-notes">{" ".join(notes) or "&nbsp;"}</div></div>')
+
+
+def status(message: str, kind: str = "info") -> str:
+    """kind: info | busy | ok | error."""
+    return f'<div class="kvd-status kvd-status-{kind}">{_esc(message)}</div>'
+
+
+def token_map_html(data: dict | None, label: str, layer: int, limit: int = 2000) -> str:
+    if not data or not data.get("states"):
+        return '<div class="kvd-empty">The token map appears after a turn: pick a strategy and a layer.</div>'
+    tokens, states = data["tokens"], data["states"]
+    counts = {s: states.count(s) for s in dict.fromkeys(states)}
+    legend = " ".join(f'<span class="kvd-tok kvd-{s}">{STATE_CLASSES.get(s, s)}: {n}</span>'
+                      for s, n in counts.items())
+    start = max(0, len(states) - limit)
+    cut = f'<span class="kvd-note">… {start} earlier tokens not drawn …</span> ' if start else ""
+    spans = []
+    for tok, state in zip(tokens[start:], states[start:]):
+        text = tok.replace("\n", "↵") or "∅"
+        spans.append(f'<span class="kvd-tok kvd-{state}" title="{html.escape(state)}">{_esc(text)}</span>')
+        if "\n" in tok:
+            spans.append("<br>")
+    return (f'<div class="kvd-map-head"><b>{_esc(label)}</b>, layer {layer}: {len(states)} tokens · {legend}</div>'
+            f'<div class="kvd-map">{cut}{"".join(spans)}</div>')

@@ -1,0 +1,181 @@
+"""The web app as clients reach it: launched in-process, driven with gradio_client."""
+
+import json
+import socket
+
+import pytest
+
+gradio_client = pytest.importorskip("gradio_client")
+
+from kvdirect_app.bench import scenarios  # noqa: E402
+from kvdirect_app.engine import Engine, run_to_end  # noqa: E402
+from kvdirect_app.models import load_model  # noqa: E402
+from kvdirect_app.strategies import parse_specs  # noqa: E402
+from kvdirect_app.ui import build_demo, launch_options  # noqa: E402
+from kvdirect_app.ui.runner import compare_specs  # noqa: E402
+from kvdirect_app.ui.settings import catalogue, default_names, expand  # noqa: E402
+
+TINY = "tiny-llama"
+# Timings and process memory differ from run to run; everything else must be identical.
+VOLATILE = {"latency_ms", "tokens_per_s", "process_rss_peak_bytes", "threads"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app():
+    demo = build_demo(model=TINY, max_new_tokens=6)
+    demo.queue(default_concurrency_limit=1).launch(
+        server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True, **launch_options())
+    client = gradio_client.Client(demo.local_url, verbose=False)
+    yield demo, client
+    client.close()
+    demo.close()
+
+
+def stable(result: dict) -> dict:
+    out = {k: v for k, v in result.items() if k not in VOLATILE}
+    out["strategies"] = {label: {k: v for k, v in r.items() if k not in VOLATILE}
+                         for label, r in result["strategies"].items()}
+    return out
+
+
+def engine_result(model: str, specs: str, turns: list[str], max_new_tokens: int, raw: bool = False) -> dict:
+    loaded = load_model(model, dtype="float32", device="auto")
+    return run_to_end(Engine(loaded, parse_specs(specs), max_new_tokens=max_new_tokens, raw=raw), turns)
+
+
+def outputs_of(demo, api_name: str) -> list:
+    """The components whose values a client gets back, in order (buttons and layout blocks are skipped)."""
+    fn = next(f for f in demo.fns.values() if f.api_name == api_name)
+    return [c for c in fn.outputs if not getattr(c, "skip_api", False)]
+
+
+def test_compare_endpoint_returns_the_bench_json(app):
+    demo, client = app
+    names = ",".join(default_names())
+    got = client.predict("Tell me about caches.", TINY, names, 40, 0, 12, api_name="/compare")
+    specs = compare_specs(names, 40, 0)
+    want = engine_result(TINY, specs, ["Tell me about caches."], 12)
+    assert list(got["strategies"]) == [expand(n, 40) for n in default_names()]
+    assert stable(got) == stable(want)
+    for label, r in got["strategies"].items():
+        assert r["token_ids"] == want["strategies"][label]["token_ids"], label
+    assert got["strategies"]["kvdirect:budget=40"]["kv_exact"] is True
+
+
+def test_compare_fills_budget_and_spacing_only_where_declared(app):
+    _, client = app
+    specs = ",".join(n for n in ("full", "anchorkv", "window") if n in catalogue())
+    got = client.predict("Hi.", TINY, specs, 5, 2, 4, api_name="/compare")
+    for label in got["strategies"]:
+        name = label.split(":")[0]
+        assert ("budget=5" in label) == (name != "full"), label
+        assert ("spacing=2" in label) == (name == "anchorkv"), label
+
+
+def test_compare_on_smollm2_matches_the_engine(app):
+    _, client = app
+    got = client.predict("What is the capital of France?", "smollm2-135m", "full,kvdirect:mode=exact", 16, 0, 10,
+                         api_name="/compare")
+    specs = compare_specs("full,kvdirect:mode=exact", 16, 0)
+    assert specs == "full,kvdirect:mode=exact:budget=16"
+    want = engine_result("smollm2-135m", specs, ["What is the capital of France?"], 10)
+    assert stable(got) == stable(want)
+    assert got["strategies"]["kvdirect:mode=exact:budget=16"]["token_ids"] == want["strategies"]["full"]["token_ids"]
+
+
+@pytest.mark.parametrize("strategies, words", [("kvdirect:budget=0", "budget"), ("nonsense", "unknown strategy"),
+                                               ("kvdirect:colour=red", "unknown setting")])
+def test_compare_bad_strategy_is_one_clear_error(app, strategies, words):
+    _, client = app
+    with pytest.raises(Exception, match=words):
+        client.predict("Hi.", TINY, strategies, 8, 0, 4, api_name="/compare")
+
+
+def test_compare_unknown_model_is_one_clear_error_and_the_app_stays_up(app):
+    _, client = app
+    with pytest.raises(Exception, match="unknown model"):
+        client.predict("Hi.", "no-such-model", "full", 8, 0, 4, api_name="/compare")
+    assert client.predict("Hi.", TINY, "full", 8, 0, 2, api_name="/compare")["strategies"]["full"]["token_ids"]
+
+
+def _controls(**overrides) -> dict:
+    values = dict(model=TINY, custom_model="", device="auto", dtype="float32", strategies=default_names(),
+                  extra_specs="", budget=40, spacing=2, mode="exact", max_new_tokens=4)
+    values.update(overrides)
+    return values
+
+
+def test_scenario_plays_to_the_end_and_exports_what_the_engine_gives(app):
+    demo, client = app
+    table = scenarios()
+    turns = table["capitals"]["turns"]
+    final = client.predict(scenario="capitals", api_name="/play_scenario", **_controls())
+    outputs = outputs_of(demo, "play_scenario")
+    by_id = {c.elem_id: v for c, v in zip(outputs, final) if c.elem_id}
+    assert f"Done: {len(turns)} turn(s)" in by_id["kvd-status"]
+    chats = [v for c, v in zip(outputs, final) if "kvd-chat" in (c.elem_classes or [])]
+    filled = [chat for chat in chats if isinstance(chat, list) and chat]  # hidden panes get no update
+    assert len(filled) == len(default_names())
+    for chat in filled:
+        assert len(chat) == 2 * len(turns)
+        assert [m["role"] for m in chat[:2]] == ["user", "assistant"]
+    downloads = [v for c, v in zip(outputs, final) if type(c).__name__ == "DownloadButton"]
+    paths = [d["value"] for d in downloads]  # updates {"value": path, "interactive": True}
+    assert [p.rsplit(".", 1)[-1] for p in paths] == ["json", "csv", "csv", "html"]
+    exported = json.loads(open(paths[0]).read())
+    specs = ",".join(expand(n, 40, 2, "exact") for n in default_names())
+    want = engine_result(TINY, specs, turns, 4)
+    assert exported["user_turns"] == turns
+    assert stable(exported["results"]) == stable(want)
+    rows = exported["steps"]
+    assert {r["strategy"] for r in rows} == set(want["strategies"])
+
+
+def test_a_scenario_too_long_for_the_model_shows_one_message(app):
+    demo, client = app
+    final = client.predict(scenario="long-document", api_name="/play_scenario", **_controls())
+    by_id = {c.elem_id: v for c, v in zip(outputs_of(demo, "play_scenario"), final) if c.elem_id}
+    assert "context" in by_id["kvd-status"]
+    # The app is still up and plays the next request.
+    final = client.predict(scenario="capitals", api_name="/play_scenario", **_controls(max_new_tokens=2))
+    by_id = {c.elem_id: v for c, v in zip(outputs_of(demo, "play_scenario"), final) if c.elem_id}
+    assert "Done: 3 turn(s)" in by_id["kvd-status"]
+
+
+def test_send_continues_the_conversation_and_settings_changes_replay(app):
+    demo, _ = app
+    client = gradio_client.Client(demo.local_url, verbose=False)  # a session of its own: a new conversation
+    outputs = outputs_of(demo, "send")
+    chat_index = next(i for i, c in enumerate(outputs) if "kvd-chat" in (c.elem_classes or []))
+    first = client.predict("Hello.", api_name="/send", **_controls(strategies=["full", "kvdirect"]))
+    second = client.predict("And then?", api_name="/send", **_controls(strategies=["full", "kvdirect"]))
+    assert len(first[chat_index]) == 2 and len(second[chat_index]) == 4
+    assert second[chat_index][:2] == first[chat_index][:2]
+    # A new budget rebuilds the engine and replays both turns: greedy, so the same tokens.
+    third = client.predict("Once more.", api_name="/send", **_controls(strategies=["full", "kvdirect"], budget=3))
+    assert third[chat_index][:4] == second[chat_index]
+    bad = client.predict("Hi.", api_name="/send", **_controls(extra_specs="kvdirect:mode=sideways"))
+    status = next(v for c, v in zip(outputs, bad) if c.elem_id == "kvd-status")
+    assert "mode" in status and "allowed" in status
+    client.close()
+
+
+def test_on_zero_gpu_every_turn_rebuilds_and_replays_the_conversation(app, monkeypatch):
+    demo, _ = app
+    monkeypatch.setenv("SPACES_ZERO_GPU", "true")  # no engine outlives a call there
+    client = gradio_client.Client(demo.local_url, verbose=False)
+    outputs = outputs_of(demo, "send")
+    chat_index = next(i for i, c in enumerate(outputs) if "kvd-chat" in (c.elem_classes or []))
+    map_index = next(i for i, c in enumerate(outputs) if c.elem_id == "kvd-token-map")
+    controls = _controls(strategies=["full", "kvdirect"], budget=3)
+    first = client.predict("Hello.", api_name="/send", **controls)
+    second = client.predict("And then?", api_name="/send", **controls)
+    assert len(second[chat_index]) == 4 and second[chat_index][:2] == first[chat_index][:2]
+    assert "kvd-tok" in second[map_index]  # the token map came back with the run
+    client.close()

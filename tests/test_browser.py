@@ -1,0 +1,108 @@
+"""The page in a real headless Chromium (Playwright for Python, Debian's chromium): a prompt fills every pane.
+
+Set STUDIO_SCREENSHOT=docs/screenshot.png to also save the README's screenshot (then with 48 new tokens
+instead of 12, so that the panes have something to show).
+"""
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+# The network is closed: no downloads of browser builds, no background traffic.
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync"]
+MODEL = "smollm2-135m"
+PROMPT = "Why is the sky blue? Answer in two sentences."
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                                reason=f"no Chromium at {CHROMIUM}: install Debian's package (apt-get install -y chromium)")
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (requirements-dev.txt)")
+
+from kvdirect_app.ui import build_demo, launch_options  # noqa: E402
+from kvdirect_app.ui.settings import default_names  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def url():
+    demo = build_demo(model=MODEL, max_new_tokens=48 if os.environ.get("STUDIO_SCREENSHOT") else 12)
+    demo.queue(default_concurrency_limit=1).launch(
+        server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True, **launch_options())
+    yield demo.local_url
+    demo.close()
+
+
+@pytest.fixture
+def page():
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.console_errors = []
+        page.on("console", lambda m: page.console_errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: page.console_errors.append(f"page error: {e}"))
+        yield page
+        browser.close()
+
+
+def status(page) -> str:
+    return page.inner_text("#kvd-status")
+
+
+def test_a_prompt_fills_every_pane_and_draws_the_plots(url, page, tmp_path):
+    page.goto(url)
+    page.wait_for_selector("#kvd-send", timeout=60_000)
+    page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('ready')", timeout=180_000)
+    page.fill("#kvd-prompt textarea", PROMPT)
+    page.click("#kvd-send")
+    page.wait_for_function("document.querySelector('#kvd-status').innerText.match(/Done|failed|error/i)",
+                           timeout=300_000)
+    assert "Done: 1 turn(s)" in status(page)
+
+    panes = page.locator(".kvd-pane:visible")
+    assert panes.count() == len(default_names())
+    for i in range(panes.count()):
+        pane = panes.nth(i)
+        title = pane.locator(".kvd-pane-title").inner_text()
+        assert pane.locator('[data-testid="user"]').count() == 1, title
+        replies = pane.locator('[data-testid="bot"]')
+        assert replies.count() == 1 and replies.first.inner_text().strip(), f"pane {title!r} stayed empty"
+        assert "state" in pane.locator(".kvd-stats").inner_text(), title
+
+    for plot in ("#kvd-memory", "#kvd-latency", "#kvd-agreement"):
+        assert page.locator(f"{plot} .js-plotly-plot").count() == 1, plot
+        assert page.locator(f"{plot} .scatterlayer .trace, {plot} .barlayer .trace").count() > 0, plot
+    assert page.locator("#kvd-token-map .kvd-tok").count() > 0
+    page.get_by_role("tab", name="Geometry: bytes per token").click()
+    assert "full KV, all layers" in page.inner_text("#kvd-geometry")
+
+    shot = tmp_path / "studio.png"
+    page.get_by_role("tab", name="Token map").click()
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 50_000
+    if os.environ.get("STUDIO_SCREENSHOT"):
+        page.set_viewport_size({"width": 1600, "height": 1700})
+        page.evaluate("window.scrollTo(0, 0)")
+        page.screenshot(path=os.environ["STUDIO_SCREENSHOT"])
+    assert not page.console_errors, page.console_errors
+
+
+def test_bad_settings_show_one_message_and_the_page_stays_usable(url, page):
+    page.goto(url)
+    page.wait_for_selector("#kvd-send", timeout=60_000)
+    page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('ready')", timeout=180_000)
+    page.get_by_text("More panes (extra strategy specs)").click()
+    page.get_by_label("Extra specs, comma-separated").fill("kvdirect:mode=sideways")
+    page.fill("#kvd-prompt textarea", "Hello")
+    page.click("#kvd-send")
+    page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('allowed')", timeout=60_000)
+    assert "mode" in status(page)
+    assert page.locator("#kvd-send").is_enabled()
+    assert not [e for e in page.console_errors if "sideways" not in e], page.console_errors
