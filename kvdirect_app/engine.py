@@ -162,6 +162,7 @@ class Lane:
     bytes_mismatch: list = field(default_factory=list)  # (seen, measured, formula) where they disagree
     kv: dict = field(default_factory=dict)  # kv report frozen from the identical-history cache
     history: list[int] = field(default_factory=list)  # every id fed to the free run, in order
+    last_bytes: dict = field(default_factory=dict)  # bytes after the lane's last forward
     parks: list[dict] = field(default_factory=list)  # per park: seen, bytes measured and by formula, resume ms
 
 
@@ -184,7 +185,8 @@ class Engine:
         self.show = [s.label if s.spec() != ref.spec() else ref.label for s in strategies]
         self.prompt_ids: list[int] = []
         self.turn_chunks: list[list[int]] = []
-        self.rss_peak = 0
+        self.process = psutil.Process()
+        self.rss = self.rss_peak = 0
         self.parked = False
 
     # --- one forward ---------------------------------------------------------
@@ -224,7 +226,10 @@ class Engine:
         lane.peak = max(lane.peak, persistent + transient)
         lane.formula_persistent_peak = max(lane.formula_persistent_peak, f_persistent)
         lane.formula_peak = max(lane.formula_peak, f_persistent + f_transient)
-        self.rss_peak = max(self.rss_peak, psutil.Process().memory_info().rss)
+        lane.last_bytes = {"persistent_bytes": persistent, "peak_bytes": persistent + transient,
+                           "formula_bytes": f_persistent, "formula_peak_bytes": f_persistent + f_transient}
+        self.rss = self.process.memory_info().rss
+        self.rss_peak = max(self.rss_peak, self.rss)
 
     # --- the run -------------------------------------------------------------
     def turn(self, text: str, ids: list[int] | None = None) -> Iterator[dict]:
@@ -429,9 +434,8 @@ class Engine:
             "fed": lane.active,  # the last token of a turn is not fed; its latency is the previous step's
             "prefill_ms": 1e3 * lane.times.prefill[-1]["total"],
             "seen": lane.cache.get_seq_length(),
-            "persistent_bytes": lane.cache.persistent_bytes(),
-            "peak_bytes": lane.cache.persistent_bytes() + lane.cache.transient_bytes(),
-            "formula_bytes": lane.strategy.formula_persistent(self.geometry, lane.cache.get_seq_length()),
+            **lane.last_bytes,
+            "rss_bytes": self.rss,
             "latency_ms": {op: 1e3 * s for op, s in last.items()},
             "diverged": lane.diverged,
             "kl_mean": lane.kl_sum / lane.tf_steps if lane.tf_steps else 0.0,

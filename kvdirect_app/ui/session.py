@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import psutil
-
 from .settings import REFERENCE, RunConfig
 
 
@@ -152,8 +150,10 @@ class Session:
                 lane.matched += same
                 kl = ev["kl_mean"] if ev is not None else (lane.agreement[-1]["kl"] if lane.agreement else 0.0)
                 lane.agreement.append({"step": self.steps, "match": lane.matched / lane.total, "kl": kl})
-        seen = ref["seen"] if ref is not None else max((e["seen"] for e in events.values()), default=0)
-        self.rss.append({"step": self.steps, "seen": seen, "rss": psutil.Process().memory_info().rss})
+        if events:
+            seen = ref["seen"] if ref is not None else max(e["seen"] for e in events.values())
+            rss = next(iter(events.values()))["rss_bytes"]  # the engine's process, read after the step
+            self.rss.append({"step": self.steps, "seen": seen, "rss": rss})
 
     def step_rows(self) -> list[dict]:
         """One row per strategy and step: what the CSV export holds."""
