@@ -186,36 +186,35 @@ def cmd_capacity(args) -> int:
     full_bytes = geom.full_kv_bytes(args.context)
     n = min(args.context, args.measure_context, loaded.max_context - 1)
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    large = _measure_resume(loaded, strategies, n)
-    small = _measure_resume(loaded, strategies, max(2, n // 2)) if n < args.context else None
+    measured = _measure_resume(loaded, strategies, n)
     rows = []
     for name, strategy in strategies:
         parked = strategy.formula_parked(geom, args.context)
-        row = {"strategy": name, "parked_bytes": parked, "parked_bytes_per_token": parked / args.context,
-               "sessions": int(memory // parked), "capacity_vs_full": full_bytes / parked,
-               "resume_ms_measured": large.get(name), "resume_measured_at": n}
-        if small is None:
-            row["resume_ms"], row["resume_estimated"] = large.get(name), False
-        else:
-            # t(n) = a n + b n^2 through the two measurements, extrapolated to the context (b >= 0).
-            t1, t2, n1, n2 = small.get(name) or 0.0, large.get(name) or 0.0, max(2, n // 2), n
-            b = max(0.0, (t2 / n2 - t1 / n1) / (n2 - n1))
-            a = max(0.0, t2 / n2 - b * n2)
-            row["resume_ms"], row["resume_estimated"] = a * args.context + b * args.context**2, True
-        rows.append(row)
+        ms = measured.get(name)
+        rows.append({"strategy": name, "parked_bytes": parked, "parked_bytes_per_token": parked / args.context,
+                     "sessions": int(memory // parked), "capacity_vs_full": full_bytes / parked,
+                     "resume_ms_measured": ms, "resume_measured_at": n,
+                     # Linear in tokens: a lower bound, since replayed attention grows faster than linearly.
+                     "resume_ms_at_context_lower_bound": None if ms is None else ms * args.context / n,
+                     "resume_estimated": n < args.context})
     result = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device),
-              "context": args.context, "memory_bytes": memory, "full_kv_bytes": full_bytes, "rows": rows}
+              "threads": torch.get_num_threads(), "context": args.context, "memory_bytes": memory,
+              "full_kv_bytes": full_bytes, "rows": rows}
     print(f"{loaded.name} {result['dtype']}, context {args.context} tokens, memory {memory / 2**30:.1f} GiB; "
-          f"resume measured at {n} tokens on {result['device']}"
-          + (f" and extrapolated (a n + b n^2 through {max(2, n // 2)} and {n})" if small else ""))
+          f"resume measured at {n} tokens on {result['device']} ({result['threads']} threads)")
+    at_context = f"at {args.context}" + (" (>=)" if n < args.context else "")
     print(f"  {'strategy':<30} {'parked/session':>15} {'bytes/token':>12} {'sessions':>9} {'vs full':>8} "
-          f"{'resume ms':>10}")
+          f"{f'resume ms at {n}':>18} {'resume ms ' + at_context:>24}")
     for row in rows:
-        resume = "-" if row["resume_ms"] is None else f"{row['resume_ms']:.0f}{'*' if row['resume_estimated'] else ''}"
+        measured_ms, bound = row["resume_ms_measured"], row["resume_ms_at_context_lower_bound"]
         print(f"  {row['strategy']:<30} {row['parked_bytes'] / 2**20:>11.2f} MiB {row['parked_bytes_per_token']:>12.1f} "
-              f"{row['sessions']:>9} {row['capacity_vs_full']:>7.2f}x {resume:>10}")
-    if small:
-        print("  * estimated beyond what was measured on this machine")
+              f"{row['sessions']:>9} {row['capacity_vs_full']:>7.2f}x {measured_ms:>18.1f} {bound:>24.0f}")
+    if args.context >= loaded.max_context:
+        print(f"  note: {args.context} tokens is beyond this model's context of {loaded.max_context}; "
+              "the bytes are by formula")
+    if n < args.context:
+        print(f"  resume at {args.context} tokens is extrapolated linearly from {n}: a lower bound "
+              "(replayed attention grows faster than linearly)")
     _write(args.json, result)
     return 0
 
@@ -246,5 +245,5 @@ def register(sub):
             p.add_argument("--context", type=int, default=32768)
             p.add_argument("--memory-gb", type=float, default=None, help="default: this machine's memory")
             p.add_argument("--measure-context", type=int, default=1024,
-                           help="resume is measured at min(context, this) tokens, then extrapolated")
+                           help="resume is measured at min(context, this) tokens; beyond, a linear lower bound")
     return sub
