@@ -113,21 +113,26 @@ def cmd_run(args) -> int:
     return 0
 
 
+def add_conversation_options(p: argparse.ArgumentParser):
+    """The options `run` and `sweep` share: the model, the conversation, the device and timing."""
+    p.add_argument("--model", default="smollm2-135m", help="preset name, Hub id or local path")
+    p.add_argument("--prompt", help="one user message (a chat model's template is applied)")
+    p.add_argument("--prompt-file", help="a file holding one user message")
+    p.add_argument("--scenario", help="a scripted conversation from presets/scenarios.toml")
+    p.add_argument("--raw", action="store_true", help="feed the text as is, without the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
+    p.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICES)}")
+    p.add_argument("--threads", type=int, default=None, help="torch threads while timing (default: torch's)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvdirect_app.bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run strategies in lockstep against the full cache")
-    run.add_argument("--model", default="smollm2-135m", help="preset name, Hub id or local path")
+    add_conversation_options(run)
     run.add_argument("--strategies", default="full,kvdirect:budget=64:mode=exact",
                      help="comma-separated name[:key=value]... e.g. full,kvdirect:budget=64:mode=exact")
-    run.add_argument("--prompt", help="one user message (a chat model's template is applied)")
-    run.add_argument("--prompt-file", help="a file holding one user message")
-    run.add_argument("--scenario", help="a scripted conversation from presets/scenarios.toml")
-    run.add_argument("--raw", action="store_true", help="feed the text as is, without the chat template")
-    run.add_argument("--max-new-tokens", type=int, default=64)
-    run.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
-    run.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICES)}")
-    run.add_argument("--threads", type=int, default=None, help="torch threads while timing (default: torch's)")
     run.add_argument("--park", action="store_true", help="park every session between turns and resume it")
     run.add_argument("--json", help="write the results here")
     run.set_defaults(func=cmd_run)

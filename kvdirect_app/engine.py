@@ -14,7 +14,6 @@ The engine yields plain dict events and never imports gradio.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -23,114 +22,14 @@ import torch
 
 from . import compat
 from .geometry import ModelGeometry
+from .hooks import InputTap, model_lock
 from .metrics import StepTimes, clock, kl_divergence, token_match
 from .models import LoadedModel
+from .prompts import InputError, Prompter
 from .strategies import Strategy, StrategyCache
 from .strategies.full import Full
 
-
-class InputError(ValueError):
-    """Bad input to a run (empty prompt, prompt longer than the context...)."""
-
-
-_MODEL_LOCKS: dict[int, threading.Lock] = {}
-_LOCKS_GUARD = threading.Lock()
-
-
-def model_lock(model: torch.nn.Module) -> threading.Lock:
-    """One generation at a time per model object (hooks are per model).
-
-    A plain Lock, not an RLock: a turn is a generator that a web server may
-    advance from different worker threads, so the thread that releases the
-    lock need not be the one that took it.
-    """
-    with _LOCKS_GUARD:
-        return _MODEL_LOCKS.setdefault(id(model), threading.Lock())
-
-
-class InputTap:
-    """Forward hooks on every attention module: hands the attention input to the cache layers that
-    keep it, and times the attention modules.  Installed for one run and removed after it."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device):
-        self.cache: StrategyCache | None = None
-        self.wants: set[int] = set()
-        self.residuals: set[int] = set()
-        self.device = device
-        self.attention_s = 0.0
-        self._t0 = 0.0
-        self.handles = []
-        for i, layer in enumerate(compat.decoder_layers(model)):
-            attn = compat.attention_module(layer)
-            self.handles.append(layer.register_forward_pre_hook(self._residual(i), with_kwargs=True))
-            self.handles.append(attn.register_forward_pre_hook(self._pre(i), with_kwargs=True))
-            self.handles.append(attn.register_forward_hook(self._post))
-
-    def _residual(self, index: int):
-        def hook(module, args, kwargs):
-            if index in self.residuals and not self.cache.replaying:  # residuals is empty until target()
-                self.cache.capture_residual(index, args[0] if args else kwargs["hidden_states"])
-
-        return hook
-
-    def _pre(self, index: int):
-        def hook(module, args, kwargs):
-            if self.cache is None or self.cache.replaying:
-                return
-            if index in self.wants:
-                x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                self.cache.layers[index].capture(x)
-            self._t0 = clock(self.device)
-
-        return hook
-
-    def _post(self, module, args, output):
-        if self.cache is not None and not self.cache.replaying:
-            self.attention_s += clock(self.device) - self._t0
-
-    def target(self, cache: StrategyCache):
-        self.cache = cache
-        self.wants = set(cache.wants_inputs())
-        self.residuals = set(cache.wants_residuals())
-        self.attention_s = 0.0
-
-    def close(self):
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-
-
-class Prompter:
-    """Token ids of each user turn: the chat template's pieces for chat models, plain text otherwise."""
-
-    _U1, _A1, _U2 = "\u2063U1\u2063", "\u2063A1\u2063", "\u2063U2\u2063"
-
-    def __init__(self, loaded: LoadedModel, raw: bool = False):
-        self.tok = loaded.tokenizer
-        self.chat = loaded.chat and not raw
-        if self.chat:
-            render = lambda msgs, gen: self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-            a = render([{"role": "user", "content": self._U1}, {"role": "assistant", "content": self._A1}], False)
-            b = render([{"role": "user", "content": self._U1}, {"role": "assistant", "content": self._A1},
-                        {"role": "user", "content": self._U2}], True)
-            if not b.startswith(a) or self._A1 not in a:
-                raise InputError("this chat template does not extend turn by turn; use --raw")
-            self.next_template = a[a.index(self._A1) + len(self._A1):] + b[len(a):]
-
-    def encode(self, text: str, special: bool) -> list[int]:
-        return self.tok(text, add_special_tokens=special)["input_ids"]
-
-    def first(self, text: str) -> list[int]:
-        if self.chat:
-            rendered = self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                    add_generation_prompt=True)
-            return self.encode(rendered, False)
-        return self.encode(text, True)
-
-    def next(self, text: str, pending: int | None) -> list[int]:
-        """The next turn: the unfed last token of the reply (if it was cut), the end of turn, the user turn."""
-        body = self.next_template.replace(self._U2, text) if self.chat else "\n" + text
-        return ([pending] if pending is not None else []) + self.encode(body, False)
+__all__ = ["Engine", "InputError", "InputTap", "Prompter", "model_lock", "run_to_end"]
 
 
 @dataclass

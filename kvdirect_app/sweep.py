@@ -25,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from .models import DEVICES, DTYPES, load_model
+from .models import load_model
 from .strategies import StrategyError, parse_spec, registry
 
 DEFAULT_STRATEGIES = "window,streaming_llm,h2o,snapkv,tova,kvdirect"
@@ -162,21 +162,15 @@ def cmd_sweep(args) -> int:
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Adds the `sweep` command to the benchmark CLI's subparsers."""
+    from .bench import add_conversation_options
+
     p = subparsers.add_parser("sweep", help="every strategy at every budget against the full cache")
-    p.add_argument("--model", default="smollm2-135m", help="preset name, Hub id or local path")
+    add_conversation_options(p)
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                    help="comma-separated name[:key=value]...; :budget=B is appended to each")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help="comma-separated token budgets")
     p.add_argument("--allow-missing", action="store_true",
                    help="skip, with a printed note, names that are not registered strategies")
-    p.add_argument("--prompt", help="one user message (a chat model's template is applied)")
-    p.add_argument("--prompt-file", help="a file holding one user message")
-    p.add_argument("--scenario", help="a scripted conversation from presets/scenarios.toml")
-    p.add_argument("--raw", action="store_true", help="feed the text as is, without the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
-    p.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICES)}")
-    p.add_argument("--threads", type=int, default=None, help="torch threads while timing (default: torch's)")
     p.add_argument("--json", help="write every row here")
     p.set_defaults(func=cmd_sweep)
     return p
