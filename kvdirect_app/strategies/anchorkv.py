@@ -214,6 +214,13 @@ class AnchorKV(Strategy):
         return self.mode == "exact"
 
     def anchor_layers(self, geom: ModelGeometry) -> list[int]:
+        """The anchor layers for this model (the formulas ask at every step: computed once per geometry)."""
+        cache = self.__dict__.setdefault("_anchors", {})
+        if geom not in cache:
+            cache[geom] = self._place(geom)
+        return cache[geom]
+
+    def _place(self, geom: ModelGeometry) -> list[int]:
         L = geom.num_layers
         parsed = _parse_anchors(self.anchors)
         if isinstance(parsed, list):
