@@ -1,5 +1,7 @@
 """Shared fixtures: models are loaded once per session (the loader caches them per process)."""
 
+import socket
+
 import pytest
 
 from kvdirect_app.models import load_model
@@ -19,3 +21,26 @@ def gemma3():
 
 def tiny(name: str, dtype: str = "float32"):
     return load_model(name, dtype=dtype, device="cpu")
+
+
+def bad_spec_error(text: str) -> str:
+    """The StrategyError message for a bad spec, checked to be one line."""
+    from kvdirect_app.strategies import StrategyError, parse_spec
+
+    with pytest.raises(StrategyError) as info:
+        parse_spec(text)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def launch_local(demo):
+    """Launch a Gradio app in-process on a free loopback port (the caller closes it)."""
+    from kvdirect_app.ui import launch_options
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo.queue(default_concurrency_limit=1).launch(
+        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options())
+    return demo

@@ -8,7 +8,7 @@ from kvdirect_app.geometry import ModelGeometry
 from kvdirect_app.strategies import StrategyError, parse_spec, parse_specs
 from kvdirect_app.strategies.anchorkv import rebuild_all
 
-from .conftest import TINY_FAMILIES, tiny
+from .conftest import TINY_FAMILIES, bad_spec_error, tiny
 
 TURNS = ["Tell me about caches.", "Why do keys need positions?"]
 
@@ -100,9 +100,7 @@ def test_one_chunk_replay_drifts_and_the_drift_is_measured():
     ("anchorkv:token_id_anchor=maybe", "is not a valid bool"),
 ])
 def test_bad_settings(text, words):
-    with pytest.raises(StrategyError) as info:
-        parse_spec(text)
-    assert words in str(info.value)
+    assert words in bad_spec_error(text)
 
 
 def test_spacing_beyond_the_model_is_refused_when_the_cache_is_built():

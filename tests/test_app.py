@@ -1,7 +1,6 @@
 """The web app as clients reach it: launched in-process, driven with gradio_client."""
 
 import json
-import socket
 
 import pytest
 
@@ -11,7 +10,9 @@ from kvdirect_app.bench import scenarios  # noqa: E402
 from kvdirect_app.engine import Engine, run_to_end  # noqa: E402
 from kvdirect_app.models import load_model  # noqa: E402
 from kvdirect_app.strategies import parse_specs  # noqa: E402
-from kvdirect_app.ui import build_demo, launch_options  # noqa: E402
+from kvdirect_app.ui import build_demo  # noqa: E402
+
+from .conftest import launch_local  # noqa: E402
 from kvdirect_app.ui.runner import compare_specs  # noqa: E402
 from kvdirect_app.ui.settings import catalogue, default_names, expand  # noqa: E402
 
@@ -20,17 +21,10 @@ TINY = "tiny-llama"
 VOLATILE = {"latency_ms", "tokens_per_s", "process_rss_peak_bytes", "threads"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app():
     demo = build_demo(model=TINY, max_new_tokens=6)
-    demo.queue(default_concurrency_limit=1).launch(
-        server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True, **launch_options())
+    launch_local(demo)
     client = gradio_client.Client(demo.local_url, verbose=False)
     yield demo, client
     client.close()

@@ -5,7 +5,6 @@ instead of 12, so that the panes have something to show).
 """
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -21,21 +20,16 @@ pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
                                 reason=f"no Chromium at {CHROMIUM}: install Debian's package (apt-get install -y chromium)")
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (requirements-dev.txt)")
 
-from kvdirect_app.ui import build_demo, launch_options  # noqa: E402
+from kvdirect_app.ui import build_demo  # noqa: E402
+
+from .conftest import launch_local  # noqa: E402
 from kvdirect_app.ui.settings import default_names  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def url():
     demo = build_demo(model=MODEL, max_new_tokens=48 if os.environ.get("STUDIO_SCREENSHOT") else 12)
-    demo.queue(default_concurrency_limit=1).launch(
-        server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True, **launch_options())
+    launch_local(demo)
     yield demo.local_url
     demo.close()
 
