@@ -7,6 +7,7 @@ place that knows its names.  Written and tested against transformers 5.24
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from dataclasses import dataclass
@@ -120,6 +121,35 @@ def mask_function(layer_type: str):
 def input_embeddings(model: torch.nn.Module) -> torch.nn.Module:
     """The token embedding whose output is decoder layer 0's input (Gemma's includes its sqrt(d) scale)."""
     return model.get_input_embeddings()
+
+
+def attention_function(attn: nn.Module):
+    """The attention function the module calls now: its config's implementation from transformers' registry,
+    else the family's own eager function."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = getattr(sys.modules[type(attn).__module__], "eager_attention_forward", None)
+    return ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
+
+
+def register_attention(name: str, fn):
+    """Add an attention function under a new name (transformers' public registry; existing names untouched)."""
+    from transformers import AttentionInterface
+
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, fn)
+
+
+@contextlib.contextmanager
+def attention_implementation(config, name: str):
+    """The config's attention implementation is `name` inside (the backing field, so nothing is re-resolved);
+    the caller holds the model's lock, so no other forward sees it."""
+    saved = config._attn_implementation_internal
+    config._attn_implementation_internal = name
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = saved
 
 
 def run_decoder_layer(layer: torch.nn.Module, hidden: torch.Tensor, mask, position_embeddings, position_ids,

@@ -14,7 +14,6 @@ The engine yields plain dict events and never imports gradio.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import psutil
@@ -23,112 +22,129 @@ import torch
 from . import compat
 from .geometry import ModelGeometry
 from .hooks import InputTap, model_lock
-from .metrics import StepTimes, clock, kl_divergence, token_match
+from .lanes import ByteBook, Lane, TurnBytes
+from .memory import AllocationTracer, harness
+from .metrics import clock, kl_divergence, token_match
 from .models import LoadedModel
 from .prompts import InputError, Prompter
 from .strategies import Strategy, StrategyCache
 from .strategies.full import Full
+from .threads import pin, probe_determinism
 
-__all__ = ["Engine", "InputError", "InputTap", "Prompter", "model_lock", "run_to_end"]
+__all__ = ["Engine", "InputError", "InputTap", "Prompter", "model_lock", "run_to_end", "MEMORY_MODES"]
 
-
-@dataclass
-class Lane:
-    """One strategy's state during a run."""
-
-    strategy: Strategy
-    cache: StrategyCache
-    label: str
-    tokens: list[list[int]] = field(default_factory=list)  # generated ids per turn (free run)
-    texts: list[str] = field(default_factory=list)
-    logits: torch.Tensor | None = None
-    active: bool = False
-    pending: int | None = None  # last generated token not yet fed (reply cut by max_new_tokens)
-    tf_cache: StrategyCache | None = None  # teacher-forced twin after the first divergence
-    tf_logits: torch.Tensor | None = None
-    diverged: bool = False
-    times: StepTimes = field(default_factory=StepTimes)
-    tf_steps: int = 0
-    tf_agree: int = 0
-    kl_sum: float = 0.0
-    max_dlogit: float = 0.0
-    persistent_peak: int = 0
-    peak: int = 0
-    formula_persistent_peak: int = 0
-    formula_peak: int = 0
-    between_turns_peak: int = 0  # held after a turn ends, before the next one
-    formula_between_turns_peak: int = 0
-    bytes_mismatch: list = field(default_factory=list)  # (seen, measured, formula) where they disagree
-    kv: dict = field(default_factory=dict)  # kv report frozen from the identical-history cache
-    history: list[int] = field(default_factory=list)  # every id fed to the free run, in order
-    last_bytes: dict = field(default_factory=dict)  # bytes after the lane's last forward
-    parks: list[dict] = field(default_factory=list)  # per park: seen, bytes measured and by formula, resume ms
+MEMORY_MODES = ("trace", "none")
 
 
 class Engine:
-    """Lockstep runner.  `run(turns)` yields events; `results()` gives the summary afterwards."""
+    """Lockstep runner.  `run(turns)` yields events; `results()` gives the summary afterwards.
+
+    `threads` (default: torch's count when the engine is built) is pinned for
+    every forward, on whichever thread runs it.  `memory` is "trace" (bytes
+    measured by the allocator, every forward traced) or "none" (formula only).
+    """
 
     def __init__(self, loaded: LoadedModel, strategies: list[Strategy], max_new_tokens: int = 64,
-                 raw: bool = False, threads: int | None = None):
+                 raw: bool = False, threads: int | None = None, memory: str = "trace", compare: bool = True):
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens: {max_new_tokens} must be >= 1")
+        if threads is not None and threads < 1:
+            raise InputError(f"--threads: {threads} must be >= 1")
+        if memory not in MEMORY_MODES:
+            raise InputError(f"--memory: {memory!r} is not allowed; allowed: {', '.join(MEMORY_MODES)}")
         self.loaded = loaded
         self.model = loaded.model
         self.max_new_tokens = max_new_tokens
         self.threads = threads or torch.get_num_threads()
         self.prompter = Prompter(loaded, raw)
         self.geometry = ModelGeometry.from_config(loaded.config, loaded.dtype)
-        ref = Full()
-        self.reference = Lane(ref, ref.build_cache(self.model), ref.label)
-        self.lanes = [Lane(s, s.build_cache(self.model), s.label) for s in strategies if s.spec() != ref.spec()]
-        self.show = [s.label if s.spec() != ref.spec() else ref.label for s in strategies]
+        self.tracer = AllocationTracer(loaded.device, enabled=memory == "trace")
+        self.instrument = (f"allocator trace ({loaded.device.type})" if memory == "trace" else "none (formula only)")
+        self.solo = not compare
+        if self.solo:  # one strategy as deployed alone: it drives the conversation, nothing is compared
+            if len(strategies) != 1:
+                raise InputError(f"--solo: runs exactly one strategy, got {len(strategies)}")
+            self.reference, self.lanes = self._lane(strategies[0]), []
+            self.show = [strategies[0].label]
+        else:
+            ref = Full()
+            self.reference = self._lane(ref)
+            self.lanes = [self._lane(s) for s in strategies if s.spec() != ref.spec()]
+            self.show = [s.label if s.spec() != ref.spec() else ref.label for s in strategies]
         self.prompt_ids: list[int] = []
         self.turn_chunks: list[list[int]] = []
         self.process = psutil.Process()
         self.rss = self.rss_peak = 0
         self.parked = False
+        self.determinism = probe_determinism(loaded.device, loaded.dtype, self.threads)
+
+    def _lane(self, strategy: Strategy) -> Lane:
+        book = ByteBook(traced=self.tracer.enabled)
+        lane = Lane(strategy, None, strategy.label, book)
+        with self.tracer.trace(lane.label):
+            lane.cache = strategy.build_cache(self.model)
+        return lane
+
+    @property
+    def all_lanes(self) -> list[Lane]:
+        return [self.reference, *self.lanes]
 
     # --- one forward ---------------------------------------------------------
     # Inference mode is entered per call, not around a turn: it is per thread, and a turn's generator may be
     # advanced from different threads.
     @torch.inference_mode()
-    def _forward(self, lane: Lane, cache: StrategyCache, ids: list[int], tap: InputTap, timed: bool,
-                 turn_start: bool) -> torch.Tensor:
+    def _forward(self, lane: Lane, ids: list[int], tap: InputTap, turn_start: bool, twin: bool = False):
+        """Feed `ids` to the lane's free run (or its teacher-forced twin), traced; sets its logits."""
+        pin(self.threads)
+        cache = lane.tf_cache if twin else lane.cache
         tap.target(cache)
         seen_before = cache.get_seq_length()
         x = torch.tensor([ids], device=self.loaded.device)
-        t0 = clock(self.loaded.device)
-        cache.begin_step(ids)
-        logits = compat.forward_step(self.model, x, cache)
-        wall = clock(self.loaded.device) - t0
+        with self.tracer.trace(lane.twin_owner if twin else lane.label) as window:
+            t0 = clock(self.loaded.device)
+            if twin:
+                lane.tf_logits = None  # the previous step's logits are freed inside the traced block
+            else:
+                lane.logits = None
+            cache.begin_step(ids)
+            logits = compat.forward_step(self.model, x, cache)
+            cache.end_step()
+            with harness():  # the engine's copy: what the lane's forward allocated for them is freed now
+                logits = logits.clone()
+            wall = clock(self.loaded.device) - t0
+            if twin:
+                lane.tf_logits = logits
+            else:
+                lane.logits = logits
         ops = cache.take_timers()
-        if timed:
-            lane.history.extend(ids)
-            total = wall - ops["compare"]
-            in_cache = ops["recompute"] + ops["cache_update"] + ops["scoring"]
-            attention = tap.attention_s - ops["compare"] - in_cache
-            lane.times.add({"recompute": ops["recompute"], "cache_update": ops["cache_update"],
-                            "scoring": ops["scoring"], "attention": attention,
-                            "other": total - (tap.attention_s - ops["compare"]), "total": total}, prefill=turn_start)
-            self._account(lane, seen_before, len(ids), turn_start)
-        return logits
+        if twin:
+            return
+        lane.history.extend(ids)
+        lane.forwards.append((len(ids), turn_start))
+        total = wall - ops["compare"]
+        inside = ops["recompute"] + ops["cache_update"] + ops["scoring"]  # within the attention modules' calls
+        attention = tap.attention_s - ops["compare"] - inside
+        replay = ops.get("replay", 0.0)  # before the decoder layers, outside attention
+        times = {"recompute": ops["recompute"], "cache_update": ops["cache_update"], "scoring": ops["scoring"],
+                 "attention": attention, "other": total - (tap.attention_s - ops["compare"]) - replay,
+                 "total": total}
+        if "replay" in ops:
+            times["replay"] = replay
+        lane.times.add(times, prefill=turn_start)
+        if not turn_start:
+            lane.book.turns[-1].decode_ms.append(1e3 * total)
+        self._account(lane, window, seen_before, len(ids), turn_start)
 
-    def _account(self, lane: Lane, seen_before: int, q: int, turn_start: bool):
-        cache, strategy, geom = lane.cache, lane.strategy, self.geometry
+    def _account(self, lane: Lane, window, seen_before: int, q: int, turn_start: bool):
+        strategy, geom = lane.strategy, self.geometry
         seen = seen_before + q
-        persistent, transient = cache.persistent_bytes(), cache.transient_bytes()
-        f_persistent = strategy.formula_persistent(geom, seen)
-        f_transient = strategy.formula_transient(geom, seen_before, q, turn_start)
-        if (persistent, transient) != (f_persistent, f_transient):
-            lane.bytes_mismatch.append((seen, persistent, f_persistent, transient, f_transient))
-        lane.persistent_peak = max(lane.persistent_peak, persistent)
-        lane.peak = max(lane.peak, persistent + transient)
-        lane.formula_persistent_peak = max(lane.formula_persistent_peak, f_persistent)
-        lane.formula_peak = max(lane.formula_peak, f_persistent + f_transient)
-        lane.last_bytes = {"persistent_bytes": persistent, "peak_bytes": persistent + transient,
-                           "formula_bytes": f_persistent, "formula_peak_bytes": f_persistent + f_transient}
+        lane.book.step(seen, self._held(lane), window, strategy.formula_persistent(geom, seen, lane.forwards),
+                       strategy.formula_transient(geom, seen_before, q, turn_start, lane.forwards))
         self.rss = self.process.memory_info().rss
         self.rss_peak = max(self.rss_peak, self.rss)
+
+    def _held(self, lane: Lane) -> int | None:
+        return self.tracer.live(lane.label)
 
     # --- the run -------------------------------------------------------------
     def turn(self, text: str, ids: list[int] | None = None) -> Iterator[dict]:
@@ -153,47 +169,60 @@ class Engine:
             self.prompt_ids = first
         with model_lock(self.model):
             previous_threads = torch.get_num_threads()
-            torch.set_num_threads(self.threads)
             tap = InputTap(self.model, self.loaded.device)
             try:
                 if k == 0:
                     for lane in self.lanes:
                         lane.cache.compare_with(self.reference.cache)
                     yield {"type": "start", "strategies": self.show, "reference": self.reference.label,
-                           "prompt_ids": self.prompt_ids, "threads": self.threads}
+                           "prompt_ids": self.prompt_ids, "threads": self.threads, "memory": self.instrument,
+                           "determinism": self.determinism}
                 if self.parked:
                     self._resume(tap)
-                    yield {"type": "resume", "lanes": {lane.label: lane.parks[-1]
-                                                       for lane in [self.reference, *self.lanes]}}
+                    yield {"type": "resume", "lanes": {lane.label: lane.parks[-1] for lane in self.all_lanes}}
                 yield from self._turn(k, text, tap)
             finally:
                 tap.close()
-                torch.set_num_threads(previous_threads)
-                for lane in [self.reference, *self.lanes]:
+                for lane in self.all_lanes:
                     if lane.active:  # interrupted: all chosen tokens were fed, nothing is pending
                         lane.active = False
-                        lane.cache.end_turn()
-                        if lane.tf_cache is not None:
-                            lane.tf_cache.end_turn()
+                        self._end_turn(lane)
+                pin(previous_threads)
+
+    def _traced(self, lane: Lane, action, twin: bool = False):
+        """Run `action(cache)` on the lane's cache (or its twin) as that owner's traced work."""
+        cache = lane.tf_cache if twin else lane.cache
+        if cache is None:
+            return None
+        with self.tracer.trace(lane.twin_owner if twin else lane.label) as window:
+            action(cache)
+        return window
+
+    def _end_turn(self, lane: Lane):
+        """The turn is over for this lane: drop what only the turn needed, then count what stays."""
+        self._traced(lane, lambda cache: cache.end_turn())
+        self._traced(lane, lambda cache: cache.end_turn(), twin=True)
+        seen = lane.cache.get_seq_length()
+        lane.book.between_turns(seen, self._held(lane),
+                                lane.strategy.formula_between_turns(self.geometry, seen, lane.forwards))
 
     def park(self) -> dict:
         """Between turns: every cache keeps only its persistent state (full KV, inputs, anchors or token ids).
 
-        The next `turn()` resumes each cache first (timed), rebuilding K/V exactly.
-        Returns a "park" event with the parked bytes per strategy, measured and by formula.
+        The next `turn()` resumes each cache first (timed), rebuilding K/V exactly where the strategy
+        rebuilds on resume.  Returns a "park" event with the parked bytes per strategy, measured and by formula.
         """
-        if any(lane.active for lane in [self.reference, *self.lanes]):
+        if any(lane.active for lane in self.all_lanes):
             raise InputError("park: a turn is still running")
         event = {"type": "park", "lanes": {}}
-        for lane in [self.reference, *self.lanes]:
-            for cache in (lane.cache, lane.tf_cache):
-                if cache is not None:
-                    cache.park()
+        for lane in self.all_lanes:
+            self._traced(lane, lambda cache: cache.park())
+            self._traced(lane, lambda cache: cache.park(), twin=True)
             seen = lane.cache.get_seq_length()
-            record = {"seen": seen, "bytes": lane.cache.persistent_bytes(),
-                      "formula_bytes": lane.strategy.formula_parked(self.geometry, seen), "resume_ms": None}
-            if record["bytes"] != record["formula_bytes"]:
-                lane.bytes_mismatch.append(("parked", seen, record["bytes"], record["formula_bytes"]))
+            record = {"seen": seen, "bytes": self._held(lane),
+                      "formula_bytes": lane.strategy.formula_parked(self.geometry, seen, lane.forwards),
+                      "resume_ms": None, "resume_peak_bytes": None}
+            lane.book.check("parked", seen, record["bytes"], record["formula_bytes"])
             lane.parks.append(record)
             event["lanes"][lane.label] = record
         self.parked = True
@@ -207,21 +236,24 @@ class Engine:
                 self._resume(tap)
             finally:
                 tap.close()
-        return {"type": "resume", "lanes": {lane.label: lane.parks[-1] for lane in [self.reference, *self.lanes]}}
+        return {"type": "resume", "lanes": {lane.label: lane.parks[-1] for lane in self.all_lanes}}
 
     @torch.inference_mode()
     def _resume(self, tap: InputTap):
-        for lane in [self.reference, *self.lanes]:
-            for cache in (lane.cache, lane.tf_cache):
+        pin(self.threads)
+        for lane in self.all_lanes:
+            for twin in (False, True):
+                cache = lane.tf_cache if twin else lane.cache
                 if cache is None:
                     continue
                 tap.target(cache)
                 t0 = clock(self.loaded.device)
-                cache.resume()
+                window = self._traced(lane, lambda c: c.resume(), twin=twin)
                 elapsed = clock(self.loaded.device) - t0
                 cache.take_timers()
-                if cache is lane.cache:
+                if not twin:
                     lane.parks[-1]["resume_ms"] = 1e3 * elapsed
+                    lane.parks[-1]["resume_peak_bytes"] = window.peak if self.tracer.enabled else None
         self.parked = False
 
     def run(self, turns: list[str], park: bool = False) -> Iterator[dict]:
@@ -242,12 +274,14 @@ class Engine:
             raise InputError(f"turn {k + 1}: the conversation passes the model's context of {self.loaded.max_context}")
         self.turn_chunks.append(ref_chunk)
         yield {"type": "turn", "turn": k, "user": text, "chunk_ids": ref_chunk}
-        ref.logits = self._forward(ref, ref.cache, ref_chunk, tap, True, True)
+        for lane in self.all_lanes:
+            lane.book.turns.append(TurnBytes(k))
+        self._forward(ref, ref_chunk, tap, True)
         for lane in lanes:
-            lane.logits = self._forward(lane, lane.cache, chunk(lane), tap, True, True)
+            self._forward(lane, chunk(lane), tap, True)
             if lane.tf_cache is not None:
-                lane.tf_logits = self._forward(lane, lane.tf_cache, ref_chunk, tap, False, True)
-        for lane in [ref, *lanes]:
+                self._forward(lane, ref_chunk, tap, True, twin=True)
+        for lane in self.all_lanes:
             lane.tokens.append([])
             lane.texts.append("")
             lane.active, lane.pending = True, None
@@ -262,30 +296,22 @@ class Engine:
                     self._choose(lane, index)
             # Feed the reference first, then every strategy (and its teacher-forced twin).
             if ref_token is not None and ref.active:
-                ref.logits = self._forward(ref, ref.cache, [ref_token], tap, True, False)
+                self._forward(ref, [ref_token], tap, False)
             for lane in lanes:
                 token = lane.tokens[k][-1] if lane.tokens[k] and len(lane.tokens[k]) == index + 1 else None
                 if token is not None and lane.active:
-                    lane.logits = self._forward(lane, lane.cache, [token], tap, True, False)
+                    self._forward(lane, [token], tap, False)
                 if lane.tf_cache is not None and ref_token is not None and ref.active:
-                    lane.tf_logits = self._forward(lane, lane.tf_cache, [ref_token], tap, False, False)
-            for lane in [ref, *lanes]:
+                    self._forward(lane, [ref_token], tap, False, twin=True)
+            for lane in self.all_lanes:
                 if len(lane.tokens[k]) == index + 1:
                     event["lanes"][lane.label] = self._lane_event(lane, k)
             yield event
             index += 1
-        for lane in [ref, *lanes]:
-            lane.cache.end_turn()
-            if lane.tf_cache is not None:
-                lane.tf_cache.end_turn()
-            seen = lane.cache.get_seq_length()
-            measured = lane.cache.persistent_bytes()
-            formula = lane.strategy.formula_between_turns(self.geometry, seen)
-            if measured != formula:
-                lane.bytes_mismatch.append(("between turns", seen, measured, formula))
-            lane.between_turns_peak = max(lane.between_turns_peak, measured)
-            lane.formula_between_turns_peak = max(lane.formula_between_turns_peak, formula)
-        yield {"type": "turn_end", "turn": k, "texts": {lane.label: lane.texts[k] for lane in [ref, *lanes]}}
+        for lane in self.all_lanes:
+            self._end_turn(lane)
+        yield {"type": "turn_end", "turn": k, "texts": {lane.label: lane.texts[k] for lane in self.all_lanes},
+               "bytes": {lane.label: lane.book.turns[-1].summary() for lane in self.all_lanes}}
 
     def _choose(self, lane: Lane, index: int) -> int:
         """Greedy token at `index` of the current turn; ends the lane's turn on EOS, the token limit or the context."""
@@ -308,7 +334,8 @@ class Engine:
                 return
             if lane_done != ref_done or int(torch.argmax(lane.logits)) != ref_token:
                 # The free run leaves the reference's history here: keep measuring on a twin fed its tokens.
-                lane.tf_cache = lane.cache.fork()
+                with self.tracer.trace(lane.twin_owner):
+                    lane.tf_cache = lane.cache.fork()
                 lane.diverged = True
                 lane.tf_cache.compare_with(self.reference.cache)
                 lane.kv = lane.cache.kv_report()
@@ -333,7 +360,7 @@ class Engine:
             "fed": lane.active,  # the last token of a turn is not fed; its latency is the previous step's
             "prefill_ms": 1e3 * lane.times.prefill[-1]["total"],
             "seen": lane.cache.get_seq_length(),
-            **lane.last_bytes,
+            **lane.book.last,
             "rss_bytes": self.rss,
             "latency_ms": {op: 1e3 * s for op, s in last.items()},
             "diverged": lane.diverged,
@@ -351,10 +378,16 @@ class Engine:
     # --- summary -------------------------------------------------------------
     def _summary(self, lane: Lane) -> dict:
         ref = self.reference
-        is_ref = lane is ref
-        match, first = token_match(ref.tokens, lane.tokens)
-        kv = {"kv_exact": True, "max_abs_dk": 0.0, "max_abs_dv": 0.0, "layers_compared": len(lane.cache.layers)} \
-            if is_ref else self._kv(lane)
+        is_ref = lane is ref and not self.solo
+        match, first = token_match(ref.tokens, lane.tokens) if not self.solo else (None, None)
+        if self.solo:
+            kv = {"kv_exact": None, "max_abs_dk": None, "max_abs_dv": None, "layers_compared": 0,
+                  "rebuilt_token_layers": None, "shape_mismatches": 0}
+        elif is_ref:
+            kv = {"kv_exact": True, "max_abs_dk": 0.0, "max_abs_dv": 0.0, "layers_compared": len(lane.cache.layers),
+                  "rebuilt_token_layers": 0, "shape_mismatches": 0}
+        else:
+            kv = self._kv(lane)
         times = lane.times.summary()
         decode_s = sum(step["total"] for step in lane.times.decode)
         return {
@@ -366,20 +399,15 @@ class Engine:
             "first_divergence": first,
             "teacher_forced_agreement": 1.0 if is_ref else (lane.tf_agree / lane.tf_steps if lane.tf_steps else None),
             "kl_mean": 0.0 if is_ref else (lane.kl_sum / lane.tf_steps if lane.tf_steps else None),
-            "max_abs_dlogit": 0.0 if is_ref else lane.max_dlogit,
+            "max_abs_dlogit": 0.0 if is_ref else (lane.max_dlogit if lane.tf_steps else None),
             **kv,
             "canonical_spec": lane.strategy.spec(),
-            "claims_exact": lane.strategy.claims_exact,
-            "state_bytes": {
-                "persistent_peak": lane.persistent_peak,
-                "peak": lane.peak,
-                "formula_persistent_peak": lane.formula_persistent_peak,
-                "formula_peak": lane.formula_peak,
-                "between_turns_peak": lane.between_turns_peak,
-                "formula_between_turns_peak": lane.formula_between_turns_peak,
-                "final_persistent": lane.cache.persistent_bytes(),
-                "formula_matches_measurement": not lane.bytes_mismatch,
-            },
+            "notes": lane.strategy.notes,
+            "claims_exact": lane.strategy.claims_exact and self.determinism["deterministic"],
+            "exact_unavailable": None if not lane.strategy.claims_exact or self.determinism["deterministic"]
+            else self.determinism["reason"],
+            "state_bytes": lane.book.summary(self._held(lane), self.instrument),
+            "turns": [t.summary() for t in lane.book.turns],
             "latency_ms": times,
             "parks": lane.parks,
             "tokens_per_s": len(lane.times.decode) / decode_s if decode_s > 0 else None,
@@ -397,7 +425,9 @@ class Engine:
         return {"layers_compared": max(before["layers_compared"], live["layers_compared"]),
                 "kv_exact": before["kv_exact"] and live["kv_exact"],
                 "max_abs_dk": max(before["max_abs_dk"], live["max_abs_dk"]),
-                "max_abs_dv": max(before["max_abs_dv"], live["max_abs_dv"])}
+                "max_abs_dv": max(before["max_abs_dv"], live["max_abs_dv"]),
+                "rebuilt_token_layers": before["rebuilt_token_layers"] + live["rebuilt_token_layers"],
+                "shape_mismatches": before["shape_mismatches"] + live["shape_mismatches"]}
 
     def results(self) -> dict:
         by_label = {self.reference.label: self.reference, **{lane.label: lane for lane in self.lanes}}
@@ -407,10 +437,13 @@ class Engine:
             "device": str(self.loaded.device),
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "threads": self.threads,
+            "compared_with_full_cache": not self.solo,
             "prompt_ids": self.prompt_ids,
             "turn_chunk_ids": self.turn_chunks,
             "max_new_tokens": self.max_new_tokens,
             "process_rss_peak_bytes": self.rss_peak,
+            "memory_instrument": self.instrument,
+            "determinism": self.determinism,
             "strategies": {label: self._summary(by_label[label]) for label in self.show if label in by_label},
         }
         if self.loaded.device.type == "cuda":

@@ -27,13 +27,15 @@ def model_lock(model: torch.nn.Module) -> threading.Lock:
 
 
 class InputTap:
-    """Forward hooks on every attention module: hands the attention input to the cache layers that
-    keep it, and times the attention modules.  Installed for one run and removed after it."""
+    """Forward hooks on every decoder layer and attention module: hand the decoder layer's input (the raw
+    residual) to caches that replay from it, the attention input to cache layers that keep it, and time the
+    attention modules.  Installed for one turn and removed after it; they stand aside while a cache
+    replays layers of the model for itself."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.cache: StrategyCache | None = None
         self.wants: set[int] = set()
-        self.residuals: set[int] = set()
+        self.layers: set[int] = set()
         self.device = device
         self.attention_s = 0.0
         self._t0 = 0.0
@@ -46,8 +48,8 @@ class InputTap:
 
     def _residual(self, index: int):
         def hook(module, args, kwargs):
-            if index in self.residuals and not self.cache.replaying:  # residuals is empty until target()
-                self.cache.capture_residual(index, args[0] if args else kwargs["hidden_states"])
+            if index in self.layers and not self.cache.replaying:  # layers is empty until target()
+                self.cache.before_layer(index, args[0] if args else kwargs["hidden_states"])
 
         return hook
 
@@ -69,7 +71,7 @@ class InputTap:
     def target(self, cache: StrategyCache):
         self.cache = cache
         self.wants = set(cache.wants_inputs())
-        self.residuals = set(cache.wants_residuals())
+        self.layers = set(cache.wants_layers())
         self.attention_s = 0.0
 
     def close(self):

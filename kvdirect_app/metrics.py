@@ -59,12 +59,12 @@ class StepTimes:
 
     def summary(self) -> dict:
         """Milliseconds: time to first token, mean per decode step, per-op means and totals."""
-        ops = ("recompute", "cache_update", "scoring", "attention", "other", "total")
+        ops = ("recompute", "replay", "cache_update", "scoring", "attention", "other", "total")
         out = {"ttft_ms": 1e3 * self.prefill[0]["total"] if self.prefill else None}
         n = len(self.decode)
         for op in ops:
-            total = sum(step[op] for step in self.decode)
+            total = sum(step.get(op, 0.0) for step in self.decode)
             out[f"decode_{op}_ms_mean"] = 1e3 * total / n if n else None
-            out[f"{op}_ms_total"] = 1e3 * (total + sum(step[op] for step in self.prefill))
+            out[f"{op}_ms_total"] = 1e3 * (total + sum(step.get(op, 0.0) for step in self.prefill))
         out["decode_steps"] = n
         return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .models import LoadedModel
+from .scenarios import PRESETS_DIR
 
 
 class InputError(ValueError):
@@ -40,3 +41,13 @@ class Prompter:
         """The next turn: the unfed last token of the reply (if it was cut), the end of turn, the user turn."""
         body = self.next_template.replace(self._U2, text) if self.chat else "\n" + text
         return ([pending] if pending is not None else []) + self.encode(body, False)
+
+
+def filler_ids(tokenizer, n: int) -> list[int]:
+    """`n` token ids of the long-document preset, repeated as needed (deterministic): a context of exactly n."""
+    text = (PRESETS_DIR / "long_document.md").read_text(encoding="utf-8")
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    more = tokenizer("\n\n" + text, add_special_tokens=False)["input_ids"]
+    while len(ids) < n:
+        ids += more
+    return ids[:n]

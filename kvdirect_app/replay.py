@@ -23,41 +23,73 @@ GEMM over many rows can round differently from the same rows one at a time
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import compat
+from .memory import harness
+from .rows import RowsContext
+from .rows import rows as rows_scope
+
+
+def _rows_batched(weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """rows (N, d) -> (N, out), each row as its own batch element of one bmm."""
+    n, d = rows.shape
+    out = weight.shape[0]
+    weight_t = weight.t().unsqueeze(0).expand(n, d, out)
+    x = rows.unsqueeze(1)  # (N, 1, d)
+    if bias is None:
+        return torch.bmm(x, weight_t).squeeze(1)
+    return torch.baddbmm(bias.view(1, 1, -1).expand(n, 1, out), x, weight_t).squeeze(1)
+
+
+def _rows_loop(weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """rows (N, d) -> (N, out), one `F.linear` on a (1, 1, d) input per row, exactly as a decode step."""
+    return torch.cat([F.linear(rows[i].view(1, 1, -1), weight, bias).view(1, -1) for i in range(rows.shape[0])])
 
 
 def _linear_rows_batched(linear: nn.Linear, rows: torch.Tensor) -> torch.Tensor:
-    """rows (N, d) -> (N, out), each row as its own batch element of one bmm."""
-    n, d = rows.shape
-    weight_t = linear.weight.t().unsqueeze(0).expand(n, d, linear.out_features)
-    x = rows.unsqueeze(1)  # (N, 1, d)
-    if linear.bias is None:
-        return torch.bmm(x, weight_t).squeeze(1)
-    bias = linear.bias.view(1, 1, -1).expand(n, 1, linear.out_features)
-    return torch.baddbmm(bias, x, weight_t).squeeze(1)
+    return _rows_batched(linear.weight, linear.bias, rows)
 
 
 def _linear_rows_loop(linear: nn.Linear, rows: torch.Tensor) -> torch.Tensor:
-    """rows (N, d) -> (N, out), one `F.linear` on a (1, 1, d) input per row, exactly as a decode step."""
-    return torch.cat([linear(rows[i].view(1, 1, -1)).view(1, -1) for i in range(rows.shape[0])])
+    return _rows_loop(linear.weight, linear.bias, rows)
+
+
+_ROWS_EXACT: dict[tuple, bool] = {}
 
 
 def rows_kernel_is_exact(linear: nn.Linear, n_rows: int = 256) -> bool:
-    """Whether the batched row kernel is bit-equal to one-row calls for this layer on its device and dtype.
+    """Whether the batched row kernel is bit-equal to one-row calls for this layer's shape on its device and dtype.
 
-    Only fp32 is tried: in bf16 the batched kernel rounds a few rows in a
-    thousand differently on this CPU (measured), more often than a start-up
-    check can be trusted to catch.
+    Checked once per (shape, dtype, bias, device) on random rows with the
+    layer's own weight.  Only fp32 is tried: in bf16 the batched kernel
+    rounds a few rows in a thousand differently on this CPU (measured), more
+    often than a start-up check can be trusted to catch.
     """
-    if linear.weight.dtype != torch.float32:
-        return False
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    rows = torch.randn(n_rows, linear.in_features, generator=gen).to(linear.weight)
-    with torch.inference_mode():
-        return torch.equal(_linear_rows_batched(linear, rows), _linear_rows_loop(linear, rows))
+    return rows_are_exact(linear.weight, linear.bias, n_rows)
+
+
+def rows_are_exact(weight: torch.Tensor, bias: torch.Tensor | None, n_rows: int = 256) -> bool:
+    key = (tuple(weight.shape), weight.dtype, bias is not None, str(weight.device))
+    if key not in _ROWS_EXACT:
+        ok = weight.dtype == torch.float32
+        if ok:
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            rows = torch.randn(n_rows, weight.shape[1], generator=gen).to(weight)
+            with torch.inference_mode():
+                ok = torch.equal(_rows_batched(weight, bias, rows), _rows_loop(weight, bias, rows))
+        _ROWS_EXACT[key] = ok
+    return _ROWS_EXACT[key]
+
+
+def linear_rows(weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """rows (N, d) -> (N, out), each row as its own GEMM: the batched kernel where it is exact here, else a loop."""
+    kernel = _rows_batched if rows_are_exact(weight, bias) else _rows_loop
+    return kernel(weight, bias, rows)
 
 
 class HeadProjection:
@@ -114,14 +146,7 @@ class KVProjector:
         self.spec = spec
         self.key = HeadProjection(model, spec, "k_proj", norm="k_norm", rotate=True)
         self.value = HeadProjection(model, spec, "v_proj", norm=None, rotate=False)
-        self._rows_exact: bool | None = None
 
-    @property
-    def rows_batched(self) -> bool:
-        """True when the batched row kernel was checked bit-equal here (checked once, lazily)."""
-        if self._rows_exact is None:
-            self._rows_exact = rows_kernel_is_exact(self.key.linear) and rows_kernel_is_exact(self.value.linear)
-        return self._rows_exact
 
     def project(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x (1, T, d): attention inputs of tokens at positions start..start+T-1, as one GEMM.
@@ -133,35 +158,58 @@ class KVProjector:
     def project_rows(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (1, N, d): N single-token inputs at `positions` (N,), each row its own GEMM as in decoding."""
         rows = x[0]
-        linear_rows = _linear_rows_batched if self.rows_batched else _linear_rows_loop
         position_ids = positions.view(1, -1)
-        k = self.key.finish(linear_rows(self.key.linear, rows).unsqueeze(0), position_ids)
-        v = self.value.finish(linear_rows(self.value.linear, rows).unsqueeze(0), position_ids)
+        k = self.key.finish(linear_rows(self.key.linear.weight, self.key.linear.bias, rows).unsqueeze(0), position_ids)
+        v = self.value.finish(linear_rows(self.value.linear.weight, self.value.linear.bias, rows).unsqueeze(0),
+                              position_ids)
         return k, v
 
 
 class _ReplayStop(Exception):
-    """Raised by the last layer of a replay once its K/V are stored: the rest of that layer is not needed."""
+    """Raised by a replayed layer once its K/V are stored, when the rest of that layer is not needed."""
 
 
-class _StopLayer(compat.DynamicLayer):
+class _BufferLayer(compat.DynamicLayer):
+    """K/V of a replayed global layer, written chunk after chunk into buffers of a fixed `capacity` (no
+    concatenation per chunk); attention gets the filled prefix.  The caller fills the rest (hot and new tokens)."""
+
+    def __init__(self, capacity: int, stop: bool):
+        super().__init__()
+        self.capacity, self.stop, self.count = capacity, stop, 0
+
+    def lazy_initialization(self, key_states, value_states):
+        self.device = key_states.device
+        self.keys = key_states.new_empty(*key_states.shape[:2], self.capacity, key_states.shape[-1])
+        self.values = value_states.new_empty(*value_states.shape[:2], self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
     def update(self, key_states, value_states, *args, **kwargs):
-        super().update(key_states, value_states, *args, **kwargs)
-        raise _ReplayStop
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        self.keys[..., self.count:self.count + n, :] = key_states
+        self.values[..., self.count:self.count + n, :] = value_states
+        self.count += n
+        if self.stop:
+            raise _ReplayStop
+        return self.keys[..., :self.count, :], self.values[..., :self.count, :]
+
+    def get_seq_length(self) -> int:
+        return self.count
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.count + query_length, 0
 
 
 class _SizeLayer(compat.DynamicLayer):
-    """Stands in for a layer outside the replayed segment: stores nothing, reports mask sizes as the real
-    layer would have (the model builds each type's mask from its first layer of that type)."""
+    """Stands in for a layer that is not replayed: stores nothing, reports mask sizes as the real layer would
+    have (the model builds each type's mask from its first layer of that type)."""
 
     def __init__(self, sliding_window: int | None):
         super().__init__()
         self.is_sliding = sliding_window is not None
         self.window = sliding_window
         self.count = 0
-
-    def advance(self, n: int):
-        self.count += n
 
     def get_seq_length(self) -> int:
         return self.count
@@ -176,14 +224,24 @@ class _SizeLayer(compat.DynamicLayer):
 
 
 class LayerReplayer:
-    """Replays decoder layers on stored anchors, repeating the original chunking (AnchorKV).
+    """Replays decoder layers on stored anchors, one layer at a time, repeating the original chunking (AnchorKV).
 
-    `replay(start_hidden, anchor, targets, chunks)` runs layers
-    `anchor..max(targets)` over `chunks` [(start, n)] in order, each chunk as
-    one causal forward over everything before it, with the masks and rotary
-    embeddings the model's own forward builds for those shapes; the last layer
-    stops once its K/V are stored.  Counts decoder-layer passes (per segment
-    replay) and layer calls (per chunk).
+    `replay_layer(j, hidden, chunks)` runs decoder layer `j` over `chunks`
+    [(start, n)] of `hidden` (1, T, d), in order, each chunk as one causal
+    forward over the chunks before it, with the masks and rotary embeddings
+    the model's own forward builds for those shapes.  It can carry the hidden
+    states up (each chunk's output overwrites its input, which no later chunk
+    of this layer needs) and return the layer's K/V.  Chunk by chunk within a
+    layer, or layer by layer within a chunk: every op sees the same inputs
+    and shapes, so both orders give the same bits, and the layer-major order
+    needs one layer's K/V and one hidden state per token at a time.
+
+    Consecutive one-token chunks (decoded tokens) of a global layer go
+    through the layer in one call that keeps each row's shapes (`rows.py`),
+    once the first such call of each layer type was checked bit-equal to
+    separate calls here; `rows_exact` records the check.
+
+    Counts decoder-layer passes (one per replayed layer) and layer calls.
     """
 
     def __init__(self, model: nn.Module):
@@ -195,34 +253,135 @@ class LayerReplayer:
         self.rotary = {s.layer_type: compat.rotary_for_layer(model, s.layer_type) for s in self.specs}
         self.passes = 0
         self.calls = 0
+        self.rows_exact: dict[str, bool] = {}  # layer type -> rows in one call checked bit-equal to separate calls
+        self._inputs: dict[tuple, tuple] = {}  # (start, n, type) -> (mask, rotary); valid for one set of chunks
 
-    def replay(self, start_hidden, anchor: int, targets: list[int], chunks: list[tuple[int, int]]):
-        last = max(targets)
-        layers = []
-        for s in self.specs:
-            if anchor <= s.index < last:
-                layers.append(compat.DynamicSlidingWindowLayer(s.sliding_window) if s.is_sliding else compat.DynamicLayer())
-            elif s.index == last:
-                layers.append(_StopLayer())
-            else:
-                layers.append(_SizeLayer(s.sliding_window))
-        cache = compat.Cache(layers=layers)
-        types = {self.specs[j].layer_type for j in range(anchor, last + 1)}
+    def forget_inputs(self):
+        """Masks and rotary embeddings are cached per chunk shape; call when a step is over."""
+        self._inputs = {}
+
+    def _chunk_inputs(self, start: int, n: int, layer_type: str, like: torch.Tensor) -> tuple:
+        """The mask and rotary embeddings the model's forward builds for a chunk of `n` tokens after `start`."""
+        key = (start, n, layer_type)
+        if key not in self._inputs:
+            sizes = [_SizeLayer(s.sliding_window) for s in self.specs]
+            for layer in sizes:
+                layer.count = start
+            positions = torch.arange(start, start + n, device=like.device).unsqueeze(0)
+            mask = compat.mask_function(layer_type)(config=self.config, inputs_embeds=like[:, :n], attention_mask=None,
+                                                    cache=compat.Cache(layers=sizes), position_ids=positions)
+            rotary = self.rotary[layer_type](like[:, :n], positions) if self.rotary[layer_type] else None
+            self._inputs[key] = (mask, rotary)
+        return self._inputs[key]
+
+    def _target(self, j: int, capacity: int, carry: bool):
+        spec = self.specs[j]
+        return (compat.DynamicSlidingWindowLayer(spec.sliding_window) if spec.is_sliding
+                else _BufferLayer(capacity, stop=not carry))
+
+    def _cache(self, j: int, target, start: int = 0):
+        stand_ins = [_SizeLayer(s.sliding_window) for s in self.specs]
+        for layer in stand_ins:
+            layer.count = start
+        return compat.Cache(layers=[target if i == j else stand_ins[i] for i in range(len(self.specs))]), stand_ins
+
+    @staticmethod
+    def _groups(chunks: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+        """Chunks as (start, n, rows): consecutive one-token chunks merged into one run of rows."""
+        groups = []
         for start, n in chunks:
-            hidden = start_hidden(start, n)
-            positions = torch.arange(start, start + n, device=hidden.device).unsqueeze(0)
-            masks = {t: compat.mask_function(t)(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                                cache=cache, position_ids=positions) for t in types}
-            embeddings = {t: self.rotary[t](hidden, positions) if self.rotary[t] else None for t in types}
-            for j in range(anchor, last + 1):
-                t = self.specs[j].layer_type
-                try:
-                    hidden = compat.run_decoder_layer(self.layers[j], hidden, masks[t], embeddings[t], positions, cache)
-                except _ReplayStop:
-                    pass
-                self.calls += 1
-            for layer in layers:
-                if isinstance(layer, _SizeLayer):
-                    layer.advance(n)
-        self.passes += last - anchor + 1
-        return {g: (cache.layers[g].keys, cache.layers[g].values) for g in targets}
+            last = groups[-1] if groups else None
+            if n == 1 and last is not None and last[2] and last[0] + last[1] == start:
+                groups[-1] = (last[0], last[1] + 1, True)
+            else:
+                groups.append((start, n, n == 1))
+        return groups
+
+    def _call(self, j: int, hidden: torch.Tensor, start: int, n: int, cache, carry: bool, rows: bool = False):
+        """One call of layer `j` on hidden[:, start:start+n] (its output written back when `carry`)."""
+        t = self.specs[j].layer_type
+        chunk = hidden[:, start:start + n]
+        positions = torch.arange(start, start + n, device=hidden.device).unsqueeze(0)
+        mask, embeddings = self._chunk_inputs(start, n, t, chunk)
+        attn = compat.attention_module(self.layers[j])
+        scope = contextlib.nullcontext()
+        if rows:
+            like = hidden[:, start:start + 1]
+            context = RowsContext(start, n, compat.attention_function(attn),
+                                  lambda pos: self._chunk_inputs(pos, 1, t, like)[0], linear_rows)
+            scope = rows_scope(attn.config, context)
+        try:
+            with scope:
+                out = compat.run_decoder_layer(self.layers[j], chunk, mask, embeddings, positions, cache)
+            if carry:
+                hidden[:, start:start + n] = out
+        except _ReplayStop:
+            pass
+        self.calls += 1
+
+    def replay_layer(self, j: int, hidden: torch.Tensor, chunks: list[tuple[int, int]], capacity: int | None = None,
+                     carry: bool = True):
+        """Run layer `j` over `chunks` of `hidden`; returns its K/V buffers ((1, n_kv, capacity, d_h), the first
+        T rows filled) when `capacity` is given.  With `carry`, `hidden` holds layer j's output afterwards."""
+        spec = self.specs[j]
+        target = self._target(j, capacity if capacity is not None else hidden.shape[1], carry)
+        cache, stand_ins = self._cache(j, target)
+        for start, n, is_rows in self._groups(chunks):
+            if is_rows and n > 1 and not spec.is_sliding and self.rows_exact.get(spec.layer_type) is not False:
+                if spec.layer_type not in self.rows_exact:
+                    with harness():  # a one-time check, not the strategy's state
+                        self._check_rows(j, hidden, start, n, target, carry)
+                if self.rows_exact[spec.layer_type]:
+                    self._call(j, hidden, start, n, cache, carry, rows=True)
+                    for layer in stand_ins:
+                        layer.count += n
+                    continue
+            for s, q in ([(start + i, 1) for i in range(n)] if is_rows else [(start, n)]):
+                self._call(j, hidden, s, q, cache, carry)
+                for layer in stand_ins:
+                    layer.count += q
+        self.passes += 1
+        if spec.is_sliding or capacity is None:
+            return None
+        return target.keys, target.values
+
+    def _check_rows(self, j: int, hidden: torch.Tensor, start: int, n: int, target, carry: bool):
+        """Run `n` rows in one call on copies, beside the separate calls about to run, and keep whether they give
+        the same bits (K/V and, when carried, the layer's output)."""
+        trial = _BufferLayer(target.capacity, stop=not carry)
+        if target.count:
+            trial.lazy_initialization(target.keys[..., :1, :], target.values[..., :1, :])
+            trial.keys[..., :target.count, :] = target.keys[..., :target.count, :]
+            trial.values[..., :target.count, :] = target.values[..., :target.count, :]
+            trial.count = target.count
+        rows_hidden = hidden.clone()
+        trial_cache, _ = self._cache(j, trial, start)
+        self._call(j, rows_hidden, start, n, trial_cache, carry, rows=True)
+        separate_hidden = hidden.clone()
+        check_target = _BufferLayer(target.capacity, stop=not carry)
+        check_target.lazy_initialization(trial.keys[..., :1, :], trial.values[..., :1, :])
+        check_target.keys[..., :target.count, :] = trial.keys[..., :target.count, :]
+        check_target.values[..., :target.count, :] = trial.values[..., :target.count, :]
+        check_target.count = target.count
+        check_cache, stand_ins = self._cache(j, check_target, start)
+        for i in range(n):
+            self._call(j, separate_hidden, start + i, 1, check_cache, carry)
+            for layer in stand_ins:
+                layer.count += 1
+        rows = slice(start, start + n)
+        same = (torch.equal(trial.keys[..., rows, :], check_target.keys[..., rows, :])
+                and torch.equal(trial.values[..., rows, :], check_target.values[..., rows, :])
+                and (not carry or torch.equal(rows_hidden[:, rows], separate_hidden[:, rows])))
+        self.rows_exact[self.specs[j].layer_type] = same
+
+    def replay(self, start_hidden: torch.Tensor, anchor: int, targets: list[int], chunks: list[tuple[int, int]],
+               capacity: int | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Layers `anchor..max(targets)` over `chunks`, layer by layer from `start_hidden` (1, T, d; overwritten);
+        K/V of every target layer (capacity rows, the first T filled)."""
+        last = max(targets)
+        out = {}
+        for j in range(anchor, last + 1):
+            kv = self.replay_layer(j, start_hidden, chunks, capacity if j in targets else None, carry=j < last)
+            if j in targets:
+                out[j] = kv
+        return out

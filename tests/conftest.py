@@ -23,6 +23,13 @@ def tiny(name: str, dtype: str = "float32"):
     return load_model(name, dtype=dtype, device="cpu")
 
 
+def all_sliding(loaded) -> bool:
+    """Every layer slides (tiny-mistral): such layers keep their window like the full cache, nothing is rebuilt."""
+    from kvdirect_app.compat import layer_specs
+
+    return all(spec.is_sliding for spec in layer_specs(loaded.config))
+
+
 def bad_spec_error(text: str) -> str:
     """The StrategyError message for a bad spec, checked to be one line."""
     from kvdirect_app.strategies import StrategyError, parse_spec

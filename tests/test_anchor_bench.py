@@ -18,17 +18,24 @@ def test_replay_rebuilds_exactly_with_the_predicted_passes(tmp_path, capsys):
     assert "cascade speedup" in capsys.readouterr().out
 
 
-def test_capacity_reports_parked_bytes_sessions_and_resume(tmp_path, capsys):
+def test_capacity_parks_real_sessions_and_measures_them(tmp_path, capsys):
     out = tmp_path / "capacity.json"
     assert bench.main(["capacity", "--model", "tiny-llama", "--context", "4096", "--memory-gb", "1",
-                       "--measure-context", "64", "--json", str(out)]) == 0
+                       "--measure-context", "64", "--measure", "2", "--budget", "8", "--json", str(out)]) == 0
     rows = {row["strategy"]: row for row in json.loads(out.read_text())["rows"]}
-    full, deepest = rows["full"], rows["anchorkv:spacing=4"]
+    full, deepest = rows["full"], rows["anchorkv:spacing=4:budget=8"]
     assert deepest["parked_bytes"] == 4 * 4096  # token ids only
     assert full["parked_bytes"] == 4 * 4096 * (2 * 2 * 16 * 4)  # L * T * 2 n_kv d_h b
     assert deepest["sessions"] == 2**30 // deepest["parked_bytes"]
     assert deepest["capacity_vs_full"] == full["parked_bytes"] / deepest["parked_bytes"]
-    assert all(row["resume_ms_measured"] is not None and row["resume_measured_at"] == 64 for row in rows.values())
+    for name, row in rows.items():
+        assert row["sessions_parked"] == 2 and row["measured_at"] == 64, name
+        assert row["parked_bytes_measured"] == row["formula_parked_bytes_at_measure"], name  # allocator = formula
+        assert row["next_ttft_ms"] is not None, name
+    # rebuild=turn rebuilds on resume; rebuild=step leaves it to the next step, so its resume allocates nothing
+    step = rows["anchorkv:spacing=4:budget=8:rebuild=step"]
+    assert step["resume_peak_bytes"] == step["parked_bytes_measured"]
+    assert deepest["resume_peak_bytes"] > deepest["parked_bytes_measured"]
     assert "lower bound" in capsys.readouterr().out
 
 

@@ -8,18 +8,22 @@ from kvdirect_app.geometry import ModelGeometry
 from kvdirect_app.strategies import StrategyError, parse_spec, parse_specs
 from kvdirect_app.strategies.anchorkv import rebuild_all
 
-from .conftest import TINY_FAMILIES, bad_spec_error, tiny
+from .conftest import TINY_FAMILIES, all_sliding, bad_spec_error, tiny
+from .test_exactness_tiny import fast_mode_reports_its_error
 
 TURNS = ["Tell me about caches.", "Why do keys need positions?"]
 
 
-def _check_exact(result, n_layers):
+def _check_exact(result, n_layers, rebuilds=True):
     ref = result["strategies"]["full"]
     for spec, r in result["strategies"].items():
         assert r["token_ids"] == ref["token_ids"] and r["token_match"] == 1.0, spec
-        assert r["kv_exact"] is True and r["layers_compared"] == n_layers, spec
+        assert r["kv_exact"] is True and r["layers_compared"] == n_layers and r["shape_mismatches"] == 0, spec
         assert r["max_abs_dlogit"] == 0.0, spec
         assert r["state_bytes"]["formula_matches_measurement"], spec
+        assert r["state_bytes"]["peak"] >= r["state_bytes"]["formula_peak"], spec
+        if spec != "full":
+            assert (r["rebuilt_token_layers"] > 0) == rebuilds, spec
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -30,7 +34,9 @@ def test_every_spacing_is_bit_equal_and_keeps_tokens(family, dtype):
     specs = ["full"] + [f"anchorkv:spacing={s}:budget=2:rebuild=step" for s in range(1, L + 1)]
     specs += ["anchorkv:spacing=2:budget=3:token_id_anchor=false:replay=naive",
               "anchorkv:anchors=dp:spacing=2:budget=2:rebuild=step", "anchorkv:anchors=0-2:budget=1"]
-    _check_exact(run_to_end(Engine(loaded, parse_specs(",".join(specs)), max_new_tokens=6), TURNS), L)
+    slides = all_sliding(loaded)
+    _check_exact(run_to_end(Engine(loaded, parse_specs(",".join(specs)), max_new_tokens=6), TURNS), L,
+                 rebuilds=not slides)
 
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3", "tiny-mistral", "tiny-olmo2"])
@@ -39,7 +45,7 @@ def test_park_and_resume_rebuild_exactly(family):
     L = loaded.config.num_hidden_layers
     specs = f"full,kvdirect:budget=3,kvdirect:budget=3:rebuild=turn,anchorkv:spacing=2:budget=3,anchorkv:spacing={L}:budget=3:rebuild=step"
     result = run_to_end(Engine(loaded, parse_specs(specs), max_new_tokens=5), TURNS + ["Once more."], park=True)
-    _check_exact(result, L)
+    _check_exact(result, L, rebuilds=family != "tiny-mistral")
     for spec, r in result["strategies"].items():
         assert len(r["parks"]) == 2
         assert all(p["bytes"] == p["formula_bytes"] for p in r["parks"]), spec
@@ -79,16 +85,13 @@ def test_cascade_and_naive_rebuild_the_same_kv_with_the_predicted_pass_counts(fa
     assert geom.replay_passes(deep, cascade=False) > geom.replay_passes(deep, cascade=True)
 
 
-def test_one_chunk_replay_drifts_and_the_drift_is_measured():
-    # Replaying all old tokens as one chunk changes GEMM and attention query lengths: on this CPU in fp32 the
-    # result is not bit-equal to the original chunking.  The fast mode reports the drift; the exact path repeats
-    # the original chunks (tested above).
+def test_one_chunk_replay_reports_its_drift():
+    # Replaying all old tokens as one chunk changes GEMM and attention query lengths; whether that rounds
+    # differently depends on the BLAS, so the test asks for a consistent, measured report, not for a drift.
     loaded = tiny("tiny-llama")
     result = run_to_end(Engine(loaded, parse_specs("full,anchorkv:spacing=2:budget=2:mode=fast:rebuild=step"),
                                max_new_tokens=6), TURNS)
-    fast = result["strategies"]["anchorkv:spacing=2:budget=2:mode=fast:rebuild=step"]
-    assert fast["claims_exact"] is False
-    assert fast["kv_exact"] is False and 0 < fast["max_abs_dk"] < 1e-3
+    fast_mode_reports_its_error(result["strategies"]["anchorkv:spacing=2:budget=2:mode=fast:rebuild=step"])
 
 
 @pytest.mark.parametrize("text, words", [

@@ -6,7 +6,7 @@ import pytest
 
 gradio_client = pytest.importorskip("gradio_client")
 
-from kvdirect_app.bench import scenarios  # noqa: E402
+from kvdirect_app.scenarios import scenarios  # noqa: E402
 from kvdirect_app.engine import Engine, run_to_end  # noqa: E402
 from kvdirect_app.models import load_model  # noqa: E402
 from kvdirect_app.strategies import parse_specs  # noqa: E402
@@ -35,6 +35,8 @@ def stable(result: dict) -> dict:
     out = {k: v for k, v in result.items() if k not in VOLATILE}
     out["strategies"] = {label: {k: v for k, v in r.items() if k not in VOLATILE}
                          for label, r in result["strategies"].items()}
+    for r in out["strategies"].values():
+        r["turns"] = [{k: v for k, v in t.items() if k != "decode_ms_per_token"} for t in r["turns"]]
     return out
 
 
@@ -100,7 +102,7 @@ def test_compare_unknown_model_is_one_clear_error_and_the_app_stays_up(app):
 
 def _controls(**overrides) -> dict:
     values = dict(model=TINY, custom_model="", device="auto", dtype="float32", strategies=default_names(),
-                  extra_specs="", budget=40, spacing=2, mode="exact", max_new_tokens=4)
+                  extra_specs="", budget=40, spacing=2, mode="exact", rebuild="step", max_new_tokens=4)
     values.update(overrides)
     return values
 
@@ -123,7 +125,7 @@ def test_scenario_plays_to_the_end_and_exports_what_the_engine_gives(app):
     paths = [d["value"] for d in downloads]  # updates {"value": path, "interactive": True}
     assert [p.rsplit(".", 1)[-1] for p in paths] == ["json", "csv", "csv", "html"]
     exported = json.loads(open(paths[0]).read())
-    specs = ",".join(expand(n, 40, 2, "exact") for n in default_names())
+    specs = ",".join(expand(n, 40, 2, "exact", "step") for n in default_names())
     want = engine_result(TINY, specs, turns, 4)
     assert exported["user_turns"] == turns
     assert stable(exported["results"]) == stable(want)
@@ -173,3 +175,21 @@ def test_on_zero_gpu_every_turn_rebuilds_and_replays_the_conversation(app, monke
     assert len(second[chat_index]) == 4 and second[chat_index][:2] == first[chat_index][:2]
     assert "kvd-tok" in second[map_index]  # the token map came back with the run
     client.close()
+
+
+def test_the_frontier_tab_draws_a_point_per_strategy_and_setting(app):
+    demo, client = app
+    status, plot = client.predict(source="capitals", api_name="/frontier",
+                                     **_controls(strategies=["full", "kvdirect", "anchorkv", "window"],
+                                                 max_new_tokens=3))
+    assert "points from 2 runs" in status
+    figure = json.loads(plot["plot"])
+    points = {text[0] for trace in figure["data"] if trace.get("mode") == "markers"
+              for text in trace["customdata"]}
+    # KV-Direct and the window at budgets 16 and 64; AnchorKV at its deepest spacing in both rebuild modes and at
+    # its break-even spacing (1 for this model, with the token-id anchor)
+    want = {f"{spec}:budget={b}{tail}" for b in (16, 64) for spec, tail in
+            (("kvdirect", ":mode=exact:rebuild=step"), ("window", ""))}
+    want |= {f"anchorkv:spacing={s}:budget={b}:rebuild={r}" for b in (16, 64) for s, r in ((4, "step"), (4, "turn"), (1, "step"))}
+    assert points == want
+    assert any(t.get("name") == "Pareto front" for t in figure["data"])

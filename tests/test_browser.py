@@ -68,7 +68,8 @@ def test_a_prompt_fills_every_pane_and_draws_the_plots(url, page, tmp_path):
         assert pane.locator('[data-testid="user"]').count() == 1, title
         replies = pane.locator('[data-testid="bot"]')
         assert replies.count() == 1 and replies.first.inner_text().strip(), f"pane {title!r} stayed empty"
-        assert "state" in pane.locator(".kvd-stats").inner_text(), title
+        stats = pane.locator(".kvd-stats").inner_text()
+        assert "between turns" in stats and "peak in turn" in stats and "ms/token" in stats, title
 
     for plot in ("#kvd-memory", "#kvd-latency", "#kvd-agreement"):
         assert page.locator(f"{plot} .js-plotly-plot").count() == 1, plot

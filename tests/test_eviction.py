@@ -54,13 +54,14 @@ def test_a_budget_larger_than_the_conversation_gives_the_full_caches_tokens(fami
         assert r["kv_exact"] is None and r["layers_compared"] == 0, name  # eviction caches do not compare K/V
         assert r["claims_exact"] is False, name
         assert r["state_bytes"]["formula_matches_measurement"], name
-        assert r["state_bytes"]["peak"] == r["state_bytes"]["formula_peak"], name
+        assert r["state_bytes"]["peak"] >= r["state_bytes"]["formula_peak"], name
 
 
 # --- a small budget ---------------------------------------------------------------------------------------------
 
 SMALL = ["window:budget=6", "streaming_llm:budget=6:sinks=2", "h2o:budget=6", "h2o:budget=6:recent=0",
-         "snapkv:budget=6:window=2:kernel=3", "snapkv:budget=6:window=3:kernel=1:pooling=avg", "tova:budget=6"]
+         "snapkv:budget=6:window=2:kernel=3:decode=hold", "snapkv:budget=6:window=3:kernel=1:pooling=max:decode=hold",
+         "tova:budget=6"]
 
 
 @pytest.mark.parametrize("family, dtype", [("tiny-llama", "float32"), ("tiny-qwen3", "bfloat16"),
@@ -104,7 +105,7 @@ def test_a_small_budget_is_never_exceeded_and_bytes_match_the_formula(family, dt
     for spec in SMALL:
         r = result["strategies"][spec]
         assert r["state_bytes"]["formula_matches_measurement"], spec
-        assert r["state_bytes"]["peak"] == r["state_bytes"]["formula_peak"], spec
+        assert r["state_bytes"]["peak"] >= r["state_bytes"]["formula_peak"], spec
         assert r["kv_exact"] is None, spec
     # Six tokens of a three-turn conversation is lossy for at least one of them.
     assert min(result["strategies"][s]["teacher_forced_agreement"] for s in SMALL) < 1.0
@@ -301,41 +302,57 @@ def _pool(values, kernel, how):
     return out
 
 
-@pytest.mark.parametrize("window, kernel, pooling", [(2, 3, "max"), (3, 5, "avg"), (4, 1, "max")])
-def test_snapkv_keeps_the_pooled_votes_of_the_observation_window_and_holds_the_budget(window, kernel, pooling):
+@pytest.mark.parametrize("window, kernel, pooling, decode", [(2, 3, "max", "hold"), (3, 5, "avg", "grow"),
+                                                          (4, 1, "max", "grow"), (3, 3, "avg", "hold")])
+def test_snapkv_keeps_the_pooled_votes_of_the_observation_window(window, kernel, pooling, decode):
     budget = 7
     scaling = D_H ** -0.5
     kept = [set() for _ in range(N_KV)]
     selected_before = 0
     plan = [[12, 1, 1, 1], [6, 1, 1, 1, 1, 1], [1, 1, 1]]
-    for layer, seen, keys, queries, q, prefill in _drive(
-            f"snapkv:budget={budget}:window={window}:kernel={kernel}:pooling={pooling}", plan):
+    spec = f"snapkv:budget={budget}:window={window}:kernel={kernel}:pooling={pooling}:decode={decode}"
+    for layer, seen, keys, queries, q, prefill in _drive(spec, plan):
         new = list(range(seen - q, seen))
         if prefill:
             selected_before = seen - window
         for h in range(N_KV):
             candidates = sorted(kept[h] | set(new))
-            if len(candidates) <= budget:
-                kept[h] = set(candidates)
+            if len(candidates) <= budget or (not prefill and decode == "grow"):
+                kept[h] = set(candidates)  # the paper: nothing is evicted while decoding
                 continue
             if prefill:
                 observers = new[-min(window, q):]
                 prefix, observed = candidates[:-window], candidates[-window:]
                 keys_by_pos = {p: keys[h, p] for p in candidates}
-                votes = {p: 0.0 for p in candidates}
-                for p_query in observers:
-                    visible = [p for p in candidates if p <= p_query]
-                    for j in range(h * GROUPS, (h + 1) * GROUPS):
+                pooled = {p: 0.0 for p in prefix}
+                for j in range(h * GROUPS, (h + 1) * GROUPS):  # pool per query head, then average the group
+                    votes = {p: 0.0 for p in candidates}
+                    for p_query in observers:
+                        visible = [p for p in candidates if p <= p_query]
                         for p, w in _softmax_over(queries[j, p_query], keys_by_pos, visible, scaling).items():
-                            votes[p] += w / GROUPS
-                pooled = dict(zip(prefix, _pool([votes[p] for p in prefix], kernel, pooling)))
+                            votes[p] += w
+                    for p, v in zip(prefix, _pool([votes[p] for p in prefix], kernel, pooling)):
+                        pooled[p] += v / GROUPS
                 chosen = sorted(prefix, key=lambda p: (pooled[p], p), reverse=True)[:budget - window]
                 kept[h] = set(chosen) | set(observed)
             else:
-                # Decoding: the last prefill's choice stays; the newest tokens fill the rest of the budget.
+                # Holding the budget while decoding: the last prompt's choice stays; the newest fill the rest.
                 chosen = [p for p in candidates if p < selected_before]
                 kept[h] = set(chosen) | set(candidates[len(candidates) - (budget - len(chosen)):])
         assert _kept(layer) == kept, (seen, prefill)
+    if decode == "grow":
+        assert layer.keys.shape[-2] > budget  # the last turn's decoded tokens were all kept
+
+
+def test_snapkv_shrinks_a_window_that_does_not_fit_the_budget_and_says_so():
+    small = parse_spec("snapkv:budget=16")
+    assert small.observed == 8 and "observation window is 8" in small.notes[0]
+    assert parse_spec("snapkv:budget=1").observed == 1
+    assert parse_spec("snapkv").observed == 32 and parse_spec("snapkv").notes == []
+    loaded = tiny("tiny-llama")
+    result = _run(loaded, "full,snapkv:budget=3,snapkv:budget=16", max_new=4)
+    assert result["strategies"]["snapkv:budget=16"]["notes"] == small.notes
+    assert result["strategies"]["snapkv:budget=3"]["state_bytes"]["formula_matches_measurement"]
 
 
 # --- settings and the sweep ---------------------------------------------------------------------------------------
@@ -351,9 +368,9 @@ def test_snapkv_keeps_the_pooled_votes_of_the_observation_window_and_holds_the_b
     ("h2o:budget=0", "h2o: budget=0 must be >= 1"),
     ("snapkv:kernel=4", "snapkv: kernel=4 must be an odd integer >= 1"),
     ("snapkv:kernel=0", "snapkv: kernel=0 must be an odd integer >= 1"),
-    ("snapkv:budget=16", "snapkv: window=32 must be >= 1 and < budget=16"),
-    ("snapkv:window=0", "snapkv: window=0 must be >= 1 and < budget=64"),
-    ("snapkv:pooling=median", "snapkv: pooling='median' is not allowed; allowed: max, avg"),
+    ("snapkv:window=0", "snapkv: window=0 must be >= 1"),
+    ("snapkv:pooling=median", "snapkv: pooling='median' is not allowed; allowed: avg, max"),
+    ("snapkv:decode=forever", "snapkv: decode='forever' is not allowed; allowed: grow, hold"),
 ])
 def test_bad_settings_name_the_setting_and_its_allowed_values(text, words):
     assert words in bad_spec_error(text)
@@ -362,36 +379,36 @@ def test_bad_settings_name_the_setting_and_its_allowed_values(text, words):
 def test_defaults_are_the_papers():
     h2o, snap, sink = parse_spec("h2o:budget=10"), parse_spec("snapkv"), parse_spec("streaming_llm")
     assert h2o.recent_tokens == 5 and parse_spec("h2o:budget=10:recent=2").recent_tokens == 2
-    assert (snap.budget, snap.window, snap.kernel, snap.pooling) == (64, 32, 7, "max")
+    assert (snap.budget, snap.window, snap.kernel, snap.pooling, snap.decode) == (64, 32, 5, "avg", "grow")
     assert sink.sinks == 4
 
 
 def test_sweep_runs_every_strategy_at_every_budget_and_writes_every_row(tmp_path, capsys):
     out = tmp_path / "sweep.json"
     code = bench.main(["sweep", "--model", "tiny-llama", "--prompt", "Hello there, how are you today?",
-                       "--strategies", "window,h2o:recent=1,snapkv:window=4", "--budgets", "4,8",
+                       "--strategies", "window,h2o:recent=6,snapkv:window=4", "--budgets", "4,8",
                        "--max-new-tokens", "5", "--threads", "1", "--json", str(out)])
     printed = capsys.readouterr().out
     assert code == 0
     data = json.loads(out.read_text())
     got = {(r["strategy"], r["budget"]) for r in data["rows"]}
-    assert got == {("window", 4), ("window", 8), ("h2o:recent=1", 4), ("h2o:recent=1", 8), ("snapkv:window=4", 8)}
-    assert data["skipped"] == [{"strategy": "snapkv:window=4", "budget": 4,
-                                "reason": "snapkv: window=4 must be >= 1 and < budget=4"}]
-    assert "note: skipping snapkv:window=4 at budget 4" in printed
+    assert got == {("window", 4), ("window", 8), ("h2o:recent=6", 8), ("snapkv:window=4", 4), ("snapkv:window=4", 8)}
+    assert data["skipped"] == [{"strategy": "h2o:recent=6", "budget": 4,
+                                "reason": "h2o: recent=6 must be between 0 and budget=4, or -1 (half the budget)"}]
+    assert "note: skipping h2o:recent=6 at budget 4" in printed
     for r in data["rows"]:
         assert r["spec"] == f"{r['strategy']}:budget={r['budget']}"
         assert 0.0 <= r["token_match"] <= 1.0 and r["kl_mean"] >= 0.0
         assert r["state_bytes"]["formula_matches_measurement"]
     assert data["reference"]["token_ids"]
-    assert "h2o:recent=1" in printed and "token match" in printed
+    assert "h2o:recent=6" in printed and "token match" in printed
 
 
 @pytest.mark.parametrize("args, words", [
     (["--strategies", "window,nosuchstrategy"], "'nosuchstrategy' is not a registered strategy"),
     (["--strategies", "window:budget=4"], "sets budget itself"),
     (["--strategies", "full"], "has no budget setting"),
-    (["--strategies", "snapkv"], "fits none of the budgets"),
+    (["--strategies", "h2o:recent=9"], "fits none of the budgets"),
     (["--budgets", "4,zero"], "--budgets: 'zero' is not a positive integer"),
 ])
 def test_sweep_refuses_bad_input_with_one_line(args, words, capsys):

@@ -1,4 +1,10 @@
-"""Exactness on tiny random models of every family, fp32 and bf16."""
+"""Exactness on tiny random models of every family, fp32 and bf16.
+
+An exactness claim counts only where something was rebuilt: every check
+below also requires rebuilt token-layers > 0 (tiny-mistral slides on every
+layer, so its layers keep their window like the full cache and nothing is
+rebuilt there; the test says so rather than count it).
+"""
 
 import pytest
 import torch
@@ -6,7 +12,7 @@ import torch
 from kvdirect_app.engine import Engine, run_to_end
 from kvdirect_app.strategies import parse_specs
 
-from .conftest import TINY_FAMILIES, tiny
+from .conftest import TINY_FAMILIES, all_sliding, tiny
 
 TURNS = ["Tell me about caches.", "Why do keys need positions?", "Summarise."]
 BUDGETS = (1, 5, 16, 500)  # 1 and 5 < prompt < sliding window 12 < 16 < the whole conversation < 500
@@ -25,28 +31,36 @@ def test_kvdirect_exact_is_bit_equal_on_every_layer_and_keeps_tokens(family, dty
     ref = result["strategies"]["full"]
     assert sum(len(t) for t in ref["turn_token_ids"]) > 12  # the conversation crosses the sliding window
     n_layers = loaded.config.num_hidden_layers
+    slides = all_sliding(loaded)
     for spec, r in result["strategies"].items():
         assert r["token_ids"] == ref["token_ids"], spec
         assert r["token_match"] == 1.0 and r["first_divergence"] is None, spec
-        assert r["kv_exact"] is True, spec
+        assert r["kv_exact"] is True and r["shape_mismatches"] == 0, spec
         assert r["max_abs_dk"] == 0.0 and r["max_abs_dv"] == 0.0 and r["max_abs_dlogit"] == 0.0, spec
         assert r["layers_compared"] == n_layers, spec
         assert r["state_bytes"]["formula_matches_measurement"], spec
-        assert r["state_bytes"]["peak"] == r["state_bytes"]["formula_peak"], spec
+        assert r["state_bytes"]["peak"] >= r["state_bytes"]["formula_peak"], spec  # the formula is a lower bound
+        rebuilds = spec != "full" and "budget=500" not in spec and not slides
+        assert (r["rebuilt_token_layers"] > 0) == rebuilds, spec
+
+
+def fast_mode_reports_its_error(r):
+    """Fast mode promises nothing; whatever its BLAS gives, the report must be consistent and measured."""
+    assert r["claims_exact"] is False and r["rebuilt_token_layers"] > 0
+    if r["kv_exact"]:
+        assert r["max_abs_dk"] == 0.0 and r["max_abs_dv"] == 0.0
+    else:
+        assert 0.0 < max(r["max_abs_dk"], r["max_abs_dv"]) < 1e-3
+    assert r["kl_mean"] is not None and r["kl_mean"] >= 0.0
 
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3", "tiny-gemma3"])
 def test_fast_mode_error_is_measured_not_hidden(family):
     loaded = tiny(family, "float32")
     result = _run(loaded, "full,kvdirect:budget=2:mode=fast,kvdirect:budget=2:mode=exact")
-    fast = result["strategies"]["kvdirect:budget=2:mode=fast"]
+    fast_mode_reports_its_error(result["strategies"]["kvdirect:budget=2:mode=fast"])
     exact = result["strategies"]["kvdirect:budget=2:mode=exact"]
-    assert fast["claims_exact"] is False and exact["claims_exact"] is True
-    # One batched GEMM rounds differently from the shape-faithful replay on this CPU in fp32 (DESIGN.md);
-    # the comparison must say so, with the size of the difference.
-    assert fast["kv_exact"] is False
-    assert fast["max_abs_dk"] > 0.0 and fast["max_abs_dk"] < 1e-3
-    assert exact["kv_exact"] is True
+    assert exact["claims_exact"] is True and exact["kv_exact"] is True and exact["rebuilt_token_layers"] > 0
 
 
 def test_residual_strategy_holds_inputs_for_every_token_and_the_budget_of_kv():

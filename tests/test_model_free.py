@@ -81,3 +81,21 @@ def test_row_kernels_agree_with_one_row_linear_calls(bias):
     # The batched kernel is only used where the start-up check holds; where it holds it must be bit-equal.
     if rows_kernel_is_exact(lin):
         assert torch.equal(_linear_rows_batched(lin, rows), loop)
+
+
+def test_compare_never_trims_a_global_layer_to_the_reference_length():
+    from types import SimpleNamespace
+
+    from kvdirect_app.strategies.base import FullLayer
+
+    layer = FullLayer()
+    k = torch.randn(1, 2, 5, 4)
+    layer.reference = SimpleNamespace(keys=k, values=k.clone())
+    layer.compare(k[..., 1:, :], k[..., 1:, :])  # the last four tokens equal the reference's last four: not enough
+    assert layer.kv_equal is False and layer.shape_mismatches == 1 and layer.compared == 1
+    fresh = FullLayer()
+    fresh.reference = layer.reference
+    fresh.compare(k.clone(), k.clone())
+    assert fresh.kv_equal is True and fresh.max_dk == 0.0
+    fresh.compare(k + 1e-3, k)
+    assert fresh.kv_equal is False and fresh.max_dk == pytest.approx(1e-3, rel=1e-3)

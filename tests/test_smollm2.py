@@ -5,6 +5,8 @@ import torch
 from kvdirect_app.engine import Engine, run_to_end
 from kvdirect_app.strategies import parse_specs
 
+from .test_exactness_tiny import fast_mode_reports_its_error
+
 TURNS = ["What is the capital of France? Answer in one sentence.", "And of Italy?"]
 
 
@@ -26,8 +28,7 @@ def test_kvdirect_exact_on_smollm2_two_turns(smollm2):
     fast = result["strategies"]["kvdirect:budget=16:mode=fast"]
     assert len(result["prompt_ids"]) > 16  # the budget is smaller than the prompt
     assert exact["token_ids"] == ref["token_ids"] and exact["token_match"] == 1.0
-    assert exact["kv_exact"] is True and exact["layers_compared"] == 30
+    assert exact["kv_exact"] is True and exact["layers_compared"] == 30 and exact["rebuilt_token_layers"] > 0
     assert exact["state_bytes"]["formula_matches_measurement"]
-    # fp32 batched recompute on this CPU is not bit-equal (DESIGN.md); the report must show it.
-    assert fast["kv_exact"] is False and 0 < fast["max_abs_dk"] < 1e-3
-    assert fast["kl_mean"] is not None and fast["state_bytes"]["formula_matches_measurement"]
+    fast_mode_reports_its_error(fast)
+    assert fast["state_bytes"]["formula_matches_measurement"]

@@ -11,9 +11,15 @@ tokens that repeats the original chunking (each prefill chunk as one pass,
 each decoded token as its own row): bit-equal (`torch.equal`) to the full
 cache.
 
-* ``replay=cascade`` runs each segment once and collects K/V at every global
-  layer it passes; ``replay=naive`` restarts from the anchor for each target
-  layer.  Both count decoder-layer passes.
+* ``replay=cascade`` (default) runs the old tokens through each layer once,
+  interleaved with the step's own forward: just before decoder layer `j`
+  runs, the old tokens' hidden states go through layer `j` (chunk by chunk,
+  as originally computed), its K/V wait for layer `j`'s attention, which
+  drops them when done; at each anchor the hidden states restart from the
+  stored anchor.  A rebuilding step so holds about one hidden state per old
+  token and one layer's K/V, not the whole model's.  ``replay=naive``
+  replays from the anchor up to each global layer when that layer asks.
+  Both count decoder-layer passes.
 * ``spacing=s`` puts anchors at 0, s, 2s, ...; ``anchors=0-8-16`` lists them;
   ``anchors=dp`` takes the exact dynamic programme of `geometry.place_anchors`
   with the replay cost of uniform spacing `s` as the bound (for interleaved
@@ -23,16 +29,19 @@ cache.
   token-id anchor is full recomputation from token ids: 4 bytes per token.
 * ``mode=fast`` replays all old tokens as one chunk (not bit-exact; measured).
 * ``rebuild=turn`` (default) rebuilds once per turn or resume and keeps full
-  K/V while the turn lasts; ``rebuild=step`` replays at every step (bounded
-  memory, very slow: a prefill of all old tokens per step).
+  K/V while the turn lasts: anchors *plus* full K/V during a turn;
+  ``rebuild=step`` replays at every step: bounded peak (the anchors, the hot
+  window, one layer's K/V and the carried hidden states), and a replay of all
+  old tokens per generated token.
 
-Not counted in state bytes: the replay's own working buffers (its per-layer
-K/V and hidden states), freed before the layer returns; they show in process
-RSS.
+Everything the replay allocates is seen by the allocation tracer
+(`memory.py`) and counted in the step's measured peak; the formula's
+transient bytes are the carried hidden states plus one layer's K/V buffer.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -41,13 +50,23 @@ from .. import compat
 from ..geometry import ModelGeometry
 from ..replay import LayerReplayer
 from .base import SlidingLayer, Strategy, StrategyCache, StrategyError, storage_bytes, window_layer_bytes, window_layer_transient
-from .rebuild import MODES, REBUILDS, RebuildingLayer, record_run, rebuilding_persistent, rebuilding_transient
+from .rebuild import MODES, REBUILDS, RebuildingLayer, chunks_of, covered, record_run, rebuilding_persistent, rebuilding_transient
 
 REPLAYS = ("cascade", "naive")
 
 
 class AnchorStore:
-    """Per-session anchors (token ids and raw residuals) and the replay of segments on demand."""
+    """Per-session anchors (token ids and raw residuals) and the replay of old tokens' K/V from them.
+
+    With ``replay=cascade`` the replay is interleaved with the step's own
+    forward: at each decoder layer (handed over by the engine's input tap
+    before the layer runs) the old tokens' hidden states go through that one
+    layer, chunk by chunk as originally computed, and the layer's K/V wait in
+    a buffer for its attention, which drops them when done.  A step so holds
+    one hidden state per old token and one layer's K/V at a time.  At each
+    anchor the hidden states restart from the stored anchor.  ``replay=naive``
+    replays from the anchor up to each global layer when that layer asks.
+    """
 
     def __init__(self, replayer: LayerReplayer, anchors: list[int], token_id_anchor: bool, mode: str, replay: str,
                  global_layers: list[int]):
@@ -62,59 +81,99 @@ class AnchorStore:
         self.seen = 0
         self.segment_of = {g: max(a for a in anchors if a <= g) for g in global_layers}
         self.targets = {a: [g for g in global_layers if self.segment_of[g] == a] for a in anchors}
-        self.scratch: dict[int, dict[int, tuple]] = {}
+        self.last_target = {a: max(t) for a, t in self.targets.items() if t}
+        self.anchor_of = [max(a for a in anchors if a <= j) for j in range(len(replayer.specs))]
+        # Layers a cascade step runs the old tokens through: from each anchor up to its segment's last global layer.
+        self.carried = {j for j, a in enumerate(self.anchor_of) if a in self.last_target and j <= self.last_target[a]}
         self.replaying = False
+        self.replay_s = 0.0
+        # Per step: the span to rebuild, the carried hidden states and the K/V waiting for their layer.
+        self.span: tuple[int, int] = (0, 0)
+        self.hidden: torch.Tensor | None = None
+        self.ready: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def begin_step(self, ids: list[int], device):
+    def begin_step(self, ids: list[int], device, span: tuple[int, int]):
+        """Before a forward of `ids`: store the ids; `span` = (old tokens to rebuild, rows attention reads)."""
         if self.token_id_anchor:
             new = torch.tensor([ids], dtype=torch.int32, device=device)
             self.token_ids = new if self.token_ids is None else torch.cat([self.token_ids, new], dim=1)
+        self.span = span
+        self.chunks = chunks_of(self.runs, span[0], one_chunk=self.mode == "fast")
+        self.cover = covered(self.chunks)
         record_run(self.runs, self.seen, len(ids))
         self.seen += len(ids)
-        self.scratch = {}
 
-    def capture_residual(self, anchor: int, x: torch.Tensor):
-        held = self.residuals[anchor]
-        self.residuals[anchor] = x if held is None else torch.cat([held, x], dim=1)
+    def end_step(self):
+        self.hidden, self.ready = None, {}
+        self.replayer.forget_inputs()
+
+    def before_layer(self, j: int, x: torch.Tensor):
+        """Decoder layer `j` of this session's forward is about to run on `x` (1, q, d), its new tokens' input."""
+        end, total = self.span
+        if end and self.replay_kind == "cascade" and j in self.carried:
+            self._carry(j, end, total)
+        if j in self.residuals:
+            held = self.residuals[j]
+            self.residuals[j] = x if held is None else torch.cat([held, x], dim=1)
+
+    def _carry(self, j: int, end: int, total: int):
+        a = self.anchor_of[j]
+        t0 = time.perf_counter()
+        self.replaying = True
+        try:
+            if j == a:
+                self.hidden = self.start_hidden(a, self.cover)
+            last = self.last_target[a]
+            kv = self.replayer.replay_layer(j, self.hidden, self.chunks, total if j in self.segment_of else None,
+                                            carry=j < last)
+            if j in self.segment_of:
+                self.ready[j] = kv
+            if j == last:
+                self.hidden = None
+        finally:
+            self.replaying = False
+            self.replay_s += time.perf_counter() - t0
+
+    def start_hidden(self, anchor: int, end: int) -> torch.Tensor:
+        """Hidden states (1, end, d) entering layer `anchor` for tokens 0..end-1, a fresh tensor (the replay
+        writes each layer's output over it)."""
+        if anchor == 0 and self.token_id_anchor:
+            return self.replayer.embed(self.token_ids[:, :end].long())
+        return self.residuals[anchor][:, :end].clone()
 
     def bytes(self) -> int:
         return storage_bytes(self.token_ids, *self.residuals.values())
 
-    def scratch_bytes(self) -> int:
-        return sum(storage_bytes(k, v) for kv in self.scratch.values() for k, v in kv.values())
-
-    def _chunks(self, end: int) -> list[tuple[int, int]]:
-        if self.mode == "fast":
-            return [(0, end)]
-        chunks = []
-        for start, n, is_rows in self.runs:
-            if start >= end:
-                break
-            if is_rows:
-                chunks.extend((start + i, 1) for i in range(min(n, end - start)))
-            else:
-                chunks.append((start, n))
-        return chunks
-
-    def _start_hidden(self, anchor: int):
-        if anchor == 0 and self.token_id_anchor:
-            return lambda start, n: self.replayer.embed(self.token_ids[:, start:start + n].long())
-        return lambda start, n: self.residuals[anchor][:, start:start + n]
-
-    def old_kv(self, layer: int, end: int):
-        """K/V of tokens 0..end-1 at global `layer`, replayed from its anchor."""
+    def old_kv(self, layer: int, end: int, capacity: int):
+        """K/V buffers of global `layer`, tokens 0..end-1 filled: carried up this step, or replayed now."""
+        if layer in self.ready:
+            return self.ready.pop(layer)
         anchor = self.segment_of[layer]
-        if layer not in self.scratch.get(anchor, {}):
-            targets = self.targets[anchor] if self.replay_kind == "cascade" else [layer]
-            self.replaying = True
-            try:
-                rebuilt = self.replayer.replay(self._start_hidden(anchor), anchor, targets, self._chunks(end))
-            finally:
-                self.replaying = False
-            # Copies when cut, so a rebuilt tensor never pins the replay's larger buffer.
-            cut = lambda t: t if t.shape[-2] == end else t[..., :end, :].clone()
-            self.scratch[anchor] = {g: (cut(k), cut(v)) for g, (k, v) in rebuilt.items()}
-        return self.scratch[anchor].pop(layer)
+        chunks = chunks_of(self.runs, end, one_chunk=self.mode == "fast")
+        self.replaying = True
+        try:
+            hidden = self.start_hidden(anchor, covered(chunks))
+            return self.replayer.replay(hidden, anchor, [layer], chunks, capacity)[layer]
+        finally:
+            self.replaying = False
+
+    def rebuild_all(self, end: int, replay: str | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """K/V of tokens 0..end-1 at every global layer from the anchors alone, outside a forward, segment by
+        segment (``cascade``: each segment once; ``naive``: from the anchor again for every global layer)."""
+        chunks = chunks_of(self.runs, end, one_chunk=self.mode == "fast")
+        out = {}
+        self.replaying = True
+        try:
+            for anchor, targets in self.targets.items():
+                groups = [targets] if (replay or self.replay_kind) == "cascade" else [[g] for g in targets]
+                for group in groups:
+                    if group:
+                        hidden = self.start_hidden(anchor, covered(chunks))
+                        out.update(self.replayer.replay(hidden, anchor, group, chunks, end))
+        finally:
+            self.replaying = False
+            self.replayer.forget_inputs()
+        return out
 
 
 class AnchoredLayer(RebuildingLayer):
@@ -125,15 +184,8 @@ class AnchoredLayer(RebuildingLayer):
         self.store = store
         self.index = index
 
-    def rebuild_old(self, end: int):
-        if end <= 0:
-            return None, None
-        return self.store.old_kv(self.index, end)
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
-        self.transient += self.store.scratch_bytes()  # rebuilt K/V of later layers of the segment, waiting
-        return keys, values
+    def rebuild_old(self, end: int, capacity: int):
+        return self.store.old_kv(self.index, end, capacity)
 
     def token_states(self) -> list[str]:
         return super().token_states("anchor")
@@ -143,22 +195,44 @@ class AnchorCache(StrategyCache):
     def __init__(self, strategy, layers, store: AnchorStore):
         super().__init__(strategy, layers)
         self.store = store
+        self.globals = [layer for layer in layers if isinstance(layer, AnchoredLayer)]
 
     @property
     def replaying(self) -> bool:
         return self.store.replaying
 
     def begin_step(self, ids: list[int]):
-        self.store.begin_step(ids, self.device)
+        span = self.globals[0].rebuild_span(len(ids)) if self.globals else (0, 0)
+        self.store.begin_step(ids, self.device, span)
 
-    def wants_residuals(self) -> list[int]:
-        return [a for a in self.store.residuals]
+    def end_step(self):
+        self.store.end_step()
 
-    def capture_residual(self, index: int, x: torch.Tensor):
-        self.store.capture_residual(index, x)
+    def wants_layers(self) -> list[int]:
+        return list(range(len(self.layers)))
+
+    def before_layer(self, index: int, x: torch.Tensor):
+        self.store.before_layer(index, x)
 
     def persistent_bytes(self) -> int:
         return super().persistent_bytes() + self.store.bytes()
+
+    def take_timers(self) -> dict[str, float]:
+        out = super().take_timers()
+        out["replay"] = self.store.replay_s
+        self.store.replay_s = 0.0
+        return out
+
+    def resume(self):
+        """``rebuild=turn``: every global layer's K/V, replayed once from the anchors, held for the turn."""
+        if self.strategy.rebuild != "turn" or self.store.seen == 0 or not self.globals:
+            return
+        t0 = time.perf_counter()
+        kv = self.store.rebuild_all(self.store.seen)
+        for layer in self.globals:
+            layer.active = kv.pop(layer.index)
+            layer.count_rebuilt(layer.seen)
+        self.store.replay_s += time.perf_counter() - t0
 
     def replay_counts(self) -> dict:
         return {"layer_passes": self.store.replayer.passes, "layer_calls": self.store.replayer.calls}
@@ -166,12 +240,7 @@ class AnchorCache(StrategyCache):
 
 def rebuild_all(cache: AnchorCache, replay: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """K/V of every seen token at every global layer from the anchors alone, with `replay` (cascade|naive)."""
-    store = cache.store
-    saved, store.replay_kind, store.scratch = store.replay_kind, replay, {}
-    try:
-        return {g: store.old_kv(g, store.seen) for g in store.segment_of}
-    finally:
-        store.replay_kind, store.scratch = saved, {}
+    return cache.store.rebuild_all(cache.store.seen, replay)
 
 
 def _parse_anchors(text: str) -> list[int] | str:
@@ -252,10 +321,11 @@ class AnchorKV(Strategy):
         anchors = self.anchor_layers(geom)
         return geom.anchor_bytes_per_token(anchors, self.token_id_anchor)
 
-    def formula_between_turns(self, geom: ModelGeometry, seen: int) -> int:
+    def formula_between_turns(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
         return self.formula_persistent(geom, seen, ended=True)
 
-    def formula_persistent(self, geom: ModelGeometry, seen: int, parked: bool = False, ended: bool = False) -> int:
+    def formula_persistent(self, geom: ModelGeometry, seen: int, forwards: list | None = None, parked: bool = False,
+                           ended: bool = False) -> int:
         total = seen * self.store_bytes_per_token(geom)
         for layer in geom.layers:
             if layer.is_sliding:
@@ -264,18 +334,19 @@ class AnchorKV(Strategy):
                 total += rebuilding_persistent(geom, layer, seen, self.budget, "step" if ended else self.rebuild)
         return total
 
-    def formula_parked(self, geom: ModelGeometry, seen: int) -> int:
+    def formula_parked(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
         return self.formula_persistent(geom, seen, parked=True)
 
-    def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False) -> int:
-        anchors = self.anchor_layers(geom)
-        worst = 0
+    def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False,
+                          forwards: list | None = None) -> int:
+        old = seen_before - min(seen_before, self.budget)
+        rebuilds = old > 0 and (self.rebuild == "step" or turn_start)
+        hidden = old * geom.residual_bytes if rebuilds else 0  # the old tokens' hidden states, carried up
+        worst = seen_before * geom.residual_bytes if len(self.anchor_layers(geom)) > 1 else 0  # an anchor extended
         for layer in geom.layers:
             if layer.is_sliding:
                 worst = max(worst, window_layer_transient(geom, layer.index, seen_before, q))
-                continue
-            anchor = max(a for a in anchors if a <= layer.index)
-            waiting = sum(1 for g in geom.global_layers if max(a for a in anchors if a <= g.index) == anchor)
-            factor = waiting if self.replay == "cascade" else 1
-            worst = max(worst, rebuilding_transient(layer, seen_before, q, self.budget, self.rebuild, turn_start, factor))
+            else:
+                worst = max(worst, hidden + rebuilding_transient(layer, seen_before, q, self.budget, self.rebuild,
+                                                                 turn_start))
         return worst

@@ -31,6 +31,7 @@ import torch
 from .. import compat
 from ..compat import Cache, DynamicLayer
 from ..geometry import ModelGeometry
+from ..memory import harness
 
 
 class StrategyError(ValueError):
@@ -62,6 +63,8 @@ class MeasuredLayer:
 
     def init_measures(self):
         self.transient = 0
+        self.rebuilt_compared = 0  # token-layers rebuilt while a reference was compared
+        self.shape_mismatches = 0
         self.compare_s = 0.0
         self.cache_update_s = 0.0
         self.scoring_s = 0.0
@@ -74,18 +77,26 @@ class MeasuredLayer:
         return storage_bytes(self.keys, self.values)
 
     def compare(self, keys: torch.Tensor, values: torch.Tensor):
+        """What this layer hands attention against what the reference layer holds after the same step.
+
+        Shapes must match: a global layer that hands attention fewer (or more) tokens than the full cache
+        holds is not equal, whatever its values.  Runs as measurement work (`memory.harness`): what it
+        allocates is nobody's state.
+        """
         ref = self.reference
         if ref is None or ref.keys is None:
             return
         t0 = time.perf_counter()
-        rk, rv = ref.keys, ref.values
-        if rk.shape != keys.shape:
-            # Only the stored window is comparable on sliding layers.
-            keys, values = keys[..., -rk.shape[-2]:, :], values[..., -rv.shape[-2]:, :]
-        self.kv_equal &= bool(torch.equal(keys, rk) and torch.equal(values, rv))
-        self.max_dk = max(self.max_dk, float((keys.float() - rk.float()).abs().max()))
-        self.max_dv = max(self.max_dv, float((values.float() - rv.float()).abs().max()))
-        self.compared += 1
+        with harness():
+            rk, rv = ref.keys, ref.values
+            self.compared += 1
+            if rk.shape != keys.shape or rv.shape != values.shape:
+                self.kv_equal = False
+                self.shape_mismatches += 1
+            elif not (torch.equal(keys, rk) and torch.equal(values, rv)):
+                self.kv_equal = False
+                self.max_dk = max(self.max_dk, float((keys.float() - rk.float()).abs().max()))
+                self.max_dv = max(self.max_dv, float((values.float() - rv.float()).abs().max()))
         self.compare_s += time.perf_counter() - t0
 
 
@@ -137,10 +148,14 @@ class SlidingLayer(MeasuredLayer, compat.DynamicSlidingWindowLayer):
         return keys, values
 
 
+# transformers' DynamicSlidingWindowLayer keeps its window size as an int64 tensor: 8 bytes the allocator sees.
+WINDOW_SIZE_TENSOR_BYTES = 8
+
+
 def window_layer_bytes(geom: ModelGeometry, index: int, tokens: int) -> int:
-    """Bytes a sliding layer holds after seeing `tokens` tokens (its last window - 1)."""
+    """Bytes a sliding layer holds after seeing `tokens` tokens (its last window - 1, and its window size)."""
     layer = geom.layers[index]
-    return min(tokens, layer.sliding_window - 1) * layer.kv_bytes_per_token
+    return min(tokens, layer.sliding_window - 1) * layer.kv_bytes_per_token + WINDOW_SIZE_TENSOR_BYTES
 
 
 def window_layer_transient(geom: ModelGeometry, index: int, seen_before: int, q: int) -> int:
@@ -184,12 +199,15 @@ class StrategyCache(Cache):
     def kv_report(self) -> dict:
         compared = [layer for layer in self.layers if layer.compared]
         if not compared:
-            return {"kv_exact": None, "max_abs_dk": None, "max_abs_dv": None, "layers_compared": 0}
+            return {"kv_exact": None, "max_abs_dk": None, "max_abs_dv": None, "layers_compared": 0,
+                    "rebuilt_token_layers": 0, "shape_mismatches": 0}
         return {
             "layers_compared": len(compared),
             "kv_exact": all(layer.kv_equal for layer in compared),
             "max_abs_dk": max(layer.max_dk for layer in compared),
             "max_abs_dv": max(layer.max_dv for layer in compared),
+            "rebuilt_token_layers": sum(layer.rebuilt_compared for layer in compared),
+            "shape_mismatches": sum(layer.shape_mismatches for layer in compared),
         }
 
     # --- life cycle ----------------------------------------------------------
@@ -199,12 +217,18 @@ class StrategyCache(Cache):
         """Layer indices whose attention input must be handed over before `update`."""
         return [i for i, layer in enumerate(self.layers) if hasattr(layer, "capture")]
 
-    def wants_residuals(self) -> list[int]:
-        """Layer indices whose decoder-layer input (raw residual) must be handed to `capture_residual`."""
+    def wants_layers(self) -> list[int]:
+        """Decoder-layer indices whose input (the raw residual) must be handed to `before_layer` before they run."""
         return []
+
+    def before_layer(self, index: int, x: torch.Tensor):
+        """Decoder layer `index` is about to run on `x` (1, q, d)."""
 
     def begin_step(self, ids: list[int]):
         """Called with the token ids of a forward, before it runs."""
+
+    def end_step(self):
+        """Called after a forward: drop whatever the step needed and the next one does not."""
 
     def park(self):
         """Keep only the persistent state (what the strategy promises to rebuild from)."""
@@ -293,21 +317,26 @@ class Strategy:
     def build_cache(self, model: torch.nn.Module) -> StrategyCache:
         raise NotImplementedError
 
-    def formula_persistent(self, geom: ModelGeometry, seen: int) -> int:
+    # The formulas take the config's geometry, the tokens seen and, for strategies whose state depends on how
+    # the conversation was chunked (SnapKV compresses each prompt), `forwards`: (tokens, first of a turn) of
+    # every forward so far.
+    def formula_persistent(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
         """Bytes held after `seen` tokens, from the config alone."""
         raise NotImplementedError
 
-    def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False) -> int:
-        """Largest transient buffer of any layer during a step of `q` tokens after `seen_before`."""
+    def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False,
+                          forwards: list | None = None) -> int:
+        """Largest buffer of a layer beyond the state during a step of `q` tokens after `seen_before`: a lower
+        bound of the step's transient bytes (activations are not counted)."""
         raise NotImplementedError
 
-    def formula_between_turns(self, geom: ModelGeometry, seen: int) -> int:
+    def formula_between_turns(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
         """Bytes held after a turn has ended (what a live session keeps while it waits for the user)."""
-        return self.formula_persistent(geom, seen)
+        return self.formula_persistent(geom, seen, forwards)
 
-    def formula_parked(self, geom: ModelGeometry, seen: int) -> int:
+    def formula_parked(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
         """Bytes held after `park()`; strategies that drop nothing hold what they always hold."""
-        return self.formula_persistent(geom, seen)
+        return self.formula_persistent(geom, seen, forwards)
 
     @property
     def label(self) -> str:
@@ -318,6 +347,11 @@ class Strategy:
     def claims_exact(self) -> bool:
         """Whether this instance promises K/V bit-equal to the full cache."""
         return self.exact
+
+    @property
+    def notes(self) -> list[str]:
+        """Settings adapted to fit each other (shown with the results, never silent)."""
+        return []
 
 
 def parse_spec(text: str) -> Strategy:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from .. import compat
 from ..geometry import ModelGeometry
-from .base import FullLayer, SlidingLayer, Strategy, StrategyCache, window_layer_transient
+from .base import WINDOW_SIZE_TENSOR_BYTES, FullLayer, SlidingLayer, Strategy, StrategyCache, window_layer_transient
 
 
 def reference_layers(model) -> list:
@@ -30,10 +30,11 @@ class Full(Strategy):
     def build_cache(self, model) -> StrategyCache:
         return StrategyCache(self, reference_layers(model))
 
-    def formula_persistent(self, geom: ModelGeometry, seen: int) -> int:
-        return geom.full_kv_bytes(seen)
+    def formula_persistent(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
+        return geom.full_kv_bytes(seen) + WINDOW_SIZE_TENSOR_BYTES * sum(layer.is_sliding for layer in geom.layers)
 
-    def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False) -> int:
+    def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False,
+                          forwards: list | None = None) -> int:
         return max(
             (window_layer_transient(geom, layer.index, seen_before, q) for layer in geom.layers if layer.is_sliding),
             default=0,

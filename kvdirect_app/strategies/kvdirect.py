@@ -64,12 +64,13 @@ class ResidualLayer(RebuildingLayer):
     def held_bytes(self) -> int:
         return storage_bytes(self.inputs)
 
-    def rebuild_old(self, end: int):
-        if end <= 0:
-            return None, None
+    def rebuild_old(self, end: int, capacity: int):
+        key, value = self.projector.key, self.projector.value
+        keys = self.inputs.new_empty(1, key.num_heads, capacity, key.head_dim)
+        values = self.inputs.new_empty(1, value.num_heads, capacity, value.head_dim)
         if self.mode == "fast":
-            return self.projector.project(self.inputs[:, :end], 0)
-        keys, values = [], []
+            keys[..., :end, :], values[..., :end, :] = self.projector.project(self.inputs[:, :end], 0)
+            return keys, values
         for start, n, is_rows in self.runs:
             if start >= end:
                 break
@@ -81,9 +82,9 @@ class ResidualLayer(RebuildingLayer):
                 # The whole chunk, as it was computed; then the part that is old.
                 k, v = self.projector.project(self.inputs[:, start:start + n], start)
                 k, v = k[..., :take, :], v[..., :take, :]
-            keys.append(k)
-            values.append(v)
-        return torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
+            keys[..., start:start + take, :] = k
+            values[..., start:start + take, :] = v
+        return keys, values
 
     def token_states(self) -> list[str]:
         return super().token_states("residual")
@@ -117,10 +118,11 @@ class KVDirect(Strategy):
                 layers.append(ResidualLayer(KVProjector(model, spec), self.budget, self.mode, self.rebuild))
         return StrategyCache(self, layers)
 
-    def formula_between_turns(self, geom: ModelGeometry, seen: int) -> int:
+    def formula_between_turns(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
         return self.formula_persistent(geom, seen, ended=True)
 
-    def formula_persistent(self, geom: ModelGeometry, seen: int, parked: bool = False, ended: bool = False) -> int:
+    def formula_persistent(self, geom: ModelGeometry, seen: int, forwards: list | None = None, parked: bool = False,
+                           ended: bool = False) -> int:
         total = 0
         for layer in geom.layers:
             if layer.is_sliding:
@@ -131,14 +133,17 @@ class KVDirect(Strategy):
                     total += rebuilding_persistent(geom, layer, seen, self.budget, "step" if ended else self.rebuild)
         return total
 
-    def formula_parked(self, geom: ModelGeometry, seen: int) -> int:
+    def formula_parked(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
         return self.formula_persistent(geom, seen, parked=True)
 
-    def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False) -> int:
+    def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False,
+                          forwards: list | None = None) -> int:
         worst = 0
         for layer in geom.layers:
             if layer.is_sliding:
                 worst = max(worst, window_layer_transient(geom, layer.index, seen_before, q))
             else:
-                worst = max(worst, rebuilding_transient(layer, seen_before, q, self.budget, self.rebuild, turn_start))
+                appended = seen_before * layer.residual_bytes_per_token  # the inputs being extended
+                worst = max(worst, appended,
+                            rebuilding_transient(layer, seen_before, q, self.budget, self.rebuild, turn_start))
         return worst

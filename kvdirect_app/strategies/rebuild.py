@@ -1,21 +1,27 @@
 """The cache layer shared by KV-Direct and AnchorKV: K/V of the last `budget`
 tokens are stored, K/V of older tokens are rebuilt on demand.
 
-Subclasses say how old K/V are rebuilt (`rebuild_old(end)`); this layer does
-the rest: the hot window, once-per-turn rebuilding, parking, timing and byte
+Subclasses say how old K/V are rebuilt (`rebuild_old`); this layer does the
+rest: the hot window, once-per-turn rebuilding, parking, timing and byte
 accounting.
 
-* ``rebuild="step"``: old K/V rebuilt at every step (bounded memory).
-* ``rebuild="turn"``: rebuilt once when a turn starts (or after a park), then
-  full K/V held while the turn lasts; `end_turn()` drops them.
-* `park()`: drops every K/V; only what the subclass keeps persistently
-  (inputs, anchors, token ids) stays.  `resume()` rebuilds every old token's
-  K/V once and refills the hot window, so a resumed session continues exactly
-  as if it had never been parked.
+* ``rebuild="step"``: old K/V are rebuilt at every step, into one buffer that
+  attention reads and that is dropped when the layer's attention is done, so
+  a step holds one layer's full K/V at a time (bounded peak, more compute).
+* ``rebuild="turn"``: rebuilt once when a turn starts (or when a parked
+  session resumes), then full K/V held while the turn lasts (fast; memory of
+  the inputs or anchors *plus* full K/V during the turn); `end_turn()` keeps
+  the last `budget` tokens and drops the rest.
+* `park()` drops every K/V; only what the subclass keeps persistently
+  (inputs, anchors, token ids) stays.  `resume()` rebuilds all K/V once for
+  ``rebuild="turn"`` (the turn then uses them, nothing is rebuilt twice); for
+  ``rebuild="step"`` it does nothing, since the next step rebuilds every
+  token anyway.
 
 Forward chunks are recorded as runs `[start, length, is_rows]` (a prefill
 chunk, or a run of one-token decode steps) so a rebuild can repeat the
-original GEMM shapes.
+original GEMM shapes.  `rebuilt_compared` counts rebuilt token-layers while a
+reference was compared, so an exactness claim can show it was exercised.
 """
 
 from __future__ import annotations
@@ -40,6 +46,27 @@ def record_run(runs: list[list], seen: int, q: int):
         runs.append([seen, q, q == 1])
 
 
+def chunks_of(runs: list[list], end: int, one_chunk: bool = False) -> list[tuple[int, int]]:
+    """The original forward chunks (start, n) covering tokens 0..end-1; decode rows one token each.
+    A prefill chunk that straddles `end` is kept whole (its shape is what the original computed)."""
+    if one_chunk:
+        return [(0, end)]
+    chunks = []
+    for start, n, is_rows in runs:
+        if start >= end:
+            break
+        if is_rows:
+            chunks.extend((start + i, 1) for i in range(min(n, end - start)))
+        else:
+            chunks.append((start, n))
+    return chunks
+
+
+def covered(chunks: list[tuple[int, int]]) -> int:
+    """Tokens the chunks span (past `end` when the last prefill chunk straddles it)."""
+    return chunks[-1][0] + chunks[-1][1] if chunks else 0
+
+
 class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
     """K/V of the last `budget` tokens kept; older ones rebuilt by `rebuild_old`."""
 
@@ -50,13 +77,14 @@ class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
         self.budget = budget
         self.rebuild = rebuild
         self.seen = 0
-        self.active: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.active: tuple[torch.Tensor, torch.Tensor] | None = None  # every token's K/V during a turn
         self.recompute_s = 0.0
         self.init_measures()
 
     # --- what subclasses provide ---------------------------------------------
-    def rebuild_old(self, end: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """K/V (1, n_kv, end, d_h) of tokens 0..end-1, rebuilt exactly as the subclass promises."""
+    def rebuild_old(self, end: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V buffers (1, n_kv, capacity, d_h) whose first `end` rows are tokens 0..end-1, rebuilt exactly as
+        the subclass promises; the caller fills the rest."""
         raise NotImplementedError
 
     def held_bytes(self) -> int:
@@ -65,6 +93,17 @@ class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
 
     def before_update(self, q: int):
         """Called at the start of every update (e.g. to store this forward's inputs)."""
+
+    # --- what a step will rebuild --------------------------------------------
+    @property
+    def hot(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def rebuild_span(self, q: int) -> tuple[int, int]:
+        """(old tokens to rebuild, K/V rows attention will read) for a forward of `q` new tokens."""
+        if self.active is not None:
+            return 0, self.seen + q
+        return self.seen - self.hot, self.seen + q
 
     # --- the Cache layer API -------------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
@@ -77,51 +116,64 @@ class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
         self.before_update(q)
-        old_k = old_v = None
+        end, total = self.rebuild_span(q)
         rebuild_s = 0.0
         if self.active is not None:
             keys = torch.cat([self.active[0], key_states], dim=-2)
             values = torch.cat([self.active[1], value_states], dim=-2)
+        elif end == 0:
+            keys = key_states if self.keys is None else torch.cat([self.keys, key_states], dim=-2)
+            values = value_states if self.values is None else torch.cat([self.values, value_states], dim=-2)
         else:
-            hot = 0 if self.keys is None else self.keys.shape[-2]
             t1 = time.perf_counter()
-            old_k, old_v = self.rebuild_old(self.seen - hot)
+            keys, values = self.rebuild_old(end, total)
             rebuild_s = time.perf_counter() - t1
-            keys = torch.cat([t for t in (old_k, self.keys, key_states) if t is not None], dim=-2)
-            values = torch.cat([t for t in (old_v, self.values, value_states) if t is not None], dim=-2)
+            self.count_rebuilt(end)
+            if self.keys is not None:
+                keys[..., end:self.seen, :] = self.keys
+                values[..., end:self.seen, :] = self.values
+            keys[..., self.seen:, :] = key_states
+            values[..., self.seen:, :] = value_states
+        self.seen += q
         if self.rebuild == "turn":
             self.active = (keys, values)
-        # The hot window is a copy, so it never pins a larger buffer.
-        self.keys = keys[..., -self.budget:, :].clone()
-        self.values = values[..., -self.budget:, :].clone()
-        self.seen += q
-        self.transient = storage_bytes(old_k, old_v) + (0 if self.active is not None else storage_bytes(keys, values))
+            self.keys = self.values = None  # the hot window is cut from `active` when the turn ends
+        else:
+            # A copy, so the hot window never pins the step's larger buffer.
+            self.keys = keys[..., -self.budget:, :].clone()
+            self.values = values[..., -self.budget:, :].clone()
         self.recompute_s += rebuild_s
         self.cache_update_s += time.perf_counter() - t0 - rebuild_s
         self.compare(keys, values)
         return keys, values
 
+    def count_rebuilt(self, tokens: int):
+        if self.reference is not None:
+            self.rebuilt_compared += tokens
+
     def end_turn(self):
-        self.active = None
+        if self.active is not None:
+            self.keys = self.active[0][..., -self.budget:, :].clone()
+            self.values = self.active[1][..., -self.budget:, :].clone()
+            self.active = None
 
     def park(self):
         self.active = None
         self.keys = self.values = None
 
     def resume(self):
-        """Rebuild the hot window after a park (every old token's K/V is rebuilt once, then dropped)."""
-        if self.keys is not None or self.seen == 0:
+        """After a park: ``rebuild=turn`` rebuilds every token's K/V now and holds them for the turn that
+        follows; ``rebuild=step`` waits for the next step, which rebuilds every token."""
+        if self.rebuild != "turn" or self.active is not None or self.seen == 0:
             return
         t0 = time.perf_counter()
-        old_k, old_v = self.rebuild_old(self.seen)
-        self.keys = old_k[..., -self.budget:, :].clone()
-        self.values = old_v[..., -self.budget:, :].clone()
-        self.transient = storage_bytes(old_k, old_v)
+        self.active = self.rebuild_old(self.seen, self.seen)
+        self.count_rebuilt(self.seen)
         self.recompute_s += time.perf_counter() - t0
 
     def token_states(self, old_state: str = "residual") -> list[str]:
-        hot = 0 if self.keys is None else self.keys.shape[-2]
-        return [old_state] * (self.seen - hot) + ["kv"] * hot
+        held = self.seen if self.active is not None else self.hot
+        return [old_state] * (self.seen - held) + ["kv"] * held
 
     def state_bytes(self) -> int:
         active = self.active or (None, None)
@@ -138,18 +190,20 @@ class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
 
 
 def rebuilding_persistent(geom, layer, seen: int, budget: int, rebuild: str) -> int:
-    """K/V bytes a RebuildingLayer holds after `seen` tokens (not counting its store)."""
-    total = min(seen, budget) * layer.kv_bytes_per_token
+    """K/V bytes a RebuildingLayer holds after `seen` tokens (not counting its store); `rebuild` "turn" while a
+    turn is active, else "step" (what is held between turns)."""
     if rebuild == "turn":
-        total += seen * layer.kv_bytes_per_token  # full K/V while the turn lasts
-    return total
+        return seen * layer.kv_bytes_per_token  # every token's K/V while the turn lasts
+    return min(seen, budget) * layer.kv_bytes_per_token
 
 
-def rebuilding_transient(layer, seen_before: int, q: int, budget: int, rebuild: str, turn_start: bool,
-                         old_factor: int = 1) -> int:
-    """Transient bytes of one RebuildingLayer update: rebuilt K/V (times `old_factor` when rebuilt K/V of
-    several layers wait together) plus, per step, the K/V handed to attention."""
-    old = seen_before - min(seen_before, budget)
-    if rebuild == "turn":
-        return (old * old_factor if turn_start else 0) * layer.kv_bytes_per_token
-    return (old * old_factor + seen_before + q) * layer.kv_bytes_per_token
+def rebuilding_transient(layer, seen_before: int, q: int, budget: int, rebuild: str, turn_start: bool) -> int:
+    """The largest K/V buffer of one RebuildingLayer update beyond what it holds after the step: the rebuilt
+    buffer that attention reads (``rebuild=step``), the turn's K/V being extended (``rebuild=turn``), or the
+    hot window being replaced.  A lower bound of the layer's transient bytes (activations are not counted)."""
+    kv = layer.kv_bytes_per_token
+    if rebuild == "step" and seen_before > budget:
+        return (seen_before + q) * kv
+    if rebuild == "turn" and not turn_start:
+        return seen_before * kv
+    return min(seen_before, budget) * kv

@@ -19,8 +19,9 @@ them:
   so the causal mask inside a prefill chunk stays right after eviction (an
   offset of 0 would let a chunk's queries see up to `seen - stored` of its
   future tokens).  The mask is built once per layer type from the first global
-  layer; every global layer keeps `min(seen, budget)` tokens, so all of them
-  report the same sizes.
+  layer; every global layer keeps the same number of tokens (the strategy's
+  `limit`: the budget, or for SnapKV while decoding, everything), so all of
+  them report the same sizes.
 * Selection is per KV head (`per_head = True`: each KV head keeps its own
   `budget` tokens, as H2O and SnapKV do) or per layer (`per_head = False`: all
   heads keep the same tokens).  Grouped-query heads: the attention of the
@@ -36,7 +37,8 @@ them:
 * Sliding-window layers (Gemma 2/3, Mistral) are left exactly as the full
   cache keeps them.
 
-Bytes (persistent, per global layer): `min(seen, budget)` tokens of K/V, plus
+Bytes (persistent, per global layer): the kept tokens' K/V (`min(seen, budget)`
+for a strategy that holds its budget at every step), plus
 per kept token and per selection row (a KV head, or the layer) its int32
 position and each fp32 score buffer of the strategy (H2O's accumulated
 attention).  Transient: when a step evicts, the candidate K/V, positions and
@@ -209,7 +211,8 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
         positions = torch.cat([self.positions, new_positions.expand(1, rows, q)], dim=-1)
         buffers = {name: torch.cat([buf, buf.new_zeros(1, rows, q)], dim=-1) for name, buf in self.buffers.items()}
         self.seen += q
-        evicts = keys.shape[-2] > self.strategy.budget
+        limit = self.strategy.limit(self.prefill)
+        evicts = limit is not None and keys.shape[-2] > limit
         step = Step(positions, self.seen, q, self.strategy.budget, self.prefill, evicts, buffers, self.state,
                     self._attend(keys, positions, x) if self.projector is not None else None)
         t1 = time.perf_counter()
@@ -217,7 +220,7 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
         scoring_s = time.perf_counter() - t1
         self.prefill = False
         if evicts:
-            keep = keep_top(scores, self.strategy.budget)  # (1, G, budget)
+            keep = keep_top(scores, limit)  # (1, G, limit)
             kv_index = keep.unsqueeze(-1).expand(1, keys.shape[1], -1, keys.shape[-1])
             self.keys, self.values = keys.gather(2, kv_index), values.gather(2, kv_index)
             self.positions = positions.gather(2, keep)
@@ -281,6 +284,10 @@ class Scored(Strategy):
     def __post_init__(self):
         self.check_min(self.name, "budget", self.budget, 1)
 
+    def limit(self, prefill: bool) -> int | None:
+        """Tokens a global layer keeps after a forward (the first of a turn when `prefill`); None keeps all."""
+        return self.budget
+
     def score(self, step: Step) -> torch.Tensor | None:
         """Scores (1, G, T) of the candidates, higher kept; may return None when `step.evicts` is False."""
         raise NotImplementedError
@@ -306,22 +313,37 @@ class Scored(Strategy):
         rows = layer.num_kv_heads if self.per_head else 1
         return layer.kv_bytes_per_token + rows * (POSITION_BYTES + BUFFER_BYTES * len(self.token_buffers))
 
-    def formula_persistent(self, geom: ModelGeometry, seen: int) -> int:
+    def stored(self, seen: int, forwards: list | None) -> int:
+        """Tokens a global layer holds after `forwards` ((tokens, first of a turn) each); without them, the
+        budget-holding rule."""
+        if forwards is None:
+            return min(seen, self.budget)
+        held = 0
+        for q, prefill in forwards:
+            limit = self.limit(prefill)
+            held = held + q if limit is None else min(held + q, limit)
+        return held
+
+    def formula_persistent(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
         total = 0
+        held = self.stored(seen, forwards)
         for layer in geom.layers:
             if layer.is_sliding:
                 total += window_layer_bytes(geom, layer.index, seen)
             else:
-                total += min(seen, self.budget) * self._token_bytes(layer)
+                total += held * self._token_bytes(layer)
         return total
 
-    def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False) -> int:
+    def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False,
+                          forwards: list | None = None) -> int:
+        held = self.stored(seen_before, forwards[:-1] if forwards else forwards)
+        limit = self.limit(turn_start)
         worst = 0
         for layer in geom.layers:
             if layer.is_sliding:
                 worst = max(worst, window_layer_transient(geom, layer.index, seen_before, q))
                 continue
-            candidates = min(seen_before, self.budget) + q
-            if candidates > self.budget:
+            candidates = held + q
+            if limit is not None and candidates > limit:
                 worst = max(worst, candidates * self._token_bytes(layer))
         return worst

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import gradio as gr
 
-from ..bench import scenarios
+from ..scenarios import scenarios
 from . import runner, views
 from .export import write_exports
-from .geometry_panel import break_even, geometry_html
+from .geometry_panel import geometry_html
 from .plots import agreement_figure, latency_figure, memory_figure
 from .session import Session
 from .settings import RunConfig, Settings
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from .layout import Studio
 
 log = logging.getLogger(__name__)
+FRONTIER_CURRENT = "this conversation"
+FRONTIER_BUDGETS = (16, 64)
 UI_EVERY_S = 0.12  # at most this often a streamed update (the first token of a turn always goes out)
 PLOTS_EVERY_S = 1.0
 
@@ -104,11 +106,12 @@ class Handlers:
             yield {v.status: views.status(message, "error")}
             return
         L = geom.num_layers
-        spacing, _ = break_even(geom)
         yield {
             v.geometry: geometry_html(name, geom, str(loaded.dtype).removeprefix("torch.")),
             v.map_layer: gr.Slider(maximum=L - 1),
-            c.spacing: gr.Slider(maximum=L, value=spacing or min(4, L)),
+            # Cascade replay runs every layer once whatever the spacing, so the deepest spacing (token ids only,
+            # 4 bytes per token) saves the most memory at the same compute; it is >= the break-even s*.
+            c.spacing: gr.Slider(maximum=L, value=L),
             v.status: views.status(f"{name} ready ({loaded.source}; {loaded.device}, {L} layers). "
                                    "Type a message or play a scenario.", "ok"),
         }
@@ -234,6 +237,45 @@ class Handlers:
         session.clear()
         return self.render(session, busy=False, message="Cleared. Type a message to start a new conversation.",
                            plots=True, final=True)
+
+    # --- the frontier ----------------------------------------------------------
+    def frontier(self, session: Session, source: str, **controls) -> Iterator[dict]:
+        """Every ticked strategy at a few settings on one conversation; the frontier plot when done."""
+        f = self.s.frontier
+        busy = lambda message: {f.status: views.status(message, "busy"), f.draw: gr.Button(interactive=False)}
+        done = lambda message, kind: {f.status: views.status(message, kind), f.draw: gr.Button(interactive=True)}
+        if session.busy:
+            yield done("A turn is still running: wait for it or press Stop.", "error")
+            return
+        turns = list(session.user_turns) if source == FRONTIER_CURRENT else list(scenarios().get(source, {}).get("turns", []))
+        if not turns:
+            yield done("Nothing to draw yet: send a message first, or choose a scenario." if source == FRONTIER_CURRENT
+                       else f"Unknown scenario {source!r}.", "error")
+            return
+        try:
+            settings = Settings.from_controls(controls)
+            config = settings.run_config()
+            plan = runner.frontier_plan(config, settings, FRONTIER_BUDGETS)
+        except runner.USER_ERRORS as e:
+            yield done(str(e), "error")
+            return
+        sweep = runner.frontier_sweep(config, turns)
+        rows = []
+        t0 = time.monotonic()
+        try:
+            for i, entries in enumerate(plan):
+                yield busy(f"Run {i + 1}/{len(plan)}: {len(entries)} strategies on {len(turns)} turn(s)…")
+                rows += sweep.run(entries)
+        except runner.USER_ERRORS as e:
+            yield done(str(e), "error")
+            return
+        except Exception as e:  # the app stays up; the message says what broke
+            log.error("frontier failed:\n%s", traceback.format_exc())
+            yield done(f"Frontier failed: {type(e).__name__}: {e}", "error")
+            return
+        figure = runner.frontier_plot(rows, sweep, source)
+        yield {**done(f"{len(rows)} points from {len(plan)} runs in {time.monotonic() - t0:.0f} s.", "ok"),
+               f.plot: figure}
 
     def token_map(self, session: Session, label: str | None, layer: int) -> str:
         return self._token_map_html(session, label, layer)

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import gradio as gr
 
-from ..bench import scenarios
+from ..scenarios import scenarios
 from ..models import DTYPES, available_devices, presets
 from . import runner
-from .handlers import Handlers
+from ..frontier import frontier_figure
+from .handlers import FRONTIER_CURRENT, Handlers
 from .plots import agreement_figure, latency_figure, memory_figure
 from .session import Session
 from .settings import DEFAULT_MODEL, any_declares, catalogue, default_names, max_panes, title
@@ -44,6 +45,7 @@ class Controls:
     budget: gr.Slider
     spacing: gr.Slider
     mode: gr.Radio
+    rebuild: gr.Radio
     max_new_tokens: gr.Slider
 
     def by_name(self, *names: str) -> dict:
@@ -78,12 +80,23 @@ class Views:
 
 
 @dataclass
+class FrontierTab:
+    """The trade-off frontier: which conversation, the button, progress, the figure."""
+
+    source: gr.Dropdown
+    draw: gr.Button
+    status: gr.HTML
+    plot: gr.Plot
+
+
+@dataclass
 class Studio:
     session: gr.State
     controls: Controls
     actions: Actions
     views: Views
     panes: list[Pane]
+    frontier: FrontierTab
 
     def outputs(self) -> list:
         parts = [self.controls.spacing]
@@ -113,11 +126,15 @@ def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tok
         mode = gr.Radio(["exact", "fast"], value="exact", label="Recompute mode",
                         info="exact: bit-equal K/V; fast: one batched GEMM, error measured",
                         visible=any_declares("mode"))
+        rebuild = gr.Radio(["step", "turn"], value="step", label="Rebuild old K/V",
+                           info="step: at every token (least memory, more compute); turn: once per turn, then "
+                                "full K/V held while the turn lasts",
+                           visible=any_declares("rebuild"))
         max_new = gr.Slider(1, 512, value=max_new_tokens, step=1, label="Max new tokens per turn")
     with gr.Accordion("More panes (extra strategy specs)", open=False):
         extra = gr.Textbox(label="Extra specs, comma-separated", placeholder="kvdirect:budget=16:mode=fast",
                            info="name[:key=value]…; budget/spacing/mode above fill in what a spec leaves unset.")
-    return Controls(preset, custom, device, dtype, picked, extra, budget_s, spacing, mode, max_new)
+    return Controls(preset, custom, device, dtype, picked, extra, budget_s, spacing, mode, rebuild, max_new)
 
 
 def _panes() -> list[Pane]:
@@ -169,6 +186,14 @@ def build_demo(model: str = DEFAULT_MODEL, strategies: list[str] | None = None, 
                             map_label = gr.Dropdown([], label="Strategy", scale=3)
                             map_layer = gr.Slider(0, 29, value=0, step=1, label="Layer", scale=2)
                         token_map = gr.HTML(elem_id="kvd-token-map")
+                    with gr.Tab("Frontier: memory vs agreement"):
+                        gr.Markdown(asset("frontier.md"))
+                        with gr.Row():
+                            source = gr.Dropdown([FRONTIER_CURRENT, *table], value=FRONTIER_CURRENT, scale=3,
+                                                 label="Conversation")
+                            draw = gr.Button("Draw the frontier", variant="secondary", scale=1)
+                        frontier_status = gr.HTML("")
+                        frontier_plot = gr.Plot(frontier_figure([]), show_label=False, elem_id="kvd-frontier")
                     with gr.Tab("Geometry: bytes per token"):
                         geometry = gr.HTML(elem_id="kvd-geometry")
                     with gr.Tab("Export"):
@@ -178,7 +203,8 @@ def build_demo(model: str = DEFAULT_MODEL, strategies: list[str] | None = None, 
                                          for text in ("Run (JSON)", "Steps (CSV)", "Summary (CSV)", "Plots (HTML)")]
         actions = Actions(prompt, send, stop, regenerate, clear, scenario, play)
         views = Views(status, memory, latency, agreement, map_label, map_layer, token_map, geometry, *downloads)
-        studio = Studio(session, controls, actions, views, panes)
+        studio = Studio(session, controls, actions, views, panes,
+                        FrontierTab(source, draw, frontier_status, frontier_plot))
         _wire(demo, studio, Handlers(studio))
         gr.api(runner.compare, api_name="compare")
     return demo
@@ -201,6 +227,10 @@ def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
                  api_name="play_scenario", **run)
     a.stop.click(h.stop, inputs=[studio.session], outputs=[v.status], queue=False, api_visibility="private")
     a.clear.click(h.clear, inputs=[studio.session], outputs=out, api_visibility="private")
+    f = studio.frontier
+    f.draw.click(h.frontier, inputs=[studio.session, f.source], inputs_kwargs=c.by_name(),
+                 outputs=[f.status, f.plot, f.draw], concurrency_id="generate", trigger_mode="once",
+                 show_progress="hidden", api_name="frontier")
     for trigger in (v.map_label.input, v.map_layer.release):
         trigger(h.token_map, inputs=[studio.session, v.map_label, v.map_layer], outputs=[v.token_map],
                 api_visibility="private")

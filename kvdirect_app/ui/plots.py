@@ -5,28 +5,14 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from ..palette import colours
 from .session import Session
 from .settings import REFERENCE, title
 
-# Okabe-Ito, readable for colour-blind viewers and on projectors; the full cache is always dark grey.
-PALETTE = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#8B4513", "#7F3C8D", "#3D9970",
-           "#B8860B", "#1F3A93"]
-REFERENCE_COLOUR = "#333333"
 FONT = dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", size=16, color="#111")
 OP_COLOURS = {"recompute": "#0072B2", "replay": "#56B4E9", "scoring": "#CC79A7", "attention": "#E69F00",
               "cache_update": "#009E73", "other": "#999999"}
 OP_ORDER = list(OP_COLOURS)
-
-
-def colours(labels: list[str]) -> dict[str, str]:
-    out, i = {}, 0
-    for label in labels:
-        if label == REFERENCE:
-            out[label] = REFERENCE_COLOUR
-        else:
-            out[label] = PALETTE[i % len(PALETTE)]
-            i += 1
-    return out
 
 
 def _scale(values: list[float]) -> tuple[float, str]:
@@ -54,32 +40,38 @@ def _empty(fig: go.Figure, message: str):
 
 
 def memory_figure(session: Session) -> go.Figure:
-    """Persistent and peak state bytes per strategy (formula dashed) against tokens processed; RSS on the right."""
+    """Per strategy against tokens processed: state held after each step and the peak within it, both measured
+    by the allocator (solid, dotted), and the state by formula (dashed); process RSS on the right."""
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     palette = colours(session.shown)
     all_bytes = [row[k] for label in session.shown for row in session.lanes[label].memory
-                 for k in ("persistent", "peak", "formula")]
+                 for k in ("persistent", "peak", "formula") if row[k] is not None]
     unit, unit_name = _scale(all_bytes)
+    measured = any(row["persistent"] is not None for label in session.shown for row in session.lanes[label].memory)
     for label in session.shown:
         rows, c = session.lanes[label].memory, palette[label]
         x = [r["seen"] for r in rows]
         name = title(label) if label == REFERENCE else label
-        fig.add_trace(go.Scatter(x=x, y=[r["persistent"] / unit for r in rows], name=name, legendgroup=label,
+        main = "persistent" if measured else "formula"
+        fig.add_trace(go.Scatter(x=x, y=[r[main] / unit for r in rows], name=name, legendgroup=label,
                                  line=dict(color=c, width=3), mode="lines",
-                                 hovertemplate=f"{label}<br>persistent %{{y:.3f}} {unit_name}<br>tokens %{{x}}<extra></extra>"))
-        fig.add_trace(go.Scatter(x=x, y=[r["peak"] / unit for r in rows], legendgroup=label, showlegend=False,
-                                 line=dict(color=c, width=1.5, dash="dot"), mode="lines",
-                                 hovertemplate=f"{label}<br>peak %{{y:.3f}} {unit_name}<extra></extra>"))
-        fig.add_trace(go.Scatter(x=x, y=[r["formula"] / unit for r in rows], legendgroup=label, showlegend=False,
-                                 line=dict(color="#000", width=1.2, dash="dash"), mode="lines", opacity=0.55,
-                                 hovertemplate=f"{label}<br>formula %{{y:.3f}} {unit_name}<extra></extra>"))
+                                 hovertemplate=f"{label}<br>state %{{y:.3f}} {unit_name}<br>tokens %{{x}}<extra></extra>"))
+        if measured:
+            fig.add_trace(go.Scatter(x=x, y=[None if r["peak"] is None else r["peak"] / unit for r in rows],
+                                     legendgroup=label, showlegend=False, line=dict(color=c, width=1.5, dash="dot"),
+                                     mode="lines", hovertemplate=f"{label}<br>peak %{{y:.3f}} {unit_name}<extra></extra>"))
+            fig.add_trace(go.Scatter(x=x, y=[r["formula"] / unit for r in rows], legendgroup=label, showlegend=False,
+                                     line=dict(color=c, width=1.2, dash="dash"), mode="lines", opacity=0.7,
+                                     hovertemplate=f"{label}<br>formula %{{y:.3f}} {unit_name}<extra></extra>"))
     if session.rss:
         fig.add_trace(go.Scatter(x=[r["seen"] for r in session.rss], y=[r["rss"] / 2**20 for r in session.rss],
                                  name="process RSS (right axis)", line=dict(color="#888", width=2, dash="longdashdot"),
                                  mode="lines", hovertemplate="process RSS %{y:.0f} MiB<extra></extra>"),
                       secondary_y=True)
-    for name, dash, width in (("persistent", "solid", 3), ("peak within a step", "dot", 1.5),
-                              ("formula (config only)", "dash", 1.2)):
+    styles = ((("state after a step (allocator)", "solid", 3), ("peak within a step (allocator)", "dot", 1.5),
+               ("state by formula (config only)", "dash", 1.2)) if measured else
+              (("state by formula (allocator tracing off)", "solid", 3),))
+    for name, dash, width in styles:
         fig.add_trace(go.Scatter(x=[None], y=[None], name=name, mode="lines", legendgroup="styles",
                                  line=dict(color="#000", dash=dash, width=width)))
     if not session.shown:

@@ -15,10 +15,13 @@ import threading
 from typing import Callable, Iterator
 
 from ..engine import Engine, InputError, run_to_end
+from ..frontier import frontier_figure, points_from_rows
 from ..geometry import ModelGeometry
 from ..models import LoadedModel, ModelError, load_model
-from ..strategies import StrategyError, parse_specs
-from .settings import DEFAULT_MODEL, RunConfig, expand
+from ..strategies import StrategyError, parse_spec, parse_specs
+from ..sweeps import Sweep
+from ..units import fmt_bytes
+from .settings import DEFAULT_MODEL, REFERENCE, RunConfig, Settings, expand
 
 USER_ERRORS = (InputError, ModelError, StrategyError)
 
@@ -47,6 +50,41 @@ def build_engine(config: RunConfig) -> Engine:
 
 def geometry(loaded: LoadedModel) -> ModelGeometry:
     return ModelGeometry.from_config(loaded.config, loaded.dtype)
+
+
+def frontier_plan(config: RunConfig, settings: Settings, budgets: tuple[int, ...]) -> list[list[tuple]]:
+    """One lockstep run per budget: every ticked strategy at that budget (AnchorKV: its deepest spacing in both
+    rebuild modes, and the break-even spacing with ``rebuild=step``)."""
+    geom = geometry(load(config))
+    names = [spec.split(":")[0] for spec in config.specs if spec.split(":")[0] != REFERENCE]
+    plan = []
+    for budget in budgets:
+        entries, seen = [], set()
+        for name in dict.fromkeys(names):
+            variants = [expand(name, budget, settings.spacing, settings.mode, settings.rebuild)]
+            if name == "anchorkv":
+                deepest, s_star = geom.num_layers, geom.break_even_spacing(token_id_anchor=True) or geom.num_layers
+                variants = [f"anchorkv:spacing={deepest}:budget={budget}:rebuild=step",
+                            f"anchorkv:spacing={deepest}:budget={budget}:rebuild=turn",
+                            f"anchorkv:spacing={s_star}:budget={budget}:rebuild=step"]
+            for spec in variants:
+                strategy = parse_spec(spec)
+                if strategy.spec() not in seen:
+                    seen.add(strategy.spec())
+                    entries.append((name, strategy, budget))
+        plan.append(entries)
+    return plan
+
+
+def frontier_sweep(config: RunConfig, turns: list[str]) -> Sweep:
+    return Sweep(load(config), turns, config.max_new_tokens, raw=config.raw)
+
+
+def frontier_plot(rows: list[dict], sweep: Sweep, source: str):
+    reference = sweep.reference["state_bytes"]
+    return frontier_figure(points_from_rows(rows), title=f"{sweep.head['model']}, {source}: memory against agreement",
+                           subtitle=f"{sweep.head['device']}, {sweep.head['dtype']}; full cache: peak "
+                                    f"{fmt_bytes(reference['peak'])}, between turns {fmt_bytes(reference['between_turns_peak'])}")
 
 
 def token_maps(engine: Engine, labels: list[str]) -> dict:

@@ -42,7 +42,8 @@ class TurnReply:
 class LaneView:
     label: str
     replies: list[TurnReply] = field(default_factory=list)
-    memory: list[dict] = field(default_factory=list)  # per step: seen, persistent, peak, formula bytes
+    memory: list[dict] = field(default_factory=list)  # per step: seen, measured state and peak, formula bytes
+    turns: list[dict] = field(default_factory=list)  # per finished turn: between turns, peak in turn, ms/token
     latency: list[dict] = field(default_factory=list)  # per fed decode step: ms per op
     agreement: list[dict] = field(default_factory=list)  # per reference position: running match, KL mean
     matched: int = 0
@@ -59,9 +60,22 @@ class LaneView:
         ms = [row["total"] for row in self.latency]
         return 1e3 * len(ms) / sum(ms) if ms and sum(ms) > 0 else None
 
+    def turn_figures(self) -> dict:
+        """Between turns (after the last finished turn), peak during the current (or last) turn, and its ms per
+        decode token: the three numbers each pane shows side by side."""
+        current = [row for row in self.memory if row["turn"] == (self.memory[-1]["turn"] if self.memory else -1)]
+        peaks = [row["peak"] for row in current if row["peak"] is not None]
+        formula_peaks = [row["formula_peak"] for row in current]
+        ms = [row["total"] for row in self.latency if row.get("turn") == (current[0]["turn"] if current else -1)]
+        return {"between": self.turns[-1]["between_turns"] if self.turns else None,
+                "formula_between": self.turns[-1]["formula_between_turns"] if self.turns else None,
+                "peak": max(peaks) if peaks else None,
+                "formula_peak": max(formula_peaks) if formula_peaks else None,
+                "ms_per_token": sum(ms) / len(ms) if ms else None}
+
     def op_means(self) -> dict[str, float]:
         """Mean ms per decode step of each op (every key the engine reports except the total)."""
-        ops = [k for k in (self.latency[0] if self.latency else {}) if k not in ("total", "step")]
+        ops = [k for k in (self.latency[0] if self.latency else {}) if k not in ("total", "step", "turn")]
         return {op: sum(row[op] for row in self.latency) / len(self.latency) for op in ops}
 
 
@@ -117,6 +131,9 @@ class Session:
             for label, text in event["texts"].items():
                 if label in self.lanes:
                     self.lanes[label].replies[-1].text = text
+            for label, figures in event.get("bytes", {}).items():
+                if label in self.lanes:
+                    self.lanes[label].turns.append(figures)
             for lane in self.lanes.values():
                 lane.active = False
         elif kind == "done":
@@ -135,9 +152,9 @@ class Session:
                 lane.active = ev["active"]
                 lane.memory.append({"step": self.steps, "turn": turn, "index": index, "seen": ev["seen"],
                                     "persistent": ev["persistent_bytes"], "peak": ev["peak_bytes"],
-                                    "formula": ev["formula_bytes"]})
+                                    "formula": ev["formula_bytes"], "formula_peak": ev["formula_peak_bytes"]})
                 if ev["active"]:  # the token was fed: the step's timings are of this token's forward
-                    lane.latency.append({"step": self.steps, **ev["latency_ms"]})
+                    lane.latency.append({"step": self.steps, "turn": turn, **ev["latency_ms"]})
             else:
                 lane.active = False
             if ref is None and ev is None:
@@ -170,7 +187,8 @@ class Session:
                     "strategy": label, "step": mem["step"], "turn": mem["turn"], "index": mem["index"],
                     "token_id": reply.tokens[mem["index"]], "seen": mem["seen"],
                     "persistent_bytes": mem["persistent"], "peak_bytes": mem["peak"], "formula_bytes": mem["formula"],
-                    **{f"{op}_ms": v for op, v in lat.items() if op != "step"},
+                    "formula_peak_bytes": mem["formula_peak"],
+                    **{f"{op}_ms": v for op, v in lat.items() if op not in ("step", "turn")},
                     "token_match_so_far": agree.get("match"), "kl_mean_so_far": agree.get("kl"),
                 })
         return rows

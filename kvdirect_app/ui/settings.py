@@ -27,7 +27,8 @@ TITLES = {
     "window": "Sliding window",
 }
 BASELINES = ("h2o", "streaming_llm", "snapkv", "tova", "window")
-SHARED = ("budget", "spacing", "mode")
+DEFAULT_PANES = ("full", "kvdirect", "anchorkv", "h2o", "streaming_llm", "snapkv", "tova")
+SHARED = ("budget", "spacing", "mode", "rebuild")
 EXTRA_PANES = 3  # panes beyond one per registered strategy, for extra specs
 
 
@@ -49,8 +50,8 @@ def blurb(name: str) -> str:
 
 
 def default_names() -> list[str]:
-    """Full cache, KV-Direct and whichever eviction baselines are registered."""
-    return [n for n in catalogue() if n in ("full", "kvdirect", *BASELINES)]
+    """Full cache, KV-Direct, AnchorKV and the eviction baselines with a paper (the plain window is one tick away)."""
+    return [n for n in catalogue() if n in DEFAULT_PANES]
 
 
 def declares(name: str, setting: str) -> bool:
@@ -66,12 +67,13 @@ def max_panes() -> int:
     return len(catalogue()) + EXTRA_PANES
 
 
-def expand(entry: str, budget: int | None = None, spacing: int | None = None, mode: str | None = None) -> str:
+def expand(entry: str, budget: int | None = None, spacing: int | None = None, mode: str | None = None,
+           rebuild: str | None = None) -> str:
     """`name[:k=v...]` plus each shared setting the strategy declares and the entry leaves unset."""
     entry = entry.strip()
     name, *pairs = entry.split(":")
     given = {p.partition("=")[0] for p in pairs}
-    for key, value in zip(SHARED, (budget, spacing, mode)):
+    for key, value in zip(SHARED, (budget, spacing, mode, rebuild)):
         if value is not None and declares(name, key) and key not in given:
             pairs.append(f"{key}={value}")
     return ":".join([name, *pairs])
@@ -102,6 +104,7 @@ class Settings:
     budget: int
     spacing: int
     mode: str
+    rebuild: str
     max_new_tokens: int
 
     @classmethod
@@ -124,7 +127,7 @@ class Settings:
         entries += [e for e in self.extra_specs.split(",") if e.strip()]
         if not entries:
             raise StrategyError("no strategy selected; tick at least one")
-        specs = [expand(e, self.budget, self.spacing, self.mode) for e in entries]
+        specs = [expand(e, self.budget, self.spacing, self.mode, self.rebuild) for e in entries]
         parse_specs(",".join(specs))  # one clear error for unknown names, settings or duplicates
         if len(specs) > max_panes():
             raise StrategyError(f"{len(specs)} strategies selected; this page shows at most {max_panes()}")

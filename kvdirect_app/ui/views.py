@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import html
 
-from ..bench import _fmt_bytes as fmt_bytes  # one byte format for the CLI table and the page
-from .plots import colours
+from ..units import fmt_bytes  # one byte format for the CLI tables and the page
+from ..palette import colours
 from .session import LaneView, Session
 from .settings import REFERENCE, blurb, title
 
@@ -49,6 +49,15 @@ def _summary(session: Session, label: str) -> dict:
     return session.result.get("strategies", {}).get(label, {})
 
 
+def _bytes_cell(measured, formula, what: str) -> str:
+    """A byte figure: measured by the allocator, the formula beside it in the tooltip (or alone, labelled)."""
+    if measured is None and formula is None:
+        return "—"
+    if measured is None:
+        return f'<span title="{what}: by formula (allocator tracing is off)">{fmt_bytes(formula)}*</span>'
+    return f'<span title="{what}: measured by the allocator; formula {fmt_bytes(formula)}">{fmt_bytes(measured)}</span>'
+
+
 def pane_header(session: Session, label: str) -> str:
     lane = session.lanes.get(label)
     colour = colours(session.shown).get(label, "#333")
@@ -56,17 +65,17 @@ def pane_header(session: Session, label: str) -> str:
     chips = "".join(f'<span class="kvd-chip">{_esc(s)}</span>' for s in settings.split(":") if s)
     stats = []
     if lane is not None and lane.memory:
-        last = lane.memory[-1]
-        stats.append(f'<span title="bytes this strategy holds between steps">state <b>{fmt_bytes(last["persistent"])}</b></span>')
-        stats.append(f'<span title="largest bytes held within a step">peak {fmt_bytes(max(r["peak"] for r in lane.memory))}</span>')
+        f = lane.turn_figures()
+        stats.append(f"between turns <b>{_bytes_cell(f['between'], f['formula_between'], 'held after the last turn')}</b>")
+        stats.append(f"peak in turn <b>{_bytes_cell(f['peak'], f['formula_peak'], 'highest during a forward of this turn (state, transient buffers, activations)')}</b>")
+        if f["ms_per_token"] is not None:
+            stats.append(f'<span title="mean ms per decode step this turn (this strategy\'s own compute)">'
+                         f'<b>{f["ms_per_token"]:.0f}</b> ms/token</span>')
     if lane is not None and label != REFERENCE and lane.match is not None:
         cls = "good" if lane.match == 1.0 else "bad"
         stats.append(f'<span class="kvd-{cls}">match <b>{100 * lane.match:.0f}%</b></span>')
         if lane.agreement:
             stats.append(f'<span title="mean KL to the full cache, teacher-forced">KL {lane.agreement[-1]["kl"]:.2g}</span>')
-    rate = lane.tokens_per_s() if lane is not None else None
-    if rate:
-        stats.append(f"<span>{rate:.1f} tok/s</span>")
     summary = _summary(session, label)
     notes = []
     if label == REFERENCE:
@@ -76,12 +85,19 @@ def pane_header(session: Session, label: str) -> str:
         notes.append(f'<span class="kvd-bad">first differs at turn {turn + 1}, token {index + 1}</span>')
     elif lane is not None and lane.total:
         notes.append('<span class="kvd-good">same tokens as the full cache so far</span>')
-    if summary.get("kv_exact") is not None and label != REFERENCE:
-        if summary["kv_exact"]:
-            notes.append('<span class="kvd-good" title="torch.equal on every compared layer">K/V bit-equal ✓</span>')
+    if summary.get("exact_unavailable"):
+        notes.append(f'<span class="kvd-warn" title="{html.escape(summary["exact_unavailable"])}">no exact mode here</span>')
+    elif summary.get("kv_exact") is not None and label != REFERENCE:
+        if summary["kv_exact"] and not summary.get("rebuilt_token_layers"):
+            notes.append('<span class="kvd-note" title="K/V equal, but nothing was rebuilt yet">K/V equal (nothing rebuilt yet)</span>')
+        elif summary["kv_exact"]:
+            notes.append(f'<span class="kvd-good" title="torch.equal on every compared layer, '
+                         f'{summary["rebuilt_token_layers"]:,} token-layers rebuilt">K/V bit-equal ✓</span>')
         else:
             notes.append(f'<span class="kvd-warn" title="largest |ΔK| against the full cache">K/V differ: '
                          f'max|ΔK| {summary["max_abs_dk"]:.1e}</span>')
+    for note in summary.get("notes", []):
+        notes.append(f'<span class="kvd-note" title="{html.escape(note)}">settings adapted</span>')
     return (f'<div class="kvd-pane-head" style="border-left-color:{colour}">'
             f'<div class="kvd-pane-title" title="{html.escape(blurb(name))}"><span class="kvd-dot" style="background:{colour}"></span>'
             f'{_esc(title(name))} <code>{_esc(name)}</code>{chips}</div>'

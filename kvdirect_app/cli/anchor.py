@@ -7,19 +7,18 @@
 
 from __future__ import annotations
 
-import json
+import sys
 import time
 from pathlib import Path
 
 import psutil
 import torch
 
-from .geometry import ModelGeometry, breakeven_report, load_config
-from .models import DTYPES, PRESETS_DIR, resolve_dtype
-
-
-class BenchInputError(ValueError):
-    pass
+from ..geometry import ModelGeometry, breakeven_report, load_config
+from ..models import DTYPES, resolve_dtype
+from ..prompts import filler_ids
+from ..units import fmt, fmt_bytes, table
+from .common import CliError, write_json
 
 
 def _kib(n: float) -> str:
@@ -28,22 +27,16 @@ def _kib(n: float) -> str:
     return f"{n / 1024:.2f} KiB" if n >= 1024 else f"{n:.0f} B"
 
 
-def _write(path: str | None, data: dict):
-    if path:
-        Path(path).write_text(json.dumps(data, indent=1))
-        print(f"\nwrote {path}")
-
-
 # --- breakeven -----------------------------------------------------------------
 def cmd_breakeven(args) -> int:
     if (args.model is None) == (args.config is None):
-        raise BenchInputError("give exactly one of --model NAME or --config PATH")
+        raise CliError("give exactly one of --model NAME or --config PATH")
     if args.config is not None and not Path(args.config).is_file():
-        raise BenchInputError(f"--config: no such file {args.config!r}")
+        raise CliError(f"--config: no such file {args.config!r}")
     try:
         config = load_config(args.config or args.model)
     except (OSError, ValueError) as e:
-        raise BenchInputError(f"--model: cannot read a config for {args.model!r} ({str(e).splitlines()[0]})") from None
+        raise CliError(f"--model: cannot read a config for {args.model!r} ({str(e).splitlines()[0]})") from None
     geom = ModelGeometry.from_config(config, resolve_dtype(args.dtype))
     report = breakeven_report(geom, context=args.context, max_passes=args.max_passes)
     report["source"] = args.config or args.model
@@ -77,26 +70,16 @@ def cmd_breakeven(args) -> int:
         for row in windowed["uniform"]:
             print(f"  {row['spacing']:>3}  {_kib(row['bytes_per_token']):>13}  {row['cascade_passes']:>6}  "
                   f"{_kib(row['dp_bytes_per_token']):>17}  {row['dp_anchors']}")
-    _write(args.json, report)
+    write_json(args.json, report)
     return 0
 
 
 # --- shared: a context of exactly N tokens --------------------------------------------
-def filler_ids(tokenizer, n: int) -> list[int]:
-    """`n` token ids of the long-document preset, repeated as needed (deterministic)."""
-    text = (PRESETS_DIR / "long_document.md").read_text(encoding="utf-8")
-    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-    more = tokenizer("\n\n" + text, add_special_tokens=False)["input_ids"]
-    while len(ids) < n:
-        ids += more
-    return ids[:n]
-
-
 def _context_engine(loaded, strategies, n: int):
-    from .engine import Engine
+    from ..engine import Engine
 
     if n < 2 or n >= loaded.max_context:
-        raise BenchInputError(f"--context: {n} must be between 2 and the model's context {loaded.max_context - 1}")
+        raise CliError(f"--context: {n} must be between 2 and the model's context {loaded.max_context - 1}")
     engine = Engine(loaded, strategies, max_new_tokens=1, raw=True)
     for _ in engine.turn("context", ids=filler_ids(loaded.tokenizer, n)):
         pass
@@ -105,14 +88,14 @@ def _context_engine(loaded, strategies, n: int):
 
 # --- replay ---------------------------------------------------------------------------
 def cmd_replay(args) -> int:
-    from .engine import model_lock
-    from .models import load_model
-    from .strategies.anchorkv import AnchorKV, rebuild_all
+    from ..engine import model_lock
+    from ..models import load_model
+    from ..strategies.anchorkv import AnchorKV, rebuild_all
 
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     geom = ModelGeometry.from_config(loaded.config, loaded.dtype)
     if not 1 <= args.spacing <= geom.num_layers:
-        raise BenchInputError(f"--spacing: {args.spacing} must be between 1 and L={geom.num_layers}")
+        raise CliError(f"--spacing: {args.spacing} must be between 1 and L={geom.num_layers}")
     strategy = AnchorKV(spacing=args.spacing, budget=1)
     torch.set_num_threads(args.threads or torch.get_num_threads())
     engine = _context_engine(loaded, [strategy], args.context)
@@ -144,78 +127,111 @@ def cmd_replay(args) -> int:
         print(f"  {kind:<8} {row['seconds']:>8.2f} {row['layer_passes']:>12} {row['layer_calls']:>11}  "
               f"{'yes' if row['kv_exact'] else 'NO'}")
     print(f"  cascade speedup {speedup:.2f}x; ideal (pass ratio) {ideal:.2f}x; achieved {speedup / ideal:.2f} of ideal")
-    _write(args.json, result)
+    write_json(args.json, result)
     return 0
 
 
 # --- capacity -------------------------------------------------------------------------
-def _capacity_strategies(geom: ModelGeometry, spacings: list[int]):
-    from .strategies.anchorkv import AnchorKV
-    from .strategies.full import Full
-    from .strategies.kvdirect import KVDirect
+def _capacity_strategies(geom: ModelGeometry, spacings: list[int], budget: int):
+    """Each strategy with the settings it runs with (its default rebuild mode), plus AnchorKV's deepest
+    spacing with ``rebuild=step``."""
+    from ..strategies import parse_spec
 
-    rows = [("full", Full()), ("kvdirect", KVDirect(budget=1))]
-    rows += [(f"anchorkv:spacing={s}", AnchorKV(spacing=s, budget=1)) for s in spacings]
+    specs = ["full", f"kvdirect:budget={budget}"]
+    specs += [f"anchorkv:spacing={s}:budget={budget}" for s in spacings]
+    specs.append(f"anchorkv:spacing={geom.num_layers}:budget={budget}:rebuild=step")
     if any(layer.is_sliding for layer in geom.layers):
-        rows += [(f"anchorkv:spacing={s}:anchors=dp", AnchorKV(spacing=s, anchors="dp", budget=1))
-                 for s in spacings if s > 1]
-    return rows
+        specs += [f"anchorkv:spacing={s}:anchors=dp:budget={budget}" for s in spacings if s > 1]
+    return [(spec, parse_spec(spec)) for spec in specs]
 
 
-def _measure_resume(loaded, strategies, n: int) -> dict[str, float]:
-    engine = _context_engine(loaded, [s for _, s in strategies], n)
+def _session(loaded, strategy, n: int, threads: int | None):
+    """One session of `strategy` alone (no reference lane), `n` tokens of context, parked."""
+    from ..engine import Engine
+
+    engine = Engine(loaded, [strategy], max_new_tokens=1, raw=True, threads=threads, compare=False)
+    for _ in engine.turn("context", ids=filler_ids(loaded.tokenizer, n)):
+        pass
     engine.park()
-    event = engine.resume()
-    labels = {s.label: name for name, s in strategies}
-    return {labels.get(label, label): record["resume_ms"] for label, record in event["lanes"].items()}
+    return engine
+
+
+def _measure(loaded, strategy, n: int, sessions: int, threads: int | None) -> dict:
+    """Park `sessions` sessions (at least one) in this process; bytes measured per session, then resume one
+    and time it and its next turn's first token."""
+    process = psutil.Process()
+    before = process.memory_info().rss
+    parked = [_session(loaded, strategy, n, threads) for _ in range(max(1, sessions))]
+    after = process.memory_info().rss
+    measured = [engine.reference.parks[-1]["bytes"] for engine in parked]
+    engine = parked[0]
+    resume = engine.resume()["lanes"][strategy.label]
+    result = None
+    for event in engine.turn(" Continue."):
+        if event["type"] == "step":
+            result = event["lanes"][strategy.label]
+            break
+    return {"sessions_parked": len(parked), "parked_bytes_measured": sum(measured) / len(measured),
+            "rss_growth_per_session": (after - before) / len(parked), "resume_ms": resume["resume_ms"],
+            "resume_peak_bytes": resume["resume_peak_bytes"],
+            "next_ttft_ms": None if result is None else result["prefill_ms"]}
 
 
 def cmd_capacity(args) -> int:
-    from .models import load_model
+    from ..models import load_model
 
+    if args.context < 2:
+        raise CliError(f"--context: {args.context} must be >= 2")
+    if args.measure < 0:
+        raise CliError(f"--measure: {args.measure} must be >= 0 (sessions to park for real)")
+    if args.budget < 1:
+        raise CliError(f"--budget: {args.budget} must be >= 1")
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     geom = ModelGeometry.from_config(loaded.config, loaded.dtype)
-    if args.context < 2:
-        raise BenchInputError(f"--context: {args.context} must be >= 2")
     memory = (args.memory_gb * 2**30) if args.memory_gb else psutil.virtual_memory().total
     if memory <= 0:
-        raise BenchInputError(f"--memory-gb: {args.memory_gb} must be > 0")
+        raise CliError(f"--memory-gb: {args.memory_gb} must be > 0")
     L = geom.num_layers
     spacings = sorted({1, 2, geom.break_even_spacing(token_id_anchor=True) or L, L // 2 or 1, L})
-    strategies = _capacity_strategies(geom, spacings)
+    strategies = _capacity_strategies(geom, spacings, args.budget)
     full_bytes = geom.full_kv_bytes(args.context)
     n = min(args.context, args.measure_context, loaded.max_context - 1)
-    torch.set_num_threads(args.threads or torch.get_num_threads())
-    measured = _measure_resume(loaded, strategies, n)
     rows = []
     for name, strategy in strategies:
+        print(f"{name}: parking {max(1, args.measure)} session(s) of {n} tokens…", file=sys.stderr)
+        m = _measure(loaded, strategy, n, args.measure, args.threads)
         parked = strategy.formula_parked(geom, args.context)
-        ms = measured.get(name)
         rows.append({"strategy": name, "parked_bytes": parked, "parked_bytes_per_token": parked / args.context,
                      "sessions": int(memory // parked), "capacity_vs_full": full_bytes / parked,
-                     "resume_ms_measured": ms, "resume_measured_at": n,
+                     "measured_at": n, "formula_parked_bytes_at_measure": strategy.formula_parked(geom, n), **m,
                      # Linear in tokens: a lower bound, since replayed attention grows faster than linearly.
-                     "resume_ms_at_context_lower_bound": None if ms is None else ms * args.context / n,
-                     "resume_estimated": n < args.context})
+                     "next_ttft_ms_at_context_lower_bound": None if m["next_ttft_ms"] is None
+                     else m["next_ttft_ms"] * args.context / n,
+                     "estimated": n < args.context})
     result = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device),
-              "threads": torch.get_num_threads(), "context": args.context, "memory_bytes": memory,
-              "full_kv_bytes": full_bytes, "rows": rows}
+              "threads": args.threads or torch.get_num_threads(), "context": args.context, "memory_bytes": memory,
+              "full_kv_bytes": full_bytes, "budget": args.budget, "rows": rows}
     print(f"{loaded.name} {result['dtype']}, context {args.context} tokens, memory {memory / 2**30:.1f} GiB; "
-          f"resume measured at {n} tokens on {result['device']} ({result['threads']} threads)")
-    at_context = f"at {args.context}" + (" (>=)" if n < args.context else "")
-    print(f"  {'strategy':<30} {'parked/session':>15} {'bytes/token':>12} {'sessions':>9} {'vs full':>8} "
-          f"{f'resume ms at {n}':>18} {'resume ms ' + at_context:>24}")
-    for row in rows:
-        measured_ms, bound = row["resume_ms_measured"], row["resume_ms_at_context_lower_bound"]
-        print(f"  {row['strategy']:<30} {row['parked_bytes'] / 2**20:>11.2f} MiB {row['parked_bytes_per_token']:>12.1f} "
-              f"{row['sessions']:>9} {row['capacity_vs_full']:>7.2f}x {measured_ms:>18.1f} {bound:>24.0f}")
+          f"measured at {n} tokens on {result['device']} ({result['threads']} threads), "
+          f"{max(1, args.measure)} session(s) parked per strategy")
+    cols = ["strategy", "parked/session", "bytes/token", "sessions", "vs full", f"measured at {n}",
+            f"formula at {n}", "RSS growth/session", "resume ms", f"next token ms at {n}",
+            f"next token ms at {args.context}" + (" (>=)" if n < args.context else "")]
+    body = [[r["strategy"], fmt_bytes(r["parked_bytes"]), f"{r['parked_bytes_per_token']:.1f}", str(r["sessions"]),
+             f"{r['capacity_vs_full']:.2f}x", fmt_bytes(r["parked_bytes_measured"]),
+             fmt_bytes(r["formula_parked_bytes_at_measure"]), fmt_bytes(r["rss_growth_per_session"]),
+             fmt(r["resume_ms"], ".1f"), fmt(r["next_ttft_ms"], ".0f"), fmt(r["next_ttft_ms_at_context_lower_bound"], ".0f")]
+            for r in rows]
+    print(table(cols, body))
+    print("note: parked bytes per session measured by the allocator for each parked session; 'next token' is the "
+          "first token of the next turn after resume (what a returning user waits for; rebuild=step rebuilds then)")
     if args.context >= loaded.max_context:
-        print(f"  note: {args.context} tokens is beyond this model's context of {loaded.max_context}; "
-              "the bytes are by formula")
+        print(f"note: {args.context} tokens is beyond this model's context of {loaded.max_context}; "
+              "the bytes at that context are by formula")
     if n < args.context:
-        print(f"  resume at {args.context} tokens is extrapolated linearly from {n}: a lower bound "
+        print(f"note: the next token at {args.context} tokens is extrapolated linearly from {n}: a lower bound "
               "(replayed attention grows faster than linearly)")
-    _write(args.json, result)
+    write_json(args.json, result)
     return 0
 
 
@@ -245,5 +261,9 @@ def register(sub):
             p.add_argument("--context", type=int, default=32768)
             p.add_argument("--memory-gb", type=float, default=None, help="default: this machine's memory")
             p.add_argument("--measure-context", type=int, default=1024,
-                           help="resume is measured at min(context, this) tokens; beyond, a linear lower bound")
+                           help="sessions are parked and resumed at min(context, this) tokens; beyond, by formula "
+                                "(bytes) and a linear lower bound (time)")
+            p.add_argument("--measure", type=int, default=0,
+                           help="park this many sessions of each strategy in this process (default: one)")
+            p.add_argument("--budget", type=int, default=64, help="hot window of KV-Direct and AnchorKV")
     return sub

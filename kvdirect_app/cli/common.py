@@ -1,0 +1,62 @@
+"""What the benchmark commands share: bad-input errors, the conversation options, JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..engine import MEMORY_MODES
+from ..models import DEVICES, DTYPES
+from ..scenarios import scenarios
+
+DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
+
+
+class CliError(ValueError):
+    """Bad input to a command; printed as one line, exit status 2."""
+
+
+def add_conversation_options(p: argparse.ArgumentParser):
+    """The options `run` and `sweep` share: the model, the conversation, the device, timing and memory."""
+    p.add_argument("--model", default="smollm2-135m", help="preset name, Hub id or local path")
+    p.add_argument("--prompt", help="one user message (a chat model's template is applied)")
+    p.add_argument("--prompt-file", help="a file holding one user message")
+    p.add_argument("--scenario", help="a scripted conversation from presets/scenarios.toml")
+    p.add_argument("--context", type=int, help="one turn of exactly this many tokens of the long-document preset, "
+                                                "fed raw (a context of a known length)")
+    p.add_argument("--raw", action="store_true", help="feed the text as is, without the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
+    p.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICES)}")
+    p.add_argument("--threads", type=int, default=None, help="torch threads, pinned for every forward (default: torch's)")
+    p.add_argument("--memory", default="trace", help=f"one of {', '.join(MEMORY_MODES)}: bytes measured by the "
+                                                     "allocator (every forward traced), or the formula only")
+
+
+def turns_from_args(args) -> tuple[list[str], bool]:
+    """User turns and whether to feed them raw."""
+    given = [x for x in (args.prompt is not None, args.prompt_file is not None, args.scenario is not None,
+                         getattr(args, "context", None) is not None) if x]
+    if len(given) > 1:
+        raise CliError("give only one of --prompt, --prompt-file, --scenario, --context")
+    if getattr(args, "context", None) is not None:
+        return [f"({args.context} tokens of the long-document preset)"], True
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise CliError(f"--prompt-file: no such file {args.prompt_file!r}")
+        return [path.read_text(encoding="utf-8")], args.raw
+    if args.scenario is not None:
+        table = scenarios()
+        if args.scenario not in table:
+            raise CliError(f"--scenario: unknown scenario {args.scenario!r}; allowed: {', '.join(table)}")
+        scenario = table[args.scenario]
+        return list(scenario["turns"]), args.raw or scenario.get("raw", False)
+    return [DEFAULT_PROMPT if args.prompt is None else args.prompt], args.raw
+
+
+def write_json(path: str | None, data: dict):
+    if path:
+        Path(path).write_text(json.dumps(data, indent=1))
+        print(f"\nwrote {path}")

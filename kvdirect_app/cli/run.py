@@ -1,0 +1,217 @@
+"""`bench run`: strategies in lockstep against the full cache; `--alone`: each in a process of its own.
+
+    python -m kvdirect_app.bench run --model smollm2-135m \\
+        --strategies full,kvdirect:budget=64,anchorkv:spacing=30:budget=16:rebuild=step --json out.json
+    python -m kvdirect_app.bench run --alone --strategies full,anchorkv:spacing=30:budget=16:rebuild=step ...
+
+Two tables: what each strategy changes (tokens, logits, K/V against the
+full cache) and what it costs (bytes between turns, peak during a turn and
+ms per token side by side, then the formula's figures beside the
+measurement).  With `--alone`, every strategy (and the full cache, as the
+reference for tokens) runs in its own process without any other lane;
+each child resets its peak RSS after loading the model, so the peak the
+parent reads back with `wait4` (what `/usr/bin/time -v` reports) is that
+run's, and is printed beside the allocator's in-process figure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+
+from ..metrics import token_match
+from ..models import load_model
+from ..prompts import filler_ids
+from ..strategies import parse_specs
+from ..units import fmt, fmt_bytes, table
+from .common import CliError, add_conversation_options, turns_from_args, write_json
+
+
+def output_table(result: dict) -> str:
+    cols = ["strategy", "tokens", "match", "1st div", "TF agree", "KL", "K/V exact", "rebuilt", "max|dK|", "max|dV|",
+            "max|dlogit|"]
+    rows = []
+    for spec, r in result["strategies"].items():
+        rows.append([spec, str(len(r["token_ids"])), fmt(r["token_match"], ".3f"), fmt(r["first_divergence"], "d"),
+                     fmt(r["teacher_forced_agreement"], ".3f"), fmt(r["kl_mean"], ".2e"), fmt(r["kv_exact"]),
+                     fmt(r["rebuilt_token_layers"], "d"), fmt(r["max_abs_dk"], ".1e"), fmt(r["max_abs_dv"], ".1e"),
+                     fmt(r["max_abs_dlogit"], ".1e")])
+    return table(cols, rows)
+
+
+def cost_table(result: dict) -> str:
+    cols = ["strategy", "between turns", "peak in turn", "ms/token", "tok/s", "TTFT ms", "recompute", "replay",
+            "scoring", "formula between", "formula peak", "formula = measured"]
+    rows = []
+    for spec, r in result["strategies"].items():
+        sb, lat = r["state_bytes"], r["latency_ms"]
+        rows.append([spec, fmt_bytes(sb["between_turns_peak"]), fmt_bytes(sb["peak"]),
+                     fmt(lat["decode_total_ms_mean"], ".1f"), fmt(r["tokens_per_s"], ".1f"), fmt(lat["ttft_ms"], ".0f"),
+                     fmt(lat["decode_recompute_ms_mean"], ".1f"), fmt(lat["decode_replay_ms_mean"], ".1f"),
+                     fmt(lat["decode_scoring_ms_mean"], ".1f"), fmt_bytes(sb["formula_between_turns_peak"]),
+                     fmt_bytes(sb["formula_peak"]), fmt(sb["formula_matches_measurement"])])
+    return table(cols, rows)
+
+
+def notes(result: dict) -> list[str]:
+    """What a reader must know to read the tables right."""
+    out = [f"bytes: {result['memory_instrument']}; 'peak in turn' is the highest the allocator saw during a forward "
+           "(state + transient buffers + activations); the formula's peak counts the strategy's buffers only"]
+    determinism = result["determinism"]
+    if not determinism["deterministic"]:
+        out.append(f"NO EXACT MODE HERE: {determinism['reason']}")
+    for spec, r in result["strategies"].items():
+        out += [f"{spec}: {note}" for note in r["notes"]]
+        if r.get("exact_unavailable"):
+            out.append(f"{spec}: promises bit-exact K/V, but this run cannot have it: {r['exact_unavailable']}")
+        elif r["claims_exact"] and r["kv_exact"] and r["rebuilt_token_layers"] == 0 and spec != "full":
+            out.append(f"{spec}: K/V equal, but nothing was rebuilt in this run, so exactness was not exercised")
+        sb = r["state_bytes"]
+        if sb["formula_matches_measurement"] is False:
+            where, seen, measured, formula = sb["mismatches"][0]
+            out.append(f"{spec}: measured state differs from the formula at {sb['mismatch_count']} points, first "
+                       f"({where}, {seen} tokens): {measured} B measured, {formula} B by formula")
+    return out
+
+
+def print_result(result: dict):
+    print(f"model {result['model']} ({result['model_source']}), device {result['device']}, dtype {result['dtype']}, "
+          f"threads {result['threads']}, prompt {len(result['prompt_ids'])} tokens, "
+          f"process RSS peak {fmt_bytes(result['process_rss_peak_bytes'])}")
+    print("\nwhat it changes (against the full cache):")
+    print(output_table(result))
+    print("\nwhat it costs (between turns, peak during a turn and ms per token: measured; then the formula):")
+    print(cost_table(result))
+    for line in notes(result):
+        print(f"note: {line}")
+    for spec, r in result["strategies"].items():
+        print(f"\n[{spec}] {r['text'][:400]!r}")
+
+
+def cmd_run(args) -> int:
+    from ..engine import Engine, run_to_end
+
+    if args.alone and args.solo:
+        raise CliError("give --alone or --solo, not both")
+    strategies = parse_specs(args.solo or args.strategies)
+    turns, raw = turns_from_args(args)
+    if args.alone:
+        return run_alone(args, strategies)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    engine = Engine(loaded, strategies, max_new_tokens=args.max_new_tokens, raw=raw, threads=args.threads,
+                    memory=args.memory, compare=not args.solo)
+    if args.solo:
+        before = reset_peak_rss()
+    if args.context is not None:
+        if not 2 <= args.context < loaded.max_context:
+            raise CliError(f"--context: {args.context} must be between 2 and the model's context {loaded.max_context - 1}")
+        for _ in engine.turn(turns[0], ids=filler_ids(loaded.tokenizer, args.context)):
+            pass
+        result = engine.results()
+    else:
+        result = run_to_end(engine, turns, park=args.park)
+    if args.solo:
+        result["process"] = {"rss_before_run_bytes": before, "peak_rss_bytes": peak_rss()}
+    print_result(result)
+    write_json(args.json, result)
+    return 0
+
+
+# --- each strategy alone ------------------------------------------------------------------------------------------
+def reset_peak_rss() -> int:
+    """Reset this process's peak RSS (Linux: /proc/self/clear_refs) so it counts from now; returns RSS now."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError as e:
+        raise CliError(f"--solo: cannot reset the peak RSS here ({e.strerror}); needs Linux") from None
+    return psutil.Process().memory_info().rss
+
+
+def peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise CliError("--solo: /proc/self/status has no VmHWM")
+
+
+def conversation_args(args) -> list[str]:
+    out = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype,
+           "--device", args.device, "--memory", args.memory]
+    for flag, value in (("--prompt", args.prompt), ("--prompt-file", args.prompt_file), ("--scenario", args.scenario),
+                        ("--context", args.context), ("--threads", args.threads)):
+        if value is not None:
+            out += [flag, str(value)]
+    return out + (["--raw"] if args.raw else []) + (["--park"] if args.park else [])
+
+
+def run_child(spec: str, args, folder: Path) -> dict:
+    """One strategy in a fresh process; its JSON plus the peak RSS the kernel reports for it (wait4)."""
+    out, log = folder / "result.json", folder / "log.txt"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "kvdirect_app.bench", "run", "--solo", spec, *conversation_args(args), "--json", str(out)]
+    with open(log, "w") as sink:
+        child = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode != 0 or not out.is_file():
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise CliError(f"--alone: the process for {spec} failed ({child.returncode}): {tail[0]}")
+    result = json.loads(out.read_text())
+    result["process"]["wait4_peak_rss_bytes"] = usage.ru_maxrss * 1024
+    return result
+
+
+def run_alone(args, strategies) -> int:
+    specs = ["full"] + [s.label for s in strategies if s.spec() != "full"]
+    runs = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for spec in specs:
+            print(f"running {spec} in its own process…", file=sys.stderr)
+            runs[spec] = run_child(spec, args, Path(folder))
+    reference = runs["full"]["strategies"]["full"]
+    cols = ["strategy", "tokens", "match", "1st div", "peak RSS (wait4)", "RSS before run", "RSS growth",
+            "allocator peak", "growth - allocator", "between turns", "ms/token", "tok/s"]
+    rows, summary = [], {}
+    for spec, result in runs.items():
+        r = result["strategies"][spec]
+        match, first = token_match(reference["turn_token_ids"], r["turn_token_ids"])
+        proc = result["process"]
+        growth = proc["wait4_peak_rss_bytes"] - proc["rss_before_run_bytes"]
+        allocator = r["state_bytes"]["peak"]
+        rows.append([spec, str(len(r["token_ids"])), fmt(match, ".3f"), fmt(first, "d"),
+                     fmt_bytes(proc["wait4_peak_rss_bytes"]), fmt_bytes(proc["rss_before_run_bytes"]), fmt_bytes(growth),
+                     fmt_bytes(allocator), fmt_bytes(None if allocator is None else growth - allocator),
+                     fmt_bytes(r["state_bytes"]["between_turns_peak"]), fmt(r["latency_ms"]["decode_total_ms_mean"], ".1f"),
+                     fmt(r["tokens_per_s"], ".1f")])
+        summary[spec] = {**r, "token_match": match, "first_divergence": first, "process": proc,
+                         "rss_growth_bytes": growth}
+    head = {k: v for k, v in runs["full"].items() if k not in ("strategies", "process")}
+    print(f"model {head['model']}, device {head['device']}, dtype {head['dtype']}, threads {head['threads']}, "
+          f"prompt {len(head['prompt_ids'])} tokens; each strategy alone in its own process, tokens compared with "
+          "the full cache's own process")
+    print(table(cols, rows))
+    print("note: RSS growth = the process's peak RSS during the run (reset after loading the model) minus its RSS "
+          "before the run; the allocator peak is the same process's in-process measurement of the strategy's "
+          "state, transient buffers and activations")
+    write_json(args.json, {**head, "alone": True, "strategies": summary})
+    return 0
+
+
+def register(sub):
+    p = sub.add_parser("run", help="run strategies in lockstep against the full cache")
+    add_conversation_options(p)
+    p.add_argument("--strategies", default="full,kvdirect:budget=64:mode=exact",
+                   help="comma-separated name[:key=value]... e.g. full,kvdirect:budget=64:mode=exact")
+    p.add_argument("--park", action="store_true", help="park every session between turns and resume it")
+    p.add_argument("--alone", action="store_true",
+                   help="run each strategy (and the full cache) in its own process; report each one's peak RSS")
+    p.add_argument("--solo", help="run this one strategy alone in this process, without the reference "
+                                  "(what --alone runs in each child)")
+    p.add_argument("--json", help="write the results here")
+    p.set_defaults(func=cmd_run)

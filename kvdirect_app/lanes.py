@@ -1,0 +1,144 @@
+"""One strategy's state during a run, and its byte book (DESIGN.md, "Metrics").
+
+Bytes come from two independent sources, kept side by side:
+
+* measured: the allocation tracer (`memory.AllocationTracer`) — what the
+  lane's own forwards (and its fork, park, resume) allocated and still hold,
+  and the highest that went during each forward (state + transient buffers +
+  activations).  The logits the engine keeps for itself are not the lane's.
+* formula: the strategy's own arithmetic from the config alone (persistent
+  state; transient = the strategy's buffers, no activations, so it is a lower
+  bound of the measured peak).
+
+Where measured state and formula disagree, the book records it; the tables
+show both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .memory import Window
+from .metrics import StepTimes
+from .strategies import Strategy, StrategyCache
+
+MISMATCHES_KEPT = 20
+
+
+@dataclass
+class TurnBytes:
+    """Per turn: the highest measured peak during it, what was held after it, and its decode speed."""
+
+    turn: int
+    peak: int | None = None
+    formula_peak: int = 0
+    between: int | None = None  # held after the turn ended
+    formula_between: int = 0
+    decode_ms: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        ms = sum(self.decode_ms) / len(self.decode_ms) if self.decode_ms else None
+        return {"turn": self.turn, "peak_during_turn": self.peak, "formula_peak_during_turn": self.formula_peak,
+                "between_turns": self.between, "formula_between_turns": self.formula_between,
+                "decode_ms_per_token": ms}
+
+
+@dataclass
+class ByteBook:
+    """Measured and formula bytes of one lane over a run."""
+
+    traced: bool
+    persistent_peak: int | None = None
+    peak: int | None = None
+    between_turns_peak: int | None = None
+    formula_persistent_peak: int = 0
+    formula_peak: int = 0
+    formula_between_turns_peak: int = 0
+    mismatches: list = field(default_factory=list)  # (where, seen, measured, formula), the first few
+    mismatch_count: int = 0
+    peak_below_formula: int = 0  # steps whose measured peak was below the formula's lower bound
+    last: dict = field(default_factory=dict)
+    turns: list[TurnBytes] = field(default_factory=list)
+
+    @staticmethod
+    def _max(a: int | None, b: int | None) -> int | None:
+        return b if a is None else a if b is None else max(a, b)
+
+    def check(self, where, seen: int, measured: int | None, formula: int):
+        if measured is not None and measured != formula:
+            self.mismatch_count += 1
+            if len(self.mismatches) < MISMATCHES_KEPT:
+                self.mismatches.append((where, seen, measured, formula))
+
+    def step(self, seen: int, state: int | None, window: Window, formula_state: int, formula_transient: int):
+        """After one forward of the lane (not its teacher-forced twin)."""
+        peak = window.peak if self.traced else None
+        formula_peak = formula_state + formula_transient
+        self.check("step", seen, state, formula_state)
+        if peak is not None and peak < formula_peak:
+            self.peak_below_formula += 1
+        self.persistent_peak = self._max(self.persistent_peak, state)
+        self.peak = self._max(self.peak, peak)
+        self.formula_persistent_peak = max(self.formula_persistent_peak, formula_state)
+        self.formula_peak = max(self.formula_peak, formula_peak)
+        turn = self.turns[-1]
+        turn.peak = self._max(turn.peak, peak)
+        turn.formula_peak = max(turn.formula_peak, formula_peak)
+        self.last = {"persistent_bytes": state, "peak_bytes": peak, "formula_bytes": formula_state,
+                     "formula_peak_bytes": formula_peak}
+
+    def between_turns(self, seen: int, state: int | None, formula: int):
+        self.check("between turns", seen, state, formula)
+        self.between_turns_peak = self._max(self.between_turns_peak, state)
+        self.formula_between_turns_peak = max(self.formula_between_turns_peak, formula)
+        self.turns[-1].between, self.turns[-1].formula_between = state, formula
+
+    def summary(self, final: int | None, instrument: str) -> dict:
+        return {
+            "instrument": instrument,
+            "persistent_peak": self.persistent_peak,
+            "peak": self.peak,
+            "between_turns_peak": self.between_turns_peak,
+            "final_persistent": final,
+            "formula_persistent_peak": self.formula_persistent_peak,
+            "formula_peak": self.formula_peak,
+            "formula_between_turns_peak": self.formula_between_turns_peak,
+            "formula_matches_measurement": self.mismatch_count == 0 if self.traced else None,
+            "mismatch_count": self.mismatch_count,
+            "mismatches": [list(m) for m in self.mismatches],
+            "peak_below_formula_steps": self.peak_below_formula,
+        }
+
+
+@dataclass
+class Lane:
+    """One strategy's state during a run."""
+
+    strategy: Strategy
+    cache: StrategyCache
+    label: str
+    book: ByteBook
+    tokens: list[list[int]] = field(default_factory=list)  # generated ids per turn (free run)
+    texts: list[str] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    active: bool = False
+    pending: int | None = None  # last generated token not yet fed (reply cut by max_new_tokens)
+    tf_cache: StrategyCache | None = None  # teacher-forced twin after the first divergence
+    tf_logits: torch.Tensor | None = None
+    diverged: bool = False
+    times: StepTimes = field(default_factory=StepTimes)
+    tf_steps: int = 0
+    tf_agree: int = 0
+    kl_sum: float = 0.0
+    max_dlogit: float = 0.0
+    kv: dict = field(default_factory=dict)  # kv report frozen from the identical-history cache
+    history: list[int] = field(default_factory=list)  # every id fed to the free run, in order
+    forwards: list[tuple[int, bool]] = field(default_factory=list)  # (tokens, first of a turn) of each forward
+    parks: list[dict] = field(default_factory=list)  # per park: seen, bytes measured and by formula, resume ms
+
+    @property
+    def twin_owner(self) -> str:
+        """The teacher-forced twin is the engine's measuring device, not the strategy's state."""
+        return f"{self.label} (teacher-forced twin)"

@@ -1,0 +1,158 @@
+"""Bytes measured by the allocator: the instrument itself, mutations it must catch, peaks it must bound."""
+
+import pytest
+import torch
+
+from kvdirect_app import compat
+from kvdirect_app.engine import Engine, run_to_end
+from kvdirect_app.memory import AllocationTracer, harness
+from kvdirect_app.strategies import parse_specs
+from kvdirect_app.strategies.anchorkv import AnchorCache
+from kvdirect_app.strategies.kvdirect import ResidualLayer
+
+from .conftest import tiny
+
+TURNS = ["Tell me about caches.", "Why do keys need positions?"]
+
+
+# --- the instrument ----------------------------------------------------------------------------------------------
+
+def test_the_tracer_attributes_blocks_to_their_owner_and_follows_them_across_owners():
+    tracer = AllocationTracer("cpu")
+    held = {}
+    with tracer.trace("a") as window:
+        held["x"] = torch.zeros(1000, 100)  # 400,000 bytes kept
+        y = torch.zeros(2000, 100)  # 800,000 bytes, freed inside the block
+        del y
+        with harness():
+            scratch = torch.zeros(5000, 100)  # measurement work: nobody's
+            del scratch
+    assert tracer.live("a") == 400_000
+    assert (window.start, window.end, window.peak) == (0, 400_000, 1_200_000)
+    with tracer.trace("b") as other:
+        del held["x"]  # a's block, freed while b runs
+        held["z"] = torch.zeros(10)
+    assert tracer.live("a") == 0 and tracer.live("b") == 40
+    assert other.peak == 40  # a's free does not lower b's running total
+
+
+def test_a_disabled_tracer_measures_nothing_and_says_so():
+    tracer = AllocationTracer("cpu", enabled=False)
+    with tracer.trace("a"):
+        keep = torch.zeros(100)
+    assert tracer.live("a") is None and keep.numel() == 100
+
+
+# --- mutations: a hidden copy of K/V must show -------------------------------------------------------------------
+
+def _stash_in_layer(layer, keys):
+    layer.hidden_copy = keys.clone()
+
+
+def _stash_in_model(layer, keys):
+    compat.attention_module(compat.decoder_layers(MODEL[0])[0]).hidden_copy = keys.clone()
+
+
+CLOSURE: list = []
+
+
+def _stash_in_closure(layer, keys):
+    CLOSURE[:] = [keys.clone()]
+
+
+MODEL: list = []
+
+
+@pytest.mark.parametrize("stash", [_stash_in_layer, _stash_in_model, _stash_in_closure],
+                         ids=["layer attribute", "model module", "closure"])
+def test_a_hidden_copy_of_kv_changes_the_measurement_and_disagrees_with_the_formula(stash, monkeypatch):
+    loaded = tiny("tiny-llama")
+    MODEL[:] = [loaded.model]
+    spec = "kvdirect:budget=4"
+    clean = run_to_end(Engine(loaded, parse_specs(f"full,{spec}"), max_new_tokens=6), TURNS)["strategies"][spec]
+    assert clean["state_bytes"]["formula_matches_measurement"] is True
+
+    original = ResidualLayer.update
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = original(self, key_states, value_states, *args, **kwargs)
+        stash(self, keys)
+        return keys, values
+
+    monkeypatch.setattr(ResidualLayer, "update", update)
+    engine = Engine(loaded, parse_specs(f"full,{spec}"), max_new_tokens=6)
+    mutated = run_to_end(engine, TURNS)["strategies"][spec]
+    CLOSURE.clear()
+    for layer in compat.decoder_layers(loaded.model):
+        compat.attention_module(layer).__dict__.pop("hidden_copy", None)
+    sb = mutated["state_bytes"]
+    assert mutated["token_ids"] == clean["token_ids"]
+    assert sb["formula_matches_measurement"] is False and sb["mismatch_count"] > 0
+    assert sb["persistent_peak"] > clean["state_bytes"]["persistent_peak"]
+    assert sb["formula_persistent_peak"] == clean["state_bytes"]["formula_persistent_peak"]
+    # The cache's own list of what it holds does not see the copy: that is why it is not the measurement.
+    lane = engine.lanes[0]
+    assert lane.cache.persistent_bytes() == lane.strategy.formula_between_turns(
+        engine.geometry, lane.cache.get_seq_length(), lane.forwards)
+
+
+# --- peaks -------------------------------------------------------------------------------------------------------
+
+def test_rebuild_step_bounds_the_peak_not_only_what_is_held_between_steps():
+    # A 300-token prompt, then decode steps that each replay every old token through every layer.  Interleaved
+    # with the forward, a step holds one layer's rebuilt K/V at a time beyond what running one layer over the
+    # prompt chunk needs, which is at most what the prompt's own prefill needed (its activations include one
+    # hidden state per token, as the carried hidden states are).  Holding a whole segment's K/V breaks the bound.
+    loaded = tiny("tiny-llama")
+    L = loaded.config.num_hidden_layers
+    step, turn = f"anchorkv:spacing={L}:budget=4:rebuild=step", f"anchorkv:spacing={L}:budget=4"
+    engine = Engine(loaded, parse_specs(f"full,{step},{turn}"), max_new_tokens=8, threads=1)
+    rows = []
+    for event in engine.run(["A long message about caches and residual streams. " * 6]):
+        if event["type"] == "step":
+            rows.append({label: (lane["peak_bytes"], lane["persistent_bytes"]) for label, lane in event["lanes"].items()})
+    lanes = {lane.label: lane for lane in engine.all_lanes}
+    full_turn = lanes["full"].book.turns[0]
+    prefill_activations = full_turn.peak - len(engine.prompt_ids) * engine.geometry.kv_bytes_per_token
+    layer = engine.geometry.global_layers[0]
+    assert len(rows) >= 6
+    for row in rows:
+        full_peak, full_state = row["full"]
+        step_peak, step_state = row[step]
+        seen = full_state // engine.geometry.kv_bytes_per_token
+        assert step_state < full_state / 10  # token ids and the hot window between steps
+        assert row[turn][1] > full_state  # rebuild=turn holds full K/V (plus anchors) while the turn lasts
+        bound = prefill_activations + seen * layer.kv_bytes_per_token
+        assert step_peak - step_state <= bound, (step_peak - step_state, bound)
+    assert lanes[step].book.turns[0].peak < full_turn.peak
+
+
+def test_resume_rebuilds_once_not_twice():
+    loaded = tiny("tiny-llama")
+    L = loaded.config.num_hidden_layers
+    specs = f"full,anchorkv:spacing=2:budget=3,kvdirect:budget=3:rebuild=turn,anchorkv:spacing={L}:budget=3:rebuild=step"
+    engine = Engine(loaded, parse_specs(specs), max_new_tokens=4)
+    for _ in engine.turn(TURNS[0]):
+        pass
+    engine.park()
+    lanes = {lane.label: lane for lane in engine.lanes}
+    replayers = {label: lane.cache.store.replayer for label, lane in lanes.items() if isinstance(lane.cache, AnchorCache)}
+    before = {label: r.passes for label, r in replayers.items()}
+    engine.resume()
+    after_resume = {label: r.passes for label, r in replayers.items()}
+    # The first step of the next turn: rebuild=turn uses what resume rebuilt; rebuild=step replays as every step.
+    events = engine.turn(TURNS[1])
+    for event in events:
+        if event["type"] == "step":
+            break
+    events.close()
+    turn_spec, step_spec = "anchorkv:spacing=2:budget=3", f"anchorkv:spacing={L}:budget=3:rebuild=step"
+    assert after_resume[turn_spec] - before[turn_spec] == L  # one cascade through every layer
+    assert replayers[turn_spec].passes == after_resume[turn_spec]  # and nothing replayed again in the turn
+    assert after_resume[step_spec] == before[step_spec]  # rebuild=step: resume waits for the step
+    assert replayers[step_spec].passes - after_resume[step_spec] >= L
+    result = engine.results()["strategies"]
+    for spec in (turn_spec, "kvdirect:budget=3:rebuild=turn", step_spec):
+        assert result[spec]["kv_exact"] is True and result[spec]["rebuilt_token_layers"] > 0, spec
+        park = result[spec]["parks"][0]
+        assert park["bytes"] == park["formula_bytes"] and park["resume_ms"] is not None, spec
