@@ -107,6 +107,13 @@ def forward_step(model: nn.Module, input_ids: torch.Tensor, cache: Cache) -> tor
     return out.logits[0, -1].float()
 
 
+def forward_rows(model: nn.Module, input_ids: torch.Tensor, cache: Cache, position_ids: torch.Tensor) -> torch.Tensor:
+    """One forward over a batch of rows (N, q) at explicit positions (N, q); the last position's logits (N, vocab)
+    in fp32."""
+    out = model(input_ids=input_ids, cache=cache, position_ids=position_ids, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1].float()
+
+
 def mask_function(layer_type: str):
     """The masking_utils builder a model's forward uses for layers of this type."""
     from transformers import masking_utils
@@ -123,13 +130,13 @@ def input_embeddings(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_input_embeddings()
 
 
-def attention_function(attn: nn.Module):
-    """The attention function the module calls now: its config's implementation from transformers' registry,
-    else the family's own eager function."""
+def attention_function(attn: nn.Module, implementation: str | None = None):
+    """The attention function the module calls for `implementation` (default: its config's now): from
+    transformers' registry, else the family's own eager function."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     eager = getattr(sys.modules[type(attn).__module__], "eager_attention_forward", None)
-    return ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
+    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation or attn.config._attn_implementation, eager)
 
 
 def register_attention(name: str, fn):

@@ -1,13 +1,15 @@
 """Run several KV-cache strategies in lockstep on one conversation.
 
-The full cache is always the reference and always runs first in a step, so a
-strategy can compare what it hands to attention with what the reference
-holds for the same step.  Each strategy decodes greedily on its own history
-(its *free* run: the text a person sees).  When its token first differs from
-the reference's, its cache is forked into a *teacher-forced* twin that is fed
-the reference's tokens from then on; teacher-forced agreement, KL, max
-|Δlogit| and max |ΔK|, |ΔV| are all measured on that identical-history path
-(before the divergence the free run is that path).
+The full cache is always the reference.  In every step the reference, each
+strategy and each teacher-forced twin (`teacher.py`) are fed their tokens;
+by default they go through the model together, one layer at a time, each
+with its own cache, bit for bit as if run one after another (`forwards.py`,
+`lockstep.py`), and the reference's cache is updated first at every layer,
+so a strategy can compare what it hands to attention with what the
+reference holds for the same step.  Each lane's bytes are measured by the
+allocator and kept beside the formula (`lanes.ByteBook`); a prompt longer
+than `prefill_chunk` tokens is fed in pieces, with a progress event per
+piece.  Sessions can be parked between turns and resumed.
 
 The engine yields plain dict events and never imports gradio.
 """
@@ -16,42 +18,52 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import psutil
 import torch
 
-from . import compat
+from .forwards import Forwards, Item
 from .geometry import ModelGeometry
 from .hooks import InputTap, model_lock
 from .lanes import ByteBook, Lane, TurnBytes
-from .memory import AllocationTracer, harness
-from .metrics import clock, kl_divergence, token_match
+from .memory import AllocationTracer
+from .metrics import clock, token_match
 from .models import LoadedModel
 from .prompts import InputError, Prompter
-from .strategies import Strategy, StrategyCache
+from .strategies import Strategy
 from .strategies.full import Full
+from .teacher import kv_summary, observe
+from .text import ReplyText
 from .threads import pin, probe_determinism
 
 __all__ = ["Engine", "InputError", "InputTap", "Prompter", "model_lock", "run_to_end", "MEMORY_MODES"]
 
 MEMORY_MODES = ("trace", "none")
+PREFILL_CHUNK = 1024
 
 
 class Engine:
     """Lockstep runner.  `run(turns)` yields events; `results()` gives the summary afterwards.
 
-    `threads` (default: torch's count when the engine is built) is pinned for
-    every forward, on whichever thread runs it.  `memory` is "trace" (bytes
-    measured by the allocator, every forward traced) or "none" (formula only).
+    Parameters
+    ----------
+    threads : pinned for every forward, on whichever thread runs it (default: torch's count now).
+    memory : "trace" (bytes measured by the allocator) or "none" (formula only).
+    compare : False runs one strategy alone, as deployed, with no reference (`bench run --solo`).
+    batch : every lane of a step in one pass through the model (bit-identical to one by one, which False does).
+    twins : keep measuring agreement after a divergence on a teacher-forced twin (one more forward per lane).
+    prefill_chunk : a prompt longer than this is fed in pieces of this many tokens (every lane the same).
     """
 
     def __init__(self, loaded: LoadedModel, strategies: list[Strategy], max_new_tokens: int = 64,
-                 raw: bool = False, threads: int | None = None, memory: str = "trace", compare: bool = True):
+                 raw: bool = False, threads: int | None = None, memory: str = "trace", compare: bool = True,
+                 batch: bool = True, twins: bool = True, prefill_chunk: int = PREFILL_CHUNK):
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens: {max_new_tokens} must be >= 1")
         if threads is not None and threads < 1:
             raise InputError(f"--threads: {threads} must be >= 1")
         if memory not in MEMORY_MODES:
             raise InputError(f"--memory: {memory!r} is not allowed; allowed: {', '.join(MEMORY_MODES)}")
+        if prefill_chunk < 1:
+            raise InputError(f"--prefill-chunk: {prefill_chunk} must be >= 1")
         self.loaded = loaded
         self.model = loaded.model
         self.max_new_tokens = max_new_tokens
@@ -60,6 +72,8 @@ class Engine:
         self.geometry = ModelGeometry.from_config(loaded.config, loaded.dtype)
         self.tracer = AllocationTracer(loaded.device, enabled=memory == "trace")
         self.instrument = (f"allocator trace ({loaded.device.type})" if memory == "trace" else "none (formula only)")
+        self.twins, self.prefill_chunk = twins, prefill_chunk
+        self.forwards = Forwards(self.model, loaded.device, self.geometry, self.tracer, self.threads, batch)
         self.solo = not compare
         if self.solo:  # one strategy as deployed alone: it drives the conversation, nothing is compared
             if len(strategies) != 1:
@@ -73,14 +87,12 @@ class Engine:
             self.show = [s.label if s.spec() != ref.spec() else ref.label for s in strategies]
         self.prompt_ids: list[int] = []
         self.turn_chunks: list[list[int]] = []
-        self.process = psutil.Process()
-        self.rss = self.rss_peak = 0
+        self.turn_seconds: list[float] = []  # wall time of each turn, from its first forward to its last
         self.parked = False
         self.determinism = probe_determinism(loaded.device, loaded.dtype, self.threads)
 
     def _lane(self, strategy: Strategy) -> Lane:
-        book = ByteBook(traced=self.tracer.enabled)
-        lane = Lane(strategy, None, strategy.label, book)
+        lane = Lane(strategy, None, strategy.label, ByteBook(traced=self.tracer.enabled))
         with self.tracer.trace(lane.label):
             lane.cache = strategy.build_cache(self.model)
         return lane
@@ -89,66 +101,13 @@ class Engine:
     def all_lanes(self) -> list[Lane]:
         return [self.reference, *self.lanes]
 
-    # --- one forward ---------------------------------------------------------
-    # Inference mode is entered per call, not around a turn: it is per thread, and a turn's generator may be
-    # advanced from different threads.
-    @torch.inference_mode()
-    def _forward(self, lane: Lane, ids: list[int], tap: InputTap, turn_start: bool, twin: bool = False):
-        """Feed `ids` to the lane's free run (or its teacher-forced twin), traced; sets its logits."""
-        pin(self.threads)
-        cache = lane.tf_cache if twin else lane.cache
-        tap.target(cache)
-        seen_before = cache.get_seq_length()
-        x = torch.tensor([ids], device=self.loaded.device)
-        with self.tracer.trace(lane.twin_owner if twin else lane.label) as window:
-            t0 = clock(self.loaded.device)
-            if twin:
-                lane.tf_logits = None  # the previous step's logits are freed inside the traced block
-            else:
-                lane.logits = None
-            cache.begin_step(ids)
-            logits = compat.forward_step(self.model, x, cache)
-            cache.end_step()
-            with harness():  # the engine's copy: what the lane's forward allocated for them is freed now
-                logits = logits.clone()
-            wall = clock(self.loaded.device) - t0
-            if twin:
-                lane.tf_logits = logits
-            else:
-                lane.logits = logits
-        ops = cache.take_timers()
-        if twin:
-            return
-        lane.history.extend(ids)
-        lane.forwards.append((len(ids), turn_start))
-        total = wall - ops["compare"]
-        inside = ops["recompute"] + ops["cache_update"] + ops["scoring"]  # within the attention modules' calls
-        attention = tap.attention_s - ops["compare"] - inside
-        replay = ops.get("replay", 0.0)  # before the decoder layers, outside attention
-        times = {"recompute": ops["recompute"], "cache_update": ops["cache_update"], "scoring": ops["scoring"],
-                 "attention": attention, "other": total - (tap.attention_s - ops["compare"]) - replay,
-                 "total": total}
-        if "replay" in ops:
-            times["replay"] = replay
-        lane.times.add(times, prefill=turn_start)
-        if not turn_start:
-            lane.book.turns[-1].decode_ms.append(1e3 * total)
-        self._account(lane, window, seen_before, len(ids), turn_start)
-
-    def _account(self, lane: Lane, window, seen_before: int, q: int, turn_start: bool):
-        strategy, geom = lane.strategy, self.geometry
-        seen = seen_before + q
-        lane.book.step(seen, self._held(lane), window, strategy.formula_persistent(geom, seen, lane.forwards),
-                       strategy.formula_transient(geom, seen_before, q, turn_start, lane.forwards))
-        self.rss = self.process.memory_info().rss
-        self.rss_peak = max(self.rss_peak, self.rss)
-
     def _held(self, lane: Lane) -> int | None:
         return self.tracer.live(lane.label)
 
     # --- the run -------------------------------------------------------------
     def turn(self, text: str, ids: list[int] | None = None) -> Iterator[dict]:
-        """One user turn for every strategy, continuing the conversation; yields "turn", "step"... "turn_end".
+        """One user turn for every strategy, continuing the conversation; yields "turn", "prefill"..., "step"...,
+        "turn_end".
 
         Hooks go on the (shared, read-only) model for the turn only, under a
         per-model lock, so sessions sharing a model never see each other's
@@ -202,6 +161,8 @@ class Engine:
         """The turn is over for this lane: drop what only the turn needed, then count what stays."""
         self._traced(lane, lambda cache: cache.end_turn())
         self._traced(lane, lambda cache: cache.end_turn(), twin=True)
+        if lane.replies:
+            lane.texts[-1] = lane.replies[-1].final()
         seen = lane.cache.get_seq_length()
         lane.book.between_turns(seen, self._held(lane),
                                 lane.strategy.formula_between_turns(self.geometry, seen, lane.forwards))
@@ -266,6 +227,17 @@ class Engine:
             yield from self.turn(text)
         yield {"type": "done", "result": self.results()}
 
+    def _prefill(self, k: int, items: list[Item], tap: InputTap) -> Iterator[dict]:
+        """Every lane's prompt, in pieces of at most `prefill_chunk` tokens; an event after each piece."""
+        total = max(len(item.ids) for item in items)
+        size = self.prefill_chunk
+        for piece, start in enumerate(range(0, total, size)):
+            pieces = [Item(item.lane, item.ids[start:start + size], item.twin) for item in items
+                      if item.ids[start:start + size]]
+            self.forwards.run(pieces, tap, turn_start=True, piece=piece)
+            if total > size:
+                yield {"type": "prefill", "turn": k, "done": min(start + size, total), "total": total}
+
     def _turn(self, k: int, text: str, tap: InputTap) -> Iterator[dict]:
         ref, lanes = self.reference, self.lanes
         chunk = lambda lane: self.prompt_ids if k == 0 else self.prompter.next(text, lane.pending)
@@ -276,14 +248,17 @@ class Engine:
         yield {"type": "turn", "turn": k, "user": text, "chunk_ids": ref_chunk}
         for lane in self.all_lanes:
             lane.book.turns.append(TurnBytes(k))
-        self._forward(ref, ref_chunk, tap, True)
+        started = clock(self.loaded.device)
+        items = [Item(ref, ref_chunk)]
         for lane in lanes:
-            self._forward(lane, chunk(lane), tap, True)
+            items.append(Item(lane, chunk(lane)))
             if lane.tf_cache is not None:
-                self._forward(lane, ref_chunk, tap, True, twin=True)
+                items.append(Item(lane, ref_chunk, twin=True))
+        yield from self._prefill(k, items, tap)
         for lane in self.all_lanes:
             lane.tokens.append([])
             lane.texts.append("")
+            lane.replies.append(ReplyText(self.loaded.tokenizer))
             lane.active, lane.pending = True, None
         index = 0
         while ref.active or any(lane.active for lane in lanes):
@@ -291,63 +266,42 @@ class Engine:
             ref_logits = ref.logits if ref_token is not None else None
             event = {"type": "step", "turn": k, "index": index, "lanes": {}}
             for lane in lanes:
-                self._teacher_forced(lane, index, ref_token, ref_logits)
+                observe(lane, ref_token, ref_logits, ref.cache, self.tracer, self.twins)
                 if lane.active:
                     self._choose(lane, index)
-            # Feed the reference first, then every strategy (and its teacher-forced twin).
+            items = []
             if ref_token is not None and ref.active:
-                self._forward(ref, [ref_token], tap, False)
+                items.append(Item(ref, [ref_token]))
             for lane in lanes:
                 token = lane.tokens[k][-1] if lane.tokens[k] and len(lane.tokens[k]) == index + 1 else None
                 if token is not None and lane.active:
-                    self._forward(lane, [token], tap, False)
+                    items.append(Item(lane, [token]))
                 if lane.tf_cache is not None and ref_token is not None and ref.active:
-                    self._forward(lane, [ref_token], tap, False, twin=True)
+                    items.append(Item(lane, [ref_token], twin=True))
+            self.forwards.run(items, tap, turn_start=False)
             for lane in self.all_lanes:
                 if len(lane.tokens[k]) == index + 1:
                     event["lanes"][lane.label] = self._lane_event(lane, k)
             yield event
             index += 1
+        self.turn_seconds.append(clock(self.loaded.device) - started)
         for lane in self.all_lanes:
             self._end_turn(lane)
         yield {"type": "turn_end", "turn": k, "texts": {lane.label: lane.texts[k] for lane in self.all_lanes},
+               "seconds": self.turn_seconds[-1],
                "bytes": {lane.label: lane.book.turns[-1].summary() for lane in self.all_lanes}}
 
     def _choose(self, lane: Lane, index: int) -> int:
         """Greedy token at `index` of the current turn; ends the lane's turn on EOS, the token limit or the context."""
         token = int(torch.argmax(lane.logits))
         lane.tokens[-1].append(token)
-        lane.texts[-1] = self.loaded.tokenizer.decode(lane.tokens[-1], skip_special_tokens=True)
+        lane.texts[-1] = lane.replies[-1].add(token)
         seen = lane.cache.get_seq_length()
         if token in self.loaded.eos_ids:
             lane.active = False
         elif index + 1 >= self.max_new_tokens or seen + 1 >= self.loaded.max_context:
             lane.active, lane.pending = False, token
         return token
-
-    @torch.inference_mode()
-    def _teacher_forced(self, lane: Lane, index: int, ref_token: int | None, ref_logits: torch.Tensor | None):
-        """Compare this step's teacher-forced logits with the reference; fork at the first divergence."""
-        if not lane.diverged:
-            lane_done, ref_done = not lane.active, ref_token is None
-            if lane_done and ref_done:
-                return
-            if lane_done != ref_done or int(torch.argmax(lane.logits)) != ref_token:
-                # The free run leaves the reference's history here: keep measuring on a twin fed its tokens.
-                with self.tracer.trace(lane.twin_owner):
-                    lane.tf_cache = lane.cache.fork()
-                lane.diverged = True
-                lane.tf_cache.compare_with(self.reference.cache)
-                lane.kv = lane.cache.kv_report()
-                lane.cache.compare_with(None)
-                lane.tf_logits = lane.logits
-        if ref_token is None:
-            return
-        logits = lane.tf_logits if lane.diverged else lane.logits
-        lane.tf_steps += 1
-        lane.tf_agree += int(torch.argmax(logits)) == ref_token
-        lane.kl_sum += kl_divergence(ref_logits, logits)
-        lane.max_dlogit = max(lane.max_dlogit, float((logits - ref_logits).abs().max()))
 
     def _lane_event(self, lane: Lane, k: int) -> dict:
         last = (lane.times.decode or lane.times.prefill)[-1]
@@ -361,7 +315,7 @@ class Engine:
             "prefill_ms": 1e3 * lane.times.prefill[-1]["total"],
             "seen": lane.cache.get_seq_length(),
             **lane.book.last,
-            "rss_bytes": self.rss,
+            "rss_bytes": self.forwards.rss,
             "latency_ms": {op: 1e3 * s for op, s in last.items()},
             "diverged": lane.diverged,
             "kl_mean": lane.kl_sum / lane.tf_steps if lane.tf_steps else 0.0,
@@ -387,8 +341,7 @@ class Engine:
             kv = {"kv_exact": True, "max_abs_dk": 0.0, "max_abs_dv": 0.0, "layers_compared": len(lane.cache.layers),
                   "rebuilt_token_layers": 0, "shape_mismatches": 0}
         else:
-            kv = self._kv(lane)
-        times = lane.times.summary()
+            kv = kv_summary(lane)
         decode_s = sum(step["total"] for step in lane.times.decode)
         return {
             "token_ids": [t for turn in lane.tokens for t in turn],
@@ -400,6 +353,7 @@ class Engine:
             "teacher_forced_agreement": 1.0 if is_ref else (lane.tf_agree / lane.tf_steps if lane.tf_steps else None),
             "kl_mean": 0.0 if is_ref else (lane.kl_sum / lane.tf_steps if lane.tf_steps else None),
             "max_abs_dlogit": 0.0 if is_ref else (lane.max_dlogit if lane.tf_steps else None),
+            "teacher_forced_steps": None if is_ref or self.solo else lane.tf_steps,
             **kv,
             "canonical_spec": lane.strategy.spec(),
             "notes": lane.strategy.notes,
@@ -408,29 +362,14 @@ class Engine:
             else self.determinism["reason"],
             "state_bytes": lane.book.summary(self._held(lane), self.instrument),
             "turns": [t.summary() for t in lane.book.turns],
-            "latency_ms": times,
+            "latency_ms": lane.times.summary(),
             "parks": lane.parks,
             "tokens_per_s": len(lane.times.decode) / decode_s if decode_s > 0 else None,
         }
 
-    def _kv(self, lane: Lane) -> dict:
-        live = (lane.tf_cache if lane.diverged else lane.cache).kv_report()
-        if not lane.diverged:
-            return live
-        before = lane.kv
-        if before.get("kv_exact") is None:
-            return live
-        if live.get("kv_exact") is None:
-            return before
-        return {"layers_compared": max(before["layers_compared"], live["layers_compared"]),
-                "kv_exact": before["kv_exact"] and live["kv_exact"],
-                "max_abs_dk": max(before["max_abs_dk"], live["max_abs_dk"]),
-                "max_abs_dv": max(before["max_abs_dv"], live["max_abs_dv"]),
-                "rebuilt_token_layers": before["rebuilt_token_layers"] + live["rebuilt_token_layers"],
-                "shape_mismatches": before["shape_mismatches"] + live["shape_mismatches"]}
-
     def results(self) -> dict:
         by_label = {self.reference.label: self.reference, **{lane.label: lane for lane in self.lanes}}
+        shared = self.forwards.shared_ms
         out = {
             "model": self.loaded.name,
             "model_source": self.loaded.source,
@@ -438,10 +377,14 @@ class Engine:
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "threads": self.threads,
             "compared_with_full_cache": not self.solo,
+            "batched": self.forwards.batch,
+            "teacher_forced_twins": self.twins,
+            "shared_pass_ms_mean": sum(shared) / len(shared) if shared else None,
+            "turn_seconds": self.turn_seconds,
             "prompt_ids": self.prompt_ids,
             "turn_chunk_ids": self.turn_chunks,
             "max_new_tokens": self.max_new_tokens,
-            "process_rss_peak_bytes": self.rss_peak,
+            "process_rss_peak_bytes": self.forwards.rss_peak,
             "memory_instrument": self.instrument,
             "determinism": self.determinism,
             "strategies": {label: self._summary(by_label[label]) for label in self.show if label in by_label},

@@ -29,13 +29,18 @@ def model_lock(model: torch.nn.Module) -> threading.Lock:
 class InputTap:
     """Forward hooks on every decoder layer and attention module: hand the decoder layer's input (the raw
     residual) to caches that replay from it, the attention input to cache layers that keep it, and time the
-    attention modules.  Installed for one turn and removed after it; they stand aside while a cache
-    replays layers of the model for itself."""
+    attention modules.  Installed for one turn and removed after it; they stand aside while a cache replays
+    layers of the model for itself.
+
+    Targets one cache (`target`: a lane's forward alone) or the rows of a batched pass (`target_rows`: each
+    row's slice, copied, goes to that row's cache, as that row's owner's work).
+    """
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
-        self.cache: StrategyCache | None = None
-        self.wants: set[int] = set()
-        self.layers: set[int] = set()
+        self.caches: list[StrategyCache] = []
+        self.batch = None
+        self.wants: list[set[int]] = []
+        self.layers: list[set[int]] = []
         self.device = device
         self.attention_s = 0.0
         self._t0 = 0.0
@@ -46,32 +51,51 @@ class InputTap:
             self.handles.append(attn.register_forward_pre_hook(self._pre(i), with_kwargs=True))
             self.handles.append(attn.register_forward_hook(self._post))
 
+    def _standing_aside(self) -> bool:
+        return not self.caches or any(cache.replaying for cache in self.caches)
+
+    def _each(self, wanted: list[set[int]], index: int, x: torch.Tensor, give):
+        if self.batch is None:
+            if index in wanted[0]:
+                give(self.caches[0], x)
+            return
+        for i, cache in enumerate(self.caches):
+            if index in wanted[i]:
+                with self.batch.owned(i):
+                    give(cache, x[i:i + 1].clone())
+
     def _residual(self, index: int):
         def hook(module, args, kwargs):
-            if index in self.layers and not self.cache.replaying:  # layers is empty until target()
-                self.cache.before_layer(index, args[0] if args else kwargs["hidden_states"])
+            if not self._standing_aside():
+                self._each(self.layers, index, args[0] if args else kwargs["hidden_states"],
+                           lambda cache, x: cache.before_layer(index, x))
 
         return hook
 
     def _pre(self, index: int):
         def hook(module, args, kwargs):
-            if self.cache is None or self.cache.replaying:
+            if self._standing_aside():
                 return
-            if index in self.wants:
-                x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                self.cache.layers[index].capture(x)
+            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            self._each(self.wants, index, x, lambda cache, x: cache.layers[index].capture(x))
             self._t0 = clock(self.device)
 
         return hook
 
     def _post(self, module, args, output):
-        if self.cache is not None and not self.cache.replaying:
+        if not self._standing_aside():
             self.attention_s += clock(self.device) - self._t0
 
     def target(self, cache: StrategyCache):
-        self.cache = cache
-        self.wants = set(cache.wants_inputs())
-        self.layers = set(cache.wants_layers())
+        self._target([cache], None)
+
+    def target_rows(self, batch):
+        self._target([row.cache for row in batch.rows], batch)
+
+    def _target(self, caches: list[StrategyCache], batch):
+        self.caches, self.batch = caches, batch
+        self.wants = [set(cache.wants_inputs()) for cache in caches]
+        self.layers = [set(cache.wants_layers()) for cache in caches]
         self.attention_s = 0.0
 
     def close(self):

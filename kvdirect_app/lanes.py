@@ -122,6 +122,7 @@ class Lane:
     book: ByteBook
     tokens: list[list[int]] = field(default_factory=list)  # generated ids per turn (free run)
     texts: list[str] = field(default_factory=list)
+    replies: list = field(default_factory=list)  # per turn: its ReplyText (incremental detokenization)
     logits: torch.Tensor | None = None
     active: bool = False
     pending: int | None = None  # last generated token not yet fed (reply cut by max_new_tokens)

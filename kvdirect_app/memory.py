@@ -7,27 +7,33 @@ size and time.  Nothing a strategy does can hide from it: a tensor kept in a
 layer attribute, on a model module or in a closure was allocated by the
 allocator like any other.
 
-`AllocationTracer.trace(owner)` runs a block (one lane's forward, a fork,
-a park, a resume) under the profiler on the calling thread and folds its
-allocation events into a ledger of live blocks, each attributed to the owner
-whose block allocated it.  From the ledger:
+A `session()` runs a block (one lane's forward, or one batched forward of
+several lanes) under the profiler on the calling thread; inside it,
+`owner(name)` scopes say whose work runs (a lane's cache update, its
+attention, its replay...).  When the session ends, its allocation events
+are folded, in time order, into a ledger of live blocks, each attributed to
+the owner whose scope allocated it; allocations outside every owner scope
+(the activations of a batched forward) belong to the session's `shared`
+owner.  From the ledger:
 
 * ``live(owner)``: bytes still allocated that the owner allocated, i.e. the
   state a lane holds after a step;
-* the window's ``peak``: the highest the owner's live bytes went during the
-  block: state + transient buffers + activations of that forward.
+* each owner scope's `Window`: the highest the owner's live bytes went during
+  the session (state + transient buffers), plus its share of the shared
+  activations at that moment (all of them when the lane ran alone, 1/N of
+  them in a batched forward of N lanes: the stated rule).
 
 Work the measurement itself does inside a lane's forward (comparing K/V with
 the reference, copying the logits the engine keeps) runs in `harness()`
 scopes; what it allocates there belongs to no lane.
 
-Only blocks on the traced device are counted.  Ops are not recorded inside a
-traced block (record functions are off on that thread), so the profiler
-holds allocation events only and costs little; a harness scope turns them
-back on to mark itself.  One profiler session can run at a time in a
-process, so traced blocks of different engines take turns (a process-wide
-lock).  `bench run --memory none` turns tracing off, and then only the
-formula is shown, labelled so.
+Ops are not recorded inside a session (record functions are off on that
+thread), so the profiler holds allocation events only and costs little; an
+owner or harness scope turns them on for a moment to leave its mark.  Only
+blocks on the traced device are counted.  One profiler session can run at a
+time in a process, so sessions of different engines take turns (a
+process-wide lock).  `bench run --memory none` turns tracing off, and then
+only the formula is shown, labelled so.
 """
 
 from __future__ import annotations
@@ -43,8 +49,9 @@ from torch._C._autograd import _enable_record_function
 from torch._C._profiler import ProfilerActivity, _ExperimentalConfig, _ExtraFields_Allocation
 
 HARNESS = "kvdirect::harness"
+OWNER = "kvdirect::owner::"
 _SESSION = threading.Lock()  # the profiler is one per process
-_LOCAL = threading.local()  # .tracing: this thread is inside a traced block
+_LOCAL = threading.local()  # .tracing: this thread is inside a session
 
 
 def _config() -> ProfilerConfig:
@@ -54,22 +61,47 @@ def _config() -> ProfilerConfig:
 
 @dataclass
 class Window:
-    """What one traced block did, for its owner."""
+    """What one owner's work did during a session."""
 
     owner: str
-    start: int = 0  # owner's live bytes when the block began
+    start: int = 0  # owner's live bytes when the session began
     end: int = 0  # ... when it ended
-    peak: int = 0  # highest during the block
-    allocated: int = 0  # bytes the block allocated (everything, freed or not)
+    peak: int = 0  # highest of (owner's live + its share of the shared activations)
+    allocated: int = 0  # bytes the owner's scopes allocated (everything, freed or not)
+
+
+@contextlib.contextmanager
+def _marked(name: str):
+    """A scope the trace can see: its allocations become children of an op named `name`."""
+    tracing = getattr(_LOCAL, "tracing", False)
+    if tracing:
+        _enable_record_function(True)
+    try:
+        with torch.profiler.record_function(name):
+            if tracing:
+                _enable_record_function(False)
+            try:
+                yield
+            finally:
+                if tracing:
+                    _enable_record_function(True)
+    finally:
+        if tracing:
+            _enable_record_function(False)
+
+
+def harness():
+    """Marks work the measurement does inside a lane's forward; its allocations belong to no lane."""
+    return _marked(HARNESS)
 
 
 class AllocationTracer:
-    """A ledger of live allocator blocks by owner, fed by traced blocks.
+    """A ledger of live allocator blocks by owner, fed by traced sessions.
 
     Parameters
     ----------
     device : the device whose blocks are counted (K/V live there).
-    enabled : False makes `trace` a plain block and every figure None.
+    enabled : False makes sessions plain blocks and every figure None.
     """
 
     def __init__(self, device: torch.device, enabled: bool = True):
@@ -80,6 +112,7 @@ class AllocationTracer:
         self._activities = {ProfilerActivity.CPU}
         if self.device.type == "cuda":
             self._activities.add(ProfilerActivity.CUDA)
+        self._windows: dict[str, Window] | None = None
 
     # --- reading -----------------------------------------------------------
     def live(self, owner: str) -> int | None:
@@ -88,107 +121,101 @@ class AllocationTracer:
 
     # --- tracing -----------------------------------------------------------
     @contextlib.contextmanager
-    def trace(self, owner: str):
-        """Run the block under the allocator trace; yields a `Window` filled in when the block ends."""
-        window = Window(owner)
+    def session(self, shared: str = "shared", share_among: int = 1):
+        """One profiler session on this thread; owner scopes inside; folded when it ends.  Allocations outside
+        every owner scope belong to `shared`, whose live bytes count 1/`share_among` in each owner's peak."""
         if not self.enabled:
-            yield window
+            self._windows = {}
+            try:
+                yield self
+            finally:
+                self._windows = None
             return
         with _SESSION:
-            window.start = self.totals.get(owner, 0)
+            self._windows = {}
             _prepare_profiler(_config(), self._activities)
             _enable_profiler(_config(), self._activities)
-            # Ops are not recorded (it is allocations we want, and recording every op would cost more than
-            # the block): the allocator's reports still arrive, as roots of the event tree.
+            # Ops are not recorded (it is allocations we want, and recording every op would cost more than the
+            # block): the allocator's reports still arrive, as roots of the event tree or children of a scope.
             _enable_record_function(False)
             _LOCAL.tracing = True
             try:
-                yield window
+                yield self
             finally:
                 _LOCAL.tracing = False
                 _enable_record_function(True)
                 result = _disable_profiler()
-                self._fold(result, window)
+                self._fold(result, shared, max(1, share_among))
+                self._windows = None
 
+    @contextlib.contextmanager
+    def owner(self, name: str):
+        """Inside a session: the allocations of the block belong to `name`; yields its `Window` (filled when the
+        session ends)."""
+        window = self._windows.setdefault(name, Window(name)) if self._windows is not None else Window(name)
+        if not self.enabled:
+            yield window
+            return
+        with _marked(OWNER + name):
+            yield window
+
+    @contextlib.contextmanager
+    def trace(self, owner: str):
+        """A session whose every allocation is `owner`'s (one lane's work, alone); yields its `Window`."""
+        with self.session(shared=owner):
+            with self.owner(owner) as window:
+                yield window
+
+    # --- folding -----------------------------------------------------------
     def _counts(self, device: torch.device) -> bool:
         return device.type == self.device.type and (self.device.index is None or device.index in (None, -1, self.device.index))
 
-    def _fold(self, result, window: Window):
-        """Replay the block's allocation events, in time order, into the ledger and the window's peak.
-
-        With ops unrecorded, the event tree's roots are the allocations themselves, in time order, and the
-        harness scopes (whose allocations belong to no lane); this loop runs per allocation, so it is kept lean.
-        """
-        owner, blocks, totals = window.owner, self.blocks, self.totals
+    def _events(self, result, shared: str) -> list[tuple[str, int, int]]:
+        """(owner, address, bytes; negative: a free) in time order, from the session's event tree."""
+        out = []
         other_devices = self.device.type != "cpu"  # on CPU every reported block is a CPU block
-        running = peak = window.start
-        allocated = 0
-        for event in result.experimental_event_tree():
-            fields = event.extra_fields
-            if type(fields) is not _ExtraFields_Allocation:
-                self._harness(event, f"{owner}/harness")
-                continue
-            if other_devices and not self._counts(fields.device):
-                continue
-            ptr, size = fields.ptr, fields.alloc_size
+
+        def walk(events, owner):
+            for event in events:
+                fields = event.extra_fields
+                if type(fields) is _ExtraFields_Allocation:
+                    if not other_devices or self._counts(fields.device):
+                        out.append((owner, fields.ptr, fields.alloc_size))
+                    continue
+                name = event.name
+                inner = (name[len(OWNER):] if name.startswith(OWNER) else
+                         f"{owner}/harness" if name == HARNESS else owner)
+                walk(sorted(event.children, key=lambda e: e.start_time_ns), inner)
+
+        walk(result.experimental_event_tree(), shared)
+        return out
+
+    def _fold(self, result, shared: str, share_among: int):
+        """Replay the session's allocation events into the ledger and the owners' windows."""
+        blocks, totals, windows = self.blocks, self.totals, self._windows
+        for window in windows.values():
+            window.start = window.peak = totals.get(window.owner, 0)
+        shared_start = totals.get(shared, 0)
+        for owner, ptr, size in self._events(result, shared):
             if size > 0:
                 stale = blocks.pop(ptr, None)  # freed while nobody traced: the address is reused
                 if stale is not None:
                     totals[stale[1]] -= stale[0]
-                    if stale[1] == owner:
-                        running -= stale[0]
                 blocks[ptr] = (size, owner)
-                running += size
-                allocated += size
-                if running > peak:
-                    peak = running
+                totals[owner] += size
+                if owner in windows:
+                    windows[owner].allocated += size
             else:
                 held = blocks.pop(ptr, None)
                 if held is None:
                     continue  # allocated before tracing began (e.g. model weights): not anyone's state
                 totals[held[1]] -= held[0]
-                if held[1] == owner:
-                    running -= held[0]
-        totals[owner] += allocated
-        window.allocated = allocated
-        window.end = totals.get(owner, 0)
-        window.peak = max(peak, window.end)
-
-    def _harness(self, scope, owner: str):
-        """Allocations inside a harness scope, in order (nested ops are recorded there)."""
-        events = []
-        stack = [scope]
-        while stack:
-            event = stack.pop()
-            fields = event.extra_fields
-            if type(fields) is _ExtraFields_Allocation:
-                events.append((event.start_time_ns, fields.ptr, fields.alloc_size, fields.device))
-            else:
-                stack.extend(event.children)
-        for _, ptr, size, device in sorted(events, key=lambda e: e[0]):
-            if not self._counts(device):
-                continue
-            if size > 0:
-                stale = self.blocks.pop(ptr, None)
-                if stale is not None:
-                    self.totals[stale[1]] -= stale[0]
-                self.blocks[ptr] = (size, owner)
-                self.totals[owner] += size
-            else:
-                held = self.blocks.pop(ptr, None)
-                if held is not None:
-                    self.totals[held[1]] -= held[0]
-
-
-@contextlib.contextmanager
-def harness():
-    """Marks work the measurement does inside a lane's forward; its allocations belong to no lane."""
-    tracing = getattr(_LOCAL, "tracing", False)
-    if tracing:
-        _enable_record_function(True)
-    try:
-        with torch.profiler.record_function(HARNESS):
-            yield
-    finally:
-        if tracing:
-            _enable_record_function(False)
+            share = max(0, totals.get(shared, 0) - shared_start) / share_among
+            touched = windows.values() if owner == shared else ([windows[owner]] if owner in windows else ())
+            for window in touched:
+                level = totals.get(window.owner, 0) + (0 if window.owner == shared else share)
+                if level > window.peak:
+                    window.peak = int(level)
+        for window in windows.values():
+            window.end = totals.get(window.owner, 0)
+            window.peak = max(window.peak, window.end)

@@ -54,12 +54,18 @@ class StepTimes:
     prefill: list[dict] = field(default_factory=list)
     decode: list[dict] = field(default_factory=list)
 
-    def add(self, ops: dict, prefill: bool):
+    def add(self, ops: dict, prefill: bool, piece: int = 0):
+        """One forward's seconds per op; a prompt fed in pieces is one prefill (pieces > 0 add to it)."""
+        if prefill and piece > 0 and self.prefill:
+            last = self.prefill[-1]
+            for op, s in ops.items():
+                last[op] = last.get(op, 0.0) + s
+            return
         (self.prefill if prefill else self.decode).append(ops)
 
     def summary(self) -> dict:
         """Milliseconds: time to first token, mean per decode step, per-op means and totals."""
-        ops = ("recompute", "replay", "cache_update", "scoring", "attention", "other", "total")
+        ops = ("recompute", "replay", "cache_update", "scoring", "attention", "shared", "other", "total")
         out = {"ttft_ms": 1e3 * self.prefill[0]["total"] if self.prefill else None}
         n = len(self.decode)
         for op in ops:

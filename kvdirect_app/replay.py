@@ -23,8 +23,6 @@ GEMM over many rows can round differently from the same rows one at a time
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -62,28 +60,40 @@ def _linear_rows_loop(linear: nn.Linear, rows: torch.Tensor) -> torch.Tensor:
 _ROWS_EXACT: dict[tuple, bool] = {}
 
 
-def rows_kernel_is_exact(linear: nn.Linear, n_rows: int = 256) -> bool:
+def rows_kernel_is_exact(linear: nn.Linear, n_rows: int | None = None) -> bool:
     """Whether the batched row kernel is bit-equal to one-row calls for this layer's shape on its device and dtype.
 
     Checked once per (shape, dtype, bias, device) on random rows with the
-    layer's own weight.  Only fp32 is tried: in bf16 the batched kernel
+    layer's own weight: 256 rows, fewer for a large weight (an output head
+    of 49152 x 576 gets 16; its loop of one-row calls alone takes seconds
+    here).  The engine checks every linear layer of the model when it is
+    built, outside any timed or traced region.  Only fp32 is tried: in bf16 the batched kernel
     rounds a few rows in a thousand differently on this CPU (measured), more
     often than a start-up check can be trusted to catch.
     """
     return rows_are_exact(linear.weight, linear.bias, n_rows)
 
 
-def rows_are_exact(weight: torch.Tensor, bias: torch.Tensor | None, n_rows: int = 256) -> bool:
+def rows_are_exact(weight: torch.Tensor, bias: torch.Tensor | None, n_rows: int | None = None) -> bool:
     key = (tuple(weight.shape), weight.dtype, bias is not None, str(weight.device))
     if key not in _ROWS_EXACT:
         ok = weight.dtype == torch.float32
+        if n_rows is None:
+            n_rows = max(16, min(256, (1 << 23) // weight.numel()))
         if ok:
             gen = torch.Generator(device="cpu").manual_seed(0)
             rows = torch.randn(n_rows, weight.shape[1], generator=gen).to(weight)
-            with torch.inference_mode():
+            with torch.inference_mode(), harness():
                 ok = torch.equal(_rows_batched(weight, bias, rows), _rows_loop(weight, bias, rows))
         _ROWS_EXACT[key] = ok
     return _ROWS_EXACT[key]
+
+
+def check_rows_kernels(model: nn.Module) -> None:
+    """Runs `rows_are_exact` for every distinct linear layer shape of `model` now, so no forward pays for it."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            rows_are_exact(module.weight, module.bias)
 
 
 def linear_rows(weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
@@ -254,6 +264,9 @@ class LayerReplayer:
         self.passes = 0
         self.calls = 0
         self.rows_exact: dict[str, bool] = {}  # layer type -> rows in one call checked bit-equal to separate calls
+        # The model's own attention implementation, set explicitly for every replayed call: a replay may run
+        # inside a batched pass of several lanes, whose attention function is another (lockstep.py).
+        self.attention_impl = compat.attention_module(self.layers[0]).config._attn_implementation
         self._inputs: dict[tuple, tuple] = {}  # (start, n, type) -> (mask, rotary); valid for one set of chunks
 
     def forget_inputs(self):
@@ -268,8 +281,12 @@ class LayerReplayer:
             for layer in sizes:
                 layer.count = start
             positions = torch.arange(start, start + n, device=like.device).unsqueeze(0)
-            mask = compat.mask_function(layer_type)(config=self.config, inputs_embeds=like[:, :n], attention_mask=None,
-                                                    cache=compat.Cache(layers=sizes), position_ids=positions)
+            # The mask a forward builds depends on the attention implementation: the model's own, not the one a
+            # batched pass may have set for the moment.
+            with compat.attention_implementation(self.config, self.attention_impl):
+                mask = compat.mask_function(layer_type)(config=self.config, inputs_embeds=like[:, :n],
+                                                        attention_mask=None, cache=compat.Cache(layers=sizes),
+                                                        position_ids=positions)
             rotary = self.rotary[layer_type](like[:, :n], positions) if self.rotary[layer_type] else None
             self._inputs[key] = (mask, rotary)
         return self._inputs[key]
@@ -304,10 +321,10 @@ class LayerReplayer:
         positions = torch.arange(start, start + n, device=hidden.device).unsqueeze(0)
         mask, embeddings = self._chunk_inputs(start, n, t, chunk)
         attn = compat.attention_module(self.layers[j])
-        scope = contextlib.nullcontext()
+        scope = compat.attention_implementation(attn.config, self.attention_impl)
         if rows:
             like = hidden[:, start:start + 1]
-            context = RowsContext(start, n, compat.attention_function(attn),
+            context = RowsContext(start, n, compat.attention_function(attn, self.attention_impl),
                                   lambda pos: self._chunk_inputs(pos, 1, t, like)[0], linear_rows)
             scope = rows_scope(attn.config, context)
         try:

@@ -18,18 +18,15 @@ from .strategies import Strategy, parse_spec
 class Sweep:
     loaded: LoadedModel
     turns: list[str]
-    max_new_tokens: int
     raw: bool = False
-    threads: int | None = None
-    memory: str = "trace"
+    options: dict = field(default_factory=dict)  # Engine keywords (max_new_tokens, threads, memory, batch...)
     reference: dict | None = None  # the full cache's summary, from the first run
     head: dict | None = None  # the first run's model, device, dtype...
     rows: list[dict] = field(default_factory=list)
 
     def run(self, entries: list[tuple[str, Strategy, int | None]]) -> list[dict]:
         """entries: (name, strategy, budget); one lockstep run of all of them; their rows."""
-        engine = Engine(self.loaded, [parse_spec("full")] + [s for _, s, _ in entries], max_new_tokens=self.max_new_tokens,
-                        raw=self.raw, threads=self.threads, memory=self.memory)
+        engine = Engine(self.loaded, [parse_spec("full")] + [s for _, s, _ in entries], raw=self.raw, **self.options)
         result = run_to_end(engine, self.turns)
         if self.reference is None:
             self.reference = result["strategies"]["full"]

@@ -18,7 +18,7 @@ from kvdirect_app.ui.settings import catalogue, default_names, expand  # noqa: E
 
 TINY = "tiny-llama"
 # Timings and process memory differ from run to run; everything else must be identical.
-VOLATILE = {"latency_ms", "tokens_per_s", "process_rss_peak_bytes", "threads"}
+VOLATILE = {"latency_ms", "tokens_per_s", "process_rss_peak_bytes", "threads", "shared_pass_ms_mean", "turn_seconds"}
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_compare_unknown_model_is_one_clear_error_and_the_app_stays_up(app):
 
 def _controls(**overrides) -> dict:
     values = dict(model=TINY, custom_model="", device="auto", dtype="float32", strategies=default_names(),
-                  extra_specs="", budget=40, spacing=2, mode="exact", rebuild="step", max_new_tokens=4)
+                  extra_specs="", budget=40, spacing=2, mode="exact", rebuild="step", max_new_tokens=4, twins=True)
     values.update(overrides)
     return values
 

@@ -156,3 +156,20 @@ def test_resume_rebuilds_once_not_twice():
         assert result[spec]["kv_exact"] is True and result[spec]["rebuilt_token_layers"] > 0, spec
         park = result[spec]["parks"][0]
         assert park["bytes"] == park["formula_bytes"] and park["resume_ms"] is not None, spec
+
+
+def test_the_first_run_in_a_process_measures_the_same_bytes_as_the_next():
+    # One-time work (the start-up check of the row kernels, lazy buffers) must not land in the first run's lanes.
+    from kvdirect_app import replay
+
+    loaded = tiny("tiny-llama")
+    specs = "full,kvdirect:budget=4,anchorkv:budget=4:rebuild=step,h2o:budget=4"
+    replay._ROWS_EXACT.clear()
+
+    def peaks():
+        result = run_to_end(Engine(loaded, parse_specs(specs), max_new_tokens=4), TURNS[:1])
+        return {label: (r["state_bytes"]["peak"], r["state_bytes"]["persistent_peak"])
+                for label, r in result["strategies"].items()}
+
+    first = peaks()
+    assert first == peaks()

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..engine import MEMORY_MODES
+from ..engine import MEMORY_MODES, PREFILL_CHUNK
 from ..models import DEVICES, DTYPES
 from ..scenarios import scenarios
 
@@ -32,6 +32,12 @@ def add_conversation_options(p: argparse.ArgumentParser):
     p.add_argument("--threads", type=int, default=None, help="torch threads, pinned for every forward (default: torch's)")
     p.add_argument("--memory", default="trace", help=f"one of {', '.join(MEMORY_MODES)}: bytes measured by the "
                                                      "allocator (every forward traced), or the formula only")
+    p.add_argument("--sequential", action="store_true",
+                   help="run the lanes of a step one after another instead of in one batched pass (same bits)")
+    p.add_argument("--no-twins", action="store_true",
+                   help="no teacher-forced twins: agreement and KL stop at a strategy's first divergence")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                   help="a prompt longer than this is fed in pieces of this many tokens")
 
 
 def turns_from_args(args) -> tuple[list[str], bool]:
@@ -60,3 +66,9 @@ def write_json(path: str | None, data: dict):
     if path:
         Path(path).write_text(json.dumps(data, indent=1))
         print(f"\nwrote {path}")
+
+
+def engine_options(args) -> dict:
+    """The Engine keywords the conversation options set."""
+    return dict(max_new_tokens=args.max_new_tokens, threads=args.threads, memory=args.memory,
+                batch=not args.sequential, twins=not args.no_twins, prefill_chunk=args.prefill_chunk)

@@ -30,7 +30,7 @@ from ..models import load_model
 from ..prompts import filler_ids
 from ..strategies import parse_specs
 from ..units import fmt, fmt_bytes, table
-from .common import CliError, add_conversation_options, turns_from_args, write_json
+from .common import CliError, add_conversation_options, engine_options, turns_from_args, write_json
 
 
 def output_table(result: dict) -> str:
@@ -47,14 +47,15 @@ def output_table(result: dict) -> str:
 
 def cost_table(result: dict) -> str:
     cols = ["strategy", "between turns", "peak in turn", "ms/token", "tok/s", "TTFT ms", "recompute", "replay",
-            "scoring", "formula between", "formula peak", "formula = measured"]
+            "scoring", "attention", "shared", "formula between", "formula peak", "formula = measured"]
     rows = []
     for spec, r in result["strategies"].items():
         sb, lat = r["state_bytes"], r["latency_ms"]
         rows.append([spec, fmt_bytes(sb["between_turns_peak"]), fmt_bytes(sb["peak"]),
                      fmt(lat["decode_total_ms_mean"], ".1f"), fmt(r["tokens_per_s"], ".1f"), fmt(lat["ttft_ms"], ".0f"),
                      fmt(lat["decode_recompute_ms_mean"], ".1f"), fmt(lat["decode_replay_ms_mean"], ".1f"),
-                     fmt(lat["decode_scoring_ms_mean"], ".1f"), fmt_bytes(sb["formula_between_turns_peak"]),
+                     fmt(lat["decode_scoring_ms_mean"], ".1f"), fmt(lat["decode_attention_ms_mean"], ".1f"),
+                     fmt(lat["decode_shared_ms_mean"], ".1f"), fmt_bytes(sb["formula_between_turns_peak"]),
                      fmt_bytes(sb["formula_peak"]), fmt(sb["formula_matches_measurement"])])
     return table(cols, rows)
 
@@ -63,6 +64,14 @@ def notes(result: dict) -> list[str]:
     """What a reader must know to read the tables right."""
     out = [f"bytes: {result['memory_instrument']}; 'peak in turn' is the highest the allocator saw during a forward "
            "(state + transient buffers + activations); the formula's peak counts the strategy's buffers only"]
+    if result["batched"]:
+        shared = result["shared_pass_ms_mean"]
+        out.append("lanes batched: 'ms/token' is a lane's own work (its cache, its attention) plus 1/N of the pass's "
+                   f"shared work (projections and MLP of all N rows, {fmt(shared, '.1f')} ms per decode pass), and "
+                   "'peak in turn' charges it 1/N of the pass's activations; `run --alone` gives each strategy as "
+                   "deployed alone")
+    if not result["teacher_forced_twins"]:
+        out.append("no teacher-forced twins: agreement and KL cover the steps before each strategy's first divergence")
     determinism = result["determinism"]
     if not determinism["deterministic"]:
         out.append(f"NO EXACT MODE HERE: {determinism['reason']}")
@@ -81,9 +90,12 @@ def notes(result: dict) -> list[str]:
 
 
 def print_result(result: dict):
+    mode = "lanes batched in one pass per step" if result["batched"] else "lanes one after another"
     print(f"model {result['model']} ({result['model_source']}), device {result['device']}, dtype {result['dtype']}, "
-          f"threads {result['threads']}, prompt {len(result['prompt_ids'])} tokens, "
+          f"threads {result['threads']}, prompt {len(result['prompt_ids'])} tokens, {mode}, "
           f"process RSS peak {fmt_bytes(result['process_rss_peak_bytes'])}")
+    print("engine time per turn (first forward to last token, model loading excluded): "
+          + ", ".join(f"{s:.2f} s" for s in result["turn_seconds"]))
     print("\nwhat it changes (against the full cache):")
     print(output_table(result))
     print("\nwhat it costs (between turns, peak during a turn and ms per token: measured; then the formula):")
@@ -104,8 +116,7 @@ def cmd_run(args) -> int:
     if args.alone:
         return run_alone(args, strategies)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    engine = Engine(loaded, strategies, max_new_tokens=args.max_new_tokens, raw=raw, threads=args.threads,
-                    memory=args.memory, compare=not args.solo)
+    engine = Engine(loaded, strategies, raw=raw, compare=not args.solo, **engine_options(args))
     if args.solo:
         before = reset_peak_rss()
     if args.context is not None:
@@ -142,12 +153,13 @@ def peak_rss() -> int:
 
 def conversation_args(args) -> list[str]:
     out = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype,
-           "--device", args.device, "--memory", args.memory]
+           "--device", args.device, "--memory", args.memory, "--prefill-chunk", str(args.prefill_chunk)]
     for flag, value in (("--prompt", args.prompt), ("--prompt-file", args.prompt_file), ("--scenario", args.scenario),
                         ("--context", args.context), ("--threads", args.threads)):
         if value is not None:
             out += [flag, str(value)]
-    return out + (["--raw"] if args.raw else []) + (["--park"] if args.park else [])
+    flags = [("--raw", args.raw), ("--park", args.park), ("--sequential", args.sequential), ("--no-twins", args.no_twins)]
+    return out + [flag for flag, on in flags if on]
 
 
 def run_child(spec: str, args, folder: Path) -> dict:

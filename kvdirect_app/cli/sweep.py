@@ -39,7 +39,7 @@ from ..prompts import InputError
 from ..strategies import StrategyError, parse_spec, registry
 from ..sweeps import Sweep
 from ..units import fmt, fmt_bytes, table
-from .common import CliError, add_conversation_options, turns_from_args, write_json
+from .common import CliError, add_conversation_options, engine_options, turns_from_args, write_json
 
 # AnchorKV with only the token-id anchor (the deepest spacing of any model) and rebuild=step first: the exact
 # strategy that saves memory, and so --equal-memory's default target.
@@ -213,8 +213,8 @@ def cmd_sweep(args) -> int:
     for note in skipped:
         at = "" if note["budget"] is None else f" at budget {note['budget']}"
         print(f"note: skipping {note['strategy']}{at}: {note['reason']}")
-    runner = Runner(load_model(args.model, dtype=args.dtype, device=args.device), turns, args.max_new_tokens, raw,
-                    args.threads, args.memory)
+    runner = Runner(load_model(args.model, dtype=args.dtype, device=args.device), turns, raw,
+                    engine_options(args))
     out = {"turns": turns, "strategies": names, "skipped": skipped}
     if args.equal_memory:
         target, rows, probes = equal_memory(runner, names, budgets, args.target)

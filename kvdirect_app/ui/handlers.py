@@ -11,20 +11,18 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import gradio as gr
 
 from ..scenarios import scenarios
 from . import runner, views
+from .components import Studio
 from .export import write_exports
 from .geometry_panel import geometry_html
 from .plots import agreement_figure, latency_figure, memory_figure
 from .session import Session
 from .settings import RunConfig, Settings
-
-if TYPE_CHECKING:
-    from .layout import Studio
 
 log = logging.getLogger(__name__)
 FRONTIER_CURRENT = "this conversation"
@@ -34,7 +32,7 @@ PLOTS_EVERY_S = 1.0
 
 
 class Handlers:
-    def __init__(self, studio: "Studio"):
+    def __init__(self, studio: Studio):
         self.s = studio
 
     # --- drawing ---------------------------------------------------------------
@@ -141,11 +139,15 @@ class Handlers:
                 stopped = session.stop_requested
                 now = time.monotonic()
                 first = event["type"] == "step" and event["index"] == 0
-                if event["type"] in ("turn", "turn_end") or first or now - last >= UI_EVERY_S:
+                if event["type"] in ("turn", "turn_end", "prefill") or first or now - last >= UI_EVERY_S:
                     plots = event["type"] == "turn_end" or now - session.last_plot >= PLOTS_EVERY_S
                     turn = len(session.user_turns)
-                    msg = (f"Turn {turn}/{len(turns) if fresh else turn}: step {session.steps}, "
-                           f"{len(session.shown)} strategies in lockstep…")
+                    where = f"Turn {turn}/{len(turns) if fresh else turn}"
+                    if session.prefill is not None:
+                        done, total = session.prefill
+                        msg = f"{where}: reading the message, {done:,} of {total:,} tokens…"
+                    else:
+                        msg = f"{where}: step {session.steps}, {len(session.shown)} strategies in lockstep…"
                     yield self.render(session, busy=True, message=msg, kind="busy", plots=plots)
                     last = now
         except runner.USER_ERRORS as e:

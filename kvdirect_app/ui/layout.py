@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
 from pathlib import Path
 
 import gradio as gr
 
-from ..scenarios import scenarios
-from ..models import DTYPES, available_devices, presets
-from . import runner
 from ..frontier import frontier_figure
+from ..models import DTYPES, available_devices, presets
+from ..scenarios import scenarios
+from . import runner
+from .components import Actions, Controls, FrontierTab, Pane, Studio, Views
 from .handlers import FRONTIER_CURRENT, Handlers
 from .plots import agreement_figure, latency_figure, memory_figure
 from .session import Session
@@ -21,90 +21,6 @@ ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
 def asset(name: str) -> str:
     return (ASSETS / name).read_text(encoding="utf-8")
-
-
-@dataclass
-class Pane:
-    """One strategy's column: header with live figures, and its chat."""
-
-    box: gr.Column
-    head: gr.HTML
-    chat: gr.Chatbot
-
-
-@dataclass
-class Controls:
-    """Every setting of a run; handlers receive them by these names (`Settings` fields)."""
-
-    model: gr.Dropdown
-    custom_model: gr.Textbox
-    device: gr.Dropdown
-    dtype: gr.Dropdown
-    strategies: gr.CheckboxGroup
-    extra_specs: gr.Textbox
-    budget: gr.Slider
-    spacing: gr.Slider
-    mode: gr.Radio
-    rebuild: gr.Radio
-    max_new_tokens: gr.Slider
-
-    def by_name(self, *names: str) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if not names or f.name in names}
-
-
-@dataclass
-class Actions:
-    prompt: gr.Textbox
-    send: gr.Button
-    stop: gr.Button
-    regenerate: gr.Button
-    clear: gr.Button
-    scenario: gr.Dropdown
-    play: gr.Button
-
-
-@dataclass
-class Views:
-    status: gr.HTML
-    memory: gr.Plot
-    latency: gr.Plot
-    agreement: gr.Plot
-    map_label: gr.Dropdown
-    map_layer: gr.Slider
-    token_map: gr.HTML
-    geometry: gr.HTML
-    download_json: gr.DownloadButton
-    download_steps: gr.DownloadButton
-    download_summary: gr.DownloadButton
-    download_plots: gr.DownloadButton
-
-
-@dataclass
-class FrontierTab:
-    """The trade-off frontier: which conversation, the button, progress, the figure."""
-
-    source: gr.Dropdown
-    draw: gr.Button
-    status: gr.HTML
-    plot: gr.Plot
-
-
-@dataclass
-class Studio:
-    session: gr.State
-    controls: Controls
-    actions: Actions
-    views: Views
-    panes: list[Pane]
-    frontier: FrontierTab
-
-    def outputs(self) -> list:
-        parts = [self.controls.spacing]
-        for group in (self.actions, self.views):
-            parts += [getattr(group, f.name) for f in fields(group) if f.name != "scenario"]
-        for pane in self.panes:
-            parts += [pane.box, pane.head, pane.chat]
-        return parts
 
 
 def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tokens: int) -> Controls:
@@ -131,10 +47,13 @@ def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tok
                                 "full K/V held while the turn lasts",
                            visible=any_declares("rebuild"))
         max_new = gr.Slider(1, 512, value=max_new_tokens, step=1, label="Max new tokens per turn")
+        twins = gr.Checkbox(True, label="Measure agreement after a divergence",
+                            info="a teacher-forced twin per diverged pane, fed the full cache's tokens: one more "
+                                 "forward per step for each")
     with gr.Accordion("More panes (extra strategy specs)", open=False):
         extra = gr.Textbox(label="Extra specs, comma-separated", placeholder="kvdirect:budget=16:mode=fast",
                            info="name[:key=value]…; budget/spacing/mode above fill in what a spec leaves unset.")
-    return Controls(preset, custom, device, dtype, picked, extra, budget_s, spacing, mode, rebuild, max_new)
+    return Controls(preset, custom, device, dtype, picked, extra, budget_s, spacing, mode, rebuild, max_new, twins)
 
 
 def _panes() -> list[Pane]:

@@ -11,7 +11,7 @@ from .settings import REFERENCE, title
 
 FONT = dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", size=16, color="#111")
 OP_COLOURS = {"recompute": "#0072B2", "replay": "#56B4E9", "scoring": "#CC79A7", "attention": "#E69F00",
-              "cache_update": "#009E73", "other": "#999999"}
+              "cache_update": "#009E73", "shared": "#BBBBBB", "other": "#999999"}
 OP_ORDER = list(OP_COLOURS)
 
 
@@ -100,10 +100,14 @@ def latency_figure(session: Session) -> go.Figure:
                              text=[f"  {r:.1f} tok/s" if r else "" for r in rates], textfont=dict(size=15),
                              hoverinfo="skip"))
     fig.update_layout(barmode="stack")
-    fig.update_xaxes(title_text="ms per decode step (mean), by op", range=[0, 1.5 * max(totals, default=1)])
+    batched = any(op == "shared" for op in ops)
+    fig.update_xaxes(title_text="ms per decode step (mean), by op" + (
+        "; 'shared': 1/N of the pass all N lanes make together (projections, MLP)" if batched else ""),
+        range=[0, 1.5 * max(totals, default=1)])
     if not labels:
         _empty(fig, "Per-op timings appear after the first decode step")
-    return _layout(fig, max(380, 130 + 44 * len(labels)), "Per-op latency and tokens/s")
+    return _layout(fig, max(380, 130 + 44 * len(labels)),
+                   "Per-op latency and tokens/s" + (" (lanes batched: own work + a share of the pass)" if batched else ""))
 
 
 def agreement_figure(session: Session) -> go.Figure:

@@ -45,7 +45,7 @@ def load(config: RunConfig) -> LoadedModel:
 
 def build_engine(config: RunConfig) -> Engine:
     return Engine(load(config), parse_specs(",".join(config.specs)), max_new_tokens=config.max_new_tokens,
-                  raw=config.raw)
+                  raw=config.raw, twins=config.twins)
 
 
 def geometry(loaded: LoadedModel) -> ModelGeometry:
@@ -77,7 +77,7 @@ def frontier_plan(config: RunConfig, settings: Settings, budgets: tuple[int, ...
 
 
 def frontier_sweep(config: RunConfig, turns: list[str]) -> Sweep:
-    return Sweep(load(config), turns, config.max_new_tokens, raw=config.raw)
+    return Sweep(load(config), turns, raw=config.raw, options={"max_new_tokens": config.max_new_tokens})
 
 
 def frontier_plot(rows: list[dict], sweep: Sweep, source: str):

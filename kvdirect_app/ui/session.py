@@ -56,7 +56,7 @@ class LaneView:
         return self.matched / self.total if self.total else None
 
     def tokens_per_s(self) -> float | None:
-        """Decode steps per second of this strategy's own compute (lanes run one after another)."""
+        """Decode steps per second of this strategy's compute: its own work plus its share of a batched pass."""
         ms = [row["total"] for row in self.latency]
         return 1e3 * len(ms) / sum(ms) if ms and sum(ms) > 0 else None
 
@@ -94,6 +94,7 @@ class Session:
     token_maps: dict | None = None  # filled by the run itself where the engine does not outlive it
     busy: bool = False
     stop_requested: bool = False
+    prefill: tuple[int, int] | None = None  # (tokens read, of) while a long prompt is fed in pieces
     workdir: str | None = None
     last_plot: float = 0.0
 
@@ -120,7 +121,10 @@ class Session:
             self.user_turns, self.steps, self.rss, self.result, self.token_maps = [], 0, [], None, None
             self.shown = list(event["strategies"])
             self.lanes = {label: LaneView(label) for label in dict.fromkeys([REFERENCE, *self.shown])}
+        elif kind == "prefill":
+            self.prefill = (event["done"], event["total"])
         elif kind == "turn":
+            self.prefill = None
             self.user_turns.append(event["user"])
             for lane in self.lanes.values():
                 lane.replies.append(TurnReply())
@@ -142,6 +146,7 @@ class Session:
             self.token_maps = event["maps"]
 
     def _step(self, event: dict):
+        self.prefill = None
         self.steps += 1
         turn, index, events = event["turn"], event["index"], event["lanes"]
         ref = events.get(REFERENCE)

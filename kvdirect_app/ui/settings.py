@@ -89,6 +89,7 @@ class RunConfig:
     specs: tuple[str, ...]
     max_new_tokens: int
     raw: bool = False
+    twins: bool = True  # teacher-forced twins: agreement and KL measured after a divergence too
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class Settings:
     mode: str
     rebuild: str
     max_new_tokens: int
+    twins: bool = True
 
     @classmethod
     def from_controls(cls, values: dict) -> "Settings":
@@ -140,4 +142,5 @@ class Settings:
             raise ModelError(f"device {self.device!r} is not available here; choose one of {', '.join(available_devices())}")
         if not self.model_name:
             raise ModelError(f"no model given; choose a preset ({', '.join(presets())}) or type a Hub id or path")
-        return RunConfig(self.model_name, self.device, self.dtype, tuple(self.specs()), self.max_new_tokens, raw)
+        return RunConfig(self.model_name, self.device, self.dtype, tuple(self.specs()), self.max_new_tokens, raw,
+                         bool(self.twins))

@@ -1,0 +1,222 @@
+"""Every forward of one engine step in one pass through the model, bit for bit as if run one after another.
+
+A decode step on a CPU is bound by reading the model's weights; lanes (the
+full cache, each strategy, each teacher-forced twin) that go through a layer
+together read its weights once.  `run_batch` stacks the lanes' tokens as a
+batch of N rows and runs the model once, keeping every row's computation
+exactly what it would be alone:
+
+* every `F.linear` over the N rows computes each row as its own GEMM: one
+  token per row (decoding), one `bmm` with each row a batch element, where
+  a check proved it bit-equal to a one-row call here (a loop otherwise);
+  several tokens per row (a prompt), one GEMM per row, and once only for
+  rows that are bit-identical (lanes that have not diverged: the first
+  prompt is the same for all);
+* each lane's cache gets its own row of K/V (`update`), its own attention
+  input and residual (the input tap), and runs its own rebuilding, replay
+  and scoring, as it would alone;
+* attention is the model's own attention function, once per lane, with the
+  lane's K/V and the mask the model builds for that lane's cache: the
+  layer's config points at a registered function (`kvdirect_lanes`) for the
+  pass, under the model's lock;
+* norms, RoPE (positions are per row), activations and residual adds work
+  row by row.
+
+Timing: what a lane does alone (its cache's work, its attention) is timed per
+lane; the rest of the pass is shared and is attributed 1/N to each of the N
+forwards.  Memory: each lane's work runs in its own owner scope of one
+traced session; the pass's activations are shared, 1/N charged to each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import compat
+from .memory import AllocationTracer, harness
+from .metrics import clock
+from .replay import linear_rows
+from .strategies import StrategyCache
+
+LANES_IMPLEMENTATION = "kvdirect_lanes"
+_LOCAL = threading.local()  # .batch: the Batch in progress on this thread
+
+
+@dataclass
+class Row:
+    """One forward of the batch: a lane's cache (or its twin's) and the tokens it is fed."""
+
+    owner: str
+    cache: StrategyCache
+    ids: list[int]
+    seen: int = 0
+    masks: dict = field(default_factory=dict)  # layer type -> the mask the model builds for this cache alone
+    kv: dict = field(default_factory=dict)  # layer -> the K/V this cache handed attention
+    own_s: float = 0.0  # attention and input handling of this row alone (its cache's timers hold the rest)
+    logits: torch.Tensor | None = None
+    window: object = None  # its owner's memory window in the pass's traced session
+
+
+@dataclass
+class Batch:
+    rows: list[Row]
+    tracer: AllocationTracer
+    attention: Callable  # the model's own attention function
+    layer_types: list[str]
+
+    @contextlib.contextmanager
+    def owned(self, i: int):
+        """Row i's own work: its owner's scope in the traced session."""
+        with self.tracer.owner(self.rows[i].owner) as window:
+            self.rows[i].window = window
+            yield window
+
+
+class _LaneLayer(compat.CacheLayerMixin):
+    """Layer `j` of the batch's cache: hands each row's K/V to that row's cache layer."""
+
+    def __init__(self, batch: Batch, j: int, sliding: bool):
+        super().__init__()
+        self.batch, self.j, self.is_sliding = batch, j, sliding
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states):
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        for i, row in enumerate(self.batch.rows):
+            with self.batch.owned(i):
+                # A copy: each cache gets a tensor of its own, as its own forward would have given it.
+                row.kv[self.j] = row.cache.layers[self.j].update(key_states[i:i + 1].clone(),
+                                                                 value_states[i:i + 1].clone())
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.batch.rows[0].cache.layers[self.j].get_mask_sizes(query_length)
+
+    def get_seq_length(self) -> int:
+        return self.batch.rows[0].cache.layers[self.j].get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class LaneCache(compat.Cache):
+    """The cache the model sees during a batched pass: a facade over the rows' caches."""
+
+    def __init__(self, batch: Batch):
+        super().__init__(layers=[_LaneLayer(batch, j, t == "sliding_attention") for j, t in enumerate(batch.layer_types)])
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a is b or (a.shape == b.shape and torch.equal(a, b))
+
+
+def lanes_attention(module, query, key, value, attention_mask, **kwargs):
+    """The registered attention function: the model's own, once per row, with that row's K/V and mask.
+
+    With several tokens per row (a prompt), a row whose query, K/V and mask are bit-identical to an earlier
+    row's (lanes that have not diverged) reuses that row's output: the same call would give the same bits."""
+    batch: Batch = _LOCAL.batch
+    j = module.layer_idx
+    layer_type = batch.layer_types[j]
+    outputs, done, weights = [], [], None
+    for i, row in enumerate(batch.rows):
+        k, v = row.kv.pop(j)
+        mask = row.masks[layer_type]
+        t0 = time.perf_counter()
+        out = None
+        if query.shape[2] > 1:
+            out = next((o for (qr, kr, vr, mr, o) in done if torch.equal(qr, query[i]) and _same(kr, k)
+                        and _same(vr, v) and _same(mr, mask)), None)
+        if out is None:
+            with batch.owned(i):
+                out, weights = batch.attention(module, query[i:i + 1], k, v, mask, **kwargs)
+            if query.shape[2] > 1:
+                done.append((query[i], k, v, mask, out))
+        row.own_s += time.perf_counter() - t0
+        outputs.append(out)
+    return torch.cat(outputs, dim=0), weights
+
+
+def _unique_rows(x: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Rows of x (N, ...) by first occurrence: (indices of distinct rows, for each row its distinct index).
+    Used for prompts, where a row is many tokens and computing it twice costs far more than comparing."""
+    firsts, where = [], []
+    for i in range(x.shape[0]):
+        for k, f in enumerate(firsts):
+            if torch.equal(x[i], x[f]):
+                where.append(k)
+                break
+        else:
+            where.append(len(firsts))
+            firsts.append(i)
+    return firsts, where
+
+
+class _BatchLinear(TorchFunctionMode):
+    """`F.linear` over the batch's N rows: each distinct row once, each as its own GEMM."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if x.dim() == 3 and x.shape[0] == self.n:
+                if x.shape[1] == 1:  # decode: one row per lane, one weight read for all of them
+                    return linear_rows(weight, bias, x[:, 0]).unsqueeze(1)
+                firsts, where = _unique_rows(x)
+                distinct = torch.cat([F.linear(x[i:i + 1], weight, bias) for i in firsts])
+                return distinct if len(firsts) == self.n else distinct[where]
+        return func(*args, **kwargs)
+
+
+def run_batch(model: torch.nn.Module, rows: list[Row], tracer: AllocationTracer, tap, device) -> float:
+    """One pass of the model over every row (all with the same number of tokens); sets each row's logits (V,)
+    and returns the pass's wall time.  The caller holds the model's lock and has pinned the threads."""
+    q = len(rows[0].ids)
+    config = compat.text_config(model.config)
+    attn = compat.attention_module(compat.decoder_layers(model)[0])
+    batch = Batch(rows, tracer, compat.attention_function(attn), [s.layer_type for s in compat.layer_specs(config)])
+    ids = torch.tensor([row.ids for row in rows], device=device)
+    positions = torch.stack([torch.arange(row.seen, row.seen + q, device=device) for row in rows])
+    like = torch.zeros(1, q, 1, device=device, dtype=next(model.parameters()).dtype)
+    for i, row in enumerate(rows):
+        with batch.owned(i):
+            t0 = time.perf_counter()
+            row.cache.begin_step(row.ids)
+            for t in set(batch.layer_types):
+                row.masks[t] = compat.mask_function(t)(config=config, inputs_embeds=like, attention_mask=None,
+                                                       cache=row.cache, position_ids=positions[i:i + 1])
+            row.own_s += time.perf_counter() - t0
+    compat.register_attention(LANES_IMPLEMENTATION, lanes_attention)
+    tap.target_rows(batch)
+    _LOCAL.batch = batch
+    t0 = clock(device)
+    try:
+        with compat.attention_implementation(attn.config, LANES_IMPLEMENTATION), _BatchLinear(len(rows)):
+            logits = compat.forward_rows(model, ids, LaneCache(batch), positions)
+    finally:
+        _LOCAL.batch = None
+    wall = clock(device) - t0
+    for i, row in enumerate(rows):
+        with batch.owned(i):
+            row.cache.end_step()
+            row.masks = {}  # freed inside the traced session, like every other part of the row's forward
+            with harness():  # the engine's copy of the row's logits
+                row.logits = logits[i].clone()
+    return wall

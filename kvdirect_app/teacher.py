@@ -1,0 +1,65 @@
+"""Teacher forcing: agreement, KL and K/V error measured on the reference's history.
+
+Each strategy decodes greedily on its own history (its *free* run, the text
+a person sees).  Until its token first differs from the reference's, the
+free run *is* the reference's history.  At the first divergence its cache is
+forked into a teacher-forced twin that is fed the reference's tokens from
+then on, so teacher-forced agreement, KL, max |Δlogit| and max |ΔK|, |ΔV|
+stay measured on identical histories.  Without twins (`twins=False`) those
+figures stop at the first divergence, and the summary says how many steps
+they cover.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .lanes import Lane
+from .memory import AllocationTracer
+from .metrics import kl_divergence
+from .strategies import StrategyCache
+
+
+def observe(lane: Lane, ref_token: int | None, ref_logits: torch.Tensor | None, reference: StrategyCache,
+            tracer: AllocationTracer, twins: bool):
+    """This step's teacher-forced logits against the reference's; fork the twin at the first divergence."""
+    if not lane.diverged:
+        lane_done, ref_done = not lane.active, ref_token is None
+        if lane_done and ref_done:
+            return
+        if lane_done != ref_done or int(torch.argmax(lane.logits)) != ref_token:
+            lane.diverged = True
+            lane.kv = lane.cache.kv_report()
+            lane.cache.compare_with(None)
+            if twins:
+                # The free run leaves the reference's history here: keep measuring on a twin fed its tokens.
+                with tracer.trace(lane.twin_owner):
+                    lane.tf_cache = lane.cache.fork()
+                lane.tf_cache.compare_with(reference)
+                lane.tf_logits = lane.logits
+    if ref_token is None or (lane.diverged and lane.tf_cache is None):
+        return
+    logits = lane.tf_logits if lane.diverged else lane.logits
+    lane.tf_steps += 1
+    lane.tf_agree += int(torch.argmax(logits)) == ref_token
+    lane.kl_sum += kl_divergence(ref_logits, logits)
+    lane.max_dlogit = max(lane.max_dlogit, float((logits - ref_logits).abs().max()))
+
+
+def kv_summary(lane: Lane) -> dict:
+    """K/V against the full cache over the identical-history path: the free run before the divergence, the
+    twin after it."""
+    live = (lane.tf_cache if lane.tf_cache is not None else lane.cache).kv_report()
+    if not lane.diverged:
+        return live
+    before = lane.kv
+    if lane.tf_cache is None or live.get("kv_exact") is None:
+        return before
+    if before.get("kv_exact") is None:
+        return live
+    return {"layers_compared": max(before["layers_compared"], live["layers_compared"]),
+            "kv_exact": before["kv_exact"] and live["kv_exact"],
+            "max_abs_dk": max(before["max_abs_dk"], live["max_abs_dk"]),
+            "max_abs_dv": max(before["max_abs_dv"], live["max_abs_dv"]),
+            "rebuilt_token_layers": before["rebuilt_token_layers"] + live["rebuilt_token_layers"],
+            "shape_mismatches": before["shape_mismatches"] + live["shape_mismatches"]}

@@ -1,0 +1,92 @@
+"""The page's components, grouped in small dataclasses: built by `layout`, read and updated by `handlers`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import gradio as gr
+
+
+@dataclass
+class Pane:
+    """One strategy's column: header with live figures, and its chat."""
+
+    box: gr.Column
+    head: gr.HTML
+    chat: gr.Chatbot
+
+
+@dataclass
+class Controls:
+    """Every setting of a run; handlers receive them by these names (`Settings` fields)."""
+
+    model: gr.Dropdown
+    custom_model: gr.Textbox
+    device: gr.Dropdown
+    dtype: gr.Dropdown
+    strategies: gr.CheckboxGroup
+    extra_specs: gr.Textbox
+    budget: gr.Slider
+    spacing: gr.Slider
+    mode: gr.Radio
+    rebuild: gr.Radio
+    max_new_tokens: gr.Slider
+    twins: gr.Checkbox
+
+    def by_name(self, *names: str) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if not names or f.name in names}
+
+
+@dataclass
+class Actions:
+    prompt: gr.Textbox
+    send: gr.Button
+    stop: gr.Button
+    regenerate: gr.Button
+    clear: gr.Button
+    scenario: gr.Dropdown
+    play: gr.Button
+
+
+@dataclass
+class Views:
+    status: gr.HTML
+    memory: gr.Plot
+    latency: gr.Plot
+    agreement: gr.Plot
+    map_label: gr.Dropdown
+    map_layer: gr.Slider
+    token_map: gr.HTML
+    geometry: gr.HTML
+    download_json: gr.DownloadButton
+    download_steps: gr.DownloadButton
+    download_summary: gr.DownloadButton
+    download_plots: gr.DownloadButton
+
+
+@dataclass
+class FrontierTab:
+    """The trade-off frontier: which conversation, the button, progress, the figure."""
+
+    source: gr.Dropdown
+    draw: gr.Button
+    status: gr.HTML
+    plot: gr.Plot
+
+
+@dataclass
+class Studio:
+    session: gr.State
+    controls: Controls
+    actions: Actions
+    views: Views
+    panes: list[Pane]
+    frontier: FrontierTab
+
+    def outputs(self) -> list:
+        parts = [self.controls.spacing]
+        for group in (self.actions, self.views):
+            parts += [getattr(group, f.name) for f in fields(group) if f.name != "scenario"]
+        for pane in self.panes:
+            parts += [pane.box, pane.head, pane.chat]
+        return parts
