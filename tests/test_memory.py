@@ -164,7 +164,7 @@ def test_the_first_run_in_a_process_measures_the_same_bytes_as_the_next():
 
     loaded = tiny("tiny-llama")
     specs = "full,kvdirect:budget=4,anchorkv:budget=4:rebuild=step,h2o:budget=4"
-    replay._ROWS_EXACT.clear()
+    replay._KERNELS.clear()
 
     def peaks():
         result = run_to_end(Engine(loaded, parse_specs(specs), max_new_tokens=4), TURNS[:1])

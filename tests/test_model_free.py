@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from kvdirect_app.metrics import kl_divergence, token_match
-from kvdirect_app.replay import _linear_rows_batched, _linear_rows_loop, rows_kernel_is_exact
+from kvdirect_app.replay import (BLOCK_FROM, BLOCK_ROWS, _linear_rows_batched, _linear_rows_loop, _rows_blocked,
+                                 _rows_loop, linear_rows, rows_are_exact, rows_kernel_is_exact)
 from kvdirect_app.strategies import StrategyError, parse_spec, parse_specs, registry
 from kvdirect_app.strategies.base import storage_bytes
 
@@ -81,6 +82,22 @@ def test_row_kernels_agree_with_one_row_linear_calls(bias):
     # The batched kernel is only used where the start-up check holds; where it holds it must be bit-equal.
     if rows_kernel_is_exact(lin):
         assert torch.equal(_linear_rows_batched(lin, rows), loop)
+    assert torch.equal(linear_rows(lin.weight, lin.bias, rows), loop)
+
+
+@torch.inference_mode()
+def test_a_weight_too_large_for_cache_is_served_in_blocks_with_the_same_bits():
+    # 16,500 x 512 (8.4 M elements) is above BLOCK_FROM: the kernel checked first cuts it into blocks of output
+    # rows, the last one short; whichever kernel the check picks must give the bits of one-row calls.
+    torch.manual_seed(0)
+    weight, bias = torch.randn(16_500, 512), torch.randn(16_500)
+    assert weight.numel() >= BLOCK_FROM and weight.shape[0] % BLOCK_ROWS
+    rows = torch.randn(7, 512)
+    for b in (None, bias):
+        loop = _rows_loop(weight, b, rows)
+        assert torch.equal(linear_rows(weight, b, rows), loop)
+        if rows_are_exact(weight, b):
+            assert torch.equal(_rows_blocked(weight, b, rows), loop)
 
 
 def test_compare_never_trims_a_global_layer_to_the_reference_length():

@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 FRONTIER_CURRENT = "this conversation"
 FRONTIER_BUDGETS = (16, 64)
 UI_EVERY_S = 0.12  # at most this often a streamed update (the first token of a turn always goes out)
-PLOTS_EVERY_S = 1.0
+PLOTS_EVERY_S = 2.0  # live plots at most this often during a turn ...
+PLOTS_SHARE = 0.05  # ... and, when building them takes longer, never more than this share of the turn's time
 
 
 class Handlers:
@@ -55,10 +56,12 @@ class Handlers:
         if message is not None:
             out[v.status] = views.status(message, kind)
         if plots:
+            t0 = time.monotonic()
             out[v.memory] = memory_figure(session)
             out[v.latency] = latency_figure(session)
             out[v.agreement] = agreement_figure(session)
             session.last_plot = time.monotonic()
+            session.plot_cost = session.last_plot - t0
         if final:
             label = session.shown[0] if session.shown else None
             out[v.map_label] = gr.Dropdown(choices=session.shown, value=label)
@@ -140,7 +143,8 @@ class Handlers:
                 now = time.monotonic()
                 first = event["type"] == "step" and event["index"] == 0
                 if event["type"] in ("turn", "turn_end", "prefill") or first or now - last >= UI_EVERY_S:
-                    plots = event["type"] == "turn_end" or now - session.last_plot >= PLOTS_EVERY_S
+                    plots = (event["type"] == "turn_end" or
+                             now - session.last_plot >= max(PLOTS_EVERY_S, session.plot_cost / PLOTS_SHARE))
                     turn = len(session.user_turns)
                     where = f"Turn {turn}/{len(turns) if fresh else turn}"
                     if session.prefill is not None:

@@ -97,6 +97,7 @@ class Session:
     prefill: tuple[int, int] | None = None  # (tokens read, of) while a long prompt is fed in pieces
     workdir: str | None = None
     last_plot: float = 0.0
+    plot_cost: float = 0.0  # seconds the last live plots took to build (they share the cores with the engine)
 
     def clear(self):
         keep = self.workdir

@@ -1,0 +1,55 @@
+"""Times the app as a visitor sees it: Send -> a token in every pane, Send -> Done, in headless Chromium.
+
+    .venv/bin/python scripts/app_timing.py [REPEATS]     (needs Debian's chromium: `make browser`)
+
+The app is launched in-process with its default panes and 64 new tokens; prints one line per repeat.
+"""
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from playwright import sync_api  # noqa: E402
+
+from kvdirect_app.ui import build_demo  # noqa: E402
+from tests.conftest import launch_local  # noqa: E402
+from tests.test_browser import ARGS, CHROMIUM  # noqa: E402
+
+PROMPT = "Why is the sky blue?"
+EVERY_PANE_HAS_A_TOKEN = """() => {
+  const panes = [...document.querySelectorAll('.kvd-pane')].filter(p => p.offsetParent);
+  return panes.length && panes.every(p => {
+    const bot = p.querySelectorAll('[data-testid="bot"]');
+    return bot.length && bot[bot.length - 1].innerText.trim().length; }); }"""
+
+
+def main(repeats: int) -> None:
+    demo = build_demo(model="smollm2-135m", max_new_tokens=64)
+    launch_local(demo)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.goto(demo.local_url)
+        page.wait_for_selector("#kvd-send", timeout=60_000)
+        page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('ready')", timeout=300_000)
+        for i in range(repeats):
+            if i:
+                page.get_by_role("button", name="Clear").click()
+                time.sleep(2)
+            page.fill("#kvd-prompt textarea", PROMPT)
+            t0 = time.perf_counter()
+            page.click("#kvd-send")
+            page.wait_for_function(EVERY_PANE_HAS_A_TOKEN, timeout=300_000, polling=20)
+            first = time.perf_counter() - t0
+            page.wait_for_function("document.querySelector('#kvd-status').innerText.match(/Done|failed|error/i)",
+                                   timeout=600_000, polling=50)
+            done = time.perf_counter() - t0
+            print(f"first token in every pane {first:.2f} s, Send to Done {done:.2f} s; "
+                  f"status: {page.inner_text('#kvd-status')}", flush=True)
+        browser.close()
+    demo.close()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
