@@ -69,7 +69,9 @@ def pane_header(session: Session, label: str) -> str:
         stats.append(f"between turns <b>{_bytes_cell(f['between'], f['formula_between'], 'held after the last turn')}</b>")
         stats.append(f"peak in turn <b>{_bytes_cell(f['peak'], f['formula_peak'], 'highest during a forward of this turn (state, transient buffers, activations)')}</b>")
         if f["ms_per_token"] is not None:
-            stats.append(f'<span title="mean ms per decode step this turn (this strategy\'s own compute)">'
+            stats.append(f'<span title="mean ms per decode step this turn: this strategy\'s own work (attention, '
+                         f'recompute, replay, scoring, cache update) plus 1/N of the pass the N lanes make together '
+                         f'(projections, MLP); the CLI\'s bench run --alone gives the cost deployed alone">'
                          f'<b>{f["ms_per_token"]:.0f}</b> ms/token</span>')
     if lane is not None and label != REFERENCE and lane.match is not None:
         cls = "good" if lane.match == 1.0 else "bad"
