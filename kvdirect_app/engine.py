@@ -16,7 +16,7 @@ The engine yields plain dict events and never imports gradio.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -394,10 +394,13 @@ class Engine:
         return out
 
 
-def run_to_end(engine: Engine, turns: list[str], park: bool = False) -> dict:
-    """Consume every event; return the summary."""
+def run_to_end(engine: Engine, turns: list[str], park: bool = False,
+               progress: Callable[[str], None] | None = None) -> dict:
+    """Consume every event; return the summary.  `progress` gets a line per prompt piece read (long prompts)."""
     result = None
     for event in engine.run(turns, park=park):
         if event["type"] == "done":
             result = event["result"]
+        elif event["type"] == "prefill" and progress is not None:
+            progress(f"turn {event['turn'] + 1}: read {event['done']:,} of {event['total']:,} prompt tokens")
     return result

@@ -31,6 +31,16 @@ def test_run_writes_the_documented_json(tmp_path, capsys):
     assert exact["token_match"] == 1.0 and exact["kv_exact"] is True
 
 
+def test_a_long_prompt_is_read_in_pieces_with_progress(capsys):
+    code = bench.main(["run", "--model", "tiny-llama", "--strategies", "full,kvdirect:budget=4", "--raw",
+                       "--prompt", "cache " * 30, "--prefill-chunk", "8", "--max-new-tokens", "2"])
+    assert code == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "prompt tokens" in line]
+    assert lines and lines[0].startswith("turn 1: read 8 of ") and " of " in lines[-1]
+    done, total = (int(x.replace(",", "")) for x in lines[-1].split("read ")[1].split(" prompt")[0].split(" of "))
+    assert done == total and len(lines) == -(-total // 8)
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--strategies", "full,nope"], "unknown strategy 'nope'"),
     (["--strategies", "kvdirect:speed=9"], "unknown setting 'speed'; allowed: budget, mode, rebuild"),

@@ -126,7 +126,7 @@ def cmd_run(args) -> int:
             pass
         result = engine.results()
     else:
-        result = run_to_end(engine, turns, park=args.park)
+        result = run_to_end(engine, turns, park=args.park, progress=lambda line: print(line, file=sys.stderr))
     if args.solo:
         result["process"] = {"rss_before_run_bytes": before, "peak_rss_bytes": peak_rss()}
     print_result(result)
