@@ -404,6 +404,28 @@ def test_sweep_runs_every_strategy_at_every_budget_and_writes_every_row(tmp_path
     assert "h2o:recent=6" in printed and "token match" in printed
 
 
+def test_sweep_at_equal_memory_picks_for_each_strategy_the_probe_closest_to_the_exact_strategys_peak(tmp_path):
+    from kvdirect_app.cli.sweep import GRID
+
+    out = tmp_path / "equal.json"
+    names = ["anchorkv:anchors=0:rebuild=step", "window", "streaming_llm:sinks=2"]
+    code = bench.main(["sweep", "--model", "tiny-llama", "--prompt", "Hello there, how are you today? " * 3,
+                       "--strategies", ",".join(names), "--budgets", "8", "--equal-memory",
+                       "--max-new-tokens", "4", "--threads", "1", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    target_run, probes = data["probes"][0], data["probes"][1:]
+    # The default target: the measured peak of the first strategy that promises exact K/V, at the first budget.
+    assert target_run["strategy"] == f"{names[0]}:budget=8"
+    assert data["target_bytes"] == target_run["state_bytes"]["peak"] > 0
+    assert [r["strategy"] for r in data["rows"]] == names
+    for row in data["rows"]:
+        mine = [p for p in probes if p["strategy"] == row["strategy"]]
+        assert len(mine) >= 2 and all(p["budget"] in GRID for p in mine)  # a search, not one guess
+        distance = [abs(p["state_bytes"]["peak"] - data["target_bytes"]) for p in mine]
+        assert abs(row["state_bytes"]["peak"] - data["target_bytes"]) == min(distance)
+
+
 @pytest.mark.parametrize("args, words", [
     (["--strategies", "window,nosuchstrategy"], "'nosuchstrategy' is not a registered strategy"),
     (["--strategies", "window:budget=4"], "sets budget itself"),
