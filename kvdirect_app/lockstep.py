@@ -34,6 +34,7 @@ import contextlib
 import functools
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -48,6 +49,7 @@ from .strategies import StrategyCache
 
 LANES_IMPLEMENTATION = "kvdirect_lanes"
 _LOCAL = threading.local()  # .batch: the Batch in progress on this thread
+_LINEARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its nn.Linear modules
 
 
 @dataclass
@@ -182,7 +184,9 @@ def _batch_linears(model: torch.nn.Module, n: int):
     """Every `nn.Linear` of the model computes row by row for the pass (an instance `forward`, removed after).
     Per module rather than a `TorchFunctionMode`: a mode sees every torch call of the pass (~10,000 per
     SmolLM2 step, ~20 ms of Python), the modules see only their own ~200."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = _LINEARS.get(model)
+    if linears is None:  # found once per model, not at every step
+        linears = _LINEARS[model] = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     for m in linears:
         m.forward = functools.partial(_rows_forward, m, n)
     try:
