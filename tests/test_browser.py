@@ -101,3 +101,34 @@ def test_bad_settings_show_one_message_and_the_page_stays_usable(url, page):
     assert "mode" in status(page)
     assert page.locator("#kvd-send").is_enabled()
     assert not [e for e in page.console_errors if "sideways" not in e], page.console_errors
+
+
+def test_the_first_screen_at_1280x720_shows_every_verdict_memory_and_speed(url, tmp_path):
+    """A projector: after one turn, without scrolling, the scoreboard shows each pane's verdict, bytes and speed;
+    the recall demo is one visible click.  STUDIO_PROJECTOR_SHOT saves the README's screenshot."""
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 720})
+        page.goto(url)
+        page.wait_for_selector("#kvd-send", timeout=60_000)
+        page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('ready')", timeout=180_000)
+        recall = page.locator("#kvd-recall")
+        assert recall.is_visible() and recall.bounding_box()["y"] + recall.bounding_box()["height"] <= 720
+        assert "Recall demo" in page.inner_text("#kvd-board")  # the empty board's hint, not an empty table
+        page.fill("#kvd-prompt textarea", PROMPT)
+        page.click("#kvd-send")
+        page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('Done')", timeout=600_000)
+        rows = page.locator("table.kvd-board tr")
+        assert rows.count() == len(default_names()) + 1
+        for i in range(1, rows.count()):
+            box = rows.nth(i).bounding_box()
+            assert box["y"] >= 0 and box["y"] + box["height"] <= 720, (i, box)
+            cells = rows.nth(i).locator("td").all_inner_texts()
+            assert cells[1].strip() and cells[1] != "waiting", cells  # a verdict in words
+            assert "B" in cells[2] and "B" in cells[3] and cells[4] != "—", cells  # bytes and ms/token
+        board = page.inner_text("#kvd-board")
+        assert "reference" in board and ("exact" in board or "same tokens" in board)
+        shot = Path(os.environ.get("STUDIO_PROJECTOR_SHOT") or tmp_path / "projector.png")
+        page.screenshot(path=str(shot))  # the viewport only: what a room sees
+        assert shot.stat().st_size > 30_000
+        browser.close()

@@ -47,4 +47,4 @@ def test_an_absent_embedded_package_names_the_fix(monkeypatch, tmp_path):
 def test_unknown_or_empty_names_are_one_clear_line(name):
     with pytest.raises(ModelError) as info:
         load_model(name)
-    assert "\n" not in str(info.value) and "--model" in str(info.value)
+    assert "\n" not in str(info.value) and str(info.value).startswith("model: ")

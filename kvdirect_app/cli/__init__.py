@@ -9,16 +9,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..models import ModelError
-from ..prompts import InputError
-from ..strategies import StrategyError
+import torch
+
+from ..errors import UserError
 from . import anchor, run, sweep
-from .common import CliError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's errors as one line (the option, what is wrong) and status 2, like every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kvdirect_app.bench",
-                                     description="KV-Direct Studio benchmarks: tables and JSON")
+    parser = Parser(prog="python -m kvdirect_app.bench", description="KV-Direct Studio benchmarks: tables and JSON")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in (run, sweep, anchor):
         module.register(sub)
@@ -29,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CliError, ModelError, StrategyError, InputError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (MemoryError, torch.OutOfMemoryError) as e:
+        print(f"error: out of memory during the run ({type(e).__name__}); the memory guard's estimate fell short: "
+              "try fewer tokens or strategies", file=sys.stderr)
+        return 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..errors import UserError
 import argparse
 import json
 from pathlib import Path
@@ -13,7 +14,7 @@ from ..scenarios import scenarios
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 
 
-class CliError(ValueError):
+class CliError(UserError):
     """Bad input to a command; printed as one line, exit status 2."""
 
 
@@ -60,6 +61,36 @@ def turns_from_args(args) -> tuple[list[str], bool]:
         scenario = table[args.scenario]
         return list(scenario["turns"]), args.raw or scenario.get("raw", False)
     return [DEFAULT_PROMPT if args.prompt is None else args.prompt], args.raw
+
+
+def checked_run(args, specs: str, turns: list[str], raw: bool, compare: bool = True):
+    """Every setting through `validate` (the same checks as the app and the API), the model loaded, then the
+    memory guard.  Returns (request, loaded model, memory estimate, first turn's ids or None)."""
+    from .. import guard, validate
+    from ..models import load_model
+    from ..prompts import Prompter, filler_ids
+
+    validate.integer("threads", 1 if args.threads is None else args.threads, 1, 4096)
+    validate.integer("prefill_chunk", args.prefill_chunk, 1, 1 << 20)
+    if args.memory not in MEMORY_MODES:
+        raise CliError(f"memory: {args.memory!r} is not allowed; allowed: {', '.join(MEMORY_MODES)}")
+    req = validate.request(args.model, args.device, args.dtype, specs, args.max_new_tokens, turns, raw)
+    loaded = load_model(req.model, dtype=req.dtype, device=req.device)
+    ids = None
+    if getattr(args, "context", None) is not None:
+        validate.integer("context", args.context, 2, loaded.max_context - 1 - req.max_new_tokens,
+                         "the model's context less max_new_tokens")
+        ids = filler_ids(loaded.tokenizer, args.context)
+    total = validate.against_model(req, loaded, prompt_tokens=None if ids is None else len(ids))
+    prompt = len(ids) if ids is not None else len(Prompter(loaded, raw).first(turns[0]))
+    est = guard.estimate(loaded.config, loaded.dtype, list(req.strategies), prompt, total, args.prefill_chunk,
+                         twins=not args.no_twins, compare=compare)
+    if getattr(args, "dry_run", False):
+        free, source = guard.available(loaded.device)
+        verdict = "fits" if est.total * guard.HEADROOM <= free else "does NOT fit"
+        print(f"memory estimate: {est.describe()}; free {guard.fmt_bytes(free)} ({source}): {verdict}")
+    guard.check(est, loaded.device)
+    return req, loaded, est, ids
 
 
 def write_json(path: str | None, data: dict):

@@ -26,11 +26,8 @@ from pathlib import Path
 import psutil
 
 from ..metrics import token_match
-from ..models import load_model
-from ..prompts import filler_ids
-from ..strategies import parse_specs
 from ..units import fmt, fmt_bytes, table
-from .common import CliError, add_conversation_options, engine_options, turns_from_args, write_json
+from .common import CliError, add_conversation_options, checked_run, engine_options, turns_from_args, write_json
 
 
 def output_table(result: dict) -> str:
@@ -111,22 +108,23 @@ def cmd_run(args) -> int:
 
     if args.alone and args.solo:
         raise CliError("give --alone or --solo, not both")
-    strategies = parse_specs(args.solo or args.strategies)
     turns, raw = turns_from_args(args)
+    req, loaded, est, ids = checked_run(args, args.solo or args.strategies, turns, raw, compare=not args.solo)
+    if args.dry_run:
+        print("dry run: every setting checked, the run fits; nothing was run")
+        return 0
     if args.alone:
-        return run_alone(args, strategies)
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    engine = Engine(loaded, strategies, raw=raw, compare=not args.solo, **engine_options(args))
+        return run_alone(args, list(req.strategies))
+    engine = Engine(loaded, list(req.strategies), raw=raw, compare=not args.solo, **engine_options(args))
     if args.solo:
         before = reset_peak_rss()
-    if args.context is not None:
-        if not 2 <= args.context < loaded.max_context:
-            raise CliError(f"--context: {args.context} must be between 2 and the model's context {loaded.max_context - 1}")
-        for _ in engine.turn(turns[0], ids=filler_ids(loaded.tokenizer, args.context)):
+    if ids is not None:
+        for _ in engine.turn(turns[0], ids=ids):
             pass
         result = engine.results()
     else:
         result = run_to_end(engine, turns, park=args.park, progress=lambda line: print(line, file=sys.stderr))
+    result["memory_estimate"] = {"total_bytes": est.total, "lanes": est.lanes, "tokens": est.tokens}
     if args.solo:
         result["process"] = {"rss_before_run_bytes": before, "peak_rss_bytes": peak_rss()}
     print_result(result)
@@ -225,5 +223,7 @@ def register(sub):
                    help="run each strategy (and the full cache) in its own process; report each one's peak RSS")
     p.add_argument("--solo", help="run this one strategy alone in this process, without the reference "
                                   "(what --alone runs in each child)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check every setting and the memory guard's estimate, print it, run nothing")
     p.add_argument("--json", help="write the results here")
     p.set_defaults(func=cmd_run)

@@ -34,6 +34,7 @@ import argparse
 import sys
 
 from ..frontier import frontier_figure, points_from_rows, write_frontier
+from .. import validate
 from ..models import load_model
 from ..prompts import InputError
 from ..strategies import StrategyError, parse_spec, registry
@@ -213,8 +214,14 @@ def cmd_sweep(args) -> int:
     for note in skipped:
         at = "" if note["budget"] is None else f" at budget {note['budget']}"
         print(f"note: skipping {note['strategy']}{at}: {note['reason']}")
-    runner = Runner(load_model(args.model, dtype=args.dtype, device=args.device), turns, raw,
-                    engine_options(args))
+    known = [n for n in names if n.split(":")[0] in registry()]  # the rest were skipped (or refused) above
+    req = validate.request(args.model, args.device, args.dtype, ",".join(known) or "full", args.max_new_tokens, turns,
+                           raw)
+    loaded = load_model(req.model, dtype=req.dtype, device=req.device)
+    validate.against_model(req, loaded)
+    for budget in budgets:
+        validate.integer("budgets", budget, 1, loaded.max_context, "the model's context")
+    runner = Runner(loaded, turns, raw, engine_options(args))
     out = {"turns": turns, "strategies": names, "skipped": skipped}
     if args.equal_memory:
         target, rows, probes = equal_memory(runner, names, budgets, args.target)

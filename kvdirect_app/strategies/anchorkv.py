@@ -188,7 +188,9 @@ class AnchoredLayer(RebuildingLayer):
         return self.store.old_kv(self.index, end, capacity)
 
     def token_states(self) -> list[str]:
-        return super().token_states("anchor")
+        """Old tokens: "anchor" at an anchor layer (it stores their residual, or at layer 0 their ids), else
+        "replayed" (nothing of them is held here; their K/V come from the anchor below)."""
+        return super().token_states("anchor" if self.index in self.store.anchors else "replayed")
 
 
 class AnchorCache(StrategyCache):

@@ -19,6 +19,7 @@ Byte accounting (DESIGN.md, "Metrics"):
 
 from __future__ import annotations
 
+from ..errors import UserError
 import copy
 import dataclasses
 import time
@@ -34,7 +35,7 @@ from ..geometry import ModelGeometry
 from ..memory import harness
 
 
-class StrategyError(ValueError):
+class StrategyError(UserError):
     """A strategy spec that cannot be built; the message names the setting and its allowed values."""
 
 

@@ -26,7 +26,9 @@ class StreamingLLM(Scored):
     budget : int, default 64
         Tokens kept per global layer (>= 1), sinks included.
     sinks : int, default 4
-        Leading tokens never evicted (0 <= sinks < budget; the paper uses 4).
+        Leading tokens never evicted (>= 0; the paper uses 4).  Sinks that do
+        not leave room for a recent token (sinks >= budget) are cut to
+        ``budget // 2``, and `notes` says so: every budget from 1 runs.
 
     Notes
     -----
@@ -45,9 +47,20 @@ class StreamingLLM(Scored):
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0 <= self.sinks < self.budget:
-            raise StrategyError(f"{self.name}: sinks={self.sinks} must be >= 0 and < budget={self.budget}")
+        if self.sinks < 0:
+            raise StrategyError(f"{self.name}: sinks={self.sinks} must be >= 0")
+
+    @property
+    def kept_sinks(self) -> int:
+        """The sinks actually kept: `sinks`, cut to leave the recent window at least half the budget."""
+        return self.sinks if self.sinks < self.budget else self.budget // 2
+
+    @property
+    def notes(self) -> list[str]:
+        if self.kept_sinks == self.sinks:
+            return []
+        return [f"sinks={self.sinks} does not fit budget={self.budget}; {self.kept_sinks} sink(s) kept (budget // 2)"]
 
     def score(self, step: Step) -> torch.Tensor:
         scores = step.positions.float()
-        return scores.masked_fill(step.positions < self.sinks, float("inf"))
+        return scores.masked_fill(step.positions < self.kept_sinks, float("inf"))

@@ -46,11 +46,13 @@ class Actions:
     clear: gr.Button
     scenario: gr.Dropdown
     play: gr.Button
+    recall: gr.Button  # the recall scenario, one click from the prompt
 
 
 @dataclass
 class Views:
     status: gr.HTML
+    board: gr.HTML  # the scoreboard: every pane's verdict, memory and speed on the first screen
     memory: gr.Plot
     latency: gr.Plot
     agreement: gr.Plot
@@ -84,7 +86,8 @@ class Studio:
     frontier: FrontierTab
 
     def outputs(self) -> list:
-        parts = [self.controls.spacing]
+        c = self.controls
+        parts = [c.spacing, c.model, c.custom_model, c.device, c.dtype]  # the model's controls lock during a turn
         for group in (self.actions, self.views):
             parts += [getattr(group, f.name) for f in fields(group) if f.name != "scenario"]
         for pane in self.panes:

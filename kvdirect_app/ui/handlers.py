@@ -8,19 +8,25 @@ between steps, so the turn is always closed cleanly, on the thread that opened i
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import time
 import traceback
+import weakref
 from typing import Callable, Iterator
 
 import gradio as gr
 
+from .. import validate
+from ..hosted import hosted
 from ..scenarios import scenarios
 from . import runner, views
 from .components import Studio
 from .export import write_exports
 from .geometry_panel import geometry_html
 from .plots import agreement_figure, latency_figure, memory_figure
+from .scoreboard import scoreboard_html
 from .session import Session
 from .settings import RunConfig, Settings
 
@@ -30,11 +36,103 @@ FRONTIER_BUDGETS = (16, 64)
 UI_EVERY_S = 0.12  # at most this often a streamed update (the first token of a turn always goes out)
 PLOTS_EVERY_S = 2.0  # live plots at most this often during a turn ...
 PLOTS_SHARE = 0.05  # ... and, when building them takes longer, never more than this share of the turn's time
+RECALL = "recall"  # the scenario the Recall demo button plays
+MAX_WAITING = 24  # runs waiting in line beyond which a new one is refused as busy (hosted: 8)
+
+
+def session_ttl_s() -> int:
+    """An idle session's engine and caches are freed after this long (Gradio's state time-to-live)."""
+    return 15 * 60 if hosted() else 2 * 3600
+
+
+class Line:
+    """Who waits for the one run slot: a place in line per session, said at once when a run is asked for.
+
+    Gradio's queue runs the runs; this only counts, so that a visitor sees "queued, position N" (or "busy")
+    instead of a silent wait.  A ticket leaves when its run starts, when its session closes, or after an hour.
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.tickets: dict[int, float] = {}  # id(session) -> when it joined (insertion order is the line)
+        self.running = 0
+
+    def join(self, session: Session) -> tuple[int, int]:
+        """(runs ahead, runs running); raises gr.Error when the line is full."""
+        now = time.monotonic()
+        with self.lock:
+            for key, since in list(self.tickets.items()):
+                if now - since > 3600:
+                    del self.tickets[key]
+            limit = 8 if hosted() else MAX_WAITING
+            if id(session) not in self.tickets and len(self.tickets) >= limit:
+                raise gr.Error(f"The demo is busy: {len(self.tickets)} runs are waiting. Try again in a minute.",
+                               print_exception=False)
+            self.tickets.setdefault(id(session), now)
+            ahead = list(self.tickets).index(id(session))
+            return ahead, self.running
+
+    def leave(self, session: Session):
+        with self.lock:
+            self.tickets.pop(id(session), None)
+
+    def started(self):
+        with self.lock:
+            self.running += 1
+
+    def ended(self):
+        with self.lock:
+            self.running -= 1
+
+
+LINE = Line()
 
 
 class Handlers:
-    def __init__(self, studio: Studio):
-        self.s = studio
+    def __init__(self, studio: Studio | None, demo: gr.Blocks | None = None):
+        self.s, self.demo = studio, demo
+        self.visitors: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
+        self.loads = itertools.count(1)  # each model choice's number: only the newest may write the status
+
+    # --- visitors --------------------------------------------------------------
+    def _seen(self, session: Session, request: gr.Request | None):
+        if request is not None and getattr(request, "session_hash", None):
+            self.visitors[request.session_hash] = session
+
+    @staticmethod
+    def forget(session: Session):
+        """A session's state expired or its tab closed: stop its run, drop its engine and caches."""
+        if isinstance(session, Session):
+            session.stop_requested = True
+            LINE.leave(session)
+            if not session.busy:
+                session.clear()
+                runner.release_memory()
+
+    def closed(self, request: gr.Request):
+        """The tab was closed: free what its session holds now.  Gradio would keep the session's copy of the page
+        (every component's last value: plots, chats) for an hour in case the tab comes back; a closed demo tab
+        does not, so that copy goes too."""
+        key = getattr(request, "session_hash", None) or ""
+        session = self.visitors.pop(key, None)
+        if session is not None:
+            self.forget(session)
+        holder = getattr(self.demo, "state_holder", None)
+        if holder is not None and key in getattr(holder, "session_data", {}):
+            with holder.lock:
+                holder.session_data.pop(key, None)
+                holder.time_last_used.pop(key, None)
+
+    def enqueue(self, session: Session, request: gr.Request = None) -> str:
+        """Said the moment a run is asked for: where it stands in line."""
+        self._seen(session, request)
+        if session.busy:
+            return views.status("A turn is still running: wait for it or press Stop.", "error")
+        ahead, running = LINE.join(session)
+        if ahead == 0 and running == 0:
+            return views.status("Starting…", "busy")
+        return views.status(f"Queued: position {ahead + 1}; {running} run(s) in progress, {ahead} waiting ahead of "
+                            "you. Your run starts when they finish.", "busy")
 
     # --- drawing ---------------------------------------------------------------
     def render(self, session: Session, *, busy: bool, message: str | None = None, kind: str = "info",
@@ -49,8 +147,12 @@ class Handlers:
                 out[pane.chat] = views.messages(session, label)
             else:
                 out[pane.box] = gr.Column(visible=False)
-        for button in (a.send, a.regenerate, a.clear, a.play):
+        for button in (a.send, a.regenerate, a.clear, a.play, a.recall):
             out[button] = gr.Button(interactive=not busy)
+        c = self.s.controls
+        for control in (c.model, c.custom_model, c.device, c.dtype):  # no model switch while a turn streams
+            out[control] = gr.update(interactive=not busy)
+        out[v.board] = scoreboard_html(session)
         out[a.stop] = gr.Button(interactive=busy)
         out[a.prompt] = gr.Textbox(interactive=not busy)
         if message is not None:
@@ -89,32 +191,48 @@ class Handlers:
         return views.token_map_html(data, label, int(layer))
 
     # --- the model -------------------------------------------------------------
-    def load_model(self, **controls) -> Iterator[dict]:
+    def load_model(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
         c, v = self.s.controls, self.s.views
-        name = (controls.get("custom_model") or "").strip() or controls["model"]
-        yield {v.status: views.status(f"Loading {name} on {controls['device']} ({controls['dtype']})…", "busy")}
+        self._seen(session, request)
+        number = session.load_number = next(self.loads)
+        if session.busy:
+            yield {v.status: views.status("A turn is running: the model cannot change now. Press Stop first.",
+                                          "error")}
+            return
         try:
-            loaded = runner.load_model(name, dtype=controls["dtype"], device=controls["device"])
-            geom = runner.geometry(loaded)
+            name = validate.model_name((controls.get("custom_model") or "").strip() or controls.get("model"))
+            device, dtype = validate.device_dtype(controls.get("device"), controls.get("dtype"))
         except runner.USER_ERRORS as e:
-            gr.Warning(str(e))
             yield {v.status: views.status(str(e), "error")}
             return
+        yield {v.status: views.status(f"Loading {name} on {device} ({dtype})…", "busy")}
+        try:
+            loaded = runner.load_model(name, dtype=dtype, device=device)
+            geom = runner.geometry(loaded)
+        except runner.USER_ERRORS as e:
+            message, kind = str(e), "error"
         except Exception as e:  # e.g. an architecture transformers cannot build: say so, stay up
             log.error("loading %s failed:\n%s", name, traceback.format_exc())
-            message = f"Cannot load {name}: {type(e).__name__}: {e}"
-            gr.Warning(message)
-            yield {v.status: views.status(message, "error")}
+            message, kind = f"Cannot load {name}: {type(e).__name__}: {str(e)[:200]}", "error"
+        else:
+            message, kind = None, "ok"
+        if session.load_number != number:  # a newer choice was made while this one loaded: it speaks instead
+            return
+        if message is not None:
+            yield {v.status: views.status(message, kind)}
             return
         L = geom.num_layers
+        earlier = len(session.user_turns)
+        then = (f" Your next message replays the {earlier} earlier turn(s) on it first (Clear starts afresh)."
+                if earlier and session.config is not None and session.config.model != name else
+                " Type a message, or press Recall demo.")
         yield {
             v.geometry: geometry_html(name, geom, str(loaded.dtype).removeprefix("torch.")),
             v.map_layer: gr.Slider(maximum=L - 1),
             # Cascade replay runs every layer once whatever the spacing, so the deepest spacing (token ids only,
             # 4 bytes per token) saves the most memory at the same compute; it is >= the break-even s*.
             c.spacing: gr.Slider(maximum=L, value=L),
-            v.status: views.status(f"{name} ready ({loaded.source}; {loaded.device}, {L} layers). "
-                                   "Type a message or play a scenario.", "ok"),
+            v.status: views.status(f"{name} ready ({loaded.source}; {loaded.device}, {L} layers).{then}", "ok"),
         }
 
     # --- a run -----------------------------------------------------------------
@@ -157,10 +275,16 @@ class Handlers:
         except runner.USER_ERRORS as e:
             gr.Warning(str(e))
             message, kind = str(e), "error"
-        except Exception as e:  # the app stays up; the message says what broke
+        except runner.OUT_OF_MEMORY as e:  # the guard's estimate fell short: free this session, stay up
+            log.error("run ran out of memory:\n%s", traceback.format_exc())
+            session.engine, session.config = None, None
+            message, kind = (f"Out of memory during the run ({type(e).__name__}); this conversation's caches were "
+                             "freed. Try fewer tokens or strategies, or AnchorKV with rebuild=step."), "error"
+            gr.Warning(message)
+        except Exception as e:  # the app stays up; the message says what broke (the traceback stays in the log)
             log.error("run failed:\n%s", traceback.format_exc())
-            gr.Warning(f"Run failed: {type(e).__name__}: {e}")
-            message, kind = f"Run failed: {type(e).__name__}: {e}", "error"
+            message, kind = f"Run failed: {type(e).__name__}: {str(e)[:200]}", "error"
+            gr.Warning(message)
         else:
             took = time.monotonic() - t_start
             message, kind = ((f"Stopped after step {session.steps}.", "ok") if stopped else
@@ -192,7 +316,9 @@ class Handlers:
 
     def _run(self, session: Session, controls: dict, turns: list[str], raw: bool, fresh: bool | None,
              note: Callable[[bool], str], problem: str | None = None) -> Iterator[dict]:
-        """Check, then stream `turns`; `fresh` None: rebuild only if the settings changed."""
+        """Check everything (`validate`, then the memory guard), then stream `turns`; `fresh` None: rebuild only if
+        the settings changed."""
+        LINE.leave(session)
         if session.busy:
             problem = "A turn is still running: wait for it or press Stop."
         if problem:
@@ -200,35 +326,55 @@ class Handlers:
             return
         try:
             config = Settings.from_controls(controls).run_config(raw)
+            if not runner.is_loaded(config):
+                yield {self.s.views.status: views.status(f"Loading {config.model}…", "busy")}
+            runner.prepare(config, turns)
         except runner.USER_ERRORS as e:
             yield from self._refuse(session, str(e))
             return
+        except Exception as e:  # a model that fails to build, say: the page says so and stays usable
+            log.error("checking the run failed:\n%s", traceback.format_exc())
+            yield from self._refuse(session, f"Cannot start: {type(e).__name__}: {str(e)[:200]}")
+            return
         fresh = config != session.config if fresh is None else fresh
-        yield from self._stream(session, config, turns, fresh, note(fresh))
+        LINE.started()
+        try:
+            yield from self._stream(session, config, turns, fresh, note(fresh))
+        finally:
+            LINE.ended()
 
-    def send(self, session: Session, prompt: str, **controls) -> Iterator[dict]:
+    def send(self, session: Session, prompt: str, request: gr.Request = None, **controls) -> Iterator[dict]:
+        self._seen(session, request)
+        if not isinstance(prompt, str):
+            yield from self._refuse(session, "prompt: expected text")
+            return
         earlier = len(session.user_turns)
         note = lambda fresh: "Starting…" if not earlier else (
             f"Settings changed: rebuilding and replaying {earlier} earlier turn(s)…" if fresh
             else "Continuing the conversation in every pane…")
         raw = session.config.raw if session.config else False
-        yield from self._run(session, controls, [*session.user_turns, prompt], raw, None, note,
-                             None if prompt and prompt.strip() else "Type a message first.")
+        yield from self._run(session, controls, [*session.user_turns, prompt], raw, None, note)  # checked there
 
-    def regenerate(self, session: Session, **controls) -> Iterator[dict]:
+    def regenerate(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
+        self._seen(session, request)
         turns = list(session.user_turns)
         raw = session.config.raw if session.config else False
         yield from self._run(session, controls, turns, raw, True,
                              lambda _: f"Rebuilding the engine and replaying {len(turns)} turn(s) (greedy: same tokens)…",
                              None if turns else "Nothing to regenerate yet.")
 
-    def play_scenario(self, session: Session, scenario: str, **controls) -> Iterator[dict]:
+    def play_scenario(self, session: Session, scenario: str, request: gr.Request = None,
+                      **controls) -> Iterator[dict]:
+        self._seen(session, request)
         table = scenarios()
-        chosen = table.get(scenario, {})
+        chosen = table.get(scenario, {}) if isinstance(scenario, str) else {}
         turns = list(chosen.get("turns", []))
         yield from self._run(session, controls, turns, bool(chosen.get("raw", False)), True,
                              lambda _: f"Playing “{scenario}”: {len(turns)} turns…",
-                             None if chosen else f"Unknown scenario {scenario!r}; choose one of {', '.join(table)}.")
+                             None if chosen else f"scenario: unknown {str(scenario)[:40]!r}; allowed: {', '.join(table)}")
+
+    def play_recall(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
+        yield from self.play_scenario(session, RECALL, request, **controls)
 
     def stop(self, session: Session) -> str:
         if not session.busy:
@@ -253,10 +399,13 @@ class Handlers:
         if session.busy:
             yield done("A turn is still running: wait for it or press Stop.", "error")
             return
-        turns = list(session.user_turns) if source == FRONTIER_CURRENT else list(scenarios().get(source, {}).get("turns", []))
+        known = isinstance(source, str) and (source == FRONTIER_CURRENT or source in scenarios())
+        turns = [] if not known else list(session.user_turns) if source == FRONTIER_CURRENT else \
+            list(scenarios()[source]["turns"])
         if not turns:
             yield done("Nothing to draw yet: send a message first, or choose a scenario." if source == FRONTIER_CURRENT
-                       else f"Unknown scenario {source!r}.", "error")
+                       else f"scenario: unknown {str(source)[:40]!r}; allowed: {FRONTIER_CURRENT}, "
+                       f"{', '.join(scenarios())}", "error")
             return
         try:
             settings = Settings.from_controls(controls)

@@ -7,14 +7,18 @@ from pathlib import Path
 import gradio as gr
 
 from ..frontier import frontier_figure
-from ..models import DTYPES, available_devices, presets
+from ..hosted import hosted
+from ..models import DTYPES, available_devices
 from ..scenarios import scenarios
+from .. import validate
 from . import runner
 from .components import Actions, Controls, FrontierTab, Pane, Studio, Views
-from .handlers import FRONTIER_CURRENT, Handlers
+from .handlers import FRONTIER_CURRENT, RECALL, Handlers, session_ttl_s
 from .plots import agreement_figure, latency_figure, memory_figure
+from .scoreboard import scoreboard_html
 from .session import Session
-from .settings import DEFAULT_MODEL, any_declares, catalogue, default_names, max_panes, title
+from .settings import (any_declares, catalogue, default_model, default_names, max_panes, missing_models_note,
+                       model_choices, title)
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
@@ -25,11 +29,16 @@ def asset(name: str) -> str:
 
 def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tokens: int) -> Controls:
     names = catalogue()
-    table = presets()
+    choices = model_choices()
+    offered = [name for _, name in choices]
+    cap = validate.limits()
     with gr.Group():
-        preset = gr.Dropdown(list(table), value=model if model in table else DEFAULT_MODEL, label="Model (preset)")
-        custom = gr.Textbox(value="" if model in table else model, label="…or a Hub id / local path",
-                            placeholder="e.g. HuggingFaceTB/SmolLM2-360M-Instruct", info="Press Enter to load.")
+        preset = gr.Dropdown(choices, value=model if model in offered else default_model(), label="Model (preset)",
+                             info="Locked while a turn runs. A new model replays the conversation's earlier turns "
+                                  "on it at your next message (Clear starts afresh). " + missing_models_note())
+        custom = gr.Textbox(value="" if model in offered else model, label="…or a Hub id / local path",
+                            placeholder="e.g. HuggingFaceTB/SmolLM2-360M-Instruct", info="Press Enter to load.",
+                            visible=not hosted())
         with gr.Row():
             device = gr.Dropdown(available_devices(), value="auto", label="Device", min_width=100)
             dtype = gr.Dropdown(list(DTYPES), value="float32", label="dtype", min_width=100)
@@ -46,7 +55,8 @@ def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tok
                            info="step: at every token (least memory, more compute); turn: once per turn, then "
                                 "full K/V held while the turn lasts",
                            visible=any_declares("rebuild"))
-        max_new = gr.Slider(1, 512, value=max_new_tokens, step=1, label="Max new tokens per turn")
+        max_new = gr.Slider(1, min(512, cap.max_new_tokens), value=min(max_new_tokens, cap.max_new_tokens), step=1,
+                            label="Max new tokens per turn")
         twins = gr.Checkbox(True, label="Measure agreement after a divergence",
                             info="a teacher-forced twin per diverged pane, fed the full cache's tokens: one more "
                                  "forward per step for each")
@@ -68,31 +78,39 @@ def _panes() -> list[Pane]:
     return panes
 
 
-def build_demo(model: str = DEFAULT_MODEL, strategies: list[str] | None = None, budget: int = 64,
+def build_demo(model: str | None = None, strategies: list[str] | None = None, budget: int = 64,
                max_new_tokens: int = 64) -> gr.Blocks:
-    """The Studio page.  Launch it with `launch_options()` (theme and CSS go to `launch()` in Gradio 6)."""
+    """The Studio page.  Launch it with `launch_options()` (theme and CSS go to `launch()` in Gradio 6).
+
+    Laid out for a projector: at 1280x720 the header, the prompt row (with the recall demo one click away) and
+    the scoreboard (every pane's verdict, memory and speed) are on the first screen; panes, plots and tabs follow.
+    """
+    model = model or default_model()
     empty = Session()
     table = scenarios()
     with gr.Blocks(title="KV-Direct Studio", analytics_enabled=False) as demo:
-        session = gr.State(empty)
+        handlers = Handlers(None, demo)
+        session = gr.State(empty, time_to_live=session_ttl_s(), delete_callback=handlers.forget)
         gr.HTML(asset("header.html"), elem_id="kvd-header")
         with gr.Row(equal_height=False):
-            with gr.Column(scale=1, min_width=300, elem_id="kvd-side"):
+            with gr.Column(scale=1, min_width=280, elem_id="kvd-side"):
                 controls = _controls(model, strategies, budget, max_new_tokens)
                 scenario = gr.Dropdown([(f"{name} · {s.get('about', '')}", name) for name, s in table.items()],
                                        value=next(iter(table), None), label="Scripted conversation")
                 play = gr.Button("▶ Play scenario", variant="secondary")
             with gr.Column(scale=4, min_width=600):
-                with gr.Accordion("What am I looking at?", open=False, elem_id="kvd-about"):
-                    gr.Markdown(asset("about.md"))
                 status = gr.HTML("", elem_id="kvd-status")
                 with gr.Row(elem_id="kvd-ask"):
                     prompt = gr.Textbox(show_label=False, placeholder="Ask something; every pane gets the same turn",
-                                        scale=6, lines=1, max_lines=6, autofocus=True, elem_id="kvd-prompt")
-                    send = gr.Button("Send", variant="primary", scale=1, min_width=90, elem_id="kvd-send")
-                    stop = gr.Button("■ Stop", variant="stop", scale=1, min_width=90, interactive=False)
+                                        scale=6, lines=1, max_lines=6, autofocus=True, elem_id="kvd-prompt",
+                                        max_length=validate.limits().max_prompt_chars)
+                    send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="kvd-send")
+                    stop = gr.Button("■ Stop", variant="stop", scale=1, min_width=80, interactive=False)
+                    recall = gr.Button("▶ Recall demo", scale=1, min_width=130, elem_id="kvd-recall",
+                                       visible=RECALL in table)
                     regenerate = gr.Button("↻ Regenerate", scale=1, min_width=120)
-                    clear = gr.Button("Clear", scale=1, min_width=80)
+                    clear = gr.Button("Clear", scale=1, min_width=70)
+                board = gr.HTML(scoreboard_html(empty), elem_id="kvd-board")
                 panes = _panes()
                 memory = gr.Plot(memory_figure(empty), show_label=False, elem_id="kvd-memory")
                 with gr.Row():
@@ -120,12 +138,16 @@ def build_demo(model: str = DEFAULT_MODEL, strategies: list[str] | None = None, 
                         with gr.Row():
                             downloads = [gr.DownloadButton(text, interactive=False, variant="secondary")
                                          for text in ("Run (JSON)", "Steps (CSV)", "Summary (CSV)", "Plots (HTML)")]
-        actions = Actions(prompt, send, stop, regenerate, clear, scenario, play)
-        views = Views(status, memory, latency, agreement, map_label, map_layer, token_map, geometry, *downloads)
+                    with gr.Tab("What am I looking at?", elem_id="kvd-about"):
+                        gr.Markdown(asset("about.md"))
+        actions = Actions(prompt, send, stop, regenerate, clear, scenario, play, recall)
+        views = Views(status, board, memory, latency, agreement, map_label, map_layer, token_map, geometry, *downloads)
         studio = Studio(session, controls, actions, views, panes,
                         FrontierTab(source, draw, frontier_status, frontier_plot))
-        _wire(demo, studio, Handlers(studio))
+        handlers.s = studio
+        _wire(demo, studio, handlers)
         gr.api(runner.compare, api_name="compare")
+    demo.kvd_handlers = handlers  # the tests drive the handlers directly too
     return demo
 
 
@@ -133,23 +155,35 @@ def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
     c, a, v = studio.controls, studio.actions, studio.views
     out = studio.outputs()
     model_inputs = c.by_name("model", "custom_model", "device", "dtype")
-    load = dict(fn=h.load_model, inputs_kwargs=model_inputs, outputs=out, api_visibility="private")
+    # A newer choice supersedes an older one still loading (always_last); loads do not wait behind runs.
+    load = dict(fn=h.load_model, inputs=[studio.session], inputs_kwargs=model_inputs, outputs=out,
+                api_visibility="private", trigger_mode="always_last", concurrency_id="load", concurrency_limit=4,
+                show_progress="hidden")
     demo.load(**load)
     for trigger in (c.model.input, c.device.input, c.dtype.input, c.custom_model.submit):
         trigger(**load)
     run = dict(outputs=out, concurrency_id="generate", trigger_mode="once", show_progress="hidden")
-    a.send.click(h.send, inputs=[studio.session, a.prompt], inputs_kwargs=c.by_name(), api_name="send", **run)
-    a.prompt.submit(h.send, inputs=[studio.session, a.prompt], inputs_kwargs=c.by_name(),
-                    api_visibility="private", **run)
-    a.regenerate.click(h.regenerate, inputs=[studio.session], inputs_kwargs=c.by_name(), api_name="regenerate", **run)
-    a.play.click(h.play_scenario, inputs=[studio.session, a.scenario], inputs_kwargs=c.by_name(),
-                 api_name="play_scenario", **run)
+
+    def queued(trigger, fn, inputs, **kw):
+        """Say the run's place in line at once (no queue), then run it in the queue."""
+        first = trigger(h.enqueue, inputs=[studio.session], outputs=[v.status], queue=False,
+                        api_visibility="private", show_progress="hidden")
+        first.success(fn, inputs=inputs, inputs_kwargs=c.by_name(), **run, **kw)
+
+    # The API's endpoints (send, regenerate, play_scenario) are the runs themselves; API clients see the queue's
+    # own rank, and a full queue answers with Gradio's "queue is full".
+    queued(a.send.click, h.send, [studio.session, a.prompt], api_name="send")
+    queued(a.prompt.submit, h.send, [studio.session, a.prompt], api_visibility="private")
+    queued(a.regenerate.click, h.regenerate, [studio.session], api_name="regenerate")
+    queued(a.play.click, h.play_scenario, [studio.session, a.scenario], api_name="play_scenario")
+    queued(a.recall.click, h.play_recall, [studio.session], api_visibility="private")
     a.stop.click(h.stop, inputs=[studio.session], outputs=[v.status], queue=False, api_visibility="private")
     a.clear.click(h.clear, inputs=[studio.session], outputs=out, api_visibility="private")
     f = studio.frontier
     f.draw.click(h.frontier, inputs=[studio.session, f.source], inputs_kwargs=c.by_name(),
                  outputs=[f.status, f.plot, f.draw], concurrency_id="generate", trigger_mode="once",
                  show_progress="hidden", api_name="frontier")
-    for trigger in (v.map_label.input, v.map_layer.release):
+    demo.unload(h.closed)
+    for trigger in (v.map_label.input, v.map_layer.release, v.map_layer.input):  # input: arrow keys too
         trigger(h.token_map, inputs=[studio.session, v.map_label, v.map_layer], outputs=[v.token_map],
                 api_visibility="private")

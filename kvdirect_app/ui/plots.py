@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..palette import colours
+from ..palette import colours, symbol
 from .session import Session
 from .settings import REFERENCE, title
 
@@ -13,6 +15,8 @@ FONT = dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", siz
 OP_COLOURS = {"recompute": "#0072B2", "replay": "#56B4E9", "scoring": "#CC79A7", "attention": "#E69F00",
               "cache_update": "#009E73", "shared": "#BBBBBB", "other": "#999999"}
 OP_ORDER = list(OP_COLOURS)
+MARKS = 10  # markers along each line
+POSITION_AXIS = "conversation position: prompt + reply tokens so far (the same step is the same x for every strategy)"
 
 
 def _scale(values: list[float]) -> tuple[float, str]:
@@ -22,6 +26,25 @@ def _scale(values: list[float]) -> tuple[float, str]:
     if top >= 2**20:
         return 2**20, "MiB"
     return 2**10, "KiB"
+
+
+def _ticks(top: float) -> list[float]:
+    """Round ticks from 0 to just past `top`: steps of 1, 2 or 5 times a power of ten, five to eleven of them."""
+    if top <= 0:
+        return [0, 1]
+    power = 10 ** math.floor(math.log10(top / 4))
+    step = max(m * power for m in (1, 2, 5) if m * power <= top / 4)
+    return [round(i * step, 12) for i in range(math.floor(top / step) + 2)]
+
+
+def _byte_axis(fig: go.Figure, values: list[float], what: str, **where) -> tuple[float, str]:
+    """A byte axis in one unit (named in its title) with round ticks; returns the unit (bytes, name).
+    Explicit ticks, because plotly syncs an overlaying axis's ticks to the main grid (293, 586, 879 MiB)."""
+    unit, unit_name = _scale(values)
+    ticks = _ticks(max(values, default=0) / unit)
+    fig.update_yaxes(title_text=f"{what} ({unit_name})", tickmode="array", tickvals=ticks,
+                     ticktext=[f"{t:g}" for t in ticks], range=[0, ticks[-1]], **where)
+    return unit, unit_name
 
 
 def _layout(fig: go.Figure, height: int, title_text: str) -> go.Figure:
@@ -34,28 +57,79 @@ def _layout(fig: go.Figure, height: int, title_text: str) -> go.Figure:
     return fig
 
 
-def _empty(fig: go.Figure, message: str):
+def _empty(message: str, height: int, title_text: str) -> go.Figure:
+    """Nothing measured yet: the hint alone, without axes or grid that would mean nothing."""
+    fig = go.Figure()
     fig.add_annotation(text=message, showarrow=False, font=dict(size=18, color="#555"), xref="paper", yref="paper",
                        x=0.5, y=0.5)
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return _layout(fig, height, title_text)
+
+
+def _marker(label: str, colour: str, n: int, k: int, lines: int) -> dict:
+    """The strategy's symbol at about MARKS points of its line, the k-th of `lines` lines shifted by k/lines of
+    the spacing: where lines coincide (same bytes, same match) every strategy's markers still show."""
+    every = max(1, n // MARKS)
+    phase = k * every // lines
+    return dict(symbol=symbol(label), color=colour, line=dict(width=2, color=colour),
+                size=[11 if i % every == phase else 0 for i in range(n)])
+
+
+def _shared(session: Session, labels: list[str], key: str) -> dict[tuple, list[str]]:
+    """(position, bytes) -> the strategies holding exactly those bytes at that step."""
+    out: dict[tuple, list[str]] = {}
+    for label in labels:
+        for row in session.lanes[label].memory:
+            out.setdefault((row["position"], row[key]), []).append(label)
+    return out
+
+
+def _ran_on(session: Session, labels: list[str]) -> list[tuple[int, int]]:
+    """(turn, position) of each turn's last step of the full cache where a shown strategy's reply went on."""
+    ref = session.reference
+    ends = {}
+    for row in ref.memory if ref is not None else []:
+        ends[row["turn"]] = row["position"]
+    return [(turn, end) for turn, end in ends.items()
+            if any(row["turn"] == turn and row["position"] > end for label in labels
+                   for row in session.lanes[label].memory)]
 
 
 def memory_figure(session: Session) -> go.Figure:
-    """Per strategy against tokens processed: state held after each step and the peak within it, both measured
-    by the allocator (solid, dotted), and the state by formula (dashed); process RSS on the right."""
+    """Per strategy against the conversation position: state held after each step and the peak within it, both
+    measured by the allocator (solid, dotted), and the state by formula (dashed); process RSS on the right."""
+    labels = [label for label in session.shown if session.lanes[label].memory]
+    if not labels:
+        return _empty("Send a message or play a scenario: memory per strategy appears here", 480,
+                      "State memory per strategy")
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     palette = colours(session.shown)
-    all_bytes = [row[k] for label in session.shown for row in session.lanes[label].memory
+    measured = any(row["persistent"] is not None for label in labels for row in session.lanes[label].memory)
+    main = "persistent" if measured else "formula"
+    all_bytes = [row[k] for label in labels for row in session.lanes[label].memory
                  for k in ("persistent", "peak", "formula") if row[k] is not None]
-    unit, unit_name = _scale(all_bytes)
-    measured = any(row["persistent"] is not None for label in session.shown for row in session.lanes[label].memory)
-    for label in session.shown:
+    unit, unit_name = _byte_axis(fig, all_bytes, "strategy state", secondary_y=False)
+    shared = _shared(session, labels, main)
+    ref_tokens = [len(reply.tokens) for reply in session.reference.replies] if session.reference else []
+    for k, label in enumerate(labels):
         rows, c = session.lanes[label].memory, palette[label]
-        x = [r["seen"] for r in rows]
+        x = [r["position"] for r in rows]
+        notes = []
+        for r in rows:
+            others = [o for o in shared[(r["position"], r[main])] if o != label]
+            note = f"<br>same bytes as {', '.join(others)}" if others else ""
+            if label != REFERENCE and r["turn"] < len(ref_tokens) and r["index"] >= ref_tokens[r["turn"]]:
+                note += "<br>after the full cache's reply ended"
+            notes.append([r["turn"] + 1, r["index"] + 1, r["seen"], note])
         name = title(label) if label == REFERENCE else label
-        main = "persistent" if measured else "formula"
         fig.add_trace(go.Scatter(x=x, y=[r[main] / unit for r in rows], name=name, legendgroup=label,
-                                 line=dict(color=c, width=3), mode="lines",
-                                 hovertemplate=f"{label}<br>state %{{y:.3f}} {unit_name}<br>tokens %{{x}}<extra></extra>"))
+                                 line=dict(color=c, width=3), mode="lines+markers",
+                                 marker=_marker(label, c, len(rows), k, len(labels)), customdata=notes,
+                                 hovertemplate=f"{label}<br>state %{{y:.3f}} {unit_name}<br>position %{{x}} "
+                                               "(turn %{customdata[0]}, reply token %{customdata[1]})<br>"
+                                               "its cache has read %{customdata[2]} tokens%{customdata[3]}"
+                                               "<extra></extra>"))
         if measured:
             fig.add_trace(go.Scatter(x=x, y=[None if r["peak"] is None else r["peak"] / unit for r in rows],
                                      legendgroup=label, showlegend=False, line=dict(color=c, width=1.5, dash="dot"),
@@ -63,10 +137,22 @@ def memory_figure(session: Session) -> go.Figure:
             fig.add_trace(go.Scatter(x=x, y=[r["formula"] / unit for r in rows], legendgroup=label, showlegend=False,
                                      line=dict(color=c, width=1.2, dash="dash"), mode="lines", opacity=0.7,
                                      hovertemplate=f"{label}<br>formula %{{y:.3f}} {unit_name}<extra></extra>"))
+    ends = _ran_on(session, labels)
+    if ends:
+        top = max(all_bytes) / unit
+        fig.add_trace(go.Scatter(x=[x for _, end in ends for x in (end, end, None)],
+                                 y=[y for _ in ends for y in (0, top, None)],
+                                 customdata=[turn + 1 for turn, _ in ends for _ in range(3)], mode="lines",
+                                 name="the full cache's reply ends (lines beyond it ran on)",
+                                 line=dict(color="#777", width=1.5, dash="dashdot"),
+                                 hovertemplate="turn %{customdata}: the full cache's reply ends here; "
+                                               "strategies drawn further ran on<extra></extra>"))
     if session.rss:
-        fig.add_trace(go.Scatter(x=[r["seen"] for r in session.rss], y=[r["rss"] / 2**20 for r in session.rss],
+        rss = [r["rss"] for r in session.rss]
+        rss_unit, rss_name = _byte_axis(fig, rss, "process RSS", secondary_y=True, showgrid=False)
+        fig.add_trace(go.Scatter(x=[r["position"] for r in session.rss], y=[b / rss_unit for b in rss],
                                  name="process RSS (right axis)", line=dict(color="#888", width=2, dash="longdashdot"),
-                                 mode="lines", hovertemplate="process RSS %{y:.0f} MiB<extra></extra>"),
+                                 mode="lines", hovertemplate=f"process RSS %{{y:.3g}} {rss_name}<extra></extra>"),
                       secondary_y=True)
     styles = ((("state after a step (allocator)", "solid", 3), ("peak within a step (allocator)", "dot", 1.5),
                ("state by formula (config only)", "dash", 1.2)) if measured else
@@ -74,18 +160,17 @@ def memory_figure(session: Session) -> go.Figure:
     for name, dash, width in styles:
         fig.add_trace(go.Scatter(x=[None], y=[None], name=name, mode="lines", legendgroup="styles",
                                  line=dict(color="#000", dash=dash, width=width)))
-    if not session.shown:
-        _empty(fig, "Send a message: each strategy's state bytes appear here as tokens are processed")
-    fig.update_xaxes(title_text="tokens processed (prompt + replies, all turns)")
-    fig.update_yaxes(title_text=f"strategy state ({unit_name})", rangemode="tozero", secondary_y=False)
-    fig.update_yaxes(title_text="process RSS (MiB)", rangemode="tozero", showgrid=False, secondary_y=True)
+    fig.update_xaxes(title_text=POSITION_AXIS)
     return _layout(fig, 480, "State memory per strategy")
 
 
 def latency_figure(session: Session) -> go.Figure:
     """Mean ms per decode step, stacked by op, per strategy; decode tokens/s written at the end of each bar."""
-    fig = go.Figure()
     labels = [label for label in session.shown if session.lanes[label].latency]
+    if not labels:
+        return _empty("Send a message or play a scenario: per-op timings appear after the first decode step", 380,
+                      "Per-op latency and tokens/s")
+    fig = go.Figure()
     means = {label: session.lanes[label].op_means() for label in labels}
     ops = [op for op in OP_ORDER if any(op in m for m in means.values())]
     ops += sorted({op for m in means.values() for op in m} - set(ops))
@@ -104,30 +189,41 @@ def latency_figure(session: Session) -> go.Figure:
     fig.update_xaxes(title_text="ms per decode step (mean), by op" + (
         "; 'shared': 1/N of the pass all N lanes make together (projections, MLP)" if batched else ""),
         range=[0, 1.5 * max(totals, default=1)])
-    if not labels:
-        _empty(fig, "Per-op timings appear after the first decode step")
     return _layout(fig, max(380, 130 + 44 * len(labels)),
                    "Per-op latency and tokens/s" + (" (lanes batched: own work + a share of the pass)" if batched else ""))
 
 
 def agreement_figure(session: Session) -> go.Figure:
-    """Running token match with the full cache, and mean teacher-forced KL, per strategy."""
+    """Running token match with the full cache, and mean teacher-forced KL on a log axis (KL spans decades:
+    a window far above, the exact strategies at 0, drawn on the axis floor and named so in the hover)."""
+    labels = [label for label in session.shown if session.lanes[label].agreement]
+    if not labels:
+        return _empty("Send a message or play a scenario: token match and KL against the full cache appear here",
+                      480, "Do the strategies change the output?")
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1, row_heights=[0.6, 0.4],
-                        subplot_titles=("token match with the full cache (%)", "mean KL to the full cache (nats)"))
+                        subplot_titles=("token match with the full cache (%)",
+                                        "mean KL to the full cache (nats, log scale)"))
     palette = colours(session.shown)
-    for label in session.shown:
-        rows = session.lanes[label].agreement
+    positive = [r["kl"] for label in labels for r in session.lanes[label].agreement if r["kl"] > 0]
+    floor = 10 ** (math.floor(math.log10(min(positive))) - 1) if positive else 1e-6
+    for k, label in enumerate(labels):
+        rows, c = session.lanes[label].agreement, palette[label]
         x = [r["step"] for r in rows]
         fig.add_trace(go.Scatter(x=x, y=[100 * r["match"] for r in rows], name=label, legendgroup=label,
-                                 line=dict(color=palette[label], width=3), mode="lines",
+                                 line=dict(color=c, width=3), mode="lines+markers",
+                                 marker=_marker(label, c, len(rows), k, len(labels)),
                                  hovertemplate=f"{label}<br>match %{{y:.1f}}%<extra></extra>"), row=1, col=1)
-        fig.add_trace(go.Scatter(x=x, y=[r["kl"] for r in rows], legendgroup=label, showlegend=False,
-                                 line=dict(color=palette[label], width=2), mode="lines",
-                                 hovertemplate=f"{label}<br>KL %{{y:.3g}}<extra></extra>"), row=2, col=1)
-    if not session.shown:
-        _empty(fig, "Token match and KL against the full cache appear here")
+        fig.add_trace(go.Scatter(x=x, y=[r["kl"] if r["kl"] > 0 else floor for r in rows], legendgroup=label,
+                                 showlegend=False, line=dict(color=c, width=2), mode="lines",
+                                 customdata=[f"{r['kl']:.3g}" if r["kl"] > 0 else "0 (exact)" for r in rows],
+                                 hovertemplate=f"{label}<br>KL %{{customdata}}<extra></extra>"), row=2, col=1)
+    fig.add_hline(y=floor, row=2, col=1, line=dict(color="#999", width=1, dash="dot"))
+    # An annotation on a log axis takes log10 of its y.
+    fig.add_annotation(text="KL 0 (exact) drawn here", x=0, xref="x2 domain", y=math.log10(floor), yref="y2",
+                       xanchor="left", yanchor="bottom", showarrow=False, font=dict(color="#555"))
     fig.update_yaxes(range=[-3, 103], row=1, col=1)
-    fig.update_yaxes(rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(type="log", exponentformat="power", row=2, col=1,
+                     range=[math.log10(floor) - 0.2, math.log10(max(positive, default=floor)) + 0.5])
     fig.update_xaxes(title_text="decode step (all turns)", row=2, col=1)
     fig = _layout(fig, 480, "Do the strategies change the output?")
     fig.update_annotations(font=dict(size=15))

@@ -9,21 +9,31 @@ session keeps its engine between turns.
 
 from __future__ import annotations
 
+import logging
 import os
+import traceback
 import queue
 import threading
 from typing import Callable, Iterator
 
-from ..engine import Engine, InputError, run_to_end
+import torch
+
+from .. import guard, validate
+from ..engine import PREFILL_CHUNK, Engine, run_to_end
+from ..errors import UserError
 from ..frontier import frontier_figure, points_from_rows
 from ..geometry import ModelGeometry
-from ..models import LoadedModel, ModelError, load_model
-from ..strategies import StrategyError, parse_spec, parse_specs
+from ..hosted import hosted
+from ..models import LoadedModel, load_model
+from ..prompts import Prompter
+from ..strategies import parse_spec, parse_specs
 from ..sweeps import Sweep
 from ..units import fmt_bytes
-from .settings import DEFAULT_MODEL, REFERENCE, RunConfig, Settings, expand
+from .settings import REFERENCE, RunConfig, Settings, default_model, expand
 
-USER_ERRORS = (InputError, ModelError, StrategyError)
+USER_ERRORS = (UserError,)
+log = logging.getLogger(__name__)
+OUT_OF_MEMORY = (MemoryError, torch.OutOfMemoryError)
 
 
 def gpu(fn):
@@ -39,8 +49,52 @@ def on_zero_gpu() -> bool:
     return os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")
 
 
+def release_memory():
+    """After a session's engine is dropped: collect it, and hand glibc's freed heap back to the OS (malloc_trim),
+    so that the process's RSS shows what is really still held."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def queue_options() -> dict:
+    """Gradio's queue for this device: one run at a time on a CPU (the cores are the bottleneck), two on a GPU;
+    a bounded line (a full one is answered "busy", not left hanging)."""
+    concurrency = 2 if torch.cuda.is_available() else 1
+    return {"default_concurrency_limit": concurrency, "max_size": 16 if hosted() else 64}
+
+
+def session_capacity() -> int:
+    """Sessions whose page copy Gradio keeps (the oldest go first): a bound on what idle visitors hold."""
+    return 200 if hosted() else 1000
+
+
+def is_loaded(config: RunConfig) -> bool:
+    from ..models import is_loaded as loaded_already
+
+    return loaded_already(config.model, config.dtype, config.device)
+
+
 def load(config: RunConfig) -> LoadedModel:
     return load_model(config.model, dtype=config.dtype, device=config.device)
+
+
+def prepare(config: RunConfig, turns: list[str]) -> tuple[LoadedModel, guard.Estimate]:
+    """Every check before a run (the same `validate` stages as the CLI), then the memory guard."""
+    req = validate.request(config.model, config.device, config.dtype, config.specs, config.max_new_tokens, turns,
+                           config.raw)
+    loaded = load(config)
+    total = validate.against_model(req, loaded)
+    prompt = len(Prompter(loaded, config.raw).first(turns[0]))
+    est = guard.estimate(loaded.config, loaded.dtype, list(req.strategies), prompt, total, PREFILL_CHUNK,
+                         twins=config.twins)
+    return loaded, guard.check(est, loaded.device)
 
 
 def build_engine(config: RunConfig) -> Engine:
@@ -177,21 +231,35 @@ def compare_specs(strategies: str, budget: int, spacing: int, mode: str = "") ->
 
 
 @gpu
-def compare(prompt: str, model: str = DEFAULT_MODEL, strategies: str = "full,kvdirect:mode=exact",
+def compare(prompt: str, model: str = "", strategies: str = "full,kvdirect:mode=exact",
             budget: int = 64, spacing: int = 0, max_new_tokens: int = 64, device: str = "auto",
             dtype: str = "float32") -> dict:
     """Run `strategies` in lockstep on one prompt; returns the same JSON as `python -m kvdirect_app.bench run`.
 
     `strategies` is comma-separated `name[:key=value]...`; a strategy that
     declares `budget` or `spacing` and does not set it gets the value given
-    here (spacing 0: the strategy's default).
+    here (spacing 0: the strategy's default).  `model` "" is the default
+    preset.  Every input goes through `validate` and the memory guard; a bad
+    one is answered with its one-line message (never a traceback).
     """
     import gradio as gr
 
     try:
-        specs = compare_specs(strategies, int(budget), int(spacing))
-        loaded = load_model(model, dtype=dtype, device=device)
-        engine = Engine(loaded, parse_specs(specs), max_new_tokens=int(max_new_tokens))
+        if not isinstance(strategies, str):
+            raise validate.SettingError("strategies: expected text like 'full,kvdirect:budget=64'")
+        specs = compare_specs(strategies, validate.integer("budget", budget, 1, 1 << 20),
+                              validate.integer("spacing", spacing, 0, 4096, "0: the strategy's default"))
+        config = RunConfig(model or default_model(), device, dtype, tuple(specs.split(",")),
+                           validate.integer("max_new_tokens", max_new_tokens, 1, validate.limits().max_new_tokens))
+        loaded, _ = prepare(config, [prompt])
+        engine = Engine(loaded, parse_specs(specs), max_new_tokens=config.max_new_tokens)
         return run_to_end(engine, [prompt])
     except USER_ERRORS as e:
-        raise gr.Error(str(e)) from None
+        raise gr.Error(str(e), print_exception=False) from None
+    except OUT_OF_MEMORY as e:
+        raise gr.Error(f"out of memory during the run ({type(e).__name__}); try fewer tokens or strategies",
+                       print_exception=False) from None
+    except Exception as e:  # a bug: logged here with its traceback, answered without it
+        log.error("compare failed:\n%s", traceback.format_exc())
+        raise gr.Error(f"internal error ({type(e).__name__}); the server log has the details",
+                       print_exception=False) from None

@@ -32,17 +32,25 @@ class TurnReply:
         self.text = text
 
     def piece(self, index: int) -> tuple[int, int]:
-        """Character span of token `index` in the reply text."""
+        """Character span of token `index` in the reply text.  A token that adds no character of its own (the
+        first bytes of a character that a later token completes) spans the character it is part of; a token
+        with no text at all (end of sequence) spans nothing, at the end."""
         start = self.starts[index]
-        end = self.starts[index + 1] if index + 1 < len(self.starts) else len(self.text)
+        end = next((s for s in self.starts[index + 1:] if s > start), len(self.text))
         return start, max(start, end)
+
+    @property
+    def complete(self) -> int:
+        """Length of the text without a trailing cut character: a reply that ends inside a multi-byte character
+        (end of turn, token limit) decodes its last bytes as U+FFFD."""
+        return len(self.text.rstrip("\ufffd"))
 
 
 @dataclass
 class LaneView:
     label: str
     replies: list[TurnReply] = field(default_factory=list)
-    memory: list[dict] = field(default_factory=list)  # per step: seen, measured state and peak, formula bytes
+    memory: list[dict] = field(default_factory=list)  # per step: position, seen, measured state and peak, formula bytes
     turns: list[dict] = field(default_factory=list)  # per finished turn: between turns, peak in turn, ms/token
     latency: list[dict] = field(default_factory=list)  # per fed decode step: ms per op
     agreement: list[dict] = field(default_factory=list)  # per reference position: running match, KL mean
@@ -90,19 +98,24 @@ class Session:
     lanes: dict[str, LaneView] = field(default_factory=dict)
     rss: list[dict] = field(default_factory=list)
     steps: int = 0
+    # Tokens of the conversation so far on the engine's clock: every prompt (the full cache's) plus one per step,
+    # the same for every lane at a step.  A lane's own `seen` (its cache's length) differs: it counts its own
+    # replies, which end earlier or run on, and its own prompts.
+    position: int = 0
     result: dict | None = None
     token_maps: dict | None = None  # filled by the run itself where the engine does not outlive it
     busy: bool = False
     stop_requested: bool = False
     prefill: tuple[int, int] | None = None  # (tokens read, of) while a long prompt is fed in pieces
     workdir: str | None = None
+    load_number: int = 0  # the newest model choice of this session (an older load's result is not shown)
     last_plot: float = 0.0
     plot_cost: float = 0.0  # seconds the last live plots took to build (they share the cores with the engine)
 
     def clear(self):
-        keep = self.workdir
+        keep = self.workdir, self.load_number
         self.__init__()
-        self.workdir = keep
+        self.workdir, self.load_number = keep
 
     @property
     def reference(self) -> LaneView | None:
@@ -119,7 +132,7 @@ class Session:
     def apply(self, event: dict):
         kind = event["type"]
         if kind == "start":
-            self.user_turns, self.steps, self.rss, self.result, self.token_maps = [], 0, [], None, None
+            self.user_turns, self.steps, self.position, self.rss, self.result, self.token_maps = [], 0, 0, [], None, None
             self.shown = list(event["strategies"])
             self.lanes = {label: LaneView(label) for label in dict.fromkeys([REFERENCE, *self.shown])}
         elif kind == "prefill":
@@ -127,6 +140,7 @@ class Session:
         elif kind == "turn":
             self.prefill = None
             self.user_turns.append(event["user"])
+            self.position += len(event["chunk_ids"])
             for lane in self.lanes.values():
                 lane.replies.append(TurnReply())
                 lane.active = True
@@ -149,6 +163,7 @@ class Session:
     def _step(self, event: dict):
         self.prefill = None
         self.steps += 1
+        self.position += 1
         turn, index, events = event["turn"], event["index"], event["lanes"]
         ref = events.get(REFERENCE)
         for label, lane in self.lanes.items():
@@ -156,7 +171,8 @@ class Session:
             if ev is not None:
                 lane.replies[turn].add(ev["token_id"], ev["text"])
                 lane.active = ev["active"]
-                lane.memory.append({"step": self.steps, "turn": turn, "index": index, "seen": ev["seen"],
+                lane.memory.append({"step": self.steps, "position": self.position, "turn": turn, "index": index,
+                                    "seen": ev["seen"],
                                     "persistent": ev["persistent_bytes"], "peak": ev["peak_bytes"],
                                     "formula": ev["formula_bytes"], "formula_peak": ev["formula_peak_bytes"]})
                 if ev["active"]:  # the token was fed: the step's timings are of this token's forward
@@ -174,9 +190,8 @@ class Session:
                 kl = ev["kl_mean"] if ev is not None else (lane.agreement[-1]["kl"] if lane.agreement else 0.0)
                 lane.agreement.append({"step": self.steps, "match": lane.matched / lane.total, "kl": kl})
         if events:
-            seen = ref["seen"] if ref is not None else max(e["seen"] for e in events.values())
             rss = next(iter(events.values()))["rss_bytes"]  # the engine's process, read after the step
-            self.rss.append({"step": self.steps, "seen": seen, "rss": rss})
+            self.rss.append({"step": self.steps, "position": self.position, "rss": rss})
 
     def step_rows(self) -> list[dict]:
         """One row per strategy and step: what the CSV export holds."""
@@ -191,7 +206,7 @@ class Session:
                 reply = lane.replies[mem["turn"]]
                 rows.append({
                     "strategy": label, "step": mem["step"], "turn": mem["turn"], "index": mem["index"],
-                    "token_id": reply.tokens[mem["index"]], "seen": mem["seen"],
+                    "token_id": reply.tokens[mem["index"]], "position": mem["position"], "seen": mem["seen"],
                     "persistent_bytes": mem["persistent"], "peak_bytes": mem["peak"], "formula_bytes": mem["formula"],
                     "formula_peak_bytes": mem["formula_peak"],
                     **{f"{op}_ms": v for op, v in lat.items() if op not in ("step", "turn")},

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models import DTYPES, ModelError, available_devices, presets
+from .. import validate
+from ..models import embedded_presets, is_test_model, offered_presets, presets, unavailable_reason
 from ..strategies import StrategyError, parse_specs, registry
 
 REFERENCE = "full"  # the engine's reference lane: every other lane is compared with it
-DEFAULT_MODEL = "smollm2-135m"
+PREFERRED_MODELS = ("smollm2-135m", "gemma3-270m")  # the first whose weights are on this machine is the default
+MODES, REBUILDS = ("exact", "fast"), ("step", "turn")
 # Display order and names of the strategies the papers discuss; anything else registered follows, by name.
 TITLES = {
     "full": "Full KV cache",
@@ -30,6 +32,32 @@ BASELINES = ("h2o", "streaming_llm", "snapkv", "tova", "window")
 DEFAULT_PANES = ("full", "kvdirect", "anchorkv", "h2o", "streaming_llm", "snapkv", "tova")
 SHARED = ("budget", "spacing", "mode", "rebuild")
 EXTRA_PANES = 3  # panes beyond one per registered strategy, for extra specs
+
+
+def default_model() -> str:
+    """SmolLM2 where its package is installed (`make demo`), else Gemma 3-270M (what a Space's requirements.txt
+    ships), else the first preset on this machine."""
+    here = embedded_presets()
+    return next((m for m in PREFERRED_MODELS if m in here), here[0])
+
+
+def model_choices() -> list[tuple[str, str]]:
+    """(label, name) for the model dropdown: real models first, the random-weight test models last, labelled."""
+    names = offered_presets()
+    real = [(n, n) for n in names if not is_test_model(n)]
+    return real + [(f"{n} · test model, random weights", n) for n in names if is_test_model(n)]
+
+
+def missing_models_note() -> str:
+    """Why a preset's weights are not here (SmolLM2 on a Space: its package cannot come from requirements.txt),
+    and what choosing it does: hosted, it is not offered; elsewhere, it loads the Hub copy."""
+    lines = []
+    for name in presets():
+        reason = unavailable_reason(name)
+        if reason:
+            lines.append(f"{name} is not offered here: {reason}." if name not in offered_presets()
+                         else f"{name}: {reason}; choosing it loads its Hub copy (needs the Hub).")
+    return " ".join(lines)
 
 
 def catalogue() -> list[str]:
@@ -111,12 +139,32 @@ class Settings:
 
     @classmethod
     def from_controls(cls, values: dict) -> "Settings":
-        v = dict(values)
-        v["strategies"] = tuple(v.get("strategies") or ())
-        v["custom_model"] = (v.get("custom_model") or "").strip()
-        v["extra_specs"] = (v.get("extra_specs") or "").strip()
-        for key in ("budget", "spacing", "max_new_tokens"):
-            v[key] = int(v[key])
+        """The controls' values, each checked (an API caller can send anything): one message per bad setting."""
+        v = {f: values.get(f) for f in cls.__dataclass_fields__}
+        strategies = v["strategies"] or ()
+        if isinstance(strategies, str) or not all(isinstance(n, str) for n in strategies):
+            raise validate.SettingError(f"strategies: expected a list of names; allowed: {', '.join(catalogue())}")
+        unknown = [n for n in strategies if n not in catalogue()]
+        if unknown:
+            raise validate.SettingError(f"strategies: unknown {', '.join(map(repr, unknown))}; allowed: "
+                                        f"{', '.join(catalogue())}")
+        v["strategies"] = tuple(strategies)
+        for key in ("model", "custom_model", "extra_specs"):
+            if v[key] is not None and not isinstance(v[key], str):
+                raise validate.SettingError(f"{key}: expected text")
+            v[key] = (v[key] or "").strip()
+        cap = validate.limits()
+        v["budget"] = validate.integer("budget", v["budget"], 1, 1 << 20)
+        v["spacing"] = validate.integer("spacing", v["spacing"], 1, 4096)
+        v["max_new_tokens"] = validate.integer("max_new_tokens", v["max_new_tokens"], 1, cap.max_new_tokens)
+        for key, allowed in (("mode", MODES), ("rebuild", REBUILDS)):
+            if v[key] not in allowed:
+                raise validate.SettingError(f"{key}: {str(v[key])[:40]!r} is not allowed; allowed: {', '.join(allowed)}")
+        v["twins"] = True if v["twins"] is None else v["twins"]
+        if not isinstance(v["twins"], bool):
+            raise validate.SettingError("twins: expected true or false")
+        if len(v["extra_specs"]) > 2_000:
+            raise validate.SettingError("extra_specs: longer than 2,000 characters")
         return cls(**v)
 
     @property
@@ -136,11 +184,6 @@ class Settings:
         return specs
 
     def run_config(self, raw: bool = False) -> RunConfig:
-        if self.dtype not in DTYPES:
-            raise ModelError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.device not in available_devices():
-            raise ModelError(f"device {self.device!r} is not available here; choose one of {', '.join(available_devices())}")
-        if not self.model_name:
-            raise ModelError(f"no model given; choose a preset ({', '.join(presets())}) or type a Hub id or path")
-        return RunConfig(self.model_name, self.device, self.dtype, tuple(self.specs()), self.max_new_tokens, raw,
-                         bool(self.twins))
+        name = validate.model_name(self.model_name)
+        device, dtype = validate.device_dtype(self.device, self.dtype)
+        return RunConfig(name, device, dtype, tuple(self.specs()), self.max_new_tokens, raw, bool(self.twins))

@@ -6,30 +6,71 @@ import html
 
 from ..units import fmt_bytes  # one byte format for the CLI tables and the page
 from ..palette import colours
-from .session import LaneView, Session
+from .session import LaneView, Session, TurnReply
 from .settings import REFERENCE, blurb, title
 
 USER_PREVIEW = 360  # characters of a long user turn shown in each pane
-STATE_CLASSES = {"kv": "K/V kept", "residual": "residual kept", "anchor": "anchor kept", "evicted": "evicted"}
+STATE_CLASSES = {"kv": "K/V kept", "residual": "residual kept", "anchor": "anchor kept",
+                 "replayed": "replayed from an anchor", "evicted": "evicted"}
+STATE_TITLES = {
+    "kv": "this layer holds the token's K/V",
+    "residual": "this layer holds the token's attention input; its K/V are rebuilt from it",
+    "anchor": "an anchor layer: it holds the token's residual (layer 0: its token id), from which the layers up to "
+              "the next anchor are replayed",
+    "replayed": "nothing of the token is held at this layer: its K/V are replayed from the anchor layer below",
+    "evicted": "dropped: neither its K/V nor anything to rebuild them from",
+}
+PARTIAL = "⟨partial character⟩"
+PARTIAL_TITLE = ("the reply ends inside a multi-byte character: the tokens with its last bytes were never generated "
+                 "(end of turn or token limit)")
 
 
 def _esc(text: str) -> str:
     return html.escape(text, quote=False)
 
 
+def _mark(shown: str, why: str) -> str:
+    return f'<mark class="kvd-diverge" title="{html.escape(why)}">{shown}</mark>'
+
+
+def _visible(piece: str) -> str:
+    """A token's text where it must be seen even when blank: spaces as ␣, newlines as ↵."""
+    if piece.strip():
+        return _esc(piece).replace("\n", "↵<br>")
+    return piece.replace("\n", "↵").replace(" ", "␣")
+
+
+def _ended_at(reply: TurnReply | None, index: int) -> bool:
+    """The reply's last token is `index` and has no text: it ended there on an end of sequence."""
+    return reply is not None and index == len(reply.tokens) - 1 and len(set(reply.piece(index))) == 1
+
+
 def reply_markup(session: Session, lane: LaneView, turn: int) -> str:
-    """A reply as chat markup; the first token that differs from the full cache is highlighted."""
+    """A reply as chat markup; the first token that differs from the full cache is highlighted.  A character
+    cut at the end of the reply (decoded as U+FFFD) shows as a marker, and so does the end of a reply."""
     reply = lane.replies[turn]
+    cut = reply.complete
+    tail = f' <span class="kvd-note" title="{PARTIAL_TITLE}">{PARTIAL}</span>' if cut < len(reply.text) else ""
     if lane.divergence is None or lane.divergence[0] != turn or lane.label == REFERENCE:
-        return _esc(reply.text) if reply.text else ("▍" if lane.active else "")
+        return (_esc(reply.text[:cut]) + tail) if reply.text else ("▍" if lane.active else "")
     index = lane.divergence[1]
     if index >= len(reply.tokens):  # this strategy stopped where the full cache went on
-        return _esc(reply.text) + ' <mark class="kvd-diverge" title="the full cache continues here">⟂ stopped</mark>'
+        return _esc(reply.text[:cut]) + tail + " " + _mark("⟂ end of reply", "this strategy's reply ends here; "
+                                                                             "the full cache's goes on")
     start, end = reply.piece(index)
-    piece = reply.text[start:end]
-    shown = _esc(piece).replace("\n", "↵<br>") if piece.strip() else (piece.replace("\n", "↵").replace(" ", "␣") or "∅")
-    return (_esc(reply.text[:start]) + f'<mark class="kvd-diverge" title="first token that differs from the full cache">'
-            f"{shown}</mark>" + _esc(reply.text[end:]))
+    if start == end:  # a token without text: this strategy's end of sequence
+        return _esc(reply.text[:cut]) + tail + " " + _mark(
+            "⟂ end of reply", "first token that differs from the full cache: this strategy ended its reply here "
+                              "(end of sequence), the full cache's goes on")
+    ref = session.reference
+    why = "first token that differs from the full cache" + (
+        ", which ended its reply here: this strategy went on"
+        if ref is not None and turn < len(ref.replies) and _ended_at(ref.replies[turn], index) else "")
+    if end > cut:  # the differing token is (part of) the cut character
+        why += "; " + PARTIAL_TITLE
+        tail = ""
+    shown = _visible(reply.text[start:min(end, cut)]) + (PARTIAL if end > cut else "")
+    return _esc(reply.text[:start]) + _mark(shown, why) + _esc(reply.text[end:cut]) + tail
 
 
 def messages(session: Session, label: str) -> list[dict]:
@@ -113,19 +154,20 @@ def status(message: str, kind: str = "info") -> str:
 
 
 def token_map_html(data: dict | None, label: str, layer: int, limit: int = 2000) -> str:
+    """What `layer` keeps of each token (the engine's `token_map`), one chip per token; a break opportunity
+    after every chip lets long lines wrap (a chip's own text keeps its spaces)."""
     if not data or not data.get("states"):
         return '<div class="kvd-empty">The token map appears after a turn: pick a strategy and a layer.</div>'
     tokens, states = data["tokens"], data["states"]
     counts = {s: states.count(s) for s in dict.fromkeys(states)}
-    legend = " ".join(f'<span class="kvd-tok kvd-{s}">{STATE_CLASSES.get(s, s)}: {n}</span>'
-                      for s, n in counts.items())
+    legend = " ".join(f'<span class="kvd-tok kvd-{s}" title="{html.escape(STATE_TITLES.get(s, s))}">'
+                      f'{STATE_CLASSES.get(s, s)}: {n}</span>' for s, n in counts.items())
     start = max(0, len(states) - limit)
     cut = f'<span class="kvd-note">… {start} earlier tokens not drawn …</span> ' if start else ""
     spans = []
     for tok, state in zip(tokens[start:], states[start:]):
-        text = tok.replace("\n", "↵") or "∅"
-        spans.append(f'<span class="kvd-tok kvd-{state}" title="{html.escape(state)}">{_esc(text)}</span>')
-        if "\n" in tok:
-            spans.append("<br>")
+        text = tok.replace("\n", "↵") or "⟨no text⟩"
+        spans.append(f'<span class="kvd-tok kvd-{state}" title="{html.escape(STATE_TITLES.get(state, state))}">'
+                     f'{_esc(text)}</span>' + ("<br>" if "\n" in tok else "<wbr>"))
     return (f'<div class="kvd-map-head"><b>{_esc(label)}</b>, layer {layer}: {len(states)} tokens · {legend}</div>'
             f'<div class="kvd-map">{cut}{"".join(spans)}</div>')

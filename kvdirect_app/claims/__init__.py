@@ -1,0 +1,1 @@
+"""Checks of the papers' claims, one module per claim, each measured on the running machine."""

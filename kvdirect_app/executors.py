@@ -1,0 +1,222 @@
+"""Run independent cells (model x strategy x setting) on a bounded process pool here, or as Ray tasks.
+
+    results = run_cells(fn, cells, executor="local", workers=None, resources=None)
+
+`fn(cell)` runs once per cell; the results come back in the cells' order.
+A cell is a JSON-serialisable dict (it crosses a process boundary);
+`fn` is a module-level function, importable by name in a child process
+(a lambda, a closure or a function of `__main__` is refused).
+
+* `local`: a `ProcessPoolExecutor` with the "spawn" context (torch does not
+  like fork after its threads have started), `workers` processes at most
+  (default: `max(1, os.cpu_count() // threads_per_cell)`, never more than
+  the cells).  Each child pins torch's intra-op threads to the cell's CPU
+  count before running it.
+* `ray`: each cell is a Ray task with `num_cpus`/`num_gpus` from
+  `resources(cell)` (default: the cell's `threads`, or 1 CPU, and a GPU
+  fraction when the cell's `device` is cuda).  With `RAY_ADDRESS` set, the
+  run connects to that cluster (whose workers must be able to import this
+  package); otherwise a local Ray is started for the run and shut down
+  after.  A Ray this process already initialised is used as it is.  Ray is
+  optional (`pip install -r requirements-ray.txt`); asking for it without it
+  installed is an error, never a quiet fall back to `local`.
+
+An exception inside a cell is raised again here as `CellError`, naming the
+cell (a `CellUserError`, one line for the CLI, when the cell's own error was
+a user error).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Callable
+
+from .errors import UserError
+
+EXECUTORS = ("local", "ray")
+GPU_FRACTION = 0.25  # the default share of a GPU one cell asks Ray for; pass `resources` to change it
+RAY_MISSING = "executor: ray is not installed; install it: pip install -r requirements-ray.txt"
+
+
+class ExecutorError(UserError):
+    """An executor that cannot be used (unknown name, Ray missing, bad worker count); one line."""
+
+
+class CellError(RuntimeError):
+    """A cell's function raised; the message names the cell, `cell`/`index` hold it, `__cause__` the error."""
+
+    def __init__(self, message: str, cell: dict | None = None, index: int | None = None):
+        super().__init__(message)
+        self.cell, self.index = cell, index
+
+    def __reduce__(self):
+        return type(self), (str(self), self.cell, self.index)
+
+
+class CellUserError(CellError, UserError):
+    """A cell raised a user error (a setting, a model): still one line naming the cell."""
+
+
+def check_executor(executor: str) -> str:
+    """The executor name if it is known (and Ray importable for `ray`); ExecutorError otherwise."""
+    if executor not in EXECUTORS:
+        raise ExecutorError(f"executor: unknown executor {str(executor)[:40]!r}; allowed: {', '.join(EXECUTORS)}")
+    if executor == "ray":
+        _import_ray()
+    return executor
+
+
+def default_resources(cell: dict) -> dict:
+    """What one cell asks for: its `threads` CPUs (1 if it does not say), a GPU fraction on cuda."""
+    cpus = cell.get("threads") or 1
+    device = str(cell.get("device") or "")
+    return {"num_cpus": cpus, "num_gpus": GPU_FRACTION if device.startswith("cuda") else 0}
+
+
+def cell_name(cell: dict, index: int, total: int) -> str:
+    """`cell 2 of 4 (name)`: the cell's `name` if it has one, else the cell itself, shortened."""
+    name = cell.get("name") if isinstance(cell, dict) else None
+    if not name:
+        try:
+            name = json.dumps(cell, sort_keys=True)
+        except (TypeError, ValueError):
+            name = repr(cell)
+        name = name if len(name) <= 160 else name[:157] + "..."
+    return f"cell {index + 1} of {total} ({name})"
+
+
+def run_cells(fn: Callable[[dict], object], cells: list[dict], executor: str = "local", workers: int | None = None,
+              resources: Callable[[dict], dict] | None = None) -> list:
+    """`[fn(cell) for cell in cells]`, each call in its own worker process (see the module's docstring)."""
+    check_executor(executor)
+    _check_fn(fn)
+    cells = list(cells)
+    for i, cell in enumerate(cells):
+        try:
+            json.dumps(cell)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"run_cells: cell {i + 1} is not JSON-serialisable: {e}") from None
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ExecutorError(f"workers: {workers!r} is not allowed; allowed: a whole number >= 1")
+    if not cells:
+        return []
+    wants = [_resources(resources or default_resources, cell) for cell in cells]
+    if executor == "local":
+        return _run_local(fn, cells, wants, workers)
+    return _run_ray(fn, cells, wants)
+
+
+# --- in a worker ------------------------------------------------------------------------------------------------
+def _call(fn, cell: dict, threads: int):
+    """Run one cell in a worker: torch's threads pinned to the cell's CPU count first."""
+    try:
+        import torch
+    except ImportError:  # a cell function that needs no torch
+        torch = None
+    if torch is not None and threads >= 1 and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return fn(cell)
+
+
+# --- local: a bounded process pool ------------------------------------------------------------------------------
+def _run_local(fn, cells: list[dict], wants: list[dict], workers: int | None) -> list:
+    threads = [max(1, int(round(w["num_cpus"]))) for w in wants]
+    if workers is None:
+        workers = max(1, (os.cpu_count() or 1) // max(threads))
+    workers = min(workers, len(cells))
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    results = []
+    try:
+        futures = [pool.submit(_call, fn, cell, n) for cell, n in zip(cells, threads)]
+        for i, future in enumerate(futures):
+            try:
+                results.append(future.result())
+            except BrokenProcessPool as e:
+                raise _cell_error(cells, i, e, "its worker process died") from e
+            except Exception as e:
+                raise _cell_error(cells, i, e) from e
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return results
+
+
+# --- ray: one task per cell -------------------------------------------------------------------------------------
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ExecutorError(RAY_MISSING) from None
+    return ray
+
+
+def _local_cpus() -> int:
+    """CPUs given to a local Ray started for the run."""
+    return os.cpu_count() or 1
+
+
+def _run_ray(fn, cells: list[dict], wants: list[dict]) -> list:
+    ray = _import_ray()
+    started = False
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address)
+        else:
+            ray.init(num_cpus=_local_cpus(), include_dashboard=False, log_to_driver=False)
+        started = True
+    try:
+        task = ray.remote(_call)
+        refs = [task.options(num_cpus=w["num_cpus"], num_gpus=w["num_gpus"]).remote(fn, cell,
+                                                                                     max(1, int(round(w["num_cpus"]))))
+                for cell, w in zip(cells, wants)]
+        results = []
+        for i, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref))
+            except Exception as e:
+                for rest in refs[i + 1:]:
+                    try:
+                        ray.cancel(rest, force=True)
+                    except Exception:  # already finished or gone: nothing to cancel
+                        pass
+                cause = getattr(e, "cause", None)
+                raise _cell_error(cells, i, cause if isinstance(cause, BaseException) else e) from e
+        return results
+    finally:
+        if started:
+            ray.shutdown()
+
+
+# --- helpers ----------------------------------------------------------------------------------------------------
+def _check_fn(fn):
+    """`fn` must be found again by its module and name in a child process."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not callable(fn) or not module or module in ("__main__", "__mp_main__") or "<" in qualname or "." in qualname:
+        raise TypeError(f"run_cells: {fn!r} is not a module-level function of an importable module "
+                        "(a worker process finds it by module and name)")
+    try:
+        found = getattr(importlib.import_module(module), qualname)
+    except (ImportError, AttributeError):
+        found = None
+    if found is not fn:
+        raise TypeError(f"run_cells: {module}.{qualname} cannot be imported by name in a worker process")
+
+
+def _resources(resources: Callable[[dict], dict], cell: dict) -> dict:
+    want = dict(default_resources(cell))
+    want.update(resources(cell) or {})
+    if not want["num_cpus"] or want["num_cpus"] <= 0 or want["num_gpus"] < 0:
+        raise ExecutorError(f"resources: {want!r} for a cell; allowed: num_cpus > 0, num_gpus >= 0")
+    return want
+
+
+def _cell_error(cells: list[dict], index: int, error: BaseException, what: str | None = None) -> CellError:
+    where = cell_name(cells[index], index, len(cells))
+    detail = what or f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+    cls = CellUserError if isinstance(error, UserError) and what is None else CellError
+    return cls(f"{where} failed: {detail}", cells[index], index)

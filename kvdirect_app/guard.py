@@ -1,0 +1,162 @@
+"""The memory guard: before a run, its peak bytes from the geometry; a run that would not fit is refused.
+
+The estimate, per lane (the full-cache reference and every strategy, with a
+teacher-forced twin for each lossy one): the strategy's own formulas for
+the state at the run's last token plus the largest transient of a step (the
+prompt's pieces and the last decode step), plus the activations of one
+forward of that lane (hidden states, MLP, attention scores over the whole
+context, one row of logits).  Weights count only if the model is not loaded
+yet.  Available memory is the least of what the OS says is available
+(psutil), the container's cgroup headroom, CUDA's free memory on a GPU, and
+`KVDIRECT_MEMORY_LIMIT` (an operator's cap, e.g. "2GiB").  A run fits when
+its estimate times `HEADROOM` is at most that.  The estimate is a bound the
+tests hold against the allocator's measurement of the same run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from .errors import UserError
+from .geometry import ModelGeometry
+from .strategies import Strategy
+from .strategies.full import Full
+from .units import fmt_bytes
+
+LIMIT_ENV = "KVDIRECT_MEMORY_LIMIT"
+HEADROOM = 1.25  # what the estimate leaves out: allocator slack, Python objects, the page's own figures
+LANE_SLACK = 256 * 2**10  # per lane: small tensors no formula lists (positions, masks, kept indices)
+UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
+         "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+class MemoryRefused(UserError):
+    """A run the guard refuses; the message holds the estimate and what is available."""
+
+
+@dataclass
+class Estimate:
+    weights: int  # 0 when the model is already loaded (its bytes are already taken)
+    lanes: dict[str, int] = field(default_factory=dict)  # label -> state + transient + activations of its forward
+    tokens: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + sum(self.lanes.values())
+
+    def describe(self) -> str:
+        top = sorted(self.lanes.items(), key=lambda kv: -kv[1])[:4]
+        parts = ", ".join(f"{label} {fmt_bytes(b)}" for label, b in top)
+        more = f" and {len(self.lanes) - len(top)} more" if len(self.lanes) > len(top) else ""
+        weights = f"weights {fmt_bytes(self.weights)}; " if self.weights else ""
+        return f"{fmt_bytes(self.total)} at {self.tokens:,} tokens ({weights}{parts}{more})"
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text or "")
+    if not m or m.group(2).lower() not in UNITS:
+        raise UserError(f"{LIMIT_ENV}: {text!r} is not a size; allowed: a number with an optional unit "
+                        "(B, KB, MB, GB, KiB, MiB, GiB), e.g. 2GiB")
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
+def _cgroup_headroom() -> int | None:
+    """Bytes the container may still take (cgroup v2, then v1); None where there is no limit."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:
+            return max(0, int(limit) - usage)
+    return None
+
+
+def available(device: torch.device) -> tuple[int, str]:
+    """Bytes a run may take now, and where that figure comes from."""
+    options = []
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        options.append((free, "CUDA free memory"))
+    else:
+        options.append((psutil.virtual_memory().available, "available RAM"))
+        headroom = _cgroup_headroom()
+        if headroom is not None:
+            options.append((headroom, "the container's memory limit"))
+    if os.environ.get(LIMIT_ENV, "").strip():
+        options.append((parse_size(os.environ[LIMIT_ENV]), f"{LIMIT_ENV}={os.environ[LIMIT_ENV].strip()}"))
+    return min(options)
+
+
+def activation_bytes(config, geom: ModelGeometry, q: int, context: int, scores: bool = False,
+                     replayed: int = 0) -> int:
+    """One forward of `q` new tokens over `context` tokens: residual stream and norms, MLP, q/k/v/o, one row of
+    logits (float32); with eager attention or a strategy that scores by attention, the scores and their
+    softmax (SDPA's kernels work in blocks and never hold them: measured, a 1,024-token piece over 2,000
+    tokens of SmolLM2 stays below this bound); `replayed` old tokens run through a layer (AnchorKV's replay)."""
+    from . import compat
+
+    cfg = compat.text_config(config)
+    b = geom.bytes_per_element
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
+    per_token = (8 * cfg.hidden_size + 4 * inter + 2 * heads * head_dim) * b
+    scores = scores or getattr(config, "_attn_implementation", None) == "eager"
+    # Replay runs old rows through one layer at a time: measured, about two MLP-wide and two hidden rows per old token stay live.
+    return (q * per_token + replayed * 2 * (inter + cfg.hidden_size) * b + (2 * heads * q * context * 4 if scores else 0)
+            + 2 * cfg.vocab_size * 4)
+
+
+def lane_bytes(strategy: Strategy, config, geom: ModelGeometry, prompt: int, tokens: int, chunk: int) -> int:
+    """State + transient + activations at the run's two worst moments: the last prompt piece, the last step."""
+    forwards = [(prompt, True)] + [(1, False)] * max(0, tokens - prompt)
+    q = min(chunk, prompt)
+    worst = 0
+    for before, size, last in ((prompt - q, q, prompt), (tokens - 1, 1, tokens)):
+        state = strategy.formula_persistent(geom, last, forwards)
+        transient = strategy.formula_transient(geom, before, size, turn_start=before == 0, forwards=forwards)
+        replayed = before if hasattr(strategy, "anchor_layers") else 0
+        act = activation_bytes(config, geom, size, last, getattr(strategy, "needs_attention", False), replayed)
+        worst = max(worst, state + transient + act)
+    return worst + LANE_SLACK
+
+
+def estimate(config, dtype: torch.dtype, strategies: list[Strategy], prompt: int, tokens: int, chunk: int,
+             twins: bool = True, compare: bool = True, weights: int = 0) -> Estimate:
+    """The run's peak: `prompt` tokens read in pieces of `chunk`, then up to `tokens` in all."""
+    geom = ModelGeometry.from_config(config, dtype)
+    lanes = list(strategies)
+    if compare and not any(s.spec() == Full().spec() for s in lanes):
+        lanes.insert(0, Full())
+    out = Estimate(weights, tokens=tokens)
+    for s in lanes:
+        out.lanes[s.label] = lane_bytes(s, config, geom, prompt, tokens, chunk)
+        if compare and twins and not s.claims_exact and s.spec() != Full().spec():
+            out.lanes[f"{s.label} (twin)"] = out.lanes[s.label]
+    return out
+
+
+def check(est: Estimate, device: torch.device) -> Estimate:
+    """Refuse, with the numbers, a run whose estimate (with headroom) exceeds the memory available now."""
+    free, source = available(device)
+    if est.total * HEADROOM > free:
+        raise MemoryRefused(
+            f"memory: this run would need about {est.describe()}, x{HEADROOM} headroom = "
+            f"{fmt_bytes(int(est.total * HEADROOM))}, but {fmt_bytes(free)} is free ({source}); allowed: a run "
+            "that fits: fewer tokens, fewer strategies, or a strategy that holds less during a turn "
+            "(AnchorKV at a deep spacing with rebuild=step)")
+    return est
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,0 +1,83 @@
+"""The first thing on screen: one row per pane with its verdict, its memory and its speed.
+
+Seven panes do not fit a projector's 1280x720 without scrolling; this table
+does, so a room sees which strategies kept every token (and bit-equal K/V),
+where the others first differed, what each held and how fast it ran,
+before anyone scrolls to the panes themselves.
+"""
+
+from __future__ import annotations
+
+import html
+from functools import lru_cache
+
+from ..palette import colours
+from ..strategies import StrategyError, parse_spec
+from ..units import fmt_bytes
+from .session import Session
+from .settings import REFERENCE, title
+
+
+@lru_cache(maxsize=256)
+def adapted(label: str) -> tuple[str, ...]:
+    """Settings a strategy adapted to fit each other (e.g. StreamingLLM's sinks at budget 2), from its spec."""
+    try:
+        return tuple(parse_spec(label).notes)
+    except StrategyError:
+        return ()
+
+
+def verdict(session: Session, label: str) -> tuple[str, str]:
+    """(css kind, words) for a pane: the reference, exact, same so far, or where it first differs."""
+    lane = session.lanes.get(label)
+    summary = (session.result or {}).get("strategies", {}).get(label, {})
+    if label == REFERENCE:
+        return "note", "reference"
+    if lane is None or not lane.total:
+        return "note", "waiting"
+    if lane.divergence is not None:
+        turn, index = lane.divergence
+        where = f"token {index + 1}" if len(session.user_turns) <= 1 else f"turn {turn + 1}, token {index + 1}"
+        return "bad", f"differs at {where} · match {100 * lane.match:.0f}%"
+    if summary.get("exact_unavailable"):
+        return "warn", "same tokens; no exact mode on this machine"
+    if summary.get("kv_exact") and summary.get("rebuilt_token_layers"):
+        return "good", "exact: same tokens, K/V bit-equal"
+    if summary.get("kv_exact") is False:
+        return "warn", f"same tokens so far; K/V differ (max|ΔK| {summary['max_abs_dk']:.1e})"
+    return "good", "same tokens so far"
+
+
+def scoreboard_html(session: Session) -> str:
+    if not session.shown:
+        return ('<div class="kvd-board kvd-board-empty">Send a message, or press <b>Recall demo</b>: one row per '
+                'strategy will show whether it kept every token, what it held and how fast it ran.</div>')
+    palette = colours(session.shown)
+    rows = []
+    for label in session.shown:
+        lane = session.lanes.get(label)
+        f = lane.turn_figures() if lane is not None and lane.memory else {}
+        kind, words = verdict(session, label)
+        notes = adapted(label)
+        if notes:
+            words += f' <span class="kvd-note" title="{html.escape(" ".join(notes))}">· settings adapted: ' \
+                     f'{html.escape(notes[0].split(";")[-1].strip())}</span>'
+        tps = lane.tokens_per_s() if lane is not None else None
+        between = f.get("between") if f.get("between") is not None else f.get("formula_between")
+        peak = f.get("peak") if f.get("peak") is not None else f.get("formula_peak")
+        name, _, settings = label.partition(":")
+        ms = "—" if f.get("ms_per_token") is None else f"{f['ms_per_token']:.0f}"
+        rows.append(
+            f'<tr><td><span class="kvd-dot" style="background:{palette.get(label, "#333")}"></span>'
+            f'<b>{html.escape(title(name))}</b> <code>{html.escape(settings.replace(":", " "))}</code></td>'
+            f'<td class="kvd-{kind}">{words}</td>'
+            f'<td class="kvd-num">{fmt_bytes(between) if between is not None else "—"}</td>'
+            f'<td class="kvd-num">{fmt_bytes(peak) if peak is not None else "—"}</td>'
+            f'<td class="kvd-num">{ms}</td>'
+            f'<td class="kvd-num">{"—" if tps is None else f"{tps:.1f}"}</td></tr>')
+    head = ('<tr><th>strategy</th><th>verdict against the full cache</th>'
+            '<th title="bytes held after the last finished turn (allocator)">between turns</th>'
+            '<th title="highest bytes during a forward of this turn: state, transient buffers, activations">peak in turn</th>'
+            '<th title="mean ms per decode step this turn: own work + 1/N of the shared batched pass">ms/token</th>'
+            '<th title="decode steps per second of this strategy\'s compute">tok/s</th></tr>')
+    return f'<table class="kvd-board">{head}{"".join(rows)}</table>'

@@ -1,0 +1,225 @@
+"""What the plots, replies and token map show, drawn from a Session as the app folds the engine's events (no
+browser, except one check of the token map's wrapping in Chromium)."""
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from kvdirect_app.engine import Engine
+from kvdirect_app.models import byte_tokenizer, load_model
+from kvdirect_app.palette import base_colour, colours
+from kvdirect_app.strategies import parse_specs
+from kvdirect_app.text import ReplyText
+from kvdirect_app.ui.export import write_exports
+from kvdirect_app.ui.plots import agreement_figure, latency_figure, memory_figure
+from kvdirect_app.ui.session import Session
+from kvdirect_app.ui.settings import REFERENCE
+from kvdirect_app.ui.views import messages, reply_markup, token_map_html
+
+ANCHORKV = "anchorkv:spacing=2:budget=8"
+# window and streaming_llm (no sinks to speak of at this budget) hold the same bytes at every step.
+SPECS = f"full,kvdirect:budget=8:mode=fast,{ANCHORKV},tova:budget=8,window:budget=8,streaming_llm:budget=8"
+TURNS = ["Hello there, tell me about caches.", "And then?", "More."]
+CHROMIUM = "/usr/bin/chromium"
+CSS = Path(__file__).resolve().parent.parent / "assets" / "studio.css"
+
+
+@pytest.fixture(scope="module")
+def run():
+    """A real lockstep run on the tiny model, folded into a Session as the app does.  In the second turn the full
+    cache (and the strategies that agree with it) end their reply early, while the eviction baselines run on."""
+    engine = Engine(load_model("tiny-llama", dtype="float32", device="cpu"), parse_specs(SPECS), max_new_tokens=40)
+    session = Session()
+    for event in engine.run(TURNS):
+        session.apply(event)
+    return engine, session
+
+
+def lines(figure) -> dict:
+    """label -> the trace named in the legend for it: its state (memory figure) or token match (agreement)."""
+    return {t.legendgroup: t for t in figure.data
+            if t.legendgroup not in (None, "styles") and t.showlegend is not False}
+
+
+def ids(text: str) -> list[int]:
+    return byte_tokenizer().encode(text, add_special_tokens=False)
+
+
+def conversation(replies: dict[str, list[int]]) -> Session:
+    """One turn of events as the engine yields them, each reply decoded token by token as the engine does."""
+    tokenizer = byte_tokenizer()
+    session = Session()
+    session.apply({"type": "start", "strategies": list(replies)})
+    session.apply({"type": "turn", "turn": 0, "user": "Hi.", "chunk_ids": ids("Hi.")})
+    texts = {label: ReplyText(tokenizer) for label in replies}
+    for index in range(max(map(len, replies.values()))):
+        lanes = {label: {"token_id": reply[index], "text": texts[label].add(reply[index]),
+                         "active": index + 1 < len(reply), "seen": 3 + index, "persistent_bytes": 100,
+                         "peak_bytes": 100, "formula_bytes": 100, "formula_peak_bytes": 100,
+                         "latency_ms": {"total": 1.0}, "rss_bytes": 2**20, "kl_mean": 0.0}
+                 for label, reply in replies.items() if index < len(reply)}
+        session.apply({"type": "step", "turn": 0, "index": index, "lanes": lanes})
+    session.apply({"type": "turn_end", "turn": 0, "texts": {label: t.final() for label, t in texts.items()}})
+    return session
+
+
+# --- plots -------------------------------------------------------------------
+
+def test_lines_that_coincide_keep_their_own_markers_and_name_each_other(run):
+    _, session = run
+    drawn = lines(memory_figure(session))
+    window, streaming = drawn["window:budget=8"], drawn["streaming_llm:budget=8"]
+    assert list(window.x) == list(streaming.x) and list(window.y) == list(streaming.y)  # the same bytes throughout
+    assert len({t.marker.symbol for t in drawn.values()}) == len(drawn)
+    marked = lambda trace: {i for i, size in enumerate(trace.marker.size) if size}
+    assert marked(window) and marked(streaming) and not marked(window) & marked(streaming)
+    assert all("streaming_llm:budget=8" in point[3] for point in window.customdata)
+
+
+def test_every_strategy_is_drawn_at_the_conversation_position_of_the_step(run):
+    _, session = run
+    figure = memory_figure(session)
+    assert "conversation position" in figure.layout.xaxis.title.text
+    drawn = lines(figure)
+    x_of_step = {}
+    for label, trace in drawn.items():
+        for row, x in zip(session.lanes[label].memory, trace.x):
+            x_of_step.setdefault(row["step"], set()).add(x)
+    assert all(len(xs) == 1 for xs in x_of_step.values())
+    by_step = [x_of_step[step].pop() for step in sorted(x_of_step)]
+    assert all(a < b for a, b in zip(by_step, by_step[1:]))
+    ref = session.lanes[REFERENCE]
+    ran_on = []
+    for turn in range(len(TURNS)):
+        ref_end = max(r["position"] for r in ref.memory if r["turn"] == turn)
+        for label, trace in drawn.items():
+            rows = [(r, x, c) for r, x, c in zip(session.lanes[label].memory, trace.x, trace.customdata)
+                    if r["turn"] == turn]
+            if len(session.lanes[label].replies[turn].tokens) == len(ref.replies[turn].tokens):
+                assert rows[-1][1] == ref_end, (label, turn)
+            elif len(session.lanes[label].replies[turn].tokens) > len(ref.replies[turn].tokens):
+                ran_on.append((label, turn, ref_end))
+                assert rows[-1][1] > ref_end
+                assert all(("after the full cache's reply ended" in c[3]) == (x > ref_end) for _, x, c in rows)
+    assert ran_on  # the run has a turn where a strategy went on past the full cache's end of reply
+    ends = next(t for t in figure.data if t.name and "reply ends" in t.name)
+    assert {end for _, _, end in ran_on} == {x for x in ends.x if x is not None}
+
+
+def test_process_rss_never_goes_back(run):
+    _, session = run
+    rss = next(t for t in memory_figure(session).data if t.name == "process RSS (right axis)")
+    assert all(a < b for a, b in zip(rss.x, rss.x[1:]))
+
+
+def test_kl_is_on_a_log_axis_with_exact_zeros_on_its_floor(run):
+    _, session = run
+    figure = agreement_figure(session)
+    assert figure.layout.yaxis2.type == "log"
+    kl = {t.legendgroup: t for t in figure.data if t.yaxis == "y2"}
+    assert all(y > 0 for trace in kl.values() for y in trace.y)
+    exact, lossy = kl[ANCHORKV], kl["window:budget=8"]
+    assert set(exact.customdata) == {"0 (exact)"}
+    floor = exact.y[0]
+    assert set(exact.y) == {floor} and floor < min(y for y, c in zip(lossy.y, lossy.customdata) if c != "0 (exact)")
+    assert math.log10(floor) > figure.layout.yaxis2.range[0]  # drawn inside the axis
+
+
+def test_byte_axes_have_round_ticks_in_the_unit_of_their_title(run, tmp_path):
+    _, session = run
+    figure = memory_figure(session)
+    for name, axis in (("y", figure.layout.yaxis), ("y2", figure.layout.yaxis2)):
+        assert re.search(r"\((KiB|MiB|GiB)\)$", axis.title.text), axis.title.text
+        ticks = list(axis.tickvals)
+        step = ticks[1] - ticks[0]
+        assert ticks[0] == 0 and ticks == pytest.approx([i * step for i in range(len(ticks))])
+        assert round(step / 10 ** math.floor(math.log10(step)), 9) in (1, 2, 5)
+        top = max(y for t in figure.data if (t.yaxis or "y") == name for y in t.y if y is not None)
+        assert ticks[-2] <= top <= ticks[-1] == axis.range[1]
+    session.workdir = str(tmp_path)
+    exported = Path(write_exports(session)["plots"]).read_text()
+    assert exported.count('"tickvals"') >= 2 and "process RSS (MiB)" in exported
+
+
+def test_empty_plots_show_a_hint_without_axes():
+    for figure in (memory_figure(Session()), latency_figure(Session()), agreement_figure(Session())):
+        assert not figure.data
+        assert [a.text for a in figure.layout.annotations if "Send a message or play a scenario" in a.text]
+        assert figure.layout.xaxis.visible is False and figure.layout.yaxis.visible is False
+
+
+def test_a_strategy_keeps_its_colour_whatever_else_is_shown():
+    exact, fast = "kvdirect:budget=8:mode=exact", "kvdirect:budget=8:mode=fast"
+    assert colours([exact])[exact] == colours(["full", "h2o:budget=8", exact])[exact] == base_colour("kvdirect")
+    both = colours([exact, fast])
+    assert both[exact] != both[fast]
+    assert colours([fast, "tova:budget=8", exact]) == {**both, "tova:budget=8": colours(["tova:budget=8"])["tova:budget=8"]}
+
+
+# --- replies -----------------------------------------------------------------
+
+def test_a_strategy_that_ends_its_reply_first_says_so_in_words():
+    eos = byte_tokenizer().eos_token_id
+    session = conversation({REFERENCE: ids("Hello world"), "window:budget=8": ids("Hello") + [eos]})
+    shown = reply_markup(session, session.lanes["window:budget=8"], 0)
+    assert "∅" not in shown and "⟂ end of reply" in shown and "end of sequence" in shown
+
+
+def test_a_strategy_that_goes_on_where_the_full_cache_ended_says_so():
+    eos = byte_tokenizer().eos_token_id
+    session = conversation({REFERENCE: ids("Hi") + [eos], "window:budget=8": ids("Hi there")})
+    shown = reply_markup(session, session.lanes["window:budget=8"], 0)
+    assert re.search(r'<mark [^>]*title="[^"]*ended its reply here[^"]*">␣</mark>there', shown)
+
+
+def test_a_character_cut_at_the_end_of_a_reply_shows_as_a_marker():
+    cut = ids("naïve café")[:-1]  # the reply stops after the first of the two bytes of "é"
+    session = conversation({REFERENCE: cut, "kvdirect:budget=8": cut, "window:budget=8": ids("n") + cut[-1:]})
+    reply = session.lanes[REFERENCE].replies[0]
+    pieces = [reply.text[slice(*reply.piece(i))] for i in range(len(reply.tokens))]
+    assert pieces == ["n", "a", "ï", "ï", "v", "e", " ", "c", "a", "f", "\ufffd"]
+    for label in (REFERENCE, "kvdirect:budget=8"):
+        shown = messages(session, label)[1]["content"]
+        assert "\ufffd" not in shown and shown.startswith("naïve caf") and "⟨partial character⟩" in shown
+    diverged = reply_markup(session, session.lanes["window:budget=8"], 0)
+    assert "\ufffd" not in diverged and re.search(r"<mark [^>]*>⟨partial character⟩</mark>$", diverged)
+
+
+# --- token map ---------------------------------------------------------------
+
+def test_only_anchor_layers_show_anchors(run):
+    engine, _ = run
+    lane = next(lane for lane in engine.lanes if lane.label == ANCHORKV)
+    anchors = lane.strategy.anchor_layers(engine.geometry)
+    layers = len(lane.cache.layers)
+    assert 0 < len(anchors) < layers
+    for layer in range(layers):
+        data = engine.token_map(ANCHORKV, layer)
+        shown = token_map_html(data, ANCHORKV, layer)
+        assert ("anchor kept" in shown) == (layer in anchors), layer
+        assert ("replayed from an anchor" in shown) == (layer not in anchors), layer
+        assert data["states"].count("kv") == 8  # the hot window, at every layer
+
+
+def test_the_token_map_breaks_between_tokens():
+    shown = token_map_html({"tokens": ["ab", "cd\n", "ef"], "states": ["kv", "evicted", "kv"]}, "window", 0)
+    chips = re.findall(r'<span class="kvd-tok kvd-(?:kv|evicted)" title="[^"]*">[^<]*</span>(<wbr>|<br>)?', shown)
+    assert chips[-3:] == ["<wbr>", "<br>", "<wbr>"]
+
+
+def test_the_token_map_wraps_inside_its_box():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM}")
+    shown = token_map_html({"tokens": ["tok"] * 600, "states": ["kv"] * 600}, "window", 0)
+    page_html = f"<style>{CSS.read_text()}</style><div style='width:600px'>{shown}</div>"
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page()
+        page.set_content(page_html)
+        widths = page.evaluate("(() => { const m = document.querySelector('.kvd-map');"
+                               " return [m.scrollWidth, m.clientWidth]; })()")
+        browser.close()
+    assert widths[0] <= widths[1]
