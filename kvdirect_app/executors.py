@@ -137,7 +137,8 @@ def _run_local(fn, cells: list[dict], wants: list[dict], workers: int | None) ->
             try:
                 results.append(future.result())
             except BrokenProcessPool as e:
-                raise _cell_error(cells, i, e, "its worker process died") from e
+                raise _cell_error(cells, i, e, "a worker process died (killed, out of memory?) while it or a cell "
+                                                 "beside it ran") from e
             except Exception as e:
                 raise _cell_error(cells, i, e) from e
     finally:
@@ -161,15 +162,18 @@ def _local_cpus() -> int:
 
 def _run_ray(fn, cells: list[dict], wants: list[dict]) -> list:
     ray = _import_ray()
-    started = False
+    started, address = False, os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS")
         if address:
             ray.init(address=address)
         else:
+            # A local Ray cannot grow: a cell asking for more than it has would wait forever.
+            _fits(wants, {"CPU": _local_cpus()}, ("num_cpus", "CPU"))
             ray.init(num_cpus=_local_cpus(), include_dashboard=False, log_to_driver=False)
         started = True
     try:
+        if started and not address:
+            _fits(wants, ray.cluster_resources(), ("num_gpus", "GPU"))
         task = ray.remote(_call)
         refs = [task.options(num_cpus=w["num_cpus"], num_gpus=w["num_gpus"]).remote(fn, cell,
                                                                                      max(1, int(round(w["num_cpus"]))))
@@ -220,3 +224,11 @@ def _cell_error(cells: list[dict], index: int, error: BaseException, what: str |
     detail = what or f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
     cls = CellUserError if isinstance(error, UserError) and what is None else CellError
     return cls(f"{where} failed: {detail}", cells[index], index)
+
+
+def _fits(wants: list[dict], have: dict, which: tuple[str, str]):
+    key, what = which
+    most = max(w[key] for w in wants)
+    if most > have.get(what, 0):
+        raise ExecutorError(f"resources: a cell asks for {most:g} {what}s; the local Ray has {have.get(what, 0):g} "
+                            "(lower --threads, or give RAY_ADDRESS)")

@@ -52,14 +52,15 @@ def main(repeats: int) -> None:
             done = time.perf_counter() - t0
             print(f"first token in every pane {first:.2f} s, Send to Done {done:.2f} s; "
                   f"status: {page.inner_text('#kvd-status')}", flush=True)
+        session = next(iter(demo.kvd_handlers.visitors.values()))  # before the tab closes and frees it
+        app_ms = {label: session.lanes[label].turn_figures()["ms_per_token"] for label in session.shown}
+        shown = list(session.shown)
         browser.close()
-    session = next(iter(demo.kvd_handlers.visitors.values()))
-    app_ms = {label: session.lanes[label].turn_figures()["ms_per_token"] for label in session.shown}
     demo.close()
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "run.json"
         subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "run", "--model", "smollm2-135m", "--prompt", PROMPT,
-                        "--max-new-tokens", "64", "--strategies", ",".join(session.shown), "--json", str(out)],
+                        "--max-new-tokens", "64", "--strategies", ",".join(shown), "--json", str(out)],
                        check=True, capture_output=True)
         cli = json.loads(out.read_text())["strategies"]
     print(f"{'strategy':58s} {'app ms/step':>12s} {'CLI ms/step':>12s} {'app/CLI':>8s}")

@@ -18,6 +18,15 @@ different strategies, so the table never shows one without the other.
   `--target BYTES`.  Budgets are searched on a geometric grid by bisection
   (peaks grow with the budget), all strategies probed together in one
   lockstep run per round; every probe is kept in the JSON.
+* `--executor local|ray [--workers N]`: each budget's lockstep run is a
+  cell (`sweep_cell`: the model loaded by name in the worker, the run, its
+  rows) run through `executors.run_cells`: `local`, a process pool here
+  (`--workers`, default cores / threads), or `ray`, one Ray task per cell
+  (the cluster at RAY_ADDRESS, else a local Ray started for the run).
+  Without it the runs go one after another in this process.  The JSON is
+  the same either way, timing fields (ms, tokens/s, seconds, RSS) aside.
+  `--equal-memory` always runs in this process: its rounds depend on each
+  other.
 * `--plot PREFIX`: the trade-off frontier of every measured row (peak
   against token match, marker size for ms per token, the Pareto front) as
   PREFIX.html and PREFIX.png.
@@ -33,8 +42,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 from ..frontier import frontier_figure, points_from_rows, write_frontier
 from .. import validate
+from ..executors import EXECUTORS, check_executor, run_cells
 from ..models import load_model
 from ..prompts import InputError
 from ..strategies import StrategyError, parse_spec, registry
@@ -98,6 +110,27 @@ def plan(names: list[str], budgets: list[int], allow_missing: bool) -> tuple[dic
             raise StrategyError(f"--strategies: {name!r} fits none of the budgets: {errors[0][1]}")
         skipped += [{"strategy": name, "budget": b, "reason": reason} for b, reason in errors]
     return runs, skipped
+
+
+def sweep_cell(cell: dict) -> dict:
+    """One budget's lockstep run in a worker: the model loaded by name, every strategy at `cell["budget"]` against
+    the full cache.  Returns {"rows", "head", "reference"} (the last two as `Sweep` keeps them)."""
+    loaded = load_model(cell["model"], dtype=cell["dtype"], device=cell["device"], progress=lambda msg: None)
+    sweep = Sweep(loaded, list(cell["turns"]), cell["raw"], dict(cell["options"]))
+    budget = cell["budget"]
+    rows = sweep.run([(name, parse_spec(f"{name}:budget={budget}"), budget) for name in cell["strategies"]])
+    return {"rows": rows, "head": sweep.head, "reference": sweep.reference}
+
+
+def budget_cells(runs: dict, req, loaded, turns: list[str], raw: bool, options: dict) -> list[dict]:
+    """The cells of a fixed-budget sweep, one per budget that has strategies, in the budgets' order.  The thread
+    count is resolved here (torch's count in this process when --threads is not given), so a worker runs with the
+    count an in-process run would have used."""
+    threads = options.get("threads") or torch.get_num_threads()
+    return [{"name": f"{req.model} budget={budget}", "model": req.model, "dtype": req.dtype,
+             "device": loaded.device.type, "threads": threads, "turns": list(turns), "raw": raw,
+             "options": {**options, "threads": threads}, "budget": budget, "strategies": [n for n, _ in entries]}
+            for budget, entries in runs.items() if entries]
 
 
 class Runner(Sweep):
@@ -203,6 +236,15 @@ def cmd_sweep(args) -> int:
         raise CliError("--equal-memory compares measured peaks: it needs --memory trace")
     if args.context is not None:
         raise CliError("--context: not for sweep; give --prompt, --prompt-file or --scenario")
+    if args.executor is not None:
+        check_executor(args.executor)
+        if args.equal_memory:
+            raise CliError("--executor: not with --equal-memory (its bisection rounds depend on each other; it runs "
+                           "in this process)")
+    if args.workers is not None:
+        if args.executor != "local":
+            raise CliError("--workers: only with --executor local (Ray places cells by their resources)")
+        validate.integer("workers", args.workers, 1, 4096)
     turns, raw = turns_from_args(args)
     if args.equal_memory:
         names, skipped = check_names(names, args.allow_missing)
@@ -227,14 +269,25 @@ def cmd_sweep(args) -> int:
         target, rows, probes = equal_memory(runner, names, budgets, args.target)
         out.update(equal_memory=True, target_bytes=target, rows=rows, probes=probes)
         plotted = probes
-    else:
+        head, reference = runner.head, runner.reference
+    elif args.executor is None:
         rows = []
         for budget in budgets:
             if runs[budget]:
                 rows += runner.run([(n, s, budget) for n, s in runs[budget]], f"budget {budget}")
         out.update(budgets=budgets, rows=rows)
         plotted = rows
-    head, reference = runner.head, runner.reference
+        head, reference = runner.head, runner.reference
+    else:
+        cells = budget_cells(runs, req, loaded, turns, raw, engine_options(args))
+        for i, cell in enumerate(cells):
+            labels = ", ".join(s.label for _, s in runs[cell["budget"]])
+            print(f"budget {cell['budget']} (cell {i + 1} of {len(cells)}, {args.executor}): {labels}", file=sys.stderr)
+        results = run_cells(sweep_cell, cells, args.executor, args.workers)
+        rows = [row for result in results for row in result["rows"]]
+        out.update(budgets=budgets, rows=rows)
+        plotted = rows
+        head, reference = results[0]["head"], results[0]["reference"]
     print(f"model {head['model']} ({head['model_source']}), device {head['device']}, dtype {head['dtype']}, "
           f"threads {head['threads']}, {len(turns)} turns, max {args.max_new_tokens} new tokens per turn; "
           f"reference: full cache, {len(reference['token_ids'])} tokens generated, peak in turn "
@@ -272,11 +325,18 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated name[:key=value]...; :budget=B is appended to each")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help="comma-separated token budgets")
     p.add_argument("--equal-memory", action="store_true",
-                   help="give each strategy the budget whose measured peak is closest to a target")
+                   help="give each strategy the budget whose measured peak is closest to a target (always runs in "
+                        "this process: its rounds depend on each other; not with --executor)")
     p.add_argument("--target", help="with --equal-memory: a spec whose measured peak is the target, or bytes")
     p.add_argument("--plot", help="write the trade-off frontier as PLOT.html and PLOT.png")
     p.add_argument("--allow-missing", action="store_true",
                    help="skip, with a printed note, names that are not registered strategies")
     p.add_argument("--json", help="write every row here")
+    p.add_argument("--executor", default=None,
+                   help=f"one of {', '.join(EXECUTORS)}: run each budget's lockstep run as a cell on a process pool "
+                        "here (local) or as a Ray task (ray: the cluster at RAY_ADDRESS, else a local Ray started for "
+                        "the run; pip install -r requirements-ray.txt); default: one after another in this process")
+    p.add_argument("--workers", type=int, default=None,
+                   help="with --executor local: processes at most (default: cores // threads per cell)")
     p.set_defaults(func=cmd_sweep)
     return p

@@ -1,0 +1,175 @@
+"""The scale-out executor (`kvdirect_app.executors`) and `bench sweep --executor local|ray [--workers N]`.
+
+A sweep's cells (one lockstep run per budget) give the same JSON on a
+process pool here and on a local Ray as in this process, timing fields
+aside; a bad executor, a missing Ray and a failing cell are each one line.
+Ray is optional: its tests are skipped when it is not installed (`make test`
+installs requirements-ray.txt, so CI runs them).
+"""
+
+import json
+import re
+import sys
+import time
+
+import pytest
+
+from kvdirect_app import bench, executors
+from kvdirect_app.errors import UserError
+from kvdirect_app.executors import CellError, CellUserError, ExecutorError, run_cells
+
+SWEEP = ["sweep", "--model", "tiny-llama", "--prompt", "Hello there, how are you today?",
+         "--strategies", "window,h2o,snapkv:window=4", "--budgets", "4,8", "--max-new-tokens", "4", "--threads", "1"]
+# Keys whose values are times or process sizes: they differ from run to run, whoever runs it.
+TIMING = re.compile(r"(^|_)ms(_|$)|seconds|per_s$|rss")
+RAY_MISSING = "error: executor: ray is not installed; install it: pip install -r requirements-ray.txt\n"
+
+
+def untimed(value):
+    """The JSON without its timing fields (ms, tokens/s, seconds, RSS)."""
+    if isinstance(value, dict):
+        return {k: untimed(v) for k, v in value.items() if not TIMING.search(k)}
+    if isinstance(value, list):
+        return [untimed(v) for v in value]
+    return value
+
+
+def sweep_json(path, *extra) -> dict:
+    code = bench.main([*SWEEP, "--json", str(path), *extra])
+    assert code == 0
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def in_process(tmp_path_factory):
+    """The sweep as it has always run: one budget after another in this process."""
+    return sweep_json(tmp_path_factory.mktemp("sweep") / "in_process.json")
+
+
+@pytest.fixture
+def small_local_ray(monkeypatch):
+    """A local Ray started by the run itself, on 2 CPUs (not whatever this machine has), no dashboard."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(executors, "_local_cpus", lambda: 2)
+    return ray
+
+
+# Cell functions: module-level, so a worker process finds them by name.
+def square_or_fail(cell: dict):
+    if cell.get("user_error"):
+        raise UserError("model: 'nosuchmodel' is not a preset")
+    if cell["x"] == 2:
+        raise ValueError(f"cannot take {cell['x']}\nsecond line of the message")
+    return cell["x"] ** 2
+
+
+def threads_seen(cell: dict):
+    import torch
+
+    return cell["x"], torch.get_num_threads()
+
+
+# --- (a) the same rows whoever runs the cells -------------------------------------------------------------------
+def test_the_in_process_sweep_has_its_rows(in_process):
+    assert {(r["strategy"], r["budget"]) for r in in_process["rows"]} == {
+        (s, b) for s in ("window", "h2o", "snapkv:window=4") for b in (4, 8)}
+    assert untimed(in_process) != in_process  # there are timing fields to drop
+
+
+def test_sweep_on_the_local_process_pool_gives_the_in_process_json(in_process, tmp_path, capsys):
+    data = sweep_json(tmp_path / "local.json", "--executor", "local", "--workers", "2")
+    err = capsys.readouterr().err
+    assert "budget 4 (cell 1 of 2, local)" in err and "budget 8 (cell 2 of 2, local)" in err
+    assert [(r["strategy"], r["budget"]) for r in data["rows"]] == [(r["strategy"], r["budget"])
+                                                                    for r in in_process["rows"]]
+    assert untimed(data) == untimed(in_process)
+
+
+def test_sweep_on_a_local_ray_gives_the_in_process_json(in_process, small_local_ray, tmp_path):
+    start = time.monotonic()
+    data = sweep_json(tmp_path / "ray.json", "--executor", "ray")
+    took = time.monotonic() - start
+    assert not small_local_ray.is_initialized()  # started for the run, shut down after it
+    assert untimed(data) == untimed(in_process)
+    assert took < 120, f"the Ray sweep took {took:.0f} s"
+
+
+def test_run_cells_keeps_the_cells_order_and_pins_each_childs_threads():
+    cells = [{"x": x, "threads": 1} for x in range(5)]
+    assert run_cells(threads_seen, cells, "local", workers=2) == [(x, 1) for x in range(5)]
+    assert run_cells(threads_seen, [], "local") == []
+
+
+# --- (b) bad executors: one line, status 2 ----------------------------------------------------------------------
+def test_an_unknown_executor_is_one_line_naming_the_allowed_ones(capsys):
+    code = bench.main([*SWEEP, "--executor", "dask"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == "error: executor: unknown executor 'dask'; allowed: local, ray\n"
+    with pytest.raises(ExecutorError, match="allowed: local, ray"):
+        run_cells(square_or_fail, [{"x": 1}], "threads")
+
+
+def test_ray_asked_for_but_not_installed_is_one_line_never_a_local_run(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    code = bench.main([*SWEEP, "--executor", "ray"])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err == RAY_MISSING
+    assert "token match" not in captured.out  # nothing ran
+    with pytest.raises(ExecutorError) as info:
+        run_cells(square_or_fail, [{"x": 1}], "ray")
+    assert f"error: {info.value}\n" == RAY_MISSING
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--workers", "2"], "--workers: only with --executor local"),
+    (["--executor", "local", "--workers", "0"], "workers: 0 is out of range; allowed: 1..4096"),
+    (["--executor", "local", "--equal-memory"], "--executor: not with --equal-memory"),
+])
+def test_sweep_refuses_bad_executor_options_with_one_line(args, words, capsys):
+    code = bench.main([*SWEEP, *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert words in err and err.count("\n") == 1
+
+
+def test_run_cells_refuses_what_a_worker_cannot_find_or_receive():
+    with pytest.raises(TypeError, match="module-level function"):
+        run_cells(lambda cell: cell, [{"x": 1}], "local")
+    with pytest.raises(TypeError, match="not JSON-serialisable"):
+        run_cells(square_or_fail, [{"x": object()}], "local")
+
+
+# --- (c) a failing cell is named --------------------------------------------------------------------------------
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_a_failing_cell_is_raised_here_naming_the_cell(executor, request):
+    if executor == "ray":
+        ray = request.getfixturevalue("small_local_ray")
+        # A Ray this process has already started is used as it is (one start for both runs below) and left up.
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        request.addfinalizer(ray.shutdown)
+    cells = [{"name": "one", "x": 1}, {"x": 2}, {"x": 3}]
+    with pytest.raises(CellError) as info:
+        run_cells(square_or_fail, cells, executor)
+    message = str(info.value)
+    assert message == 'cell 2 of 3 ({"x": 2}) failed: ValueError: cannot take 2'
+    assert info.value.cell == {"x": 2} and info.value.index == 1
+    assert not isinstance(info.value, UserError)  # a bug in a cell is not the user's input: a traceback
+    with pytest.raises(CellUserError) as info:
+        run_cells(square_or_fail, [{"name": "first", "x": 1}, {"name": "bad model", "user_error": True}], executor)
+    assert isinstance(info.value, UserError)  # the CLI prints it as one line, status 2
+    assert str(info.value) == "cell 2 of 2 (bad model) failed: UserError: model: 'nosuchmodel' is not a preset"
+    if executor == "ray":
+        assert request.getfixturevalue("small_local_ray").is_initialized()  # not ours to shut down
+
+
+def test_a_cell_asking_more_cpus_than_the_local_ray_has_is_refused_before_ray_starts(small_local_ray):
+    with pytest.raises(ExecutorError) as info:
+        run_cells(square_or_fail, [{"x": 1, "threads": 3}], "ray")
+    assert str(info.value) == ("resources: a cell asks for 3 CPUs; the local Ray has 2 "
+                               "(lower --threads, or give RAY_ADDRESS)")
+    assert not small_local_ray.is_initialized()
