@@ -132,3 +132,20 @@ def test_the_first_screen_at_1280x720_shows_every_verdict_memory_and_speed(url, 
         page.screenshot(path=str(shot))  # the viewport only: what a room sees
         assert shot.stat().st_size > 30_000
         browser.close()
+
+
+def test_the_claims_tab_shows_the_committed_report(url, tmp_path):
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(url)
+        page.wait_for_selector("#kvd-send", timeout=60_000)
+        page.get_by_role("tab", name="Claims").click()
+        table = page.locator("#kvd-claims-table")
+        table.scroll_into_view_if_needed()
+        text = table.inner_text()
+        assert "Claims, measured" in text and "holds" in text and "Recompute vs read" in text
+        shot = Path(os.environ.get("STUDIO_CLAIMS_SHOT") or tmp_path / "claims.png")
+        page.screenshot(path=str(shot))
+        assert shot.stat().st_size > 30_000
+        browser.close()

@@ -378,3 +378,13 @@ def test_tiny_models_are_labelled_as_test_models():
     assert "test model" in labels["tiny-llama"] and "test model" not in labels.get("gemma3-270m", "")
     names = [name for _, name in model_choices()]
     assert names.index("tiny-llama") > max(names.index(n) for n in names if not n.startswith("tiny-"))
+
+
+def test_the_readme_tables_are_not_split_by_blank_lines():
+    """A table cut by a blank line renders its second half as raw pipes (it happened to the strategy table)."""
+    from pathlib import Path
+
+    lines = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    split = [i + 1 for i in range(2, len(lines)) if lines[i].startswith("|") and not lines[i - 1].strip()
+             and lines[i - 2].startswith("|")]
+    assert not split, split

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import gradio as gr
@@ -64,6 +65,27 @@ def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tok
         extra = gr.Textbox(label="Extra specs, comma-separated", placeholder="kvdirect:budget=16:mode=fast",
                            info="name[:key=value]…; budget/spacing/mode above fill in what a spec leaves unset.")
     return Controls(preset, custom, device, dtype, picked, extra, budget_s, spacing, mode, rebuild, max_new, twins)
+
+
+CLAIMS = ASSETS.parent / "docs" / "claims"
+
+
+def _claims_tab():
+    """The committed `bench reproduce` report (docs/claims): each claim, our measurement, a verdict in words."""
+    report = CLAIMS / "report.md"
+    if not report.is_file():
+        gr.Markdown("No report yet: run `python -m kvdirect_app.bench reproduce --quick --out docs/claims`.")
+        return
+    text = report.read_text(encoding="utf-8")
+    head, _, details = text.partition("## Details")
+    gr.Markdown(head.replace("Every number below", "Reproduce it with `python -m kvdirect_app.bench reproduce "
+                                                  "--quick --out DIR`. Every number below"), elem_id="kvd-claims-table")
+    with gr.Row():
+        for name in ("agreement", "recompute"):
+            if (CLAIMS / f"{name}.png").is_file():
+                gr.Image(str(CLAIMS / f"{name}.png"), show_label=False, interactive=False)
+    with gr.Accordion("Details: every measured row", open=False):
+        gr.Markdown(re.sub(r"!\[[^\]]*\]\([^)]*\)", "", details))
 
 
 def _panes() -> list[Pane]:
@@ -138,6 +160,8 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
                         with gr.Row():
                             downloads = [gr.DownloadButton(text, interactive=False, variant="secondary")
                                          for text in ("Run (JSON)", "Steps (CSV)", "Summary (CSV)", "Plots (HTML)")]
+                    with gr.Tab("Claims", elem_id="kvd-claims"):
+                        _claims_tab()
                     with gr.Tab("What am I looking at?", elem_id="kvd-about"):
                         gr.Markdown(asset("about.md"))
         actions = Actions(prompt, send, stop, regenerate, clear, scenario, play, recall)

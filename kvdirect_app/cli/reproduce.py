@@ -1,0 +1,50 @@
+"""`bench reproduce`: every claim of the two papers, measured here, in one report (kvdirect_app/claims).
+
+    python -m kvdirect_app.bench reproduce [--model NAME] [--quick] [--executor local|ray] --out DIR
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .. import validate
+from ..executors import check_executor
+from .common import CliError
+
+
+def cmd_reproduce(args) -> int:
+    from ..claims import reproduce
+
+    from ..models import presets
+
+    if validate.model_name(args.model) not in presets():
+        raise CliError(f"model: unknown model {args.model!r}; allowed: the presets ({', '.join(presets())})")
+    validate.device_dtype(args.device, "float32")
+    check_executor(args.executor)
+    if args.workers is not None:
+        validate.integer("workers", args.workers, 1, 256)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out: {args.out!r} is a file; allowed: a folder (created if absent)")
+    print(f"reproduce: {args.model}, {'quick' if args.quick else 'full'}, executor {args.executor}…", file=sys.stderr)
+    results = reproduce.gather(args.model, args.quick, args.executor, device=args.device, workers=args.workers,
+                               threads=args.threads)
+    paths = reproduce.write(results, out)
+    print(reproduce.render(results).split("## Details")[0])
+    print(f"wrote {', '.join(str(p) for p in paths)} in {results['seconds']:.0f} s")
+    return 0
+
+
+def register(sub):
+    p = sub.add_parser("reproduce", help="every claim of the papers next to our measurement: report.md, "
+                                         "results.json, plots")
+    p.add_argument("--model", default="smollm2-135m", help="preset name (the model every measured section runs on)")
+    p.add_argument("--quick", action="store_true", help="shorter conversations, contexts and grids (minutes on a CPU)")
+    p.add_argument("--executor", default="local", help="local (a bounded process pool here) or ray (RAY_ADDRESS, "
+                                                       "or a local Ray started for the run)")
+    p.add_argument("--workers", type=int, default=None, help="local pool size (default: cores / threads per cell)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per cell")
+    p.add_argument("--device", default="auto", help="device of every cell: auto, cpu, cuda")
+    p.add_argument("--out", required=True, help="folder for report.md, results.json and the plots")
+    p.set_defaults(func=cmd_reproduce)
