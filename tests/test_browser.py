@@ -123,6 +123,8 @@ def test_the_first_screen_at_1280x720_shows_every_verdict_memory_and_speed(url, 
         for i in range(1, rows.count()):
             box = rows.nth(i).bounding_box()
             assert box["y"] >= 0 and box["y"] + box["height"] <= 720, (i, box)
+            last = rows.nth(i).locator("td").last.bounding_box()
+            assert last["x"] + last["width"] <= 1280, (i, last)  # speed, the last column, is not cut off
             cells = rows.nth(i).locator("td").all_inner_texts()
             assert cells[1].strip() and cells[1] != "waiting", cells  # a verdict in words
             assert "B" in cells[2] and "B" in cells[3] and cells[4] != "—", cells  # bytes and ms/token
