@@ -62,7 +62,9 @@ def main(repeats: int) -> None:
         subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "run", "--model", "smollm2-135m", "--prompt", PROMPT,
                         "--max-new-tokens", "64", "--strategies", ",".join(shown), "--json", str(out)],
                        check=True, capture_output=True)
-        cli = json.loads(out.read_text())["strategies"]
+        run = json.loads(out.read_text())
+        cli = run["strategies"]
+    print(f"bench run, same turn: engine time {sum(run['turn_seconds']):.1f} s")
     print(f"{'strategy':58s} {'app ms/step':>12s} {'CLI ms/step':>12s} {'app/CLI':>8s}")
     for label, ms in app_ms.items():
         c = cli[label]["latency_ms"]["decode_total_ms_mean"]

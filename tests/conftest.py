@@ -1,5 +1,6 @@
 """Shared fixtures: models are loaded once per session (the loader caches them per process)."""
 
+import contextlib
 import socket
 
 import pytest
@@ -39,6 +40,22 @@ def bad_spec_error(text: str) -> str:
     message = str(info.value)
     assert "\n" not in message
     return message
+
+
+@contextlib.contextmanager
+def running_app(model: str, max_new_tokens: int):
+    """The Studio launched on loopback and a gradio_client session on it, both closed afterwards."""
+    import gradio_client
+
+    from kvdirect_app.ui import build_demo
+
+    demo = launch_local(build_demo(model=model, max_new_tokens=max_new_tokens))
+    client = gradio_client.Client(demo.local_url, verbose=False)
+    try:
+        yield demo, client
+    finally:
+        client.close()
+        demo.close()
 
 
 def launch_local(demo):

@@ -10,9 +10,8 @@ from kvdirect_app.scenarios import scenarios  # noqa: E402
 from kvdirect_app.engine import Engine, run_to_end  # noqa: E402
 from kvdirect_app.models import load_model  # noqa: E402
 from kvdirect_app.strategies import parse_specs  # noqa: E402
-from kvdirect_app.ui import build_demo  # noqa: E402
 
-from .conftest import launch_local  # noqa: E402
+from .conftest import running_app  # noqa: E402
 from kvdirect_app.ui.runner import compare_specs  # noqa: E402
 from kvdirect_app.ui.settings import catalogue, default_names, expand  # noqa: E402
 
@@ -23,12 +22,8 @@ VOLATILE = {"latency_ms", "tokens_per_s", "process_rss_peak_bytes", "threads", "
 
 @pytest.fixture(scope="module")
 def app():
-    demo = build_demo(model=TINY, max_new_tokens=6)
-    launch_local(demo)
-    client = gradio_client.Client(demo.local_url, verbose=False)
-    yield demo, client
-    client.close()
-    demo.close()
+    with running_app(TINY, 6) as launched:
+        yield launched
 
 
 def stable(result: dict) -> dict:

@@ -15,10 +15,9 @@ from kvdirect_app.engine import Engine
 from kvdirect_app.models import load_model
 from kvdirect_app.prompts import filler_ids
 from kvdirect_app.strategies import parse_specs
-from kvdirect_app.ui import build_demo
 from kvdirect_app.ui.session import Session
 
-from .conftest import launch_local
+from .conftest import running_app
 
 gradio_client = pytest.importorskip("gradio_client")
 from gradio_client.exceptions import AppError  # noqa: E402
@@ -108,12 +107,8 @@ def test_cli_argparse_errors_are_one_line_too():
 # --- the compare endpoint and the UI handlers --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def app():
-    demo = build_demo(model=TINY, max_new_tokens=4)
-    launch_local(demo)
-    client = gradio_client.Client(demo.local_url, verbose=False)
-    yield demo, client
-    client.close()
-    demo.close()
+    with running_app(TINY, 4) as launched:
+        yield launched
 
 
 def test_compare_endpoint_bad_inputs_get_their_message_never_a_500(app):
