@@ -1,0 +1,82 @@
+"""The two papers' claims and figures, as data (both 2026, no public code; quoted from our notes).
+
+Each claim has one or more figures: what it measures, the paper's value (a
+number or a range), the unit, the model it was measured on (where our notes
+name one), the direction in which it is a claim, the value at which the
+claimed effect vanishes, and the tolerance the verdict rule allows
+(`verdicts.judge`).  `sections` computes our figure under the same `key`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .verdicts import EQUAL, EXACT_TOLERANCE, HIGHER, LOWER, SIZE_TOLERANCE
+
+UNNAMED = "not named in our notes"
+
+
+@dataclass(frozen=True)
+class Figure:
+    key: str
+    label: str  # a few words for the report's table
+    measures: str
+    value: float | tuple[float, float]
+    unit: str
+    direction: str
+    tolerance: float
+    neutral: float | None = None
+    model: str = UNNAMED
+
+
+@dataclass(frozen=True)
+class Claim:
+    title: str
+    paper: str
+    quote: str
+    figures: tuple[Figure, ...]
+
+    def as_dict(self) -> dict:
+        return {"title": self.title, "paper": self.paper, "claim": self.quote,
+                "figures": [asdict(f) for f in self.figures]}
+
+
+KVD, ANCHOR = "KV-Direct", "AnchorKV"
+CLAIMS = {
+    "bytes": Claim("1. Bytes per token", KVD,
+                   "5 KB/token (one residual, Gemma 3-4B, bf16) against 136 KB/token of full KV", (
+                       Figure("residual", "residual", "one residual per token", 5, "KiB", EQUAL, SIZE_TOLERANCE,
+                              model="Gemma 3-4B, bf16"),
+                       Figure("full_kv", "full KV", "every layer's K/V per token", 136, "KiB", EQUAL,
+                              SIZE_TOLERANCE, model="Gemma 3-4B, bf16"))),
+    # 103 MB / 42 MB: the claim as a ratio, the one form that can carry over to another model.
+    "turns20": Claim("2. Twenty turns", KVD, "42 MB peak over 20 turns where the full cache passes 103 MB", (
+        Figure("peak_ratio", "peak, full / exact", "the full cache's peak over the conversation / the best exact "
+               "strategy's", 2.45, "x", HIGHER, SIZE_TOLERANCE, neutral=1.0),)),
+    "agreement": Claim("3. Token agreement", KVD, "100% token match where H2O, StreamingLLM, SnapKV, TOVA and a "
+                                                  "plain window fall to 5-28%", (
+        Figure("exact", "exact strategies", "token match of the exact strategies", 1.0, "", EQUAL,
+               EXACT_TOLERANCE),
+        Figure("baselines", "baselines", "token match of the eviction baselines", (0.05, 0.28), "", LOWER,
+               SIZE_TOLERANCE, neutral=1.0))),
+    "recompute": Claim("4. Recompute vs read", KVD, "recompute \"up to 5x faster\" than reading cached tensors", (
+        Figure("speedup", "speed-up", "best speed-up of recomputing K/V over reading them", 5.0, "x", HIGHER,
+               SIZE_TOLERANCE, neutral=1.0),)),
+    "replay": Claim("5. Cascade vs naive replay", ANCHOR, "cascade replay 16.3x faster than naive replay", (
+        Figure("speedup", "speed-up", "naive replay's time / cascade replay's", 16.3, "x", HIGHER, SIZE_TOLERANCE,
+               neutral=1.0),
+        Figure("exact", "bit-equal replays", "replays whose K/V are bit-equal to the full cache (fraction)", 1.0, "",
+               EQUAL, EXACT_TOLERANCE))),
+    "parked": Claim("6. Reactivatable sessions", ANCHOR,
+                    "5.78-54.0x more reactivatable sessions at 32k context, by spacing", (
+                        Figure("capacity", "sessions vs full", "parked sessions per memory against the full "
+                               "cache's, by spacing", (5.78, 54.0), "x", HIGHER, SIZE_TOLERANCE, neutral=1.0),)),
+    "exactness": Claim("7. Exactness", f"{KVD}, {ANCHOR}", "bit-identical K/V and token-identical greedy output, "
+                                                           "fp32 and bf16 (AnchorKV: on CPU and accelerators)", (
+        Figure("kv", "K/V bit-equal", "exact-mode runs that rebuilt K/V, bit-equal to the full cache (fraction)",
+               1.0, "", EQUAL, EXACT_TOLERANCE),
+        Figure("tokens", "tokens equal", "exact-mode runs that rebuilt K/V, every greedy token equal (fraction)",
+               1.0, "", EQUAL, EXACT_TOLERANCE))),
+}
+SECTIONS = list(CLAIMS)
+TITLES = {name: claim.title for name, claim in CLAIMS.items()}

@@ -1,0 +1,172 @@
+"""report.md and the plots of `bench reproduce`, from results.json alone.
+
+Every number in the report is a value of results.json written by `number`
+(or `units.fmt_bytes`), so a test can read each one back.  The app's Claims
+tab shows the part before "## Details" (`DETAILS`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..units import fmt_bytes
+
+DETAILS = "## Details"
+
+
+def number(x) -> str:
+    """The one way a number is written in the report (the test reads them back against results.json)."""
+    if isinstance(x, bool) or x is None:
+        return str(x)
+    if isinstance(x, int):
+        return f"{x}"
+    return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+
+
+def figure_text(value, unit: str) -> str:
+    """A figure (a number or a range) with its unit."""
+    if value is None:
+        return "not measured"
+    text = "-".join(number(v) for v in value) if isinstance(value, (list, tuple)) else number(value)
+    return text + ("x" if unit == "x" else f" {unit}" if unit else "")
+
+
+def _ran_on(envs: list) -> str:
+    """Where a section's cells ran, as each worker recorded it."""
+    out = []
+    for env in envs:
+        if not env:
+            out.append("not recorded")
+            continue
+        gpu = f" ({env['gpu']})" if env.get("gpu") else ""
+        threads = f", {env['threads']} thread{'' if env['threads'] == 1 else 's'}" if env.get("threads") else ""
+        out.append(f"{env['device']}{gpu}{threads}; CPU {env['processor']}, {env['cpus']} cores; torch {env['torch']}")
+    return "Ran on: " + " — ".join(out) + "."
+
+
+def _table(cols: list[str], rows: list[list]) -> list[str]:
+    line = lambda cells: "| " + " | ".join(map(str, cells)) + " |"  # noqa: E731
+    return [line(cols), "|" + "---|" * len(cols), *map(line, rows)]
+
+
+def _head(results: dict) -> list[str]:
+    claims = results["claims"]
+    rows = []
+    for c in claims.values():
+        models = ", ".join(sorted({f["model"] for f in c["figures"]}))
+        paper = f"{c['paper']}: " + "; ".join(f"{f['label']} {figure_text(f['value'], f['unit'])}"
+                                               for f in c["figures"]) + f" ({models})"
+        ours = "; ".join(f"{f['label']} {figure_text(p['ours'], f['unit'])}" for f, p in zip(c["figures"], c["parts"]))
+        ours += f" ({c['basis']}; {c['model']})"
+        rows.append([f"{c['title']}: \"{c['claim']}\"", paper, ours, f"**{c['verdict']}**", c["reason"]])
+    out = _table(["claim", "paper", "ours", "verdict", "why"], rows)
+    out += ["", results["rule"]["text"]]
+    if results["quick"]:
+        left_out = "; ".join(results["plan"]["quick_leaves_out"])
+        out += ["", f"`--quick` leaves out, compared with the full run: {left_out}."]
+    return out
+
+
+def _details(results: dict) -> list[str]:
+    sec = results["sections"]
+    out = [DETAILS, ""]
+
+    def title(name: str, extra: str = "") -> list[str]:
+        return [f"### {results['claims'][name]['title']}{extra}", "", _ran_on(sec[name]["ran_on"]), ""]
+
+    out += title("bytes", " (bf16, computed from the config)")
+    out += _table(["source", "layers", "KV per token", "residual per layer", "r", "s*", "s* (token ids)"],
+                  [[r["source"], r["layers"], fmt_bytes(r["kv_bytes_per_token"]), fmt_bytes(r["residual_bytes"]),
+                    number(r["ratio_r"]), r["break_even_spacing"], r["break_even_token_id"]]
+                   for r in sec["bytes"]["rows"]])
+    t = sec["turns20"]
+    out += ["", *title("turns20", f": scenario {t['scenario']}, {t['turns']} turns, at most {t['new_tokens']} new "
+                                  f"tokens per turn ({t['tokens']} tokens in the first turn)")]
+    out += _table(["strategy", "mode", "between turns", "peak in turn", "token match"],
+                  [[r["strategy"], r["mode"] or "-", fmt_bytes(r["between_turns_peak"]), fmt_bytes(r["peak"]),
+                    number(r["token_match"])] for r in t["rows"]])
+    if t["equal_memory"]:
+        out += ["", "At equal measured peak:", ""]
+        out += _table(["strategy", "budget", "peak", "token match"],
+                      [[r["strategy"], r["budget"], fmt_bytes(r["peak"]), number(r["token_match"])]
+                       for r in t["equal_memory"]])
+    out += ["", *title("agreement", " (recall scenario)")]
+    out += _table(["strategy", "mode", "budget", "token match", "teacher-forced agreement"],
+                  [[r["strategy"], r["mode"] or "-", r["budget"], number(r["token_match"]), number(r["teacher_forced"])]
+                   for r in sec["agreement"]["rows"]])
+    out += ["", "![agreement](agreement.png)", "", *title("recompute")]
+    out += _table(["batch", "context", "read ms", "recompute ms", "speed-up", "bound"],
+                  [[r["batch"], r["context"], number(r["read_ms"]), number(r["recompute_ms"]), number(r["speedup"]),
+                    number(r["bound_speedup"])] for r in sec["recompute"]["rows"] if not r.get("skipped")])
+    p = sec["replay"]
+    out += ["", "![recompute](recompute.png)", "", *title("replay"),
+            f"Cascade {number(p['cascade_s'])} s in {p['cascade_passes']} layer passes, naive {number(p['naive_s'])} s "
+            f"in {p['naive_passes']}: {number(p['speedup'])}x (pass ratio {number(p['ideal'])}x); per pass "
+            f"{number(p['cascade_ms_per_pass'])} ms against {number(p['naive_ms_per_pass'])} ms; bit-equal to the full "
+            f"cache: {p['bit_equal']} of 2 replays."]
+    k = sec["parked"]
+    out += ["", *title("parked", f" at {k['context']} tokens"),
+            f"Break-even spacing s* = {k['s_star']} (from the config); {results['claims']['parked']['basis']}.", ""]
+    out += _table(["strategy", "parked per session", "vs full", "measured at", "measured", "formula there",
+                   "resume ms"],
+                  [[r["strategy"], fmt_bytes(r["parked_bytes"]), number(r["capacity_vs_full"]), r["measured_at"],
+                    fmt_bytes(r["parked_bytes_measured"]), fmt_bytes(r["formula_at_measure"]), number(r["resume_ms"])]
+                   for r in k["rows"]])
+    out += ["", *title("exactness")]
+    cols = ["model", "dtype", "strategy", "busy processes", "token match", "K/V bit-equal", "rebuilt token-layers",
+            "max abs dK"]
+    groups = [("Exact mode, counted (rebuilt at least one token-layer):",
+               lambda r: r["mode"] == "exact" and r["rebuilt"]),
+              ("Fast mode (one GEMM), not counted:", lambda r: r["mode"] == "fast" and r["rebuilt"]),
+              ("Nothing to rebuild (0 token-layers), not counted:",
+               lambda r: r["mode"] in ("exact", "fast") and not r["rebuilt"]),
+              ("Mode not recorded, not counted:", lambda r: r["mode"] not in ("exact", "fast"))]
+    for label, keep in groups:
+        rows = [r for r in sec["exactness"]["rows"] if keep(r)]
+        if rows:
+            out += [label, ""] + _table(cols, [[r["model"], r["dtype"], r["strategy"], r["load"],
+                                                number(r["token_match"]), r["kv_exact"], r["rebuilt"],
+                                                number(r["max_abs_dk"])] for r in rows]) + [""]
+    return out
+
+
+def render(results: dict) -> str:
+    """report.md, from results.json alone (its claims and sections as `sections.assess` made them)."""
+    head = [f"# Claims, measured: {results['model']}", "",
+            f"Driver: {results.get('device_name', 'not recorded')} ({results.get('device', 'not recorded')}); date "
+            f"{results.get('date', 'not recorded')}; {'quick' if results['quick'] else 'full'} run, executor "
+            f"{results.get('executor', 'not recorded')}, {len(results['cells'])} cells (where each ran: under each "
+            "section). Every number below is a value of `results.json`.", ""]
+    return "\n".join(head + _head(results) + [""] + _details(results)).rstrip() + "\n"
+
+
+def figures(results: dict) -> dict:
+    import plotly.graph_objects as go
+
+    from . import recompute
+
+    rows = results["sections"]["agreement"]["rows"]
+    fig = go.Figure()
+    for name in dict.fromkeys(r["strategy"] for r in rows):
+        mine = [r for r in rows if r["strategy"] == name]
+        fig.add_trace(go.Scatter(x=[r["budget"] for r in mine], y=[r["token_match"] for r in mine], name=name,
+                                 mode="lines+markers"))
+    fig.update_layout(title=f"Token match against budget, recall scenario ({results['model']})",
+                      xaxis=dict(title="budget (tokens of K/V kept)", type="log"),
+                      yaxis=dict(title="token match", range=[0, 1.05]), font=dict(size=16), template="plotly_white")
+    cell = next(c for c in results["cells"] if c["section"] == "recompute")
+    return {"agreement": fig, "recompute": recompute.figure(cell["json"])}
+
+
+def write(results: dict, out: Path) -> list[Path]:
+    """results.json, report.md and the plots (HTML that opens with no network: plotly.min.js beside it; PNG)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "report.md").write_text(render(results))
+    paths = [out / "results.json", out / "report.md"]
+    for name, fig in figures(results).items():
+        fig.write_html(out / f"{name}.html", include_plotlyjs="directory")
+        fig.write_image(out / f"{name}.png", width=1100, height=600)
+        paths += [out / f"{name}.html", out / f"{name}.png"]
+    return paths + [out / "plotly.min.js"]
