@@ -21,7 +21,14 @@ $(RAY_STAMP): requirements-ray.txt $(STAMP)
 	$(BIN)/python -m pip install -r requirements-ray.txt
 	touch $@
 
-install: $(STAMP)
+# The embedded models' cached copies (kvdirect_app/model_cache.py): the first load of a GGUF preset dequantises every
+# tensor (~30-70 s, a load peak above any run); later loads map the kept copy (seconds).
+MODELS_STAMP := $(VENV)/.models-cached
+$(MODELS_STAMP): $(STAMP)
+	$(BIN)/python -m kvdirect_app.model_cache smollm2-135m gemma3-270m
+	touch $@
+
+install: $(STAMP) $(MODELS_STAMP)
 
 demo: install
 	$(BIN)/python app.py

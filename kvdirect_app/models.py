@@ -11,22 +11,21 @@ tokenizer made in memory.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 import threading
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from . import model_cache, rss
+from .catalog import (DEVICES, PRESETS_DIR, embedded_presets, is_test_model, offered_presets, package_dir, presets,
+                      unavailable_reason)
 from .errors import UserError
 from .hosted import hosted
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEVICES = ("auto", "cpu", "cuda", "mps")
 TINY_SEED = 1234
 HUB_TIMEOUT_S = 8.0  # one metadata request; a dead Hub must fail fast, not after retries
 
@@ -63,9 +62,6 @@ class LoadedModel:
         return {int(i) for i in ids if i is not None}
 
 
-def presets() -> dict[str, dict]:
-    with open(PRESETS_DIR / "models.toml", "rb") as f:
-        return tomllib.load(f)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -146,17 +142,10 @@ def _tiny(name: str, preset: dict, dtype: torch.dtype, device: torch.device) -> 
     return LoadedModel(name, model, tokenizer, True, f"tiny random {model_type} (seed {TINY_SEED})", device, dtype)
 
 
-def _package_dir(package: str) -> Path | None:
-    spec = importlib.util.find_spec(package)
-    if spec is None:
-        return None
-    if spec.submodule_search_locations:
-        return Path(list(spec.submodule_search_locations)[0])
-    return Path(spec.origin).parent
 
 
 def gguf_location(preset: dict) -> tuple[Path, str] | None:
-    pkg_dir = _package_dir(preset["package"])
+    pkg_dir = package_dir(preset["package"])
     if pkg_dir is None:
         return None
     if preset.get("assemble"):
@@ -232,10 +221,27 @@ def _pretrained(name: str, preset: dict | None, dtype, device, progress) -> Load
         ref = name
         kwargs.update(_hub_check(ref))
         source = f"Hub model {name}"
-    progress(f"loading {name} from {source}")
+    cached = None
+    if "gguf_file" in kwargs:
+        want, cached = model_cache.manifest(name, preset, dtype), model_cache.folder(name, preset, dtype)
+        if model_cache.present(cached, want):
+            progress(f"loading {name} from its cached copy in {cached} (made from {kwargs['gguf_file']} once)")
+            try:
+                model, tokenizer = model_cache.load(cached, dtype)
+            except (OSError, ValueError, KeyError, RuntimeError) as e:
+                progress(f"the cached copy in {cached} cannot be read ({type(e).__name__}: {str(e)[:120]}); "
+                         f"loading {kwargs['gguf_file']} instead")
+            else:
+                return LoadedModel(name, model.to(device).eval(), tokenizer, chat, f"{source} (cached copy)", device,
+                                   dtype)
+    progress(f"loading {name} from {source}" + (" (the first time: dequantising every tensor, ~30 s; a copy is kept "
+                                                "for the next start)" if cached is not None else ""))
     try:
         tokenizer = AutoTokenizer.from_pretrained(ref, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, **kwargs)
+        if cached is not None:
+            why = model_cache.save(model, tokenizer, cached, want)
+            progress(f"kept a copy in {cached} for the next start" if why is None else f"no copy kept: {why}")
     except (OSError, ValueError, KeyError) as e:  # no weights there, or an architecture transformers cannot build
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         if preset is not None:
@@ -249,32 +255,6 @@ def _pretrained(name: str, preset: dict | None, dtype, device, progress) -> Load
     if chat is None:
         chat = bool(getattr(tokenizer, "chat_template", None))
     return LoadedModel(name, model, tokenizer, chat, source, device, dtype)
-
-
-def embedded_presets() -> list[str]:
-    """Presets whose weights are on this machine: packaged GGUF files (package installed) and the tiny models."""
-    return [name for name, p in presets().items() if p["kind"] == "tiny" or _package_dir(p["package"]) is not None]
-
-
-def unavailable_reason(name: str) -> str | None:
-    """Why a preset cannot be loaded here without the Hub (None: it can)."""
-    p = presets()[name]
-    if p["kind"] == "tiny" or _package_dir(p["package"]) is not None:
-        return None
-    return (f"its weights ship in the package {p['package']}, which is not installed ({p['install']}"
-            + ("; a Space installs only requirements.txt, and that package must be installed with --no-deps"
-               if "--no-deps" in p["install"] else "") + ")"
-            + ("; hosted mode does not download its Hub copy" if hosted() else ""))
-
-
-def offered_presets() -> list[str]:
-    """The presets a visitor may pick: in hosted mode only those on this machine."""
-    return embedded_presets() if hosted() else list(presets())
-
-
-def is_test_model(name: str) -> bool:
-    p = presets().get(name)
-    return p is not None and p["kind"] == "tiny"
 
 
 _LOADED: dict[tuple[str, str, str], LoadedModel] = {}
@@ -320,6 +300,7 @@ def load_model(name: str, dtype: str = "float32", device: str = "auto",
                 f"model: unknown model {name!r}; presets: {', '.join(offered_presets())}"
                 + ("" if hosted() else "; or give a Hub id (org/name) or a local path")
             )
+        rss.trim()  # the load's transient buffers (the dequantised GGUF tensors' intermediates) go back to the OS
         with _LOCK:
             _LOADED[key] = loaded
         return loaded

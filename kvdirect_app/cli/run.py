@@ -8,10 +8,13 @@ Two tables: what each strategy changes (tokens, logits, K/V against the
 full cache) and what it costs (bytes between turns, peak during a turn and
 ms per token side by side, then the formula's figures beside the
 measurement).  With `--alone`, every strategy (and the full cache, as the
-reference for tokens) runs in its own process without any other lane;
-each child resets its peak RSS after loading the model, so the peak the
-parent reads back with `wait4` (what `/usr/bin/time -v` reports) is that
-run's, and is printed beside the allocator's in-process figure.
+reference for tokens) runs in its own process (`run --solo SPEC`) without
+any other lane, under `/usr/bin/time -v` where it is installed.  Each child
+loads the model, prints the load's own peak RSS, hands the heap's free pages
+back (`rss.trim`) and starts the kernel's high-water mark afresh, so the
+peak `/usr/bin/time` (and `wait4`) reports for it is its run's; the parent
+never loads the model, so a `/usr/bin/time` around the parent reports the
+largest child.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import psutil
 
+from .. import rss
 from ..metrics import token_match
 from ..units import fmt, fmt_bytes, table
 from .common import CliError, add_conversation_options, checked_run, engine_options, turns_from_args, write_json
@@ -109,15 +113,19 @@ def cmd_run(args) -> int:
     if args.alone and args.solo:
         raise CliError("give --alone or --solo, not both")
     turns, raw = turns_from_args(args)
+    if args.alone and not args.dry_run:
+        # The parent loads no model (its load would be the largest RSS of the tree): each child checks and runs.
+        from .. import validate
+
+        req = validate.request(args.model, args.device, args.dtype, args.strategies, args.max_new_tokens, turns, raw)
+        return run_alone(args, list(req.strategies))
     req, loaded, est, ids = checked_run(args, args.solo or args.strategies, turns, raw, compare=not args.solo)
     if args.dry_run:
         print("dry run: every setting checked, the run fits; nothing was run")
         return 0
-    if args.alone:
-        return run_alone(args, list(req.strategies))
     engine = Engine(loaded, list(req.strategies), raw=raw, compare=not args.solo, **engine_options(args))
     if args.solo:
-        before = reset_peak_rss()
+        load_peak, before = reset_peak_rss()
     if ids is not None:
         for _ in engine.turn(turns[0], ids=ids):
             pass
@@ -126,27 +134,29 @@ def cmd_run(args) -> int:
         result = run_to_end(engine, turns, park=args.park, progress=lambda line: print(line, file=sys.stderr))
     result["memory_estimate"] = {"total_bytes": est.total, "lanes": est.lanes, "tokens": est.tokens}
     if args.solo:
-        result["process"] = {"rss_before_run_bytes": before, "peak_rss_bytes": peak_rss()}
+        result["process"] = {"load_peak_rss_bytes": load_peak, "rss_before_run_bytes": before,
+                             "peak_rss_bytes": peak_rss()}
     print_result(result)
     write_json(args.json, result)
     return 0
 
 
 # --- each strategy alone ------------------------------------------------------------------------------------------
-def reset_peak_rss() -> int:
-    """Reset this process's peak RSS (Linux: /proc/self/clear_refs) so it counts from now; returns RSS now."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError as e:
-        raise CliError(f"--solo: cannot reset the peak RSS here ({e.strerror}); needs Linux") from None
-    return psutil.Process().memory_info().rss
+def reset_peak_rss() -> tuple[int, int]:
+    """After the model's load: its peak RSS, then the heap's free pages handed back and the kernel's high-water
+    mark started afresh, so the peak counts the run alone; returns (the load's peak, RSS now)."""
+    load_peak = peak_rss()
+    rss.trim()
+    if not rss.reset_peak():
+        raise CliError("--solo: cannot reset the peak RSS here (/proc/self/clear_refs); needs Linux")
+    return load_peak, psutil.Process().memory_info().rss
 
 
 def peak_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise CliError("--solo: /proc/self/status has no VmHWM")
+    peak = rss.peak()
+    if peak is None:
+        raise CliError("--solo: /proc/self/status has no VmHWM; needs Linux")
+    return peak
 
 
 def conversation_args(args) -> list[str]:
@@ -160,11 +170,26 @@ def conversation_args(args) -> list[str]:
     return out + [flag for flag, on in flags if on]
 
 
+GNU_TIME = Path("/usr/bin/time")
+
+
+def time_peak(report: Path) -> int | None:
+    """'Maximum resident set size (kbytes)' from a `/usr/bin/time -v` report, in bytes."""
+    for line in report.read_text(errors="replace").splitlines():
+        if "Maximum resident set size" in line:
+            return int(line.rsplit(":", 1)[1]) * 1024
+    return None
+
+
 def run_child(spec: str, args, folder: Path) -> dict:
-    """One strategy in a fresh process; its JSON plus the peak RSS the kernel reports for it (wait4)."""
-    out, log = folder / "result.json", folder / "log.txt"
-    out.unlink(missing_ok=True)
+    """One strategy in a fresh process (under `/usr/bin/time -v` where it is installed); its JSON plus the peak
+    RSS the kernel reports for it (wait4, and /usr/bin/time's report of the same)."""
+    out, log, report = folder / "result.json", folder / "log.txt", folder / "time.txt"
+    for path in (out, report):
+        path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "kvdirect_app.bench", "run", "--solo", spec, *conversation_args(args), "--json", str(out)]
+    if GNU_TIME.is_file():
+        cmd = [str(GNU_TIME), "-v", "-o", str(report), *cmd]
     with open(log, "w") as sink:
         child = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(child.pid, 0)
@@ -174,6 +199,7 @@ def run_child(spec: str, args, folder: Path) -> dict:
         raise CliError(f"--alone: the process for {spec} failed ({child.returncode}): {tail[0]}")
     result = json.loads(out.read_text())
     result["process"]["wait4_peak_rss_bytes"] = usage.ru_maxrss * 1024
+    result["process"]["time_peak_rss_bytes"] = time_peak(report) if report.is_file() else None
     return result
 
 
@@ -185,8 +211,8 @@ def run_alone(args, strategies) -> int:
             print(f"running {spec} in its own process…", file=sys.stderr)
             runs[spec] = run_child(spec, args, Path(folder))
     reference = runs["full"]["strategies"]["full"]
-    cols = ["strategy", "tokens", "match", "1st div", "peak RSS (wait4)", "RSS before run", "RSS growth",
-            "allocator peak", "growth - allocator", "between turns", "ms/token", "tok/s"]
+    cols = ["strategy", "tokens", "match", "1st div", "load peak RSS", "peak RSS (/usr/bin/time)", "RSS before run",
+            "RSS growth", "allocator peak", "growth - allocator", "between turns", "ms/token", "tok/s"]
     rows, summary = [], {}
     for spec, result in runs.items():
         r = result["strategies"][spec]
@@ -194,8 +220,11 @@ def run_alone(args, strategies) -> int:
         proc = result["process"]
         growth = proc["wait4_peak_rss_bytes"] - proc["rss_before_run_bytes"]
         allocator = r["state_bytes"]["peak"]
+        outside = proc["time_peak_rss_bytes"]
         rows.append([spec, str(len(r["token_ids"])), fmt(match, ".3f"), fmt(first, "d"),
-                     fmt_bytes(proc["wait4_peak_rss_bytes"]), fmt_bytes(proc["rss_before_run_bytes"]), fmt_bytes(growth),
+                     fmt_bytes(proc["load_peak_rss_bytes"]),
+                     fmt_bytes(proc["wait4_peak_rss_bytes"]) + ("" if outside is not None else " (wait4)"),
+                     fmt_bytes(proc["rss_before_run_bytes"]), fmt_bytes(growth),
                      fmt_bytes(allocator), fmt_bytes(None if allocator is None else growth - allocator),
                      fmt_bytes(r["state_bytes"]["between_turns_peak"]), fmt(r["latency_ms"]["decode_total_ms_mean"], ".1f"),
                      fmt(r["tokens_per_s"], ".1f")])
@@ -206,9 +235,18 @@ def run_alone(args, strategies) -> int:
           f"prompt {len(head['prompt_ids'])} tokens; each strategy alone in its own process, tokens compared with "
           "the full cache's own process")
     print(table(cols, rows))
-    print("note: RSS growth = the process's peak RSS during the run (reset after loading the model) minus its RSS "
-          "before the run; the allocator peak is the same process's in-process measurement of the strategy's "
-          "state, transient buffers and activations")
+    print("note: each process loads the model (its peak: 'load peak RSS'), hands the heap's free pages back and "
+          "starts the kernel's high-water mark afresh; 'peak RSS' is then the run's own, as /usr/bin/time -v (and "
+          "wait4) report it for that process; RSS growth = that peak minus the RSS before the run; the allocator "
+          "peak is the same process's in-process measurement of the strategy's state, transient buffers and "
+          "activations")
+    if any(r["process"]["time_peak_rss_bytes"] is None for r in summary.values()):
+        print(f"note: {GNU_TIME} is not installed: the peak RSS is wait4's (the same kernel figure)")
+    else:
+        mismatch = [s for s, r in summary.items()
+                    if r["process"]["time_peak_rss_bytes"] != r["process"]["wait4_peak_rss_bytes"]]
+        if mismatch:
+            print(f"note: /usr/bin/time and wait4 disagree for {', '.join(mismatch)}")
     write_json(args.json, {**head, "alone": True, "strategies": summary})
     return 0
 
