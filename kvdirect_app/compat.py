@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.configuration_utils import PreTrainedConfig as PretrainedConfig
 from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
@@ -28,6 +29,7 @@ __all__ = [
     "DynamicLayer",
     "DynamicSlidingWindowLayer",
     "LayerSpec",
+    "PretrainedConfig",
     "layer_specs",
     "decoder_layers",
     "attention_module",

@@ -91,6 +91,15 @@ class Engine:
         self.parked = False
         self.determinism = probe_determinism(loaded.device, loaded.dtype, self.threads)
 
+    def about(self) -> dict:
+        """Per shown strategy: the first line of its docstring and the settings it adapted (plain data, for a page
+        that draws from events alone)."""
+        out = {}
+        for lane in self.all_lanes:
+            doc = (type(lane.strategy).__doc__ or "").strip()
+            out[lane.label] = {"doc": doc.splitlines()[0] if doc else "", "notes": list(lane.strategy.notes)}
+        return out
+
     def _lane(self, strategy: Strategy) -> Lane:
         lane = Lane(strategy, None, strategy.label, ByteBook(traced=self.tracer.enabled))
         with self.tracer.trace(lane.label):
@@ -135,7 +144,7 @@ class Engine:
                         lane.cache.compare_with(self.reference.cache)
                     yield {"type": "start", "strategies": self.show, "reference": self.reference.label,
                            "prompt_ids": self.prompt_ids, "threads": self.threads, "memory": self.instrument,
-                           "determinism": self.determinism}
+                           "determinism": self.determinism, "about": self.about()}
                 if self.parked:
                     self._resume(tap)
                     yield {"type": "resume", "lanes": {lane.label: lane.parks[-1] for lane in self.all_lanes}}
@@ -232,8 +241,8 @@ class Engine:
         total = max(len(item.ids) for item in items)
         size = self.prefill_chunk
         for piece, start in enumerate(range(0, total, size)):
-            pieces = [Item(item.lane, item.ids[start:start + size], item.twin) for item in items
-                      if item.ids[start:start + size]]
+            pieces = [Item(item.lane, item.ids[start:start + size], item.twin, start + size < len(item.ids))
+                      for item in items if item.ids[start:start + size]]
             self.forwards.run(pieces, tap, turn_start=True, piece=piece)
             if total > size:
                 yield {"type": "prefill", "turn": k, "done": min(start + size, total), "total": total}
@@ -356,6 +365,7 @@ class Engine:
             "teacher_forced_steps": None if is_ref or self.solo else lane.tf_steps,
             **kv,
             "canonical_spec": lane.strategy.spec(),
+            "mode": getattr(lane.strategy, "mode", None),  # "exact" | "fast" for rebuilding strategies, else None
             "notes": lane.strategy.notes,
             "claims_exact": lane.strategy.claims_exact and self.determinism["deterministic"],
             "exact_unavailable": None if not lane.strategy.claims_exact or self.determinism["deterministic"]
@@ -369,7 +379,7 @@ class Engine:
 
     def results(self) -> dict:
         by_label = {self.reference.label: self.reference, **{lane.label: lane for lane in self.lanes}}
-        shared = self.forwards.shared_ms
+        shared, twins = self.forwards.shared_ms, self.forwards.twins_ms
         out = {
             "model": self.loaded.name,
             "model_source": self.loaded.source,
@@ -380,6 +390,9 @@ class Engine:
             "batched": self.forwards.batch,
             "teacher_forced_twins": self.twins,
             "shared_pass_ms_mean": sum(shared) / len(shared) if shared else None,
+            # The teacher-forced twins' own passes: the measurement's overhead, charged to no lane.
+            "twins_ms_per_step_mean": sum(twins) / len(twins) if twins else None,
+            "twins_ms_total": sum(twins),
             "turn_seconds": self.turn_seconds,
             "prompt_ids": self.prompt_ids,
             "turn_chunk_ids": self.turn_chunks,

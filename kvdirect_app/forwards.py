@@ -1,13 +1,24 @@
-"""The forwards of one engine step: alone, or every lane in one batched pass; timed and measured per lane.
+"""The forwards of one engine step: every lane's in one batched pass (or each alone); timed and measured per lane.
 
 `Forwards.run(items, turn_start)` feeds each item's tokens to its lane's
-cache (or its teacher-forced twin's).  Items with the same number of tokens
-go through the model together (`lockstep.run_batch`) unless batching is off
-(`batch=False`, the reference for tests), in which case each runs alone as
-before.  Either way each lane gets the same bits, the same per-op timings
-(its own work measured; a batched pass's shared work attributed 1/N) and the
-same byte accounting (its own allocations; a batched pass's activations
-attributed 1/N).
+cache (or its teacher-forced twin's).  Every forward goes through
+`lockstep.run_batch`: the lanes of a step with the same number of tokens in
+one pass (`batch=True`), or each in a pass of its own (`batch=False`, the
+reference for tests); either way each lane gets the same bits, the same ops
+in its timings and the same byte accounting (its own allocations; a pass's
+activations attributed 1/N to each of its N rows).
+
+Teacher-forced twins are the measurement's own device, not a lane: they go
+through the model in a pass of their own after the lanes', so no lane's
+figures depend on how many twins there are; their time is reported apart
+(`twins_ms`) as the measurement's overhead.
+
+Every latency row has the same ops (`metrics.OPS`, zero where an op did not
+run): a lane's cache work (recompute, replay, cache update, scoring), its
+attention (the attention function alone, softmax(QK^T)V), `shared` (the rest
+of the pass: projections, MLP, norms, embedding and head of all N rows,
+charged 1/N to each; all of it for a lane alone), and `other` (the lane's own
+work outside the model's pass: its masks, the begin and end of its step).
 """
 
 from __future__ import annotations
@@ -17,13 +28,13 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from . import compat
+from . import rss
 from .geometry import ModelGeometry
 from .hooks import InputTap
 from .lanes import Lane
 from .lockstep import Row, run_batch
-from .memory import AllocationTracer, harness
-from .metrics import clock
+from .memory import AllocationTracer
+from .strategies.base import Forward
 from .replay import check_rows_kernels
 from .threads import pin
 
@@ -35,6 +46,7 @@ class Item:
     lane: Lane
     ids: list[int]
     twin: bool = False
+    more_prompt: bool = False  # a piece of a turn's prompt, and more pieces follow
 
     @property
     def cache(self):
@@ -52,7 +64,8 @@ class Forwards:
         self.threads, self.batch = threads, batch
         self.process = psutil.Process()
         self.rss = self.rss_peak = 0
-        self.shared_ms: list[float] = []  # per batched decode pass: the work no lane did alone
+        self.shared_ms: list[float] = []  # per decode pass of several lanes: the work no lane did alone
+        self.twins_ms: list[float] = []  # per decode step with twins: their passes (the measurement's overhead)
         pin(threads)
         check_rows_kernels(model)  # now, not inside the first traced, timed step
 
@@ -60,78 +73,55 @@ class Forwards:
     # advanced from different threads.
     @torch.inference_mode()
     def run(self, items: list[Item], tap: InputTap, turn_start: bool, piece: int = 0):
-        """Feed every item; `piece` > 0 continues a prompt fed in pieces."""
+        """Feed every item: the lanes first (the reference's group first), then the teacher-forced twins;
+        `piece` > 0 continues a prompt fed in pieces."""
         pin(self.threads)
-        groups: dict[int, list[Item]] = {}
-        for item in items:
-            groups.setdefault(len(item.ids), []).append(item)
-        for group in groups.values():  # the group holding the reference (the first item) goes first
-            if self.batch and len(group) > 1:
-                self._together(group, tap, turn_start, piece)
-            else:
-                for item in group:
-                    self._alone(item, tap, turn_start, piece)
+        twins_s = 0.0
+        for twins in (False, True):
+            groups: dict[int, list[Item]] = {}
+            for item in items:
+                if item.twin == twins:
+                    groups.setdefault(len(item.ids), []).append(item)
+            for group in groups.values():
+                for rows in ([group] if self.batch else [[item] for item in group]):
+                    wall = self._pass(rows, tap, turn_start, piece)
+                    twins_s += wall if twins else 0.0
+        if not turn_start and any(item.twin for item in items):
+            self.twins_ms.append(1e3 * twins_s)
+        if turn_start:
+            # A prompt piece's activations go back to the OS instead of staying in the heap, so the process's RSS
+            # (what `top` and `/usr/bin/time` see) follows what the lanes hold (see rss.py).  Not after decode
+            # steps: a step frees and reuses buffers of the same sizes, and the call costs ~5-10 ms.
+            rss.release()
 
-    def _alone(self, item: Item, tap: InputTap, turn_start: bool, piece: int):
-        cache, lane = item.cache, item.lane
-        tap.target(cache)
-        seen_before = cache.get_seq_length()
-        x = torch.tensor([item.ids], device=self.device)
-        with self.tracer.trace(item.owner) as window:
-            t0 = clock(self.device)
-            cache.begin_step(item.ids)
-            logits = compat.forward_step(self.model, x, cache)
-            cache.end_step()
-            with harness():  # the engine's copy: what the lane's forward allocated for them is freed now
-                logits = logits.clone()
-            wall = clock(self.device) - t0
-            self._set_logits(item, logits)
-        ops = cache.take_timers()
-        if item.twin:
-            return
-        total = wall - ops["compare"]
-        in_attention = ops["recompute"] + ops["cache_update"] + ops["scoring"]
-        attention = tap.attention_s - ops["compare"] - in_attention
-        replay = ops.get("replay", 0.0)  # before the decoder layers, outside attention
-        times = {"recompute": ops["recompute"], "cache_update": ops["cache_update"], "scoring": ops["scoring"],
-                 "attention": attention, "other": total - (tap.attention_s - ops["compare"]) - replay,
-                 "total": total}
-        if "replay" in ops:
-            times["replay"] = replay
-        self._record(item, times, window, seen_before, turn_start, piece)
-
-    def _together(self, items: list[Item], tap: InputTap, turn_start: bool, piece: int):
-        rows = [Row(item.owner, item.cache, item.ids, item.cache.get_seq_length()) for item in items]
+    def _pass(self, items: list[Item], tap: InputTap, turn_start: bool, piece: int) -> float:
+        """One pass of the model over `items` (same token count); returns its wall time."""
+        rows = [Row(item.owner, item.cache, item.ids, item.cache.get_seq_length(), item.more_prompt) for item in items]
         with self.tracer.session(shared=SHARED, share_among=len(rows)):
             wall = run_batch(self.model, rows, self.tracer, tap, self.device)
         ops = [item.cache.take_timers() for item in items]
-        own = [row.own_s + o["recompute"] + o["cache_update"] + o["scoring"] + o.get("replay", 0.0)
-               for row, o in zip(rows, ops)]
-        shared = max(0.0, wall - sum(own) - sum(o["compare"] for o in ops))
-        if not turn_start:
+        # Inside the pass: each row's attention and cache work, the measurement's comparisons, and the shared rest.
+        inside = sum(row.attention_s + o["recompute"] + o["cache_update"] + o["scoring"] + o["replay"] + o["compare"]
+                     for row, o in zip(rows, ops))
+        shared = max(0.0, wall - inside)
+        if not turn_start and len(rows) > 1 and not items[0].twin:
             self.shared_ms.append(1e3 * shared)
-        for item, row, o, mine in zip(items, rows, ops, own):
-            self._set_logits(item, row.logits)
+        for item, row, o in zip(items, rows, ops):
             if item.twin:
+                item.lane.tf_logits = row.logits
                 continue
-            times = {"recompute": o["recompute"], "cache_update": o["cache_update"], "scoring": o["scoring"],
-                     "attention": row.own_s, "shared": shared / len(rows), "other": 0.0,
-                     "total": mine + shared / len(rows)}
-            if "replay" in o:
-                times["replay"] = o["replay"]
+            item.lane.logits = row.logits
+            times = {"recompute": o["recompute"], "replay": o["replay"], "cache_update": o["cache_update"],
+                     "scoring": o["scoring"], "attention": row.attention_s, "shared": shared / len(rows),
+                     "other": row.setup_s}
+            times["total"] = sum(times.values())
             self._record(item, times, row.window, row.seen, turn_start, piece)
-
-    @staticmethod
-    def _set_logits(item: Item, logits: torch.Tensor):
-        if item.twin:
-            item.lane.tf_logits = logits
-        else:
-            item.lane.logits = logits
+        return wall
 
     def _record(self, item: Item, times: dict, window, seen_before: int, turn_start: bool, piece: int):
         lane, q = item.lane, len(item.ids)
         lane.history.extend(item.ids)
-        lane.forwards.append((q, turn_start and piece == 0))
+        lane.forwards.append(Forward(q, prompt=turn_start, open=item.more_prompt))
         lane.times.add(times, prefill=turn_start, piece=piece)
         if not turn_start:
             lane.book.turns[-1].decode_ms.append(1e3 * times["total"])

@@ -26,6 +26,7 @@ import torch
 from .errors import UserError
 from .geometry import ModelGeometry
 from .strategies import Strategy
+from .strategies.base import Forward
 from .strategies.full import Full
 from .units import fmt_bytes
 
@@ -97,12 +98,14 @@ def available(device: torch.device) -> tuple[int, str]:
     return min(options)
 
 
-def activation_bytes(config, geom: ModelGeometry, q: int, context: int, scores: bool = False,
+def activation_bytes(config, geom: ModelGeometry, q: int, context: int, scores: int = 0,
                      replayed: int = 0) -> int:
     """One forward of `q` new tokens over `context` tokens: residual stream and norms, MLP, q/k/v/o, one row of
-    logits (float32); with eager attention or a strategy that scores by attention, the scores and their
-    softmax (SDPA's kernels work in blocks and never hold them: measured, a 1,024-token piece over 2,000
-    tokens of SmolLM2 stays below this bound); `replayed` old tokens run through a layer (AnchorKV's replay)."""
+    logits (float32); with eager attention (every query) or a strategy that scores by attention (`scores`
+    queries: all of a piece for H2O, SnapKV's window, TOVA's last), the fp32 scores, their masked copy and
+    their softmax (SDPA's kernels work in blocks and never hold them: measured, a 1,024-token piece over
+    2,000 tokens of SmolLM2 stays below this bound); `replayed` old tokens run through a layer (AnchorKV's
+    replay)."""
     from . import compat
 
     cfg = compat.text_config(config)
@@ -111,22 +114,26 @@ def activation_bytes(config, geom: ModelGeometry, q: int, context: int, scores: 
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
     per_token = (8 * cfg.hidden_size + 4 * inter + 2 * heads * head_dim) * b
-    scores = scores or getattr(config, "_attn_implementation", None) == "eager"
+    scores = q if getattr(config, "_attn_implementation", None) == "eager" else scores
     # Replay runs old rows through one layer at a time: measured, about two MLP-wide and two hidden rows per old token stay live.
-    return (q * per_token + replayed * 2 * (inter + cfg.hidden_size) * b + (2 * heads * q * context * 4 if scores else 0)
+    return (q * per_token + replayed * 2 * (inter + cfg.hidden_size) * b + 3 * heads * scores * context * 4
             + 2 * cfg.vocab_size * 4)
 
 
 def lane_bytes(strategy: Strategy, config, geom: ModelGeometry, prompt: int, tokens: int, chunk: int) -> int:
     """State + transient + activations at the run's two worst moments: the last prompt piece, the last step."""
-    forwards = [(prompt, True)] + [(1, False)] * max(0, tokens - prompt)
-    q = min(chunk, prompt)
+    pieces = [Forward(min(chunk, prompt - start), prompt=True, open=start + chunk < prompt)
+              for start in range(0, prompt, chunk)]
+    forwards = pieces + [Forward(1)] * max(0, tokens - prompt)
+    # The last piece sees the most tokens; a full-sized piece has the most rows (bounded together, conservatively).
+    q = pieces[-1].q
     worst = 0
-    for before, size, last in ((prompt - q, q, prompt), (tokens - 1, 1, tokens)):
-        state = strategy.formula_persistent(geom, last, forwards)
-        transient = strategy.formula_transient(geom, before, size, turn_start=before == 0, forwards=forwards)
+    for before, size, last, n in ((prompt - q, pieces[0].q, prompt, len(pieces)), (tokens - 1, 1, tokens, len(forwards))):
+        state = strategy.formula_persistent(geom, last, forwards[:n])
+        transient = strategy.formula_transient(geom, before, size, turn_start=before == 0, forwards=forwards[:n])
         replayed = before if hasattr(strategy, "anchor_layers") else 0
-        act = activation_bytes(config, geom, size, last, getattr(strategy, "needs_attention", False), replayed)
+        scored = strategy.scored_queries(size) if getattr(strategy, "needs_attention", False) else 0
+        act = activation_bytes(config, geom, size, last, scored, replayed)
         worst = max(worst, state + transient + act)
     return worst + LANE_SLACK
 

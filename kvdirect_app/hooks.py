@@ -7,7 +7,6 @@ import threading
 import torch
 
 from . import compat
-from .metrics import clock
 from .strategies import StrategyCache
 
 
@@ -28,12 +27,11 @@ def model_lock(model: torch.nn.Module) -> threading.Lock:
 
 class InputTap:
     """Forward hooks on every decoder layer and attention module: hand the decoder layer's input (the raw
-    residual) to caches that replay from it, the attention input to cache layers that keep it, and time the
-    attention modules.  Installed for one turn and removed after it; they stand aside while a cache replays
-    layers of the model for itself.
+    residual) to caches that replay from it, and the attention input to cache layers that keep it.  Installed
+    for one turn and removed after it; they stand aside while a cache replays layers of the model for itself.
 
-    Targets one cache (`target`: a lane's forward alone) or the rows of a batched pass (`target_rows`: each
-    row's slice, copied, goes to that row's cache, as that row's owner's work).
+    Targets the rows of a pass (`target_rows`: each row's slice, copied, goes to that row's cache, as that
+    row's owner's work), or one cache outside any pass (`target`: a parked cache resuming).
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
@@ -42,14 +40,11 @@ class InputTap:
         self.wants: list[set[int]] = []
         self.layers: list[set[int]] = []
         self.device = device
-        self.attention_s = 0.0
-        self._t0 = 0.0
         self.handles = []
         for i, layer in enumerate(compat.decoder_layers(model)):
             attn = compat.attention_module(layer)
             self.handles.append(layer.register_forward_pre_hook(self._residual(i), with_kwargs=True))
             self.handles.append(attn.register_forward_pre_hook(self._pre(i), with_kwargs=True))
-            self.handles.append(attn.register_forward_hook(self._post))
 
     def _standing_aside(self) -> bool:
         return not self.caches or any(cache.replaying for cache in self.caches)
@@ -78,13 +73,8 @@ class InputTap:
                 return
             x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             self._each(self.wants, index, x, lambda cache, x: cache.layers[index].capture(x))
-            self._t0 = clock(self.device)
 
         return hook
-
-    def _post(self, module, args, output):
-        if not self._standing_aside():
-            self.attention_s += clock(self.device) - self._t0
 
     def target(self, cache: StrategyCache):
         self._target([cache], None)
@@ -96,7 +86,6 @@ class InputTap:
         self.caches, self.batch = caches, batch
         self.wants = [set(cache.wants_inputs()) for cache in caches]
         self.layers = [set(cache.wants_layers()) for cache in caches]
-        self.attention_s = 0.0
 
     def close(self):
         for h in self.handles:

@@ -136,7 +136,7 @@ class Lane:
     max_dlogit: float = 0.0
     kv: dict = field(default_factory=dict)  # kv report frozen from the identical-history cache
     history: list[int] = field(default_factory=list)  # every id fed to the free run, in order
-    forwards: list[tuple[int, bool]] = field(default_factory=list)  # (tokens, first of a turn) of each forward
+    forwards: list = field(default_factory=list)  # a `strategies.base.Forward` for each forward of the free run
     parks: list[dict] = field(default_factory=list)  # per park: seen, bytes measured and by formula, resume ms
 
     @property

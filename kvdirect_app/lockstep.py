@@ -60,9 +60,11 @@ class Row:
     cache: StrategyCache
     ids: list[int]
     seen: int = 0
+    more_prompt: bool = False  # a piece of a turn's prompt, more pieces follow
     masks: dict = field(default_factory=dict)  # layer type -> the mask the model builds for this cache alone
     kv: dict = field(default_factory=dict)  # layer -> the K/V this cache handed attention
-    own_s: float = 0.0  # attention and input handling of this row alone (its cache's timers hold the rest)
+    attention_s: float = 0.0  # this row's attention function calls, inside the pass
+    setup_s: float = 0.0  # this row's own work outside the pass: its masks, the begin and end of its step
     logits: torch.Tensor | None = None
     window: object = None  # its owner's memory window in the pass's traced session
 
@@ -146,7 +148,7 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
                 out, weights = batch.attention(module, query[i:i + 1], k, v, mask, **kwargs)
             if query.shape[2] > 1:
                 done.append((query[i], k, v, mask, out))
-        row.own_s += time.perf_counter() - t0
+        row.attention_s += time.perf_counter() - t0
         outputs.append(out)
     return torch.cat(outputs, dim=0), weights
 
@@ -170,6 +172,8 @@ def _rows_forward(linear: torch.nn.Linear, n: int, x: torch.Tensor) -> torch.Ten
     """`linear` over the batch's N rows: each distinct row once, each as its own GEMM.  Any other input (a
     replay inside a lane's cache runs the same modules on one row) goes to the layer's own `F.linear`."""
     weight, bias = linear.weight, linear.bias
+    if n == 1:  # a pass of one row is the model's own forward
+        return F.linear(x, weight, bias)
     if x.dim() == 3 and x.shape[0] == n:
         if x.shape[1] == 1:  # decode: one row per lane, one weight read for all of them
             return linear_rows(weight, bias, x[:, 0]).unsqueeze(1)
@@ -209,11 +213,11 @@ def run_batch(model: torch.nn.Module, rows: list[Row], tracer: AllocationTracer,
     for i, row in enumerate(rows):
         with batch.owned(i):
             t0 = time.perf_counter()
-            row.cache.begin_step(row.ids)
+            row.cache.begin_step(row.ids, row.more_prompt)
             for t in set(batch.layer_types):
                 row.masks[t] = compat.mask_function(t)(config=config, inputs_embeds=like, attention_mask=None,
                                                        cache=row.cache, position_ids=positions[i:i + 1])
-            row.own_s += time.perf_counter() - t0
+            row.setup_s += time.perf_counter() - t0
     compat.register_attention(LANES_IMPLEMENTATION, lanes_attention)
     tap.target_rows(batch)
     _LOCAL.batch = batch
@@ -226,7 +230,9 @@ def run_batch(model: torch.nn.Module, rows: list[Row], tracer: AllocationTracer,
     wall = clock(device) - t0
     for i, row in enumerate(rows):
         with batch.owned(i):
+            t0 = time.perf_counter()
             row.cache.end_step()
+            row.setup_s += time.perf_counter() - t0
             row.masks = {}  # freed inside the traced session, like every other part of the row's forward
             with harness():  # the engine's copy of the row's logits
                 row.logits = logits[i].clone()

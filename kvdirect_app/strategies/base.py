@@ -35,6 +35,15 @@ from ..geometry import ModelGeometry
 from ..memory import harness
 
 
+class Forward(typing.NamedTuple):
+    """One forward of a lane, as the formulas see it: `q` tokens; `prompt`: part of a user turn's prompt (a
+    prompt fed in pieces is several); `open`: more pieces of that prompt follow."""
+
+    q: int
+    prompt: bool = False
+    open: bool = False
+
+
 class StrategyError(UserError):
     """A strategy spec that cannot be built; the message names the setting and its allowed values."""
 
@@ -184,7 +193,7 @@ class StrategyCache(Cache):
 
     def take_timers(self) -> dict[str, float]:
         """Seconds spent per op inside the cache during the last step (then reset)."""
-        out = {"recompute": 0.0, "cache_update": 0.0, "scoring": 0.0, "compare": 0.0}
+        out = {"recompute": 0.0, "replay": 0.0, "cache_update": 0.0, "scoring": 0.0, "compare": 0.0}
         for layer in self.layers:
             for key in out:
                 attr = key + "_s"
@@ -225,8 +234,12 @@ class StrategyCache(Cache):
     def before_layer(self, index: int, x: torch.Tensor):
         """Decoder layer `index` is about to run on `x` (1, q, d)."""
 
-    def begin_step(self, ids: list[int]):
-        """Called with the token ids of a forward, before it runs."""
+    def begin_step(self, ids: list[int], more_prompt: bool = False):
+        """Called with the token ids of a forward, before it runs; `more_prompt`: this forward is a piece of a
+        turn's prompt and more pieces follow (layers that evict wait for the last one)."""
+        for layer in self.layers:
+            if hasattr(layer, "prompt_open"):
+                layer.prompt_open = more_prompt
 
     def end_step(self):
         """Called after a forward: drop whatever the step needed and the next one does not."""
@@ -249,19 +262,48 @@ class StrategyCache(Cache):
                 layer.end_turn()
 
     def fork(self) -> "StrategyCache":
-        """An independent copy of the state (model-side objects are shared, not copied)."""
-        memo = {}
+        """An independent copy of the state.  Shared, not copied: the strategy, the reference's layers, and
+        every model-side object the cache reaches, however deep (modules with their parameters and buffers,
+        configs: an AnchorKV store reaches the whole model through its replayer)."""
+        memo = model_side(self)
         for layer in self.layers:
-            for attr in ("projector", "reference"):
-                obj = getattr(layer, attr, None)
-                if obj is not None:
-                    memo[id(obj)] = obj
+            reference = getattr(layer, "reference", None)
+            if reference is not None:
+                memo[id(reference)] = reference
         memo[id(self.strategy)] = self.strategy
         twin = copy.deepcopy(self, memo)
         for layer in twin.layers:
             layer.reference = None
             layer.init_measures()
         return twin
+
+
+def model_side(root) -> dict[int, object]:
+    """Every model-side object reachable from `root`, by id (a deepcopy memo that shares them): each
+    `nn.Module` with all its submodules, parameters and buffers, and each model config.  Tensors are leaves
+    (a cache's own state); the walk follows containers and plain objects' attributes."""
+    found: dict[int, object] = {}
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or id(obj) in found:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            for part in (*obj.modules(), *obj.parameters(), *obj.buffers()):
+                found[id(part)] = part
+        elif isinstance(obj, compat.PretrainedConfig):
+            found[id(obj)] = obj
+        elif isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, type(None), type)):
+            continue
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return found
 
 
 def _coerce(value: str, typ, field: str, strategy: str):
@@ -319,8 +361,8 @@ class Strategy:
         raise NotImplementedError
 
     # The formulas take the config's geometry, the tokens seen and, for strategies whose state depends on how
-    # the conversation was chunked (SnapKV compresses each prompt), `forwards`: (tokens, first of a turn) of
-    # every forward so far.
+    # the conversation was chunked (SnapKV compresses each prompt), `forwards`: a `Forward` for every forward so
+    # far.
     def formula_persistent(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
         """Bytes held after `seen` tokens, from the config alone."""
         raise NotImplementedError

@@ -8,6 +8,12 @@ them:
   tokens.  Attention always sees all of them (so a prefill chunk attends to
   itself in full, as in the papers); only afterwards does the layer keep the
   `budget` best-scored candidates, ties going to the newer token.
+* A user turn's prompt is one prefill, whatever the pieces the engine feeds
+  it in (`--prefill-chunk`): nothing is evicted until its last piece, whose
+  forward scores every candidate once (SnapKV's observation window is the
+  end of the whole prompt: the layer keeps the last `prompt_window` attention
+  inputs of the prompt across pieces for it).  So the kept tokens and bytes
+  do not depend on the piece size.
 * Keys are stored post-RoPE exactly as the model produced them and are never
   re-rotated; every kept token keeps its original absolute position, stored as
   int32 (counted in the state bytes).  `get_seq_length()` counts tokens *seen*,
@@ -63,7 +69,7 @@ from .. import compat
 from ..compat import CacheLayerMixin
 from ..geometry import ModelGeometry
 from ..replay import HeadProjection
-from .base import MeasuredLayer, SlidingLayer, Strategy, StrategyCache, storage_bytes, window_layer_bytes, window_layer_transient
+from .base import Forward, MeasuredLayer, SlidingLayer, Strategy, StrategyCache, storage_bytes, window_layer_bytes, window_layer_transient
 
 POSITION_DTYPE = torch.int32
 POSITION_BYTES = 4
@@ -123,7 +129,8 @@ class Step:
     positions : (1, G, T) original positions of the candidates (stored, then new), oldest first.
     seen : tokens seen after this step; the step's queries sit at positions seen - q .. seen - 1.
     q : new tokens in this step (a prefill chunk, or 1 when decoding).
-    prefill : whether this is the first forward of a turn.
+    prefill : whether this forward belongs to a turn's prompt (then `evicts` only at its last piece).
+    prompt_tokens : tokens of the turn's prompt so far, this forward's included (0 when decoding).
     evicts : whether candidates exceed the budget (some will be dropped).
     buffers : the strategy's per-token score buffers (1, G, T); new tokens start at 0.  Write the
         updated buffers back here; they are kept along with their tokens.
@@ -136,12 +143,14 @@ class Step:
     budget: int
     prefill: bool
     evicts: bool
+    prompt_tokens: int
     buffers: dict[str, torch.Tensor]
     state: dict
     _attend: Callable[[int], torch.Tensor] | None = field(default=None, repr=False)
 
     def attention(self, n: int) -> torch.Tensor:
-        """Probabilities (1, n_kv, groups, n, T) of the step's last `n` queries over the candidates."""
+        """Probabilities (1, n_kv, groups, n, T) of the last `n` queries over the candidates: this forward's,
+        and at the end of a prompt fed in pieces up to the scorer's `prompt_window` of the prompt's earlier ones."""
         if self._attend is None:
             raise RuntimeError("this strategy does not capture attention inputs (needs_attention = False)")
         return self._attend(n)
@@ -170,7 +179,10 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
         self.buffers: dict[str, torch.Tensor] = {}  # name -> (1, G, stored) fp32
         self.state: dict = {}
         self.seen = 0
-        self.prefill = True
+        self.prefill = True  # the next forward starts (or continues) a turn's prompt
+        self.prompt_open = False  # set by the cache before a forward: more pieces of this prompt follow
+        self.prompt_tokens = 0
+        self.prompt_tail: torch.Tensor | None = None  # (1, <= prompt_window, d): the open prompt's last inputs
         self.pending: torch.Tensor | None = None
         self.init_measures()
 
@@ -185,13 +197,17 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
                         for name in self.strategy.token_buffers}
         self.is_initialized = True
 
-    def _attend(self, keys: torch.Tensor, positions: torch.Tensor, x: torch.Tensor | None):
+    def _attend(self, keys: torch.Tensor, positions: torch.Tensor, x: torch.Tensor | None,
+                earlier: torch.Tensor | None):
         def attend(n: int) -> torch.Tensor:
             if x is None:
                 raise RuntimeError(f"{self.strategy.name}: the attention input was not handed over; "
                                    "run the model through engine.InputTap")
+            inputs = x if earlier is None or n <= x.shape[1] else torch.cat([earlier, x], dim=1)
+            if n > inputs.shape[1]:
+                raise RuntimeError(f"{self.strategy.name}: {n} queries asked for, {inputs.shape[1]} kept")
             start = self.seen - n
-            queries = self.projector.queries(x[:, -n:], start)
+            queries = self.projector.queries(inputs[:, -n:], start)
             query_positions = torch.arange(start, self.seen, device=keys.device)
             return attention_probs(queries, keys, query_positions, positions, self.projector.scaling,
                                    self.projector.softcap)
@@ -211,14 +227,22 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
         positions = torch.cat([self.positions, new_positions.expand(1, rows, q)], dim=-1)
         buffers = {name: torch.cat([buf, buf.new_zeros(1, rows, q)], dim=-1) for name, buf in self.buffers.items()}
         self.seen += q
+        self.prompt_tokens = self.prompt_tokens + q if self.prefill else 0
         limit = self.strategy.limit(self.prefill)
-        evicts = limit is not None and keys.shape[-2] > limit
-        step = Step(positions, self.seen, q, self.strategy.budget, self.prefill, evicts, buffers, self.state,
-                    self._attend(keys, positions, x) if self.projector is not None else None)
+        evicts = limit is not None and keys.shape[-2] > limit and not self.prompt_open
+        earlier = self.prompt_tail
+        step = Step(positions, self.seen, q, self.strategy.budget, self.prefill, evicts, self.prompt_tokens, buffers,
+                    self.state, self._attend(keys, positions, x, earlier) if self.projector is not None else None)
         t1 = time.perf_counter()
         scores = self.strategy.score(step)
         scoring_s = time.perf_counter() - t1
-        self.prefill = False
+        window = self.strategy.prompt_window
+        if self.prompt_open and window and x is not None:  # the end of this prompt may need these queries
+            inputs = x if earlier is None else torch.cat([earlier, x], dim=1)
+            self.prompt_tail = inputs[:, -window:].clone()
+        else:
+            self.prompt_tail = None
+        self.prefill = self.prompt_open
         if evicts:
             keep = keep_top(scores, limit)  # (1, G, limit)
             kv_index = keep.unsqueeze(-1).expand(1, keys.shape[1], -1, keys.shape[-1])
@@ -237,7 +261,7 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
         return
 
     def end_turn(self):
-        self.prefill = True
+        self.prefill, self.prompt_open, self.prompt_tokens, self.prompt_tail = True, False, 0, None
 
     def token_states(self) -> list[str]:
         """"kv" for a token some KV head still holds, "evicted" otherwise."""
@@ -245,7 +269,7 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
         return ["kv" if t in kept else "evicted" for t in range(self.seen)]
 
     def state_bytes(self) -> int:
-        return storage_bytes(self.keys, self.values, self.positions, *self.buffers.values())
+        return storage_bytes(self.keys, self.values, self.positions, self.prompt_tail, *self.buffers.values())
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         stored = 0 if self.keys is None else self.keys.shape[-2]
@@ -281,6 +305,15 @@ class Scored(Strategy):
     needs_attention: ClassVar[bool] = False  # score() calls step.attention()
     token_buffers: ClassVar[tuple[str, ...]] = ()  # fp32 per-token buffers kept with their tokens
 
+    def scored_queries(self, q: int) -> int:
+        """How many of a forward's `q` queries `score()` asks attention for at most (the memory guard's bound)."""
+        return q
+
+    @property
+    def prompt_window(self) -> int:
+        """Attention inputs of an open prompt kept across its pieces: the queries `score()` asks for at its end."""
+        return 0
+
     def __post_init__(self):
         self.check_min(self.name, "budget", self.budget, 1)
 
@@ -314,36 +347,52 @@ class Scored(Strategy):
         return layer.kv_bytes_per_token + rows * (POSITION_BYTES + BUFFER_BYTES * len(self.token_buffers))
 
     def stored(self, seen: int, forwards: list | None) -> int:
-        """Tokens a global layer holds after `forwards` ((tokens, first of a turn) each); without them, the
-        budget-holding rule."""
+        """Tokens a global layer holds after `forwards` (`base.Forward` each: a prompt's pieces are held until
+        its last one); without them, the budget-holding rule."""
         if forwards is None:
             return min(seen, self.budget)
         held = 0
-        for q, prefill in forwards:
-            limit = self.limit(prefill)
-            held = held + q if limit is None else min(held + q, limit)
+        for f in forwards:
+            limit = None if f.open else self.limit(f.prompt)
+            held = held + f.q if limit is None else min(held + f.q, limit)
         return held
+
+    def _tail(self, forwards: list | None) -> int:
+        """Attention inputs held for the end of an open prompt (`prompt_window`) after `forwards`."""
+        if not forwards or not forwards[-1].open or not self.prompt_window:
+            return 0
+        tokens = 0
+        for f in reversed(forwards):
+            if not f.prompt:
+                break
+            tokens += f.q
+        return min(tokens, self.prompt_window)
 
     def formula_persistent(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
         total = 0
-        held = self.stored(seen, forwards)
+        held, tail = self.stored(seen, forwards), self._tail(forwards)
         for layer in geom.layers:
             if layer.is_sliding:
                 total += window_layer_bytes(geom, layer.index, seen)
             else:
-                total += held * self._token_bytes(layer)
+                total += held * self._token_bytes(layer) + tail * geom.residual_bytes
         return total
 
     def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False,
                           forwards: list | None = None) -> int:
         held = self.stored(seen_before, forwards[:-1] if forwards else forwards)
-        limit = self.limit(turn_start)
+        this = forwards[-1] if forwards else Forward(q, prompt=turn_start)
+        limit = None if this.open else self.limit(this.prompt)
         worst = 0
         for layer in geom.layers:
             if layer.is_sliding:
                 worst = max(worst, window_layer_transient(geom, layer.index, seen_before, q))
                 continue
+            # While the candidates are concatenated, the held tensors are still alive beside them; when the step
+            # evicts, the kept ones are gathered while both are.
             candidates = held + q
             if limit is not None and candidates > limit:
-                worst = max(worst, candidates * self._token_bytes(layer))
+                worst = max(worst, (held + candidates) * self._token_bytes(layer))
+            else:
+                worst = max(worst, held * self._token_bytes(layer))
         return worst

@@ -53,8 +53,9 @@ class SnapKV(Scored):
     -----
     Defaults are the official code's (window 32, kernel 5, average pooling;
     its LongBench runs used kernel 7 with max pooling, available as settings).
-    At the first forward of every user turn (its prompt), if the held tokens
-    plus the prompt exceed the budget: per query head, the softmax attention
+    At the end of every user turn's prompt (its last piece, when the engine
+    feeds a long prompt in pieces), if the held tokens plus the prompt exceed
+    the budget: per query head, the softmax attention
     of the prompt's last `min(window, prompt)` queries over all candidates is
     summed over those queries and pooled along the candidates before the
     window (each head's compacted token order); query heads of a group are
@@ -94,8 +95,15 @@ class SnapKV(Scored):
         return [f"window={self.window} does not fit budget={self.budget}; the observation window is "
                 f"{self.observed} (budget // 2)"]
 
+    @property
+    def prompt_window(self) -> int:
+        return self.observed
+
     def limit(self, prefill: bool) -> int | None:
         return self.budget if prefill or self.decode == "hold" else None
+
+    def scored_queries(self, q: int) -> int:
+        return self.observed
 
     def score(self, step: Step) -> torch.Tensor | None:
         window = self.observed
@@ -104,7 +112,7 @@ class SnapKV(Scored):
             step.state["selected_before"] = step.seen - window
             if not step.evicts:
                 return None
-            votes = step.attention(min(window, step.q)).sum(dim=3)  # (1, n_kv, groups, T)
+            votes = step.attention(min(window, step.prompt_tokens)).sum(dim=3)  # (1, n_kv, groups, T)
             prefix = votes[..., :-window]
             if prefix.shape[-1]:
                 n_kv, groups, length = prefix.shape[1:]

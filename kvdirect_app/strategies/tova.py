@@ -39,6 +39,9 @@ class TOVA(Scored):
     name = "tova"
     needs_attention = True
 
+    def scored_queries(self, q: int) -> int:
+        return 1
+
     def score(self, step: Step) -> torch.Tensor | None:
         if not step.evicts:
             return None

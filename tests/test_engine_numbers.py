@@ -1,0 +1,160 @@
+"""Numbers the engine reports that must not depend on how the run was fed or who else ran beside a lane.
+
+* every latency row of every lane has the same ops, batched or alone (a lane decoding on alone after the
+  reference's reply ended used to have rows without `shared`: the Recall demo's KeyError);
+* the shared pass is charged among the lanes' own rows; teacher-forced twins run in a pass of their own,
+  reported as the measurement's overhead;
+* a prompt fed in pieces keeps the same tokens and bytes whatever the piece size, for every strategy;
+* a teacher-forced twin copies the cache's state, never the model.
+"""
+
+import pytest
+import torch
+
+from kvdirect_app import guard, rss
+from kvdirect_app.engine import Engine, run_to_end
+from kvdirect_app.metrics import OPS
+from kvdirect_app.strategies import parse_spec, parse_specs
+from kvdirect_app.strategies.anchorkv import AnchorCache
+
+from .conftest import tiny
+
+TURNS = ["Tell me about caches.", "Why do keys need positions?"]
+EVERY = ("full,kvdirect:budget=4,anchorkv:spacing=2:budget=4:rebuild=step,anchorkv:spacing=3:budget=4,"
+         "window:budget=6,streaming_llm:budget=8,h2o:budget=8,snapkv:budget=16:window=4,tova:budget=6")
+
+
+def _events(loaded, specs, **options):
+    engine = Engine(loaded, parse_specs(specs), threads=1, **options)
+    return engine, list(engine.run(TURNS))
+
+
+@pytest.mark.parametrize("batch", [True, False], ids=["batched", "sequential"])
+def test_every_latency_row_of_every_lane_has_the_same_ops(batch):
+    """In turn 2 a diverged lane's prompt (its own earlier reply) has another length than the reference's: it is
+    fed in a pass of its own, alone.  Its rows must carry the same ops as the batched ones."""
+    engine, events = _events(tiny("tiny-llama"), "full,window:budget=4,kvdirect:budget=4", max_new_tokens=6,
+                             batch=batch)
+    rows = [ev["latency_ms"] for e in events if e["type"] == "step" for ev in e["lanes"].values()]
+    assert rows and all(set(row) == {*OPS, "total"} for row in rows)
+    assert all(row["total"] == pytest.approx(sum(row[op] for op in OPS)) for row in rows)
+    result = events[-1]["result"]
+    for label, r in result["strategies"].items():
+        assert {f"decode_{op}_ms_mean" for op in (*OPS, "total")} <= set(r["latency_ms"]), label
+    # The lossy lane's second prompt differs from the reference's: it went through a pass of its own.
+    window = next(lane for lane in engine.lanes if lane.label == "window:budget=4")
+    full_chunks = engine.turn_chunks
+    assert window.diverged and len(full_chunks) == 2
+
+
+def test_the_shared_pass_is_charged_among_the_lanes_rows_and_twins_are_apart():
+    """At a decode step where every lane is in one pass, the lanes' `shared` charges add up to the pass's shared
+    work: a twin's row takes no share from any lane; the twins' own passes are reported apart."""
+    loaded = tiny("tiny-llama")
+    engine = Engine(loaded, parse_specs("full,window:budget=4,tova:budget=4,kvdirect:budget=4"), max_new_tokens=8,
+                    threads=1)
+    steps = []
+    for event in engine.run(TURNS[:1]):
+        if event["type"] == "step":
+            steps.append((event, len(engine.forwards.shared_ms)))
+    result = engine.results()
+    assert any(lane.tf_cache is not None for lane in engine.lanes), "no lane diverged: no twin ran"
+    assert result["twins_ms_total"] > 0 and result["twins_ms_per_step_mean"] > 0
+    checked = 0
+    for (event, passes), (_, before) in zip(steps[1:], steps[:-1]):
+        lanes = event["lanes"]
+        fed = [ev for ev in lanes.values() if ev["fed"]]
+        if passes - before != 1 or len(fed) != len(engine.all_lanes):
+            continue  # a step where the lanes were split into several passes, or one ended
+        shared = engine.forwards.shared_ms[passes - 1]
+        assert sum(ev["latency_ms"]["shared"] for ev in fed) == pytest.approx(shared)
+        checked += 1
+    assert checked >= 3
+
+
+def _kept(engine):
+    """Per lane: every layer's token states (what each layer keeps of each token)."""
+    return {lane.label: [layer.token_states() for layer in lane.cache.layers] for lane in engine.all_lanes}
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma2"])
+def test_a_prompt_fed_in_pieces_keeps_the_same_tokens_and_bytes_whatever_the_piece_size(family):
+    """SnapKV used to compress only the first piece of a long prompt (the rest counted as decoding); every
+    eviction strategy trimmed after each piece.  A prompt is one prefill: kept tokens, bytes and replies are the
+    same for pieces of 7 tokens and for one piece."""
+    loaded = tiny(family)
+    prompt = "A long message about caches, residual streams and anchors, read in pieces. " * 2
+    runs = {}
+    for chunk in (7, 1024):
+        engine = Engine(loaded, parse_specs(EVERY), max_new_tokens=5, threads=1, prefill_chunk=chunk)
+        result = run_to_end(engine, [prompt, "Summarise that."])
+        runs[chunk] = (result, _kept(engine))
+    (small, kept_small), (whole, kept_whole) = runs[7], runs[1024]
+    assert len(small["prompt_ids"]) > 100
+    for label, r in whole["strategies"].items():
+        s = small["strategies"][label]
+        assert s["token_ids"] == r["token_ids"], label
+        assert [t["between_turns"] for t in s["turns"]] == [t["between_turns"] for t in r["turns"]], label
+        assert [t["formula_between_turns"] for t in s["turns"]] == [t["formula_between_turns"] for t in r["turns"]]
+        assert s["state_bytes"]["formula_matches_measurement"] and r["state_bytes"]["formula_matches_measurement"]
+        assert kept_small[label] == kept_whole[label], label
+    snap = whole["strategies"]["snapkv:budget=16:window=4"]
+    assert snap["turns"][0]["between_turns"] < whole["strategies"]["full"]["turns"][0]["between_turns"] / 3
+
+
+def test_the_guard_bounds_a_prompt_fed_in_pieces():
+    """The memory guard's estimate for every strategy with small pieces is at least what the allocator measured
+    (a prompt's pieces are held until its last one: the estimate must know it)."""
+    loaded = tiny("tiny-llama")
+    prompt = "A long message about caches, residual streams and anchors, read in pieces. " * 2
+    engine = Engine(loaded, parse_specs(EVERY), max_new_tokens=5, threads=1, prefill_chunk=16, twins=False)
+    result = run_to_end(engine, [prompt])
+    est = guard.estimate(loaded.config, loaded.dtype, parse_specs(EVERY), len(result["prompt_ids"]),
+                         len(result["prompt_ids"]) + 5, 16, twins=False)
+    for label, r in result["strategies"].items():
+        assert est.lanes[label] >= r["state_bytes"]["peak"], label
+
+
+def _anchor_cache_after_a_turn(loaded, spec):
+    engine = Engine(loaded, parse_specs(f"full,{spec}"), max_new_tokens=4, threads=1)
+    run_to_end(engine, ["Tell me about caches."])
+    return engine, engine.lanes[0]
+
+
+def test_a_twin_shares_every_model_side_object_and_copies_the_state():
+    loaded = tiny("tiny-llama")
+    engine, lane = _anchor_cache_after_a_turn(loaded, "anchorkv:spacing=2:budget=3:mode=fast")
+    cache = lane.cache
+    assert isinstance(cache, AnchorCache)
+    with engine.tracer.trace("twin under test"):
+        twin = cache.fork()
+    assert twin.store.replayer.model is loaded.model and twin.store.replayer.layers is cache.store.replayer.layers
+    assert twin.store is not cache.store and twin.store.token_ids is not cache.store.token_ids
+    assert torch.equal(twin.store.token_ids, cache.store.token_ids)
+    model_tensors = {id(p) for p in loaded.model.parameters()}
+    assert not model_tensors - {id(p) for p in twin.store.replayer.model.parameters()}
+    # What the allocator saw the fork allocate is the twin's state, nothing more (no weight was copied).
+    assert engine.tracer.live("twin under test") == twin.persistent_bytes() > 0
+
+
+def test_a_twin_on_smollm2_does_not_grow_rss_by_the_model(smollm2):
+    engine, lane = _anchor_cache_after_a_turn(smollm2, "anchorkv:spacing=30:budget=4:mode=fast")
+    weights = sum(p.numel() * p.element_size() for p in smollm2.model.parameters())
+    rss.trim()
+    before = rss.rss()
+    twins = [lane.cache.fork() for _ in range(3)]
+    grown = rss.rss() - before
+    assert grown < weights / 4, (grown, weights)
+    assert all(t.store.replayer.model is smollm2.model for t in twins)
+
+
+def test_model_side_finds_the_model_however_deep_and_nothing_of_the_cache():
+    """`model_side` finds modules however deep and leaves the cache's own tensors to be copied."""
+    from kvdirect_app.strategies.base import model_side
+
+    loaded = tiny("tiny-llama")
+    cache = parse_spec("anchorkv:spacing=2:budget=3").build_cache(loaded.model)
+    found = model_side(cache)
+    assert id(loaded.model) in found and id(loaded.model.config) in found
+    assert all(id(p) in found for p in loaded.model.parameters())
+    assert id(cache.store) not in found
