@@ -8,7 +8,8 @@ smaller caps (see kvdirect_app/hosted.py).
 import os
 import threading
 
-from kvdirect_app.models import ModelError, load_model
+from kvdirect_app import service
+from kvdirect_app.errors import UserError
 from kvdirect_app.ui import build_demo, launch_options
 from kvdirect_app.ui.runner import queue_options, session_capacity
 from kvdirect_app.ui.settings import default_model
@@ -17,8 +18,8 @@ from kvdirect_app.ui.settings import default_model
 def _warm_up(name: str):
     """Load the default model while the page is being opened (it is cached and shared read-only)."""
     try:
-        load_model(name, dtype="float32", device="auto")
-    except ModelError as e:
+        service.load(name, dtype="float32", device="auto")
+    except UserError as e:
         print(f"warm-up: {e}")
 
 

@@ -8,3 +8,7 @@ its traceback on the server and reported to the user without it.
 
 class UserError(ValueError):
     """Bad input or a refused run; the message names the setting and its allowed values."""
+
+
+class OutOfMemory(RuntimeError):
+    """A run that ran out of memory although the guard let it start; the session is freed, the process stays up."""

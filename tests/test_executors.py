@@ -10,7 +10,6 @@ installs requirements-ray.txt, so CI runs them).
 import json
 import re
 import sys
-import time
 
 import pytest
 
@@ -88,13 +87,11 @@ def test_sweep_on_the_local_process_pool_gives_the_in_process_json(in_process, t
     assert untimed(data) == untimed(in_process)
 
 
+@pytest.mark.timeout(300)  # a Ray that never starts or never returns fails here, not after the suite's limit
 def test_sweep_on_a_local_ray_gives_the_in_process_json(in_process, small_local_ray, tmp_path):
-    start = time.monotonic()
     data = sweep_json(tmp_path / "ray.json", "--executor", "ray")
-    took = time.monotonic() - start
     assert not small_local_ray.is_initialized()  # started for the run, shut down after it
     assert untimed(data) == untimed(in_process)
-    assert took < 120, f"the Ray sweep took {took:.0f} s"
 
 
 def test_run_cells_keeps_the_cells_order_and_pins_each_childs_threads():

@@ -5,13 +5,13 @@ import html
 import subprocess
 import sys
 import threading
-import time
 
 import psutil
 import pytest
 
 from kvdirect_app import bench, guard, validate
 from kvdirect_app.engine import Engine
+from kvdirect_app.errors import UserError
 from kvdirect_app.models import load_model
 from kvdirect_app.prompts import filler_ids
 from kvdirect_app.strategies import parse_specs
@@ -177,7 +177,7 @@ def test_a_budget_the_sidebar_allows_runs_every_strategy(app):
     from kvdirect_app.ui.scoreboard import scoreboard_html
     from kvdirect_app.ui.settings import catalogue
 
-    for budget in (1, 2, 4):
+    for budget, adapts in ((1, True), (2, True), (4, True), (64, False)):
         session = Session()
         controls = dict(model=TINY, custom_model="", device="auto", dtype="float32", strategies=catalogue(),
                         extra_specs="", budget=budget, spacing=2, mode="exact", rebuild="step", max_new_tokens=2,
@@ -185,8 +185,7 @@ def test_a_budget_the_sidebar_allows_runs_every_strategy(app):
         message = status_of(demo, list(h.send(session, "Hi there.", **controls)))
         assert "Done: 1 turn(s)" in message, (budget, message)
         assert len(session.shown) == len(catalogue())
-        if budget <= 4:
-            assert "settings adapted" in scoreboard_html(session)
+        assert ("settings adapted" in scoreboard_html(session)) == adapts, budget
 
 
 # --- the memory guard ---------------------------------------------------------------------------------------------
@@ -224,7 +223,7 @@ def test_guard_estimate_bounds_the_allocator_measurement(model):
 
 def test_guard_parses_the_operator_limit():
     assert guard.parse_size("2GiB") == 2 * 2**30 and guard.parse_size("500 MB") == 500_000_000
-    with pytest.raises(validate.UserError, match="KVDIRECT_MEMORY_LIMIT: 'lots' is not a size"):
+    with pytest.raises(UserError, match="KVDIRECT_MEMORY_LIMIT: 'lots' is not a size"):
         guard.parse_size("lots")
 
 
@@ -309,13 +308,12 @@ def test_eight_visitors_at_once_get_their_own_answers_and_memory_comes_back(app)
     before = process.memory_info().rss
 
     threads = [threading.Thread(target=visitor, args=(k,)) for k in range(8)]
-    t0 = time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=600)
+    assert not any(t.is_alive() for t in threads), "a visitor's turns did not finish within 10 minutes"
     assert not errors, errors
-    assert time.monotonic() - t0 < 600
     assert sum(len(v) for v in results.values()) == 24  # nobody was turned away at this size
     for k, turns in results.items():
         for i, (word, chat, status) in enumerate(turns):
@@ -359,11 +357,11 @@ def test_a_model_switch_is_refused_while_a_turn_runs(app):
     assert "cannot change now" in status_of(demo, updates)
 
 
-def test_a_bogus_hub_id_fails_within_seconds():
-    t0 = time.monotonic()
-    with pytest.raises(Exception, match="model: "):
+@pytest.mark.timeout(30)  # was ~47 s of download retries; one metadata request with a timeout fails fast
+def test_a_bogus_hub_id_fails_with_one_clear_message():
+    with pytest.raises(UserError, match="model: ") as info:
         load_model("not-a-user/not-a-model-at-all")
-    assert time.monotonic() - t0 < 30  # was ~47 s of retries
+    assert "\n" not in str(info.value)
 
 
 def test_tiny_models_are_labelled_as_test_models():

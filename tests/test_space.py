@@ -46,15 +46,15 @@ def test_a_space_installs_requirements_txt_and_serves_gemma_without_the_hub(tmp_
     app = subprocess.Popen([str(python), "app.py"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}/"
-        deadline = time.monotonic() + 300
-        while True:
+        for _ in range(150):  # wait for the page, up to ~5 minutes
             try:
                 config = json.loads(urllib.request.urlopen(url + "config", timeout=5).read())
                 break
             except OSError:
                 assert app.poll() is None, (tmp_path / "app.log").read_text()[-2000:]
-                assert time.monotonic() < deadline, "the app did not start within 5 minutes"
                 time.sleep(2)
+        else:
+            pytest.fail("the app did not serve its page within ~5 minutes")
         text = json.dumps(config)
         assert "gemma3-270m" in text
         assert "smollm2-135m is not offered here" in text and "requirements.txt" in text
@@ -73,7 +73,6 @@ def test_a_space_installs_requirements_txt_and_serves_gemma_without_the_hub(tmp_
             "    c.predict('Hi', 'HuggingFaceTB/SmolLM2-135M-Instruct', 'full', 8, 0, 2, api_name='/compare')\n"
             "except Exception as e:\n"
             "    print('ERROR', e)\n")
-        t0 = time.monotonic()
         out = subprocess.run([str(python), "-c", client_code], capture_output=True, text=True, timeout=600, env=env)
         assert out.returncode == 0, out.stderr[-2000:] + (tmp_path / "app.log").read_text()[-2000:]
         first, *errors = out.stdout.strip().splitlines()
@@ -81,7 +80,6 @@ def test_a_space_installs_requirements_txt_and_serves_gemma_without_the_hub(tmp_
         assert got["model"] == "gemma3-270m" and got["match"] == 1.0 and "embedded GGUF" in got["source"]
         assert "smollm2-135m is not offered here" in errors[0] and "requirements.txt" in errors[0]
         assert "presets only" in errors[1] or "hosted mode" in errors[1]
-        assert time.monotonic() - t0 < 600
     finally:
         app.terminate()
         app.wait(timeout=30)

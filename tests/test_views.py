@@ -108,10 +108,17 @@ def test_every_strategy_is_drawn_at_the_conversation_position_of_the_step(run):
     assert {end for _, _, end in ran_on} == {x for x in ends.x if x is not None}
 
 
-def test_process_rss_never_goes_back(run):
+def test_the_rss_line_plots_the_measured_rss_along_the_engine_clock(run):
+    """The process RSS line: one point per step, at the conversation position (never zigzagging back), each the
+    RSS the engine read after that step, in the unit its axis names."""
     _, session = run
-    rss = next(t for t in memory_figure(session).data if t.name == "process RSS (right axis)")
+    figure = memory_figure(session)
+    rss = next(t for t in figure.data if t.name == "process RSS (right axis)")
+    assert list(rss.x) == [r["position"] for r in session.rss]
     assert all(a < b for a, b in zip(rss.x, rss.x[1:]))
+    unit = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[re.search(r"\((\w+)\)$", figure.layout.yaxis2.title.text)[1]]
+    assert [round(y * unit) for y in rss.y] == [r["rss"] for r in session.rss]
+    assert len(set(rss.y)) > 1 or len(rss.y) == 1
 
 
 def test_kl_is_on_a_log_axis_with_exact_zeros_on_its_floor(run):

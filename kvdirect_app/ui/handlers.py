@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import gradio as gr
 
-from .. import validate
+from .. import service
 from ..hosted import hosted
 from ..scenarios import scenarios
 from . import runner, views
@@ -200,15 +200,14 @@ class Handlers:
                                           "error")}
             return
         try:
-            name = validate.model_name((controls.get("custom_model") or "").strip() or controls.get("model"))
-            device, dtype = validate.device_dtype(controls.get("device"), controls.get("dtype"))
+            name = service.check_model_name((controls.get("custom_model") or "").strip() or controls.get("model"))
+            device, dtype = service.check_device_dtype(controls.get("device"), controls.get("dtype"))
         except runner.USER_ERRORS as e:
             yield {v.status: views.status(str(e), "error")}
             return
         yield {v.status: views.status(f"Loading {name} on {device} ({dtype})…", "busy")}
         try:
-            loaded = runner.load_model(name, dtype=dtype, device=device)
-            geom = runner.geometry(loaded)
+            info = service.load(name, dtype=dtype, device=device)
         except runner.USER_ERRORS as e:
             message, kind = str(e), "error"
         except Exception as e:  # e.g. an architecture transformers cannot build: say so, stay up
@@ -221,23 +220,23 @@ class Handlers:
         if message is not None:
             yield {v.status: views.status(message, kind)}
             return
-        L = geom.num_layers
+        L = info["layers"]
         earlier = len(session.user_turns)
         then = (f" Your next message replays the {earlier} earlier turn(s) on it first (Clear starts afresh)."
                 if earlier and session.config is not None and session.config.model != name else
                 " Type a message, or press Recall demo.")
         yield {
-            v.geometry: geometry_html(name, geom, str(loaded.dtype).removeprefix("torch.")),
+            v.geometry: geometry_html(name, info["geometry"], info["dtype"]),
             v.map_layer: gr.Slider(maximum=L - 1),
             # Cascade replay runs every layer once whatever the spacing, so the deepest spacing (token ids only,
             # 4 bytes per token) saves the most memory at the same compute; it is >= the break-even s*.
             c.spacing: gr.Slider(maximum=L, value=L),
-            v.status: views.status(f"{name} ready ({loaded.source}; {loaded.device}, {L} layers).{then}", "ok"),
+            v.status: views.status(f"{name} ready ({info['source']}; {info['device']}, {L} layers).{then}", "ok"),
         }
 
     # --- a run -----------------------------------------------------------------
     def _stream(self, session: Session, config: RunConfig, turns: list[str], fresh: bool,
-                note: str) -> Iterator[dict]:
+                note: str, expect: tuple[int, str] | None = None) -> Iterator[dict]:
         """Play `turns` (all of them on a fresh engine, else only the new one) and stream the panes."""
         session.busy, session.stop_requested = True, False
         yield {**self.render(session, busy=True, message=note, kind="busy"),
@@ -247,9 +246,9 @@ class Handlers:
         stopped = False
         try:
             if fresh or session.engine is None or runner.on_zero_gpu():
-                engine = None if runner.on_zero_gpu() else runner.build_engine(config)
+                engine = None if runner.on_zero_gpu() else runner.conversation(config)
                 session.clear()
-                session.busy = True
+                session.busy, session.expect = True, expect
                 session.config, session.engine = config, engine
                 events = runner.Pump(runner.play(config, turns, engine), lambda: session.stop_requested)
             else:
@@ -315,7 +314,8 @@ class Handlers:
         yield {self.s.views.status: views.status(message, "error")}
 
     def _run(self, session: Session, controls: dict, turns: list[str], raw: bool, fresh: bool | None,
-             note: Callable[[bool], str], problem: str | None = None) -> Iterator[dict]:
+             note: Callable[[bool], str], problem: str | None = None,
+             expect: tuple[int, str] | None = None) -> Iterator[dict]:
         """Check everything (`validate`, then the memory guard), then stream `turns`; `fresh` None: rebuild only if
         the settings changed."""
         LINE.leave(session)
@@ -339,7 +339,8 @@ class Handlers:
         fresh = config != session.config if fresh is None else fresh
         LINE.started()
         try:
-            yield from self._stream(session, config, turns, fresh, note(fresh))
+            yield from self._stream(session, config, turns, fresh, note(fresh),
+                                    expect if fresh else session.expect)
         finally:
             LINE.ended()
 
@@ -369,9 +370,11 @@ class Handlers:
         table = scenarios()
         chosen = table.get(scenario, {}) if isinstance(scenario, str) else {}
         turns = list(chosen.get("turns", []))
+        expect = (len(turns) - 1, chosen["expect"]) if chosen.get("expect") else None
         yield from self._run(session, controls, turns, bool(chosen.get("raw", False)), True,
                              lambda _: f"Playing “{scenario}”: {len(turns)} turns…",
-                             None if chosen else f"scenario: unknown {str(scenario)[:40]!r}; allowed: {', '.join(table)}")
+                             None if chosen else f"scenario: unknown {str(scenario)[:40]!r}; allowed: {', '.join(table)}",
+                             expect)
 
     def play_recall(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
         yield from self.play_scenario(session, RECALL, request, **controls)
@@ -414,7 +417,7 @@ class Handlers:
         except runner.USER_ERRORS as e:
             yield done(str(e), "error")
             return
-        sweep = runner.frontier_sweep(config, turns)
+        sweep = runner.frontier_run(config, turns)
         rows = []
         t0 = time.monotonic()
         try:

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import gradio as gr
 
+from .. import service
+from ..catalog import DTYPE_NAMES
 from ..frontier import frontier_figure
 from ..hosted import hosted
-from ..models import DTYPES, available_devices
+from ..limits import limits
 from ..scenarios import scenarios
-from .. import validate
 from . import runner
 from .components import Actions, Controls, FrontierTab, Pane, Studio, Views
 from .handlers import FRONTIER_CURRENT, RECALL, Handlers, session_ttl_s
@@ -32,17 +33,18 @@ def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tok
     names = catalogue()
     choices = model_choices()
     offered = [name for _, name in choices]
-    cap = validate.limits()
+    cap = limits()
     with gr.Group():
         preset = gr.Dropdown(choices, value=model if model in offered else default_model(), label="Model (preset)",
+                             elem_id="kvd-model",
                              info="Locked while a turn runs. A new model replays the conversation's earlier turns "
                                   "on it at your next message (Clear starts afresh). " + missing_models_note())
         custom = gr.Textbox(value="" if model in offered else model, label="…or a Hub id / local path",
                             placeholder="e.g. HuggingFaceTB/SmolLM2-360M-Instruct", info="Press Enter to load.",
                             visible=not hosted())
         with gr.Row():
-            device = gr.Dropdown(available_devices(), value="auto", label="Device", min_width=100)
-            dtype = gr.Dropdown(list(DTYPES), value="float32", label="dtype", min_width=100)
+            device = gr.Dropdown(service.devices(), value="auto", label="Device", min_width=100)
+            dtype = gr.Dropdown(list(DTYPE_NAMES), value="float32", label="dtype", min_width=100)
     picked = gr.CheckboxGroup([(f"{title(n)} ({n})", n) for n in names], value=strategies or default_names(),
                               label="Strategies (one pane each)")
     with gr.Group():
@@ -57,6 +59,7 @@ def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tok
                                 "full K/V held while the turn lasts",
                            visible=any_declares("rebuild"))
         max_new = gr.Slider(1, min(512, cap.max_new_tokens), value=min(max_new_tokens, cap.max_new_tokens), step=1,
+                            elem_id="kvd-max-new",
                             label="Max new tokens per turn")
         twins = gr.Checkbox(True, label="Measure agreement after a divergence",
                             info="a teacher-forced twin per diverged pane, fed the full cache's tokens: one more "
@@ -118,20 +121,22 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
             with gr.Column(scale=1, min_width=280, elem_id="kvd-side"):
                 controls = _controls(model, strategies, budget, max_new_tokens)
                 scenario = gr.Dropdown([(f"{name} · {s.get('about', '')}", name) for name, s in table.items()],
-                                       value=next(iter(table), None), label="Scripted conversation")
-                play = gr.Button("▶ Play scenario", variant="secondary")
+                                       value=next(iter(table), None), label="Scripted conversation",
+                                       elem_id="kvd-scenario")
+                play = gr.Button("▶ Play scenario", variant="secondary", elem_id="kvd-play")
             with gr.Column(scale=4, min_width=600):
                 status = gr.HTML("", elem_id="kvd-status")
                 with gr.Row(elem_id="kvd-ask"):
                     prompt = gr.Textbox(show_label=False, placeholder="Ask something; every pane gets the same turn",
                                         scale=6, lines=1, max_lines=6, autofocus=True, elem_id="kvd-prompt",
-                                        max_length=validate.limits().max_prompt_chars)
+                                        max_length=limits().max_prompt_chars)
                     send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="kvd-send")
-                    stop = gr.Button("■ Stop", variant="stop", scale=1, min_width=80, interactive=False)
+                    stop = gr.Button("■ Stop", variant="stop", scale=1, min_width=80, interactive=False,
+                                     elem_id="kvd-stop")
                     recall = gr.Button("▶ Recall demo", scale=1, min_width=130, elem_id="kvd-recall",
                                        visible=RECALL in table)
-                    regenerate = gr.Button("↻ Regenerate", scale=1, min_width=120)
-                    clear = gr.Button("Clear", scale=1, min_width=70)
+                    regenerate = gr.Button("↻ Regenerate", scale=1, min_width=120, elem_id="kvd-regenerate")
+                    clear = gr.Button("Clear", scale=1, min_width=70, elem_id="kvd-clear")
                 board = gr.HTML(scoreboard_html(empty), elem_id="kvd-board")
                 panes = _panes()
                 memory = gr.Plot(memory_figure(empty), show_label=False, elem_id="kvd-memory")
@@ -150,8 +155,8 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
                         with gr.Row():
                             source = gr.Dropdown([FRONTIER_CURRENT, *table], value=FRONTIER_CURRENT, scale=3,
                                                  label="Conversation")
-                            draw = gr.Button("Draw the frontier", variant="secondary", scale=1)
-                        frontier_status = gr.HTML("")
+                            draw = gr.Button("Draw the frontier", variant="secondary", scale=1, elem_id="kvd-draw")
+                        frontier_status = gr.HTML("", elem_id="kvd-frontier-status")
                         frontier_plot = gr.Plot(frontier_figure([]), show_label=False, elem_id="kvd-frontier")
                     with gr.Tab("Geometry: bytes per token"):
                         geometry = gr.HTML(elem_id="kvd-geometry")

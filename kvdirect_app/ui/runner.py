@@ -1,39 +1,33 @@
-"""Where the UI meets the engine: building engines, playing turns, the `compare` API.
+"""Where the UI meets the engine's facade (`kvdirect_app/service.py`): playing turns, the frontier's plan, the
+`compare` API.  Plain Python: no torch here.
 
 On Hugging Face ZeroGPU the generation functions run in a short-lived GPU
 worker (`spaces.GPU`), so no engine outlives a call there: each call rebuilds
-the engine and replays the conversation (greedy decoding makes the replay
+the conversation and replays it (greedy decoding makes the replay
 identical).  Elsewhere `spaces.GPU` is not applied, or is a no-op, and a
-session keeps its engine between turns.
+session keeps its conversation between turns.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import traceback
 import queue
 import threading
+import traceback
 from typing import Callable, Iterator
 
-import torch
-
-from .. import guard, validate
-from ..engine import PREFILL_CHUNK, Engine, run_to_end
-from ..errors import UserError
+from .. import rss, service
+from ..errors import OutOfMemory, UserError
 from ..frontier import frontier_figure, points_from_rows
-from ..geometry import ModelGeometry
 from ..hosted import hosted
-from ..models import LoadedModel, load_model
-from ..prompts import Prompter
-from ..strategies import parse_spec, parse_specs
-from ..sweeps import Sweep
+from ..limits import integer, limits
 from ..units import fmt_bytes
 from .settings import REFERENCE, RunConfig, Settings, default_model, expand
 
 USER_ERRORS = (UserError,)
+OUT_OF_MEMORY = (OutOfMemory,)
 log = logging.getLogger(__name__)
-OUT_OF_MEMORY = (MemoryError, torch.OutOfMemoryError)
 
 
 def gpu(fn):
@@ -50,23 +44,15 @@ def on_zero_gpu() -> bool:
 
 
 def release_memory():
-    """After a session's engine is dropped: collect it, and hand glibc's freed heap back to the OS (malloc_trim),
-    so that the process's RSS shows what is really still held."""
-    import ctypes
-    import ctypes.util
-    import gc
-
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    """After a session's conversation is dropped: collect it, and hand glibc's freed heap back to the OS, so that
+    the process's RSS shows what is really still held."""
+    rss.trim()
 
 
 def queue_options() -> dict:
     """Gradio's queue for this device: one run at a time on a CPU (the cores are the bottleneck), two on a GPU;
     a bounded line (a full one is answered "busy", not left hanging)."""
-    concurrency = 2 if torch.cuda.is_available() else 1
+    concurrency = 2 if service.gpu_available() else 1
     return {"default_concurrency_limit": concurrency, "max_size": 16 if hosted() else 64}
 
 
@@ -76,40 +62,26 @@ def session_capacity() -> int:
 
 
 def is_loaded(config: RunConfig) -> bool:
-    from ..models import is_loaded as loaded_already
-
-    return loaded_already(config.model, config.dtype, config.device)
+    return service.is_loaded(config.model, config.dtype, config.device)
 
 
-def load(config: RunConfig) -> LoadedModel:
-    return load_model(config.model, dtype=config.dtype, device=config.device)
-
-
-def prepare(config: RunConfig, turns: list[str]) -> tuple[LoadedModel, guard.Estimate]:
+def prepare(config: RunConfig, turns: list[str]):
     """Every check before a run (the same `validate` stages as the CLI), then the memory guard."""
-    req = validate.request(config.model, config.device, config.dtype, config.specs, config.max_new_tokens, turns,
-                           config.raw)
-    loaded = load(config)
-    total = validate.against_model(req, loaded)
-    prompt = len(Prompter(loaded, config.raw).first(turns[0]))
-    est = guard.estimate(loaded.config, loaded.dtype, list(req.strategies), prompt, total, PREFILL_CHUNK,
-                         twins=config.twins)
-    return loaded, guard.check(est, loaded.device)
+    service.prepare(config.model, config.device, config.dtype, list(config.specs), config.max_new_tokens, turns,
+                    config.raw, config.twins)
 
 
-def build_engine(config: RunConfig) -> Engine:
-    return Engine(load(config), parse_specs(",".join(config.specs)), max_new_tokens=config.max_new_tokens,
-                  raw=config.raw, twins=config.twins)
-
-
-def geometry(loaded: LoadedModel) -> ModelGeometry:
-    return ModelGeometry.from_config(loaded.config, loaded.dtype)
+def conversation(config: RunConfig) -> service.Conversation:
+    return service.Conversation(config.model, config.device, config.dtype, list(config.specs), config.max_new_tokens,
+                                config.raw, config.twins)
 
 
 def frontier_plan(config: RunConfig, settings: Settings, budgets: tuple[int, ...]) -> list[list[tuple]]:
     """One lockstep run per budget: every ticked strategy at that budget (AnchorKV: its deepest spacing in both
-    rebuild modes, and the break-even spacing with ``rebuild=step``)."""
-    geom = geometry(load(config))
+    rebuild modes, and the break-even spacing with ``rebuild=step``); entries (name, spec, budget)."""
+    facts = service.geometry(config.model, config.dtype, config.device)
+    deepest = facts["layers"]
+    s_star = facts["break_even"]["token_id"] or deepest
     names = [spec.split(":")[0] for spec in config.specs if spec.split(":")[0] != REFERENCE]
     plan = []
     for budget in budgets:
@@ -117,55 +89,43 @@ def frontier_plan(config: RunConfig, settings: Settings, budgets: tuple[int, ...
         for name in dict.fromkeys(names):
             variants = [expand(name, budget, settings.spacing, settings.mode, settings.rebuild)]
             if name == "anchorkv":
-                deepest, s_star = geom.num_layers, geom.break_even_spacing(token_id_anchor=True) or geom.num_layers
                 variants = [f"anchorkv:spacing={deepest}:budget={budget}:rebuild=step",
                             f"anchorkv:spacing={deepest}:budget={budget}:rebuild=turn",
                             f"anchorkv:spacing={s_star}:budget={budget}:rebuild=step"]
             for spec in variants:
-                strategy = parse_spec(spec)
-                if strategy.spec() not in seen:
-                    seen.add(strategy.spec())
-                    entries.append((name, strategy, budget))
+                canonical = service.canonical_spec(spec)
+                if canonical not in seen:
+                    seen.add(canonical)
+                    entries.append((name, spec, budget))
         plan.append(entries)
     return plan
 
 
-def frontier_sweep(config: RunConfig, turns: list[str]) -> Sweep:
-    return Sweep(load(config), turns, raw=config.raw, options={"max_new_tokens": config.max_new_tokens})
+def frontier_run(config: RunConfig, turns: list[str]) -> service.FrontierRun:
+    return service.FrontierRun(config.model, config.device, config.dtype, turns, config.raw, config.max_new_tokens)
 
 
-def frontier_plot(rows: list[dict], sweep: Sweep, source: str):
-    reference = sweep.reference["state_bytes"]
-    return frontier_figure(points_from_rows(rows), title=f"{sweep.head['model']}, {source}: memory against agreement",
-                           subtitle=f"{sweep.head['device']}, {sweep.head['dtype']}; full cache: peak "
+def frontier_plot(rows: list[dict], run: service.FrontierRun, source: str):
+    reference = run.reference["state_bytes"]
+    return frontier_figure(points_from_rows(rows), title=f"{run.head['model']}, {source}: memory against agreement",
+                           subtitle=f"{run.head['device']}, {run.head['dtype']}; full cache: peak "
                                     f"{fmt_bytes(reference['peak'])}, between turns {fmt_bytes(reference['between_turns_peak'])}")
 
 
-def token_maps(engine: Engine, labels: list[str]) -> dict:
-    """Every layer's token states of every shown strategy, for sessions whose engine does not survive the call."""
-    maps = {}
-    for label in labels:
-        first = engine.token_map(label, 0)
-        layers = len(engine.lanes[0].cache.layers) if engine.lanes else len(engine.reference.cache.layers)
-        maps[label] = {"tokens": first["tokens"],
-                       "states": [first["states"]] + [engine.token_map(label, i)["states"] for i in range(1, layers)]}
-    return maps
-
-
 @gpu
-def play(config: RunConfig, turns: list[str], engine: Engine | None = None) -> Iterator[dict]:
-    """The engine's events for `turns`, then "done" with `engine.results()`.
+def play(config: RunConfig, turns: list[str], talk: service.Conversation | None = None) -> Iterator[dict]:
+    """The engine's events for `turns`, then "done" with the results.
 
-    With no engine (ZeroGPU), a fresh one is built here and the token maps
-    are sent along, because the engine ends with the call.
+    With no conversation (ZeroGPU), a fresh one is built here and the token
+    maps are sent along, because the engine ends with the call.
     """
-    own = engine is None
-    engine = engine or build_engine(config)
+    own = talk is None
+    talk = talk or conversation(config)
     for text in turns:
-        yield from engine.turn(text)
-    yield {"type": "done", "result": engine.results()}
+        yield from talk.turn(text)
+    yield {"type": "done", "result": talk.results()}
     if own:
-        yield {"type": "token_maps", "maps": token_maps(engine, engine.show)}
+        yield {"type": "token_maps", "maps": talk.token_maps()}
 
 
 class Pump:
@@ -215,13 +175,13 @@ class Pump:
         self.abandoned.set()
 
 
-def token_map(engine: Engine | None, maps: dict | None, label: str, layer: int) -> dict | None:
+def token_map(talk: service.Conversation | None, maps: dict | None, label: str, layer: int) -> dict | None:
     if maps is not None and label in maps:
         states = maps[label]["states"]
         return {"tokens": maps[label]["tokens"], "states": states[min(layer, len(states) - 1)]}
-    if engine is None or label not in engine.show:
+    if talk is None:
         return None
-    return engine.token_map(label, layer)
+    return talk.token_map(label, layer)
 
 
 def compare_specs(strategies: str, budget: int, spacing: int, mode: str = "") -> str:
@@ -246,19 +206,15 @@ def compare(prompt: str, model: str = "", strategies: str = "full,kvdirect:mode=
 
     try:
         if not isinstance(strategies, str):
-            raise validate.SettingError("strategies: expected text like 'full,kvdirect:budget=64'")
-        specs = compare_specs(strategies, validate.integer("budget", budget, 1, 1 << 20),
-                              validate.integer("spacing", spacing, 0, 4096, "0: the strategy's default"))
-        config = RunConfig(model or default_model(), device, dtype, tuple(specs.split(",")),
-                           validate.integer("max_new_tokens", max_new_tokens, 1, validate.limits().max_new_tokens))
-        loaded, _ = prepare(config, [prompt])
-        engine = Engine(loaded, parse_specs(specs), max_new_tokens=config.max_new_tokens)
-        return run_to_end(engine, [prompt])
+            raise UserError("strategies: expected text like 'full,kvdirect:budget=64'")
+        specs = compare_specs(strategies, integer("budget", budget, 1, 1 << 20),
+                              integer("spacing", spacing, 0, 4096, "0: the strategy's default"))
+        tokens = integer("max_new_tokens", max_new_tokens, 1, limits().max_new_tokens)
+        return service.compare(prompt, model or default_model(), device, dtype, specs.split(","), tokens)
     except USER_ERRORS as e:
         raise gr.Error(str(e), print_exception=False) from None
     except OUT_OF_MEMORY as e:
-        raise gr.Error(f"out of memory during the run ({type(e).__name__}); try fewer tokens or strategies",
-                       print_exception=False) from None
+        raise gr.Error(f"{e}; try fewer tokens or strategies", print_exception=False) from None
     except Exception as e:  # a bug: logged here with its traceback, answered without it
         log.error("compare failed:\n%s", traceback.format_exc())
         raise gr.Error(f"internal error ({type(e).__name__}); the server log has the details",

@@ -9,22 +9,11 @@ before anyone scrolls to the panes themselves.
 from __future__ import annotations
 
 import html
-from functools import lru_cache
 
 from ..palette import colours
-from ..strategies import StrategyError, parse_spec
 from ..units import fmt_bytes
 from .session import Session
 from .settings import REFERENCE, title
-
-
-@lru_cache(maxsize=256)
-def adapted(label: str) -> tuple[str, ...]:
-    """Settings a strategy adapted to fit each other (e.g. StreamingLLM's sinks at budget 2), from its spec."""
-    try:
-        return tuple(parse_spec(label).notes)
-    except StrategyError:
-        return ()
 
 
 def verdict(session: Session, label: str) -> tuple[str, str]:
@@ -58,7 +47,7 @@ def scoreboard_html(session: Session) -> str:
         lane = session.lanes.get(label)
         f = lane.turn_figures() if lane is not None and lane.memory else {}
         kind, words = verdict(session, label)
-        notes = adapted(label)
+        notes = session.about.get(label, {}).get("notes", ())
         if notes:
             words += f' <span class="kvd-note" title="{html.escape(" ".join(notes))}">· settings adapted: ' \
                      f'{html.escape(notes[0].split(";")[-1].strip())}</span>'
@@ -67,15 +56,22 @@ def scoreboard_html(session: Session) -> str:
         peak = f.get("peak") if f.get("peak") is not None else f.get("formula_peak")
         name, _, settings = label.partition(":")
         ms = "—" if f.get("ms_per_token") is None else f"{f['ms_per_token']:.0f}"
+        says = session.says_expected(label)
+        answer = ("" if session.expect is None else
+                  '<td class="kvd-num">…</td>' if says is None else
+                  f'<td class="kvd-num kvd-{"good" if says else "bad"}">{"✓" if says else "✗"}</td>')
         rows.append(
             f'<tr><td><span class="kvd-dot" style="background:{palette.get(label, "#333")}"></span>'
             f'<b>{html.escape(title(name))}</b> <code>{html.escape(settings.replace(":", " "))}</code></td>'
-            f'<td class="kvd-{kind}">{words}</td>'
+            f'<td class="kvd-{kind}">{words}</td>{answer}'
             f'<td class="kvd-num">{fmt_bytes(between) if between is not None else "—"}</td>'
             f'<td class="kvd-num">{fmt_bytes(peak) if peak is not None else "—"}</td>'
             f'<td class="kvd-num">{ms}</td>'
             f'<td class="kvd-num">{"—" if tps is None else f"{tps:.1f}"}</td></tr>')
-    head = ('<tr><th>strategy</th><th>verdict against the full cache</th>'
+    asked = ("" if session.expect is None else
+             f'<th title="does its reply to the scenario\'s last question contain the right answer?">'
+             f'says {html.escape(session.expect[1])}?</th>')
+    head = ('<tr><th>strategy</th><th>verdict against the full cache</th>' + asked +
             '<th title="bytes held after the last finished turn (allocator)">between turns</th>'
             '<th title="highest bytes during a forward of this turn: state, transient buffers, activations">peak in turn</th>'
             '<th title="mean ms per decode step this turn: own work + 1/N of the shared batched pass">ms/token</th>'

@@ -82,9 +82,10 @@ class LaneView:
                 "ms_per_token": sum(ms) / len(ms) if ms else None}
 
     def op_means(self) -> dict[str, float]:
-        """Mean ms per decode step of each op (every key the engine reports except the total)."""
-        ops = [k for k in (self.latency[0] if self.latency else {}) if k not in ("total", "step", "turn")]
-        return {op: sum(row[op] for row in self.latency) / len(self.latency) for op in ops}
+        """Mean ms per decode step of each op the engine reports (every row has the same ops; a row without one,
+        as from an older recording, counts it as zero)."""
+        ops = dict.fromkeys(k for row in self.latency for k in row if k not in ("total", "step", "turn"))
+        return {op: sum(row.get(op, 0.0) for row in self.latency) / len(self.latency) for op in ops}
 
 
 @dataclass
@@ -109,6 +110,8 @@ class Session:
     prefill: tuple[int, int] | None = None  # (tokens read, of) while a long prompt is fed in pieces
     workdir: str | None = None
     load_number: int = 0  # the newest model choice of this session (an older load's result is not shown)
+    expect: tuple[int, str] | None = None  # a played scenario's (turn, the words its right answer contains)
+    about: dict = field(default_factory=dict)  # label -> {"doc", "notes"}: the engine's start event says
     last_plot: float = 0.0
     plot_cost: float = 0.0  # seconds the last live plots took to build (they share the cores with the engine)
 
@@ -120,6 +123,13 @@ class Session:
     @property
     def reference(self) -> LaneView | None:
         return self.lanes.get(REFERENCE)
+
+    def says_expected(self, label: str) -> bool | None:
+        """Whether this pane's reply to the scenario's question contains the right answer (None: not asked yet)."""
+        lane = self.lanes.get(label)
+        if self.expect is None or lane is None or len(lane.replies) <= self.expect[0]:
+            return None
+        return self.expect[1] in lane.replies[self.expect[0]].text
 
     def first_divergence_index(self, label: str) -> int | None:
         """The divergence as one index over the concatenated turns (as `bench run` reports it)."""
@@ -134,6 +144,7 @@ class Session:
         if kind == "start":
             self.user_turns, self.steps, self.position, self.rss, self.result, self.token_maps = [], 0, 0, [], None, None
             self.shown = list(event["strategies"])
+            self.about = event.get("about", {})
             self.lanes = {label: LaneView(label) for label in dict.fromkeys([REFERENCE, *self.shown])}
         elif kind == "prefill":
             self.prefill = (event["done"], event["total"])

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import validate
-from ..models import embedded_presets, is_test_model, offered_presets, presets, unavailable_reason
-from ..strategies import StrategyError, parse_specs, registry
+from .. import service
+from ..catalog import embedded_presets, is_test_model, offered_presets, presets, unavailable_reason
+from ..limits import SettingError, integer, limits
 
 REFERENCE = "full"  # the engine's reference lane: every other lane is compared with it
 PREFERRED_MODELS = ("smollm2-135m", "gemma3-270m")  # the first whose weights are on this machine is the default
@@ -62,7 +62,7 @@ def missing_models_note() -> str:
 
 def catalogue() -> list[str]:
     """Registered strategy names, the papers' order first."""
-    names = registry()
+    names = service.strategy_catalogue()
     return [n for n in TITLES if n in names] + sorted(n for n in names if n not in TITLES)
 
 
@@ -71,20 +71,13 @@ def title(label: str) -> str:
     return TITLES.get(name, name)
 
 
-def blurb(name: str) -> str:
-    """First line of the strategy's docstring."""
-    doc = (getattr(registry().get(name), "__doc__", None) or "").strip()
-    return doc.splitlines()[0] if doc else ""
-
-
 def default_names() -> list[str]:
     """Full cache, KV-Direct, AnchorKV and the eviction baselines with a paper (the plain window is one tick away)."""
     return [n for n in catalogue() if n in DEFAULT_PANES]
 
 
 def declares(name: str, setting: str) -> bool:
-    cls = registry().get(name)
-    return cls is not None and setting in cls.settings()
+    return setting in service.strategy_catalogue().get(name, {}).get("settings", {})
 
 
 def any_declares(setting: str) -> bool:
@@ -143,28 +136,28 @@ class Settings:
         v = {f: values.get(f) for f in cls.__dataclass_fields__}
         strategies = v["strategies"] or ()
         if isinstance(strategies, str) or not all(isinstance(n, str) for n in strategies):
-            raise validate.SettingError(f"strategies: expected a list of names; allowed: {', '.join(catalogue())}")
+            raise SettingError(f"strategies: expected a list of names; allowed: {', '.join(catalogue())}")
         unknown = [n for n in strategies if n not in catalogue()]
         if unknown:
-            raise validate.SettingError(f"strategies: unknown {', '.join(map(repr, unknown))}; allowed: "
+            raise SettingError(f"strategies: unknown {', '.join(map(repr, unknown))}; allowed: "
                                         f"{', '.join(catalogue())}")
         v["strategies"] = tuple(strategies)
         for key in ("model", "custom_model", "extra_specs"):
             if v[key] is not None and not isinstance(v[key], str):
-                raise validate.SettingError(f"{key}: expected text")
+                raise SettingError(f"{key}: expected text")
             v[key] = (v[key] or "").strip()
-        cap = validate.limits()
-        v["budget"] = validate.integer("budget", v["budget"], 1, 1 << 20)
-        v["spacing"] = validate.integer("spacing", v["spacing"], 1, 4096)
-        v["max_new_tokens"] = validate.integer("max_new_tokens", v["max_new_tokens"], 1, cap.max_new_tokens)
+        cap = limits()
+        v["budget"] = integer("budget", v["budget"], 1, 1 << 20)
+        v["spacing"] = integer("spacing", v["spacing"], 1, 4096)
+        v["max_new_tokens"] = integer("max_new_tokens", v["max_new_tokens"], 1, cap.max_new_tokens)
         for key, allowed in (("mode", MODES), ("rebuild", REBUILDS)):
             if v[key] not in allowed:
-                raise validate.SettingError(f"{key}: {str(v[key])[:40]!r} is not allowed; allowed: {', '.join(allowed)}")
+                raise SettingError(f"{key}: {str(v[key])[:40]!r} is not allowed; allowed: {', '.join(allowed)}")
         v["twins"] = True if v["twins"] is None else v["twins"]
         if not isinstance(v["twins"], bool):
-            raise validate.SettingError("twins: expected true or false")
+            raise SettingError("twins: expected true or false")
         if len(v["extra_specs"]) > 2_000:
-            raise validate.SettingError("extra_specs: longer than 2,000 characters")
+            raise SettingError("extra_specs: longer than 2,000 characters")
         return cls(**v)
 
     @property
@@ -176,14 +169,14 @@ class Settings:
         entries = [n for n in catalogue() if n in self.strategies]
         entries += [e for e in self.extra_specs.split(",") if e.strip()]
         if not entries:
-            raise StrategyError("no strategy selected; tick at least one")
+            raise SettingError("strategies: no strategy selected; tick at least one")
         specs = [expand(e, self.budget, self.spacing, self.mode, self.rebuild) for e in entries]
-        parse_specs(",".join(specs))  # one clear error for unknown names, settings or duplicates
+        service.check_specs(specs)  # one clear error for unknown names, settings or duplicates
         if len(specs) > max_panes():
-            raise StrategyError(f"{len(specs)} strategies selected; this page shows at most {max_panes()}")
+            raise SettingError(f"strategies: {len(specs)} selected; this page shows at most {max_panes()}")
         return specs
 
     def run_config(self, raw: bool = False) -> RunConfig:
-        name = validate.model_name(self.model_name)
-        device, dtype = validate.device_dtype(self.device, self.dtype)
+        name = service.check_model_name(self.model_name)
+        device, dtype = service.check_device_dtype(self.device, self.dtype)
         return RunConfig(name, device, dtype, tuple(self.specs()), self.max_new_tokens, raw, bool(self.twins))

@@ -7,7 +7,7 @@ import html
 from ..units import fmt_bytes  # one byte format for the CLI tables and the page
 from ..palette import colours
 from .session import LaneView, Session, TurnReply
-from .settings import REFERENCE, blurb, title
+from .settings import REFERENCE, title
 
 USER_PREVIEW = 360  # characters of a long user turn shown in each pane
 STATE_CLASSES = {"kv": "K/V kept", "residual": "residual kept", "anchor": "anchor kept",
@@ -142,7 +142,7 @@ def pane_header(session: Session, label: str) -> str:
     for note in summary.get("notes", []):
         notes.append(f'<span class="kvd-note" title="{html.escape(note)}">settings adapted</span>')
     return (f'<div class="kvd-pane-head" style="border-left-color:{colour}">'
-            f'<div class="kvd-pane-title" title="{html.escape(blurb(name))}"><span class="kvd-dot" style="background:{colour}"></span>'
+            f'<div class="kvd-pane-title" title="{html.escape(session.about.get(label, {}).get("doc", ""))}"><span class="kvd-dot" style="background:{colour}"></span>'
             f'{_esc(title(name))} <code>{_esc(name)}</code>{chips}</div>'
             f'<div class="kvd-stats">{" · ".join(stats) or "&nbsp;"}</div>'
             f'<div class="kvd-notes">{" ".join(notes) or "&nbsp;"}</div></div>')

@@ -1,0 +1,244 @@
+"""The web page's one door to the engine: plain data in, plain data out.
+
+The UI (`kvdirect_app/ui/`) never imports torch, nor any module that does:
+it calls the functions here, which import the engine's modules when they
+are first called.  What they take and return is plain Python (str, numbers,
+lists, dicts), and a run's events are the engine's own plain dicts, so the
+page draws the same from a live run and from a file.
+`tests/test_ui_plain.py` imports the whole UI in an interpreter where
+importing torch fails, and reads every UI module's imports.
+
+Errors: bad input raises `errors.UserError` (one line naming the setting);
+running out of memory during a run raises `errors.OutOfMemory`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator
+
+from .catalog import DTYPE_NAMES
+from .errors import OutOfMemory, UserError
+
+__all__ = ["strategy_catalogue", "check_specs", "canonical_spec", "check_model_name",
+           "check_device_dtype", "devices", "gpu_available", "load", "is_loaded", "geometry", "prepare",
+           "Conversation", "FrontierRun", "compare", "DTYPE_NAMES", "UserError", "OutOfMemory"]
+
+
+@contextlib.contextmanager
+def _memory():
+    """An allocation that fails during a run becomes `OutOfMemory` (the caller frees the session and says so)."""
+    import torch
+
+    try:
+        yield
+    except (MemoryError, torch.OutOfMemoryError) as e:
+        raise OutOfMemory(f"out of memory during the run ({type(e).__name__})") from e
+
+
+# --- strategies ----------------------------------------------------------------------------------------------------
+@functools.cache
+def strategy_catalogue() -> dict[str, dict]:
+    """Every registered strategy: its settings (name -> default) and the first line of its docstring."""
+    from .strategies import registry
+
+    out = {}
+    for name, cls in registry().items():
+        doc = (cls.__doc__ or "").strip()
+        out[name] = {"settings": {f: field.default for f, field in cls.settings().items()},
+                     "doc": doc.splitlines()[0] if doc else ""}
+    return out
+
+
+def check_specs(specs: list[str]) -> None:
+    """Raises the registry's one-line error for unknown names, settings or duplicates."""
+    from .strategies import parse_specs
+
+    parse_specs(",".join(specs))
+
+
+@functools.lru_cache(maxsize=1024)
+def canonical_spec(spec: str) -> str:
+    from .strategies import parse_spec
+
+    return parse_spec(spec).spec()
+
+
+# --- models and devices --------------------------------------------------------------------------------------------
+def check_model_name(value) -> str:
+    from . import validate
+
+    return validate.model_name(value)
+
+
+def check_device_dtype(device, dtype) -> tuple[str, str]:
+    from . import validate
+
+    return validate.device_dtype(device, dtype)
+
+
+def devices() -> list[str]:
+    from .models import available_devices
+
+    return available_devices()
+
+
+def gpu_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _loaded(name: str, dtype: str, device: str):
+    from .models import load_model
+
+    return load_model(name, dtype=dtype, device=device)
+
+
+def load(name: str, dtype: str = "float32", device: str = "auto") -> dict:
+    """Load a model (once per process); what the page says about it."""
+    loaded = _loaded(name, dtype, device)
+    facts = geometry(name, dtype, device)
+    return {"name": loaded.name, "source": loaded.source, "device": str(loaded.device),
+            "dtype": str(loaded.dtype).removeprefix("torch."), "layers": facts["layers"], "geometry": facts}
+
+
+def is_loaded(name: str, dtype: str, device: str) -> bool:
+    from .models import is_loaded as loaded_already
+
+    return loaded_already(name, dtype, device)
+
+
+def _geometry_facts(geom) -> dict:
+    return {"layers": geom.num_layers, "hidden_size": geom.hidden_size, "bytes_per_element": geom.bytes_per_element,
+            "per_layer": [{"index": layer.index, "sliding": layer.is_sliding, "window": layer.sliding_window,
+                           "kv_heads": layer.num_kv_heads, "head_dim": layer.head_dim,
+                           "kv_bytes_per_token": layer.kv_bytes_per_token} for layer in geom.layers],
+            "break_even": {"residual": geom.break_even_spacing(token_id_anchor=False),
+                           "token_id": geom.break_even_spacing(token_id_anchor=True),
+                           "global_only": (geom.break_even_spacing(token_id_anchor=True, global_only=True)
+                                           if any(layer.is_sliding for layer in geom.layers) else None)}}
+
+
+def geometry(name: str, dtype: str = "float32", device: str = "auto") -> dict:
+    """Bytes per token of a loaded model, from its config alone (`geometry.ModelGeometry`), as plain data."""
+    from .geometry import ModelGeometry
+
+    loaded = _loaded(name, dtype, device)
+    return _geometry_facts(ModelGeometry.from_config(loaded.config, loaded.dtype))
+
+
+@functools.cache
+def config_geometry(source: str, dtype: str = "bfloat16") -> dict:
+    """The same for a bundled public config (`presets/configs/NAME.json`, e.g. gemma-3-4b), no model loaded."""
+    from .geometry import ModelGeometry, load_config
+    from .models import resolve_dtype
+
+    return _geometry_facts(ModelGeometry.from_config(load_config(source), resolve_dtype(dtype)))
+
+
+# --- runs ----------------------------------------------------------------------------------------------------------
+def prepare(model: str, device: str, dtype: str, specs: list[str], max_new_tokens: int, turns: list[str],
+            raw: bool = False, twins: bool = True) -> None:
+    """Every check before a run (the same `validate` stages as the CLI), then the memory guard; raises UserError."""
+    from . import guard, validate
+    from .engine import PREFILL_CHUNK
+    from .prompts import Prompter
+
+    req = validate.request(model, device, dtype, specs, max_new_tokens, turns, raw)
+    loaded = _loaded(req.model, req.dtype, req.device)
+    total = validate.against_model(req, loaded)
+    prompt = len(Prompter(loaded, raw).first(turns[0]))
+    est = guard.estimate(loaded.config, loaded.dtype, list(req.strategies), prompt, total, PREFILL_CHUNK, twins=twins)
+    guard.check(est, loaded.device)
+
+
+class Conversation:
+    """One conversation's engine: every turn's events (plain dicts), the summary, the token maps.
+
+    Parameters
+    ----------
+    model, device, dtype : the loaded model's name and where it runs.
+    specs : strategy specs (`name[:key=value]...`), one pane each.
+    max_new_tokens, raw, twins : as `bench run`.
+    """
+
+    def __init__(self, model: str, device: str, dtype: str, specs: list[str], max_new_tokens: int,
+                 raw: bool = False, twins: bool = True):
+        from .engine import Engine
+        from .strategies import parse_specs
+
+        with _memory():
+            self.engine = Engine(_loaded(model, dtype, device), parse_specs(",".join(specs)),
+                                 max_new_tokens=max_new_tokens, raw=raw, twins=twins)
+
+    @property
+    def shown(self) -> list[str]:
+        return list(self.engine.show)
+
+    @property
+    def layers(self) -> int:
+        return len(self.engine.reference.cache.layers)
+
+    def turn(self, text: str) -> Iterator[dict]:
+        """One user turn for every pane; closing the generator early ends the turn cleanly (a Stop)."""
+        events = self.engine.turn(text)
+        try:
+            with _memory():
+                yield from events
+        finally:
+            events.close()
+
+    def results(self) -> dict:
+        return self.engine.results()
+
+    def token_map(self, label: str, layer: int) -> dict | None:
+        if label not in self.engine.show:
+            return None
+        return self.engine.token_map(label, layer)
+
+    def token_maps(self) -> dict:
+        """Every layer's token states of every pane (for a page whose engine does not outlive the call)."""
+        out = {}
+        for label in self.engine.show:
+            first = self.engine.token_map(label, 0)
+            out[label] = {"tokens": first["tokens"],
+                          "states": [first["states"]] + [self.engine.token_map(label, i)["states"]
+                                                         for i in range(1, self.layers)]}
+        return out
+
+
+class FrontierRun:
+    """The frontier's runs on one conversation: each a lockstep run of several strategies (`sweeps.Sweep`)."""
+
+    def __init__(self, model: str, device: str, dtype: str, turns: list[str], raw: bool, max_new_tokens: int):
+        from .sweeps import Sweep
+
+        self.sweep = Sweep(_loaded(model, dtype, device), list(turns), raw=raw,
+                           options={"max_new_tokens": max_new_tokens})
+
+    def run(self, entries: list[tuple[str, str, int | None]]) -> list[dict]:
+        """entries: (name, spec, budget); their rows (the engine's summary per strategy, plus name and budget)."""
+        from .strategies import parse_spec
+
+        with _memory():
+            return self.sweep.run([(name, parse_spec(spec), budget) for name, spec, budget in entries])
+
+    @property
+    def head(self) -> dict:
+        return self.sweep.head
+
+    @property
+    def reference(self) -> dict:
+        return self.sweep.reference
+
+
+def compare(prompt: str, model: str, device: str, dtype: str, specs: list[str], max_new_tokens: int) -> dict:
+    """One prompt through `specs` in lockstep; the same JSON as `bench run` (checked first, like every run)."""
+    from .engine import run_to_end
+
+    prepare(model, device, dtype, specs, max_new_tokens, [prompt])
+    conversation = Conversation(model, device, dtype, specs, max_new_tokens)
+    with _memory():
+        return run_to_end(conversation.engine, [prompt])
