@@ -17,10 +17,11 @@ show both.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from .memory import Window
+from .memory import Window, cuda_block_range
 from .metrics import StepTimes
 from .strategies import Strategy, StrategyCache
 
@@ -61,13 +62,24 @@ class ByteBook:
     peak_below_formula: int = 0  # steps whose measured peak was below the formula's lower bound
     last: dict = field(default_factory=dict)
     turns: list[TurnBytes] = field(default_factory=list)
+    # On CUDA: the exact sizes of the tensors the lane's cache holds (see memory.py: block rounding).
+    held_sizes: Callable[[], list[int]] | None = None
+
+    def agrees(self, measured: int, formula: int) -> bool:
+        """Measurement and formula, like for like: equal on the CPU; on CUDA the formula equal to the exact bytes
+        of the cache's tensors and the measurement within the caching allocator's rounding of them."""
+        if self.held_sizes is None:
+            return measured == formula
+        sizes = self.held_sizes()
+        low, high = cuda_block_range(sizes)
+        return sum(sizes) == formula and low <= measured <= high
 
     @staticmethod
     def _max(a: int | None, b: int | None) -> int | None:
         return b if a is None else a if b is None else max(a, b)
 
     def check(self, where, seen: int, measured: int | None, formula: int):
-        if measured is not None and measured != formula:
+        if measured is not None and not self.agrees(measured, formula):
             self.mismatch_count += 1
             if len(self.mismatches) < MISMATCHES_KEPT:
                 self.mismatches.append((where, seen, measured, formula))

@@ -27,6 +27,15 @@ Work the measurement itself does inside a lane's forward (comparing K/V with
 the reference, copying the logits the engine keeps) runs in `harness()`
 scopes; what it allocates there belongs to no lane.
 
+On CUDA the caching allocator reports its blocks, not the bytes asked
+for: each allocation rounded up to a multiple of 512 bytes, and a block
+above 1 MiB cut from a cached one may keep up to 1 MiB more when the rest
+is too small to split off.  So there the measurement is compared like for
+like (`cuda_block_range`): the formula must equal the exact bytes of the
+tensors the cache holds, and the measurement must lie within what the
+allocator's rounding of those tensors allows; on the CPU both must be
+equal to the byte.
+
 Ops are not recorded inside a session (record functions are off on that
 thread), so the profiler holds allocation events only and costs little; an
 owner or harness scope turns them on for a moment to leave its mark.  Only
@@ -57,6 +66,16 @@ _LOCAL = threading.local()  # .tracing: this thread is inside a session
 def _config() -> ProfilerConfig:
     # state, report_input_shapes, profile_memory, with_stack, with_flops, with_modules, experimental
     return ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+
+
+CUDA_BLOCK = 512  # the CUDA caching allocator's rounding (kMinBlockSize)
+CUDA_UNSPLIT = 1 << 20  # a large block keeps a remainder below this unsplit (kSmallSize)
+
+
+def cuda_block_range(sizes: list[int]) -> tuple[int, int]:
+    """The least and most bytes CUDA's caching allocator reports for tensors of these exact sizes."""
+    low = sum(-(-n // CUDA_BLOCK) * CUDA_BLOCK for n in sizes)
+    return low, low + sum(CUDA_UNSPLIT for n in sizes if n > CUDA_UNSPLIT)
 
 
 @dataclass

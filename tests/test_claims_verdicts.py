@@ -11,8 +11,11 @@ def test_higher_is_better_holds_within_the_tolerance_and_keeps_its_direction_bel
     assert judge(16.3, 16.3, HIGHER, SIZE_TOLERANCE, 1.0) == HOLDS
     assert judge(16.3, 16.3 * (1 - SIZE_TOLERANCE), HIGHER, SIZE_TOLERANCE, 1.0) == HOLDS
     assert judge(16.3, 16.3 * (1 - SIZE_TOLERANCE) * 0.99, HIGHER, SIZE_TOLERANCE, 1.0) == DIRECTION_ONLY
-    assert judge(16.3, 1.01, HIGHER, SIZE_TOLERANCE, 1.0) == DIRECTION_ONLY
+    assert judge(16.3, 1.2, HIGHER, SIZE_TOLERANCE, 1.0) == DIRECTION_ONLY
+    assert judge(16.3, 1.05, HIGHER, SIZE_TOLERANCE, 1.0) == FAILS  # a gain within the tolerance is no gain
     assert judge(16.3, 1.0, HIGHER, SIZE_TOLERANCE, 1.0) == FAILS  # no gain is no claim
+    assert judge((0.05, 0.28), 0.99, LOWER, SIZE_TOLERANCE, 1.0) == FAILS  # baselines that lose 1% lose nothing
+    assert judge((0.05, 0.28), 0.85, LOWER, SIZE_TOLERANCE, 1.0) == DIRECTION_ONLY
     assert judge(16.3, 0.5, HIGHER, SIZE_TOLERANCE, 1.0) == FAILS
     assert judge(5.0, 500.0, HIGHER, SIZE_TOLERANCE, 1.0) == HOLDS
 
@@ -25,7 +28,8 @@ def test_a_range_stands_by_its_weak_end():
     baselines = (0.05, 0.28)  # lower is better: the largest baseline counts, against the paper's 28%
     assert judge(baselines, (0.06, 0.30), LOWER, SIZE_TOLERANCE, 1.0) == HOLDS  # within 10% of 0.28
     assert judge(baselines, (0.06, 0.32), LOWER, SIZE_TOLERANCE, 1.0) == DIRECTION_ONLY
-    assert judge(baselines, (0.06, 0.99), LOWER, SIZE_TOLERANCE, 1.0) == DIRECTION_ONLY
+    assert judge(baselines, (0.06, 0.85), LOWER, SIZE_TOLERANCE, 1.0) == DIRECTION_ONLY
+    assert judge(baselines, (0.06, 0.99), LOWER, SIZE_TOLERANCE, 1.0) == FAILS  # one of them loses nothing
     assert judge(baselines, (0.06, 1.0), LOWER, SIZE_TOLERANCE, 1.0) == FAILS
 
 

@@ -60,3 +60,27 @@ def test_the_module_runs_as_a_program_and_fails_cleanly():
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: unknown strategy 'h2o_typo'")
     assert "Traceback" not in proc.stderr
+
+
+def test_alone_runs_each_strategy_in_a_process_of_its_own_and_loads_no_model_itself(tmp_path, capsys):
+    """The parent's own load would be the largest RSS of the process tree that `/usr/bin/time` sees."""
+    from pathlib import Path
+
+    from kvdirect_app import models
+    from kvdirect_app.cli.run import GNU_TIME
+
+    models._LOADED.pop(("tiny-qwen2", "float32", "cpu"), None)
+    out = tmp_path / "alone.json"
+    assert bench.main(["run", "--alone", "--model", "tiny-qwen2", "--device", "cpu", "--strategies",
+                       "full,kvdirect:budget=4", "--prompt", "Hi there.", "--max-new-tokens", "4",
+                       "--json", str(out)]) == 0
+    assert ("tiny-qwen2", "float32", "cpu") not in models._LOADED
+    data = json.loads(out.read_text())
+    assert data["alone"] is True and set(data["strategies"]) == {"full", "kvdirect:budget=4"}
+    for spec, r in data["strategies"].items():
+        proc = r["process"]
+        assert proc["load_peak_rss_bytes"] > 0 and proc["wait4_peak_rss_bytes"] >= proc["rss_before_run_bytes"]
+        if Path(GNU_TIME).is_file():  # wait4's figure also counts this (large) test process at the fork
+            assert 0 < proc["time_peak_rss_bytes"] <= proc["wait4_peak_rss_bytes"], spec
+    assert data["strategies"]["kvdirect:budget=4"]["token_match"] == 1.0
+    assert "peak RSS (/usr/bin/time)" in capsys.readouterr().out

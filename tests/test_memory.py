@@ -173,3 +173,35 @@ def test_the_first_run_in_a_process_measures_the_same_bytes_as_the_next():
 
     first = peaks()
     assert first == peaks()
+
+
+# --- CUDA: the caching allocator reports blocks --------------------------------------------------------------------
+def test_cuda_blocks_are_compared_like_for_like():
+    """On CUDA the measurement is the allocator's blocks (512-byte rounding, an unsplit remainder below 1 MiB on
+    large blocks): the book accepts exactly that range around the cache's own tensors, and nothing else."""
+    from kvdirect_app.lanes import ByteBook
+    from kvdirect_app.memory import cuda_block_range
+
+    sizes = [1000, 4096, 3 << 20]
+    assert cuda_block_range(sizes) == (1024 + 4096 + (3 << 20), 1024 + 4096 + (3 << 20) + (1 << 20))
+    book = ByteBook(traced=True, held_sizes=lambda: sizes)
+    exact = sum(sizes)
+    low, high = cuda_block_range(sizes)
+    assert book.agrees(low, exact) and book.agrees(high, exact)
+    assert not book.agrees(high + 512, exact)  # a hidden copy of a block more than the rounding allows
+    assert not book.agrees(low - 512, exact)
+    assert not book.agrees(low, exact + 8)  # a formula that misses the cache's own bytes
+    assert ByteBook(traced=True).agrees(exact, exact) and not ByteBook(traced=True).agrees(low, exact)
+
+
+def test_the_cache_lists_every_tensor_it_holds_as_the_formula_counts_them():
+    """What the CUDA comparison rounds: the cache's own storages add up to the formula (CPU, every family)."""
+    for family in ("tiny-llama", "tiny-gemma2"):
+        loaded = tiny(family)
+        specs = "full,kvdirect:budget=4,anchorkv:spacing=2:budget=3,h2o:budget=6,snapkv:budget=8:window=4"
+        engine = Engine(loaded, parse_specs(specs), max_new_tokens=5, threads=1)
+        run_to_end(engine, TURNS)
+        for lane in engine.all_lanes:
+            seen = lane.cache.get_seq_length()
+            assert sum(lane.cache.storage_sizes()) == lane.strategy.formula_between_turns(
+                engine.geometry, seen, lane.forwards), (family, lane.label)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from .verdicts import EQUAL, EXACT_TOLERANCE, HIGHER, LOWER, SIZE_TOLERANCE
 
-UNNAMED = "not named in our notes"
+UNNAMED = "model not stated"
 
 
 @dataclass(frozen=True)

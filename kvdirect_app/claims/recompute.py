@@ -68,11 +68,11 @@ from .. import compat
 from ..metrics import clock
 from ..replay import KVProjector
 from ..threads import pin
+from .verdicts import FAILS, HIGHER, HOLDS, SIZE_TOLERANCE, VERDICTS, judge
 
 __all__ = ["measure", "figure", "summary", "Recomputer", "PAPER_SPEEDUP", "VERDICTS", "MAX_CELL_BYTES"]
 
 PAPER_SPEEDUP = 5.0
-VERDICTS = ("holds", "holds with a caveat", "does not hold here")
 MAX_CELL_BYTES = 1 << 30  # a cell whose buffers would pass this is skipped, and the row says so
 MIN_SAMPLE_S = 1e-3  # shorter operations are repeated within a sample
 MAX_INNER = 64
@@ -327,9 +327,8 @@ def _threads(result: dict) -> str:
 def summary(result: dict) -> dict:
     """The largest measured speed-up and where, the largest bound, and a verdict on the paper's claim.
 
-    Verdict rule (from the numbers): "holds" when recompute is at least the paper's 5x faster than reading
-    K/V from the same device's memory somewhere; "holds with a caveat" when recompute beats the read
-    somewhere but below 5x, or only when K/V are copied from host memory; "does not hold here" otherwise.
+    Verdict: the report's one rule (`verdicts.judge`) on the best speed-up, from device memory or from a host
+    copy, against the paper's 5x, higher is better, no gain at 1x.
     """
     rows = _measured(result)
     host_rows = [r for r in rows if r.get("host_speedup") is not None]
@@ -349,7 +348,7 @@ def summary(result: dict) -> dict:
         "bound_agrees": agree, "cells_above_bound": sum(1 for r in rows if r["speedup"] > r["bound_speedup"]),
     }
     if best is None:
-        out.update(verdict="does not hold here", sentence=f"Nothing was measured on {where}: every cell was "
+        out.update(verdict=FAILS, sentence=f"Nothing was measured on {where}: every cell was "
                                                           "skipped, so the claim is not supported here.")
         return out
     s, at = best["speedup"], f"b={best['batch']}, n={best['context']}"
@@ -361,25 +360,24 @@ def summary(result: dict) -> dict:
                f"it replaces ({kv_t} B, r = {result['ratio_r']:.3g})" if res_t >= kv_t else
                f"a residual is {res_t} B against {kv_t} B of K/V (r = {result['ratio_r']:.3g})")
     bound_words = f"the arithmetic-intensity bound allows at most {_x(out['largest_bound'])} here"
-    if s >= PAPER_SPEEDUP:
-        verdict = "holds"
-        sentence = (f"Holds on {where}: recompute is up to {_x(s)} faster than reading cached K/V (at {at}), at "
-                    f"or above the paper's {PAPER_SPEEDUP:g}x; {bound_words}.")
-    elif s > 1:
-        verdict = "holds with a caveat"
-        sentence = (f"Holds with a caveat on {where}: recompute beats reading cached K/V, but only up to {_x(s)} "
-                    f"(at {at}), below the paper's {PAPER_SPEEDUP:g}x; {bound_words}.")
-    elif best_host is not None and best_host["host_speedup"] > 1:
-        hs = best_host["host_speedup"]
-        verdict = "holds with a caveat"
-        sentence = (f"Holds with a caveat on {where}: only with K/V held in host memory and copied over the host "
+    hs = best_host["host_speedup"] if best_host is not None else None
+    verdict = judge(PAPER_SPEEDUP, max(s, hs or s), HIGHER, SIZE_TOLERANCE, 1.0)
+    if hs is None or s >= hs:
+        if verdict == HOLDS:
+            sentence = (f"Holds on {where}: recompute is up to {_x(s)} faster than reading cached K/V (at {at}), "
+                        f"within {SIZE_TOLERANCE:.0%} of the paper's {PAPER_SPEEDUP:g}x or above; {bound_words}.")
+        elif s > 1:
+            sentence = (f"Holds in direction, not in size, on {where}: recompute beats reading cached K/V, but only up "
+                        f"to {_x(s)} (at {at}), below the paper's {PAPER_SPEEDUP:g}x; {bound_words}.")
+    if hs is not None and hs > s and hs > 1:
+        sentence = (f"{'Holds' if verdict == HOLDS else 'Holds in direction, not in size,'} on {where}: only with "
+                    f"K/V held in host memory and copied over the host "
                     f"link ({result['host_bytes_per_s'] / 1e9:.3g} GB/s) is recompute faster, up to {_x(hs)} (at "
                     f"b={best_host['batch']}, n={best_host['context']}"
                     f"{'' if hs >= PAPER_SPEEDUP else f', below the paper’s {PAPER_SPEEDUP:g}x'}); with K/V in "
-                    f"device memory reading stays {_x(1 / s)} faster than recomputing, since {r_words} and "
-                    f"recompute adds {gemm}.")
-    else:
-        verdict = "does not hold here"
+                    + (f"device memory reading stays {_x(1 / s)} faster than recomputing, since {r_words} and "
+                       f"recompute adds {gemm}." if s < 1 else f"device memory recompute reaches {_x(s)}."))
+    elif max(s, hs or s) <= 1:
         if host_rows:
             tail = (f"; even copying K/V from pinned host memory ({result['host_bytes_per_s'] / 1e9:.3g} GB/s) is "
                     f"faster, by at least {_x(1 / best_host['host_speedup'])}")

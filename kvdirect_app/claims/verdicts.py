@@ -7,7 +7,8 @@ figures takes the worst of its parts (`worst`).  Four outcomes, no others:
   within the tolerance;
 * **holds in direction, not in size**: our figure is on the claimed side of
   the neutral value (the value at which the claimed effect vanishes: 1x for
-  a speed-up or a capacity ratio), but short of the paper's;
+  a speed-up or a capacity ratio), by more than the tolerance, but short of
+  the paper's;
 * **does not hold here**: it is not (or, for a claim of equality, it is not
   within the tolerance of the paper's figure);
 * **not measured**: there is no figure of ours.
@@ -79,10 +80,12 @@ def judge(paper, ours, direction: str, tolerance: float, neutral: float | None =
         target = weak_end(paper, direction)
         return HOLDS if all(abs(x - target) <= tolerance * abs(target) for x in span(ours)) else FAILS
     mine, theirs = weak_end(ours, direction), weak_end(paper, direction)
+    # An effect within the tolerance of the neutral value is no effect: a baseline that keeps 99% of the tokens,
+    # a 1.05x speed-up, do not hold even in direction.
     if direction == HIGHER:
-        size, side = mine >= theirs * (1 - tolerance), mine > neutral
+        size, side = mine >= theirs * (1 - tolerance), mine > neutral * (1 + tolerance)
     else:
-        size, side = mine <= theirs * (1 + tolerance), mine < neutral
+        size, side = mine <= theirs * (1 + tolerance), mine < neutral * (1 - tolerance)
     return HOLDS if size else (DIRECTION_ONLY if side else FAILS)
 
 
@@ -97,7 +100,7 @@ def rule_text() -> str:
             f"Where higher (lower) is better, the weak end of each range counts (the least, or the largest, value): "
             f"**{HOLDS}** when ours is at least as good as the paper's, within {SIZE_TOLERANCE:.0%} of the paper's "
             f"figure; **{DIRECTION_ONLY}** when ours is on the claimed side of the neutral value (1x: no gain; a "
-            f"token match of 1: no loss) but short of the paper's; **{FAILS}** otherwise. A claim of equality "
+            f"token match of 1: no loss) by more than {SIZE_TOLERANCE:.0%} of it, but short of the paper's; **{FAILS}** otherwise. A claim of equality "
             f"holds within {SIZE_TOLERANCE:.0%} for figures the paper rounds (bytes), within {EXACT_TOLERANCE:g} "
             f"for bit-exactness and token identity, and otherwise does not hold here. **{NOT_MEASURED}**: no figure "
             f"of ours. A claim of several figures takes its worst part. \"Computed from the config\" is arithmetic "

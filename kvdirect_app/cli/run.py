@@ -125,7 +125,9 @@ def cmd_run(args) -> int:
         return 0
     engine = Engine(loaded, list(req.strategies), raw=raw, compare=not args.solo, **engine_options(args))
     if args.solo:
-        load_peak, before = reset_peak_rss()
+        load_peak = peak_rss()
+        touch_weights(loaded.model)
+        before = reset_peak_rss()
     if ids is not None:
         for _ in engine.turn(turns[0], ids=ids):
             pass
@@ -142,14 +144,24 @@ def cmd_run(args) -> int:
 
 
 # --- each strategy alone ------------------------------------------------------------------------------------------
-def reset_peak_rss() -> tuple[int, int]:
-    """After the model's load: its peak RSS, then the heap's free pages handed back and the kernel's high-water
-    mark started afresh, so the peak counts the run alone; returns (the load's peak, RSS now)."""
-    load_peak = peak_rss()
+def touch_weights(model):
+    """Read one value of every page of the weights: a cached copy is mapped from its file, and its pages would
+    otherwise come in during the run's first forward and count as the run's growth."""
+    import torch
+
+    with torch.inference_mode():
+        for p in model.parameters():
+            flat = p.detach().reshape(-1)
+            flat[::max(1, 4096 // flat.element_size())].sum()
+
+
+def reset_peak_rss() -> int:
+    """After the model's load: the heap's free pages handed back and the kernel's high-water mark started afresh,
+    so the peak counts the run alone; returns the RSS now."""
     rss.trim()
     if not rss.reset_peak():
         raise CliError("--solo: cannot reset the peak RSS here (/proc/self/clear_refs); needs Linux")
-    return load_peak, psutil.Process().memory_info().rss
+    return psutil.Process().memory_info().rss
 
 
 def peak_rss() -> int:
@@ -218,12 +230,12 @@ def run_alone(args, strategies) -> int:
         r = result["strategies"][spec]
         match, first = token_match(reference["turn_token_ids"], r["turn_token_ids"])
         proc = result["process"]
-        growth = proc["wait4_peak_rss_bytes"] - proc["rss_before_run_bytes"]
-        allocator = r["state_bytes"]["peak"]
         outside = proc["time_peak_rss_bytes"]
+        peak = outside if outside is not None else proc["wait4_peak_rss_bytes"]
+        growth = peak - proc["rss_before_run_bytes"]
+        allocator = r["state_bytes"]["peak"]
         rows.append([spec, str(len(r["token_ids"])), fmt(match, ".3f"), fmt(first, "d"),
-                     fmt_bytes(proc["load_peak_rss_bytes"]),
-                     fmt_bytes(proc["wait4_peak_rss_bytes"]) + ("" if outside is not None else " (wait4)"),
+                     fmt_bytes(proc["load_peak_rss_bytes"]), fmt_bytes(peak) + ("" if outside is not None else " (wait4)"),
                      fmt_bytes(proc["rss_before_run_bytes"]), fmt_bytes(growth),
                      fmt_bytes(allocator), fmt_bytes(None if allocator is None else growth - allocator),
                      fmt_bytes(r["state_bytes"]["between_turns_peak"]), fmt(r["latency_ms"]["decode_total_ms_mean"], ".1f"),
@@ -235,18 +247,14 @@ def run_alone(args, strategies) -> int:
           f"prompt {len(head['prompt_ids'])} tokens; each strategy alone in its own process, tokens compared with "
           "the full cache's own process")
     print(table(cols, rows))
-    print("note: each process loads the model (its peak: 'load peak RSS'), hands the heap's free pages back and "
-          "starts the kernel's high-water mark afresh; 'peak RSS' is then the run's own, as /usr/bin/time -v (and "
-          "wait4) report it for that process; RSS growth = that peak minus the RSS before the run; the allocator "
-          "peak is the same process's in-process measurement of the strategy's state, transient buffers and "
-          "activations")
+    print("note: each process loads the model (its peak: 'load peak RSS'), reads every page of its weights, hands "
+          "the heap's free pages back and starts the kernel's high-water mark afresh; 'peak RSS' is then the run's "
+          "own, as /usr/bin/time -v reports it for that process; RSS growth = that peak minus the RSS before the "
+          "run; the allocator peak is the same process's in-process measurement of the strategy's state, transient "
+          "buffers and activations")
     if any(r["process"]["time_peak_rss_bytes"] is None for r in summary.values()):
-        print(f"note: {GNU_TIME} is not installed: the peak RSS is wait4's (the same kernel figure)")
-    else:
-        mismatch = [s for s, r in summary.items()
-                    if r["process"]["time_peak_rss_bytes"] != r["process"]["wait4_peak_rss_bytes"]]
-        if mismatch:
-            print(f"note: /usr/bin/time and wait4 disagree for {', '.join(mismatch)}")
+        print(f"note: {GNU_TIME} is not installed: the peak RSS is wait4's for the child, which also counts the "
+              "parent's size at the fork")
     write_json(args.json, {**head, "alone": True, "strategies": summary})
     return 0
 

@@ -148,8 +148,11 @@ class AnchorStore:
             return self.replayer.embed(self.token_ids[:, :end].long())
         return self.residuals[anchor][:, :end].clone()
 
+    def tensors(self) -> tuple:
+        return self.token_ids, *self.residuals.values()
+
     def bytes(self) -> int:
-        return storage_bytes(self.token_ids, *self.residuals.values())
+        return storage_bytes(*self.tensors())
 
     def old_kv(self, layer: int, end: int, capacity: int):
         """K/V buffers of global `layer`, tokens 0..end-1 filled: carried up this step, or replayed now."""
@@ -223,6 +226,9 @@ class AnchorCache(StrategyCache):
 
     def before_layer(self, index: int, x: torch.Tensor):
         self.store.before_layer(index, x)
+
+    def state_tensors(self) -> tuple:
+        return (*super().state_tensors(), *self.store.tensors())
 
     def persistent_bytes(self) -> int:
         return super().persistent_bytes() + self.store.bytes()

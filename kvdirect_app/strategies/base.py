@@ -48,17 +48,19 @@ class StrategyError(UserError):
     """A strategy spec that cannot be built; the message names the setting and its allowed values."""
 
 
+def storage_sizes(*tensors: torch.Tensor | None) -> dict[int, int]:
+    """Address -> bytes of the distinct storages behind `tensors` (a view counts its whole buffer, once)."""
+    out = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            s = t.untyped_storage()
+            out.setdefault(s.data_ptr(), s.nbytes())
+    return out
+
+
 def storage_bytes(*tensors: torch.Tensor | None) -> int:
     """Bytes of the distinct storages behind `tensors` (a view counts its whole buffer, once)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None or t.numel() == 0:
-            continue
-        s = t.untyped_storage()
-        if s.data_ptr() not in seen:
-            seen.add(s.data_ptr())
-            total += s.nbytes()
-    return total
+    return sum(storage_sizes(*tensors).values())
 
 
 class MeasuredLayer:
@@ -83,8 +85,12 @@ class MeasuredLayer:
         self.kv_equal = True
         self.compared = 0
 
+    def state_tensors(self) -> tuple:
+        """Every tensor the layer holds between steps."""
+        return self.keys, self.values
+
     def state_bytes(self) -> int:
-        return storage_bytes(self.keys, self.values)
+        return storage_bytes(*self.state_tensors())
 
     def compare(self, keys: torch.Tensor, values: torch.Tensor):
         """What this layer hands attention against what the reference layer holds after the same step.
@@ -141,6 +147,9 @@ class SlidingLayer(MeasuredLayer, compat.DynamicSlidingWindowLayer):
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.init_measures()
 
+    def state_tensors(self) -> tuple:
+        return self.keys, self.values, getattr(self, "_sliding_window_tensor", None)
+
     def token_states(self) -> list[str]:
         kept = 0 if self.keys is None else self.keys.shape[-2]
         return ["evicted"] * (self.cumulative_length - kept) + ["kv"] * kept
@@ -184,8 +193,16 @@ class StrategyCache(Cache):
         self.strategy = strategy
 
     # --- measurement -------------------------------------------------------
+    def state_tensors(self) -> tuple:
+        """Every tensor the cache holds between steps (its layers', and a shared store's)."""
+        return tuple(t for layer in self.layers for t in layer.state_tensors())
+
     def persistent_bytes(self) -> int:
         return sum(layer.state_bytes() for layer in self.layers)
+
+    def storage_sizes(self) -> list[int]:
+        """Bytes of each distinct storage the cache holds (what a per-tensor allocator rounds)."""
+        return list(storage_sizes(*self.state_tensors()).values())
 
     def transient_bytes(self) -> int:
         """Largest transient buffer of any layer during the last step."""

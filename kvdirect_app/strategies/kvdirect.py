@@ -35,7 +35,7 @@ import torch
 from .. import compat
 from ..geometry import ModelGeometry
 from ..replay import KVProjector
-from .base import SlidingLayer, Strategy, StrategyCache, storage_bytes, window_layer_bytes, window_layer_transient
+from .base import SlidingLayer, Strategy, StrategyCache, window_layer_bytes, window_layer_transient
 from .rebuild import MODES, REBUILDS, RebuildingLayer, record_run, rebuilding_persistent, rebuilding_transient
 
 
@@ -61,8 +61,8 @@ class ResidualLayer(RebuildingLayer):
         self.inputs = x if self.inputs is None else torch.cat([self.inputs, x], dim=1)
         record_run(self.runs, self.seen, q)
 
-    def held_bytes(self) -> int:
-        return storage_bytes(self.inputs)
+    def held_tensors(self) -> tuple:
+        return (self.inputs,)
 
     def rebuild_old(self, end: int, capacity: int):
         key, value = self.projector.key, self.projector.value

@@ -31,7 +31,7 @@ import time
 import torch
 
 from ..compat import CacheLayerMixin
-from .base import MeasuredLayer, storage_bytes
+from .base import MeasuredLayer
 
 MODES = ("exact", "fast")
 REBUILDS = ("step", "turn")
@@ -87,9 +87,9 @@ class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
         the subclass promises; the caller fills the rest."""
         raise NotImplementedError
 
-    def held_bytes(self) -> int:
-        """Bytes of the subclass's persistent store (inputs, anchors...) owned by this layer."""
-        return 0
+    def held_tensors(self) -> tuple:
+        """The subclass's persistent store (inputs, anchors...) owned by this layer."""
+        return ()
 
     def before_update(self, q: int):
         """Called at the start of every update (e.g. to store this forward's inputs)."""
@@ -175,9 +175,8 @@ class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
         held = self.seen if self.active is not None else self.hot
         return [old_state] * (self.seen - held) + ["kv"] * held
 
-    def state_bytes(self) -> int:
-        active = self.active or (None, None)
-        return storage_bytes(self.keys, self.values, *active) + self.held_bytes()
+    def state_tensors(self) -> tuple:
+        return (self.keys, self.values, *(self.active or ()), *self.held_tensors())
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0

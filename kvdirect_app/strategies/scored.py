@@ -268,8 +268,8 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
         kept = set() if self.positions is None else set(self.positions.flatten().tolist())
         return ["kv" if t in kept else "evicted" for t in range(self.seen)]
 
-    def state_bytes(self) -> int:
-        return storage_bytes(self.keys, self.values, self.positions, self.prompt_tail, *self.buffers.values())
+    def state_tensors(self) -> tuple:
+        return self.keys, self.values, self.positions, self.prompt_tail, *self.buffers.values()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         stored = 0 if self.keys is None else self.keys.shape[-2]
