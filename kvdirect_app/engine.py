@@ -16,6 +16,9 @@ The engine yields plain dict events and never imports gradio.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 from typing import Callable, Iterator
 
 import torch
@@ -23,6 +26,9 @@ import torch
 from .forwards import Forwards, Item
 from .geometry import ModelGeometry
 from .hooks import InputTap, model_lock
+from .kernels import Kernels
+from .kernels import brief as kernels_brief
+from .lockstep import batch_linears
 from .lanes import ByteBook, Lane, TurnBytes
 from .memory import AllocationTracer
 from .metrics import clock, token_match
@@ -55,7 +61,7 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, strategies: list[Strategy], max_new_tokens: int = 64,
                  raw: bool = False, threads: int | None = None, memory: str = "trace", compare: bool = True,
-                 batch: bool = True, twins: bool = True, prefill_chunk: int = PREFILL_CHUNK):
+                 batch: bool = True, twins: bool = True, prefill_chunk: int = PREFILL_CHUNK, kernels: str = "invariant"):
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens: {max_new_tokens} must be >= 1")
         if threads is not None and threads < 1:
@@ -73,7 +79,10 @@ class Engine:
         self.tracer = AllocationTracer(loaded.device, enabled=memory == "trace")
         self.instrument = (f"allocator trace ({loaded.device.type})" if memory == "trace" else "none (formula only)")
         self.twins, self.prefill_chunk = twins, prefill_chunk
-        self.forwards = Forwards(self.model, loaded.device, self.geometry, self.tracer, self.threads, batch)
+        # Probed now, outside every timed and traced step (the verdicts stay with the loaded model).
+        self.kernels = Kernels.for_model(loaded, kernels, self.threads)
+        self.forwards = Forwards(self.model, loaded.device, self.geometry, self.tracer, self.threads, batch,
+                                 self.kernels)
         self.solo = not compare
         if self.solo:  # one strategy as deployed alone: it drives the conversation, nothing is compared
             if len(strategies) != 1:
@@ -104,6 +113,7 @@ class Engine:
         lane = Lane(strategy, None, strategy.label, ByteBook(traced=self.tracer.enabled))
         with self.tracer.trace(lane.label):
             lane.cache = strategy.build_cache(self.model)
+        lane.cache.use_kernels(self.kernels)
         if self.loaded.device.type == "cuda":  # the allocator reports rounded blocks there: compare like for like
             lane.book.held_sizes = lane.cache.storage_sizes
         return lane
@@ -146,7 +156,8 @@ class Engine:
                         lane.cache.compare_with(self.reference.cache)
                     yield {"type": "start", "strategies": self.show, "reference": self.reference.label,
                            "prompt_ids": self.prompt_ids, "threads": self.threads, "memory": self.instrument,
-                           "determinism": self.determinism, "about": self.about()}
+                           "determinism": self.determinism, "about": self.about(),
+                           "kernels": self.kernels.report(), "kernels_line": kernels_brief(self.kernels.report())}
                 if self.parked:
                     self._resume(tap)
                     yield {"type": "resume", "lanes": {lane.label: lane.parks[-1] for lane in self.all_lanes}}
@@ -210,9 +221,35 @@ class Engine:
                 tap.close()
         return {"type": "resume", "lanes": {lane.label: lane.parks[-1] for lane in self.all_lanes}}
 
+    def set_threads(self, threads: int) -> None:
+        """Between turns: the forwards, rebuilds and replays that follow run at `threads`.  With invariant kernels
+        the probe must pass at that count too (it runs now if it has not); a count where it fails is refused,
+        not switched to other kernels."""
+        if any(lane.active for lane in self.all_lanes):
+            raise InputError("threads: a turn is still running")
+        if threads < 1:
+            raise InputError(f"threads: {threads} must be >= 1")
+        probed = Kernels.for_model(self.loaded, self.kernels.requested, threads)
+        if probed.mode != self.kernels.mode:
+            raise InputError(f"threads: {threads} would change the kernels ({probed.reason}); allowed: a count where "
+                             f"the {self.kernels.mode} kernels' probe passes")
+        self.threads = self.forwards.threads = self.kernels.threads = threads
+
+    @contextlib.contextmanager
+    def kernel_scope(self):
+        """The run's kernels around work outside a step's pass (a resume, a benchmark's rebuild): every linear of
+        the model and the replays' attention as the forwards computed them."""
+        with batch_linears(self.model, 1, self.kernels), self.kernels.applied():
+            yield
+
     @torch.inference_mode()
     def _resume(self, tap: InputTap):
         pin(self.threads)
+        with self.kernel_scope():
+            self._resume_lanes(tap)
+        self.parked = False
+
+    def _resume_lanes(self, tap: InputTap):
         for lane in self.all_lanes:
             for twin in (False, True):
                 cache = lane.tf_cache if twin else lane.cache
@@ -226,7 +263,6 @@ class Engine:
                 if not twin:
                     lane.parks[-1]["resume_ms"] = 1e3 * elapsed
                     lane.parks[-1]["resume_peak_bytes"] = window.peak if self.tracer.enabled else None
-        self.parked = False
 
     def run(self, turns: list[str], park: bool = False) -> Iterator[dict]:
         """Every turn in order (parking every session between turns when `park`), then "done" with `results()`."""
@@ -366,6 +402,7 @@ class Engine:
             "max_abs_dlogit": 0.0 if is_ref else (lane.max_dlogit if lane.tf_steps else None),
             "teacher_forced_steps": None if is_ref or self.solo else lane.tf_steps,
             **kv,
+            "kv_digest": kv_digest(lane.kv_digest),
             "canonical_spec": lane.strategy.spec(),
             "mode": getattr(lane.strategy, "mode", None),  # "exact" | "fast" for rebuilding strategies, else None
             "notes": lane.strategy.notes,
@@ -402,11 +439,21 @@ class Engine:
             "process_rss_peak_bytes": self.forwards.rss_peak,
             "memory_instrument": self.instrument,
             "determinism": self.determinism,
+            "kernels": self.kernels.report(),
             "strategies": {label: self._summary(by_label[label]) for label in self.show if label in by_label},
         }
         if self.loaded.device.type == "cuda":
             out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.loaded.device)
         return out
+
+
+def kv_digest(sums: dict) -> str | None:
+    """A hash of the bits of every layer's K/V a lane handed attention at its latest forward (lockstep.bit_sums):
+    equal in two runs when they handed attention the same bits."""
+    if not sums:
+        return None
+    text = json.dumps([[j, *sums[j][:2], list(sums[j][2])] for j in sorted(sums)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def run_to_end(engine: Engine, turns: list[str], park: bool = False,

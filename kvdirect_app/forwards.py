@@ -31,6 +31,7 @@ import torch
 from . import rss
 from .geometry import ModelGeometry
 from .hooks import InputTap
+from .kernels import Kernels
 from .lanes import Lane
 from .lockstep import Row, run_batch
 from .memory import AllocationTracer
@@ -59,15 +60,16 @@ class Item:
 
 class Forwards:
     def __init__(self, model: torch.nn.Module, device: torch.device, geometry: ModelGeometry, tracer: AllocationTracer,
-                 threads: int, batch: bool):
+                 threads: int, batch: bool, kernels: Kernels):
         self.model, self.device, self.geometry, self.tracer = model, device, geometry, tracer
-        self.threads, self.batch = threads, batch
+        self.threads, self.batch, self.kernels = threads, batch, kernels
         self.process = psutil.Process()
         self.rss = self.rss_peak = 0
         self.shared_ms: list[float] = []  # per decode pass of several lanes: the work no lane did alone
         self.twins_ms: list[float] = []  # per decode step with twins: their passes (the measurement's overhead)
         pin(threads)
-        check_rows_kernels(model)  # now, not inside the first traced, timed step
+        if not kernels.invariant:
+            check_rows_kernels(model)  # now, not inside the first traced, timed step
 
     # Inference mode is entered per call, not around a turn: it is per thread, and a turn's generator may be
     # advanced from different threads.
@@ -98,7 +100,7 @@ class Forwards:
         """One pass of the model over `items` (same token count); returns its wall time."""
         rows = [Row(item.owner, item.cache, item.ids, item.cache.get_seq_length(), item.more_prompt) for item in items]
         with self.tracer.session(shared=SHARED, share_among=len(rows)):
-            wall = run_batch(self.model, rows, self.tracer, tap, self.device)
+            wall = run_batch(self.model, rows, self.tracer, tap, self.device, self.kernels)
         ops = [item.cache.take_timers() for item in items]
         # Inside the pass: each row's attention and cache work, the measurement's comparisons, and the shared rest.
         inside = sum(row.attention_s + o["recompute"] + o["cache_update"] + o["scoring"] + o["replay"] + o["compare"]
@@ -111,6 +113,7 @@ class Forwards:
                 item.lane.tf_logits = row.logits
                 continue
             item.lane.logits = row.logits
+            item.lane.kv_digest = row.digest  # what it handed attention at its latest forward
             times = {"recompute": o["recompute"], "replay": o["replay"], "cache_update": o["cache_update"],
                      "scoring": o["scoring"], "attention": row.attention_s, "shared": shared / len(rows),
                      "other": row.setup_s}

@@ -99,13 +99,13 @@ def available(device: torch.device) -> tuple[int, str]:
 
 
 def activation_bytes(config, geom: ModelGeometry, q: int, context: int, scores: int = 0,
-                     replayed: int = 0) -> int:
+                     replayed: int = 0, block: bool = False) -> int:
     """One forward of `q` new tokens over `context` tokens: residual stream and norms, MLP, q/k/v/o, one row of
     logits (float32); with eager attention (every query) or a strategy that scores by attention (`scores`
     queries: all of a piece for H2O, SnapKV's window, TOVA's last), the fp32 scores, their masked copy and
     their softmax (SDPA's kernels work in blocks and never hold them: measured, a 1,024-token piece over
     2,000 tokens of SmolLM2 stays below this bound); `replayed` old tokens run through a layer (AnchorKV's
-    replay)."""
+    replay).  `block`: the invariant kernels' block attention replaces the model's (eager) one."""
     from . import compat
 
     cfg = compat.text_config(config)
@@ -114,14 +114,32 @@ def activation_bytes(config, geom: ModelGeometry, q: int, context: int, scores: 
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
     per_token = (8 * cfg.hidden_size + 4 * inter + 2 * heads * head_dim) * b
-    scores = q if getattr(config, "_attn_implementation", None) == "eager" else scores
+    scores = q if getattr(config, "_attn_implementation", None) == "eager" and not block else scores
     # Replay runs old rows through one layer at a time: measured, about two MLP-wide and two hidden rows per old token stay live.
     return (q * per_token + replayed * 2 * (inter + cfg.hidden_size) * b + 3 * heads * scores * context * 4
             + 2 * cfg.vocab_size * 4)
 
 
-def lane_bytes(strategy: Strategy, config, geom: ModelGeometry, prompt: int, tokens: int, chunk: int) -> int:
-    """State + transient + activations at the run's two worst moments: the last prompt piece, the last step."""
+def block_attention_bytes(config, geom: ModelGeometry, queries: int, context: int) -> int:
+    """The invariant kernels' block attention beyond what the model's own attention holds: over `queries` (a chunk
+    of them at a time, `kernels` bounds it) and `context` keys: two copies of its scores (masked, then
+    exponentiated), and the blocks' P@V and their running sum (float32)."""
+    from . import compat
+    from .kernels import ATTENTION_ROWS_BYTES, BLOCK
+
+    cfg = compat.text_config(config)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    keys = -(-context // BLOCK) * BLOCK + BLOCK
+    scores = min(heads * queries * keys * 4, ATTENTION_ROWS_BYTES + heads * keys * 4 * 4)  # the last chunk's
+    return 2 * scores + 2 * scores * head_dim // BLOCK
+
+
+def lane_bytes(strategy: Strategy, config, geom: ModelGeometry, prompt: int, tokens: int, chunk: int,
+               kernels: str = "invariant", shares_prompt: bool = False, turns: int = 1) -> int:
+    """State + transient + activations at the run's two worst moments: the last prompt piece, the last step.
+    `shares_prompt`: lanes whose first prompt is the reference's get its attention computed once, by the
+    reference (lockstep); only their own replays count then."""
     pieces = [Forward(min(chunk, prompt - start), prompt=True, open=start + chunk < prompt)
               for start in range(0, prompt, chunk)]
     forwards = pieces + [Forward(1)] * max(0, tokens - prompt)
@@ -131,23 +149,31 @@ def lane_bytes(strategy: Strategy, config, geom: ModelGeometry, prompt: int, tok
     for before, size, last, n in ((prompt - q, pieces[0].q, prompt, len(pieces)), (tokens - 1, 1, tokens, len(forwards))):
         state = strategy.formula_persistent(geom, last, forwards[:n])
         transient = strategy.formula_transient(geom, before, size, turn_start=before == 0, forwards=forwards[:n])
-        replayed = before if hasattr(strategy, "anchor_layers") else 0
+        # AnchorKV with rebuild=step replays the old tokens at every forward; rebuild=turn at the start of a later
+        # turn, bounded here by its last moment
+        rebuild = getattr(strategy, "rebuild", None) if hasattr(strategy, "anchor_layers") else None
+        replayed = before if rebuild == "step" or (rebuild == "turn" and turns > 1 and n > len(pieces)) else 0
         scored = strategy.scored_queries(size) if getattr(strategy, "needs_attention", False) else 0
-        act = activation_bytes(config, geom, size, last, scored, replayed)
+        act = activation_bytes(config, geom, size, last, scored, replayed, block=kernels == "invariant")
+        if kernels == "invariant":
+            own = replayed if shares_prompt and n == len(pieces) else max(size, replayed)
+            act += block_attention_bytes(config, geom, own, last) if own else 0
         worst = max(worst, state + transient + act)
     return worst + LANE_SLACK
 
 
 def estimate(config, dtype: torch.dtype, strategies: list[Strategy], prompt: int, tokens: int, chunk: int,
-             twins: bool = True, compare: bool = True, weights: int = 0) -> Estimate:
-    """The run's peak: `prompt` tokens read in pieces of `chunk`, then up to `tokens` in all."""
+             twins: bool = True, compare: bool = True, weights: int = 0, kernels: str = "invariant",
+             turns: int = 1) -> Estimate:
+    """The run's peak: `prompt` tokens read in pieces of `chunk`, then up to `tokens` in all, over `turns` turns."""
     geom = ModelGeometry.from_config(config, dtype)
     lanes = list(strategies)
     if compare and not any(s.spec() == Full().spec() for s in lanes):
         lanes.insert(0, Full())
     out = Estimate(weights, tokens=tokens)
-    for s in lanes:
-        out.lanes[s.label] = lane_bytes(s, config, geom, prompt, tokens, chunk)
+    for i, s in enumerate(lanes):
+        out.lanes[s.label] = lane_bytes(s, config, geom, prompt, tokens, chunk, kernels, shares_prompt=compare and i > 0,
+                                        turns=turns)
         if compare and twins and not s.claims_exact and s.spec() != Full().spec():
             out.lanes[f"{s.label} (twin)"] = out.lanes[s.label]
     return out

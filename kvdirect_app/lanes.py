@@ -150,6 +150,7 @@ class Lane:
     history: list[int] = field(default_factory=list)  # every id fed to the free run, in order
     forwards: list = field(default_factory=list)  # a `strategies.base.Forward` for each forward of the free run
     parks: list[dict] = field(default_factory=list)  # per park: seen, bytes measured and by formula, resume ms
+    kv_digest: dict = field(default_factory=dict)  # layer -> bit sums of the K/V its latest forward handed attention
 
     @property
     def twin_owner(self) -> str:

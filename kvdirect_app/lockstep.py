@@ -15,10 +15,11 @@ exactly what it would be alone:
 * each lane's cache gets its own row of K/V (`update`), its own attention
   input and residual (the input tap), and runs its own rebuilding, replay
   and scoring, as it would alone;
-* attention is the model's own attention function, once per lane, with the
-  lane's K/V and the mask the model builds for that lane's cache: the
-  layer's config points at a registered function (`kvdirect_lanes`) for the
-  pass, under the model's lock;
+* attention (native) is the model's own attention function, once per lane,
+  with the lane's K/V and the mask the model builds for that lane's cache:
+  the layer's config points at a registered function (`kvdirect_lanes`) for
+  the pass, under the model's lock; (invariant) the block attention, for a
+  decode step all lanes' queries in one call (`lanes_block_attention`);
 * norms, RoPE (positions are per row), activations and residual adds work
   row by row.
 
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from . import compat
+from .kernels import Kernels
 from .memory import AllocationTracer, harness
 from .metrics import clock
 from .replay import linear_rows
@@ -63,6 +65,7 @@ class Row:
     more_prompt: bool = False  # a piece of a turn's prompt, more pieces follow
     masks: dict = field(default_factory=dict)  # layer type -> the mask the model builds for this cache alone
     kv: dict = field(default_factory=dict)  # layer -> the K/V this cache handed attention
+    digest: dict = field(default_factory=dict)  # layer -> bit sums of those K/V (what two runs compare)
     attention_s: float = 0.0  # this row's attention function calls, inside the pass
     setup_s: float = 0.0  # this row's own work outside the pass: its masks, the begin and end of its step
     logits: torch.Tensor | None = None
@@ -75,6 +78,7 @@ class Batch:
     tracer: AllocationTracer
     attention: Callable  # the model's own attention function
     layer_types: list[str]
+    kernels: Kernels
 
     @contextlib.contextmanager
     def owned(self, i: int):
@@ -135,22 +139,64 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
     j = module.layer_idx
     layer_type = batch.layer_types[j]
     outputs, done, weights = [], [], None
+    q = query.shape[2]
+    if batch.kernels.invariant and q == 1 and len(batch.rows) > 1:
+        return _lanes_block_attention(batch, module, j, query, kwargs), None
     for i, row in enumerate(batch.rows):
         k, v = row.kv.pop(j)
-        mask = row.masks[layer_type]
+        with harness():  # the measurement's: what this lane handed attention, as bits
+            row.digest[j] = bit_sums(k, v)
+        block = batch.kernels.invariant
+        mask = None if block else row.masks[layer_type]
         t0 = time.perf_counter()
         out = None
-        if query.shape[2] > 1:
-            out = next((o for (qr, kr, vr, mr, o) in done if torch.equal(qr, query[i]) and _same(kr, k)
-                        and _same(vr, v) and _same(mr, mask)), None)
+        if q > 1:
+            out = next((o for (b, qr, kr, vr, mr, o) in done if b == block and torch.equal(qr, query[i])
+                        and _same(kr, k) and _same(vr, v) and _same(mr, mask)), None)
         if out is None:
             with batch.owned(i):
-                out, weights = batch.attention(module, query[i:i + 1], k, v, mask, **kwargs)
-            if query.shape[2] > 1:
-                done.append((query[i], k, v, mask, out))
+                # Every cache hands attention its keys in position order, the queries the last q of them and every
+                # earlier key before them (an eviction cache's kept keys too: the mask the model would build says
+                # the same), so the block attention reads them as positions end-T .. end-1.
+                if block:
+                    out = batch.kernels.attention(query[i], k[0], v[0], row.seen + q, kwargs.get("scaling", module.scaling),
+                                                  kwargs.get("softcap"), kwargs.get("sliding_window")).unsqueeze(0)
+                else:
+                    out, weights = batch.attention(module, query[i:i + 1], k, v, mask, **kwargs)
+            if q > 1:
+                done.append((block, query[i], k, v, mask, out))
         row.attention_s += time.perf_counter() - t0
         outputs.append(out)
     return torch.cat(outputs, dim=0), weights
+
+
+def _lanes_block_attention(batch: Batch, module, j: int, query: torch.Tensor, kwargs) -> torch.Tensor:
+    """A decode step in the invariant mode: every lane's one query in one block-attention call (each lane's
+    bits are those it would get alone: the probe checks it).  The call's time is shared by its lanes."""
+    keys, values, ends = [], [], []
+    for i, row in enumerate(batch.rows):
+        k, v = row.kv.pop(j)
+        with harness():
+            row.digest[j] = bit_sums(k, v)
+        keys.append(k[0])
+        values.append(v[0])
+        ends.append(row.seen + 1)
+    t0 = time.perf_counter()
+    # Its buffers are the pass's, shared like the rest of it (1/N to each lane).
+    outs = batch.kernels.lanes_attention([query[i] for i in range(len(batch.rows))], keys, values, ends,
+                                         kwargs.get("scaling", module.scaling), kwargs.get("softcap"),
+                                         kwargs.get("sliding_window"))
+    share = (time.perf_counter() - t0) / len(batch.rows)
+    for row in batch.rows:
+        row.attention_s += share
+    return torch.cat(outs, dim=0).unsqueeze(1)
+
+
+def bit_sums(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, tuple]:
+    """A cheap digest of two tensors' bits: the sums of their 16- or 32-bit words, and the shape."""
+    word = torch.int32 if k.element_size() == 4 else torch.int16
+    return (int(k.contiguous().view(word).sum(dtype=torch.int64)), int(v.contiguous().view(word).sum(dtype=torch.int64)),
+            tuple(k.shape))
 
 
 def _unique_rows(x: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -183,16 +229,28 @@ def _rows_forward(linear: torch.nn.Linear, n: int, x: torch.Tensor) -> torch.Ten
     return F.linear(x, weight, bias)
 
 
+def _invariant_forward(kernels: Kernels, linear: torch.nn.Linear, n: int, x: torch.Tensor) -> torch.Tensor:
+    """`linear` in the invariant mode: every row of x in GEMMs of proven row counts (`Kernels.linear`); a prompt's
+    rows once per distinct lane (lanes that have not diverged share their first prompt)."""
+    if x.dim() == 3 and x.shape[0] == n > 1 and x.shape[1] > 1:
+        firsts, where = _unique_rows(x)
+        if len(firsts) < n:
+            return kernels.linear(x[firsts], linear.weight, linear.bias)[where]
+    return kernels.linear(x, linear.weight, linear.bias)
+
+
 @contextlib.contextmanager
-def _batch_linears(model: torch.nn.Module, n: int):
-    """Every `nn.Linear` of the model computes row by row for the pass (an instance `forward`, removed after).
+def batch_linears(model: torch.nn.Module, n: int, kernels: Kernels):
+    """Every `nn.Linear` of the model computes for the pass (an instance `forward`, removed after): in the
+    invariant mode all rows as GEMMs of proven row counts, in the native mode each row as its own GEMM.
     Per module rather than a `TorchFunctionMode`: a mode sees every torch call of the pass (~10,000 per
     SmolLM2 step, ~20 ms of Python), the modules see only their own ~200."""
     linears = _LINEARS.get(model)
     if linears is None:  # found once per model, not at every step
         linears = _LINEARS[model] = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     for m in linears:
-        m.forward = functools.partial(_rows_forward, m, n)
+        m.forward = (functools.partial(_invariant_forward, kernels, m, n) if kernels.invariant
+                     else functools.partial(_rows_forward, m, n))
     try:
         yield
     finally:
@@ -200,13 +258,15 @@ def _batch_linears(model: torch.nn.Module, n: int):
             del m.forward
 
 
-def run_batch(model: torch.nn.Module, rows: list[Row], tracer: AllocationTracer, tap, device) -> float:
+def run_batch(model: torch.nn.Module, rows: list[Row], tracer: AllocationTracer, tap, device,
+              kernels: Kernels) -> float:
     """One pass of the model over every row (all with the same number of tokens); sets each row's logits (V,)
     and returns the pass's wall time.  The caller holds the model's lock and has pinned the threads."""
     q = len(rows[0].ids)
     config = compat.text_config(model.config)
     attn = compat.attention_module(compat.decoder_layers(model)[0])
-    batch = Batch(rows, tracer, compat.attention_function(attn), [s.layer_type for s in compat.layer_specs(config)])
+    batch = Batch(rows, tracer, compat.attention_function(attn), [s.layer_type for s in compat.layer_specs(config)],
+                  kernels)
     ids = torch.tensor([row.ids for row in rows], device=device)
     positions = torch.stack([torch.arange(row.seen, row.seen + q, device=device) for row in rows])
     like = torch.zeros(1, q, 1, device=device, dtype=next(model.parameters()).dtype)
@@ -214,7 +274,7 @@ def run_batch(model: torch.nn.Module, rows: list[Row], tracer: AllocationTracer,
         with batch.owned(i):
             t0 = time.perf_counter()
             row.cache.begin_step(row.ids, row.more_prompt)
-            for t in set(batch.layer_types):
+            for t in () if kernels.invariant else set(batch.layer_types):  # the block attention needs no mask
                 row.masks[t] = compat.mask_function(t)(config=config, inputs_embeds=like, attention_mask=None,
                                                        cache=row.cache, position_ids=positions[i:i + 1])
             row.setup_s += time.perf_counter() - t0
@@ -223,7 +283,8 @@ def run_batch(model: torch.nn.Module, rows: list[Row], tracer: AllocationTracer,
     _LOCAL.batch = batch
     t0 = clock(device)
     try:
-        with compat.attention_implementation(attn.config, LANES_IMPLEMENTATION), _batch_linears(model, len(rows)):
+        with compat.attention_implementation(attn.config, LANES_IMPLEMENTATION), \
+                batch_linears(model, len(rows), kernels), kernels.applied():
             logits = compat.forward_rows(model, ids, LaneCache(batch), positions)
     finally:
         _LOCAL.batch = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +43,8 @@ class LoadedModel:
     source: str  # where the weights came from, in words
     device: torch.device
     dtype: torch.dtype
+    # The invariance probe's verdicts for this model's kernels (kernels.Kernels), kept as long as the model is.
+    probes: dict = field(default_factory=dict, repr=False)
 
     @property
     def config(self):

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import compat
+from .kernels import INVARIANT_ATTENTION, invariant_attention
+from .kernels import active as active_kernels
 from .memory import harness
 from .rows import RowsContext
 from .rows import rows as rows_scope
@@ -288,7 +290,9 @@ class LayerReplayer:
         # The model's own attention implementation, set explicitly for every replayed call: a replay may run
         # inside a batched pass of several lanes, whose attention function is another (lockstep.py).
         self.attention_impl = compat.attention_module(self.layers[0]).config._attn_implementation
+        compat.register_attention(INVARIANT_ATTENTION, invariant_attention)
         self._inputs: dict[tuple, tuple] = {}  # (start, n, type) -> (mask, rotary); valid for one set of chunks
+        self.invariant = False  # under invariant kernels: one chunk, the block attention, no mask
 
     def forget_inputs(self):
         """Masks and rotary embeddings are cached per chunk shape; call when a step is over."""
@@ -302,12 +306,14 @@ class LayerReplayer:
             for layer in sizes:
                 layer.count = start
             positions = torch.arange(start, start + n, device=like.device).unsqueeze(0)
-            # The mask a forward builds depends on the attention implementation: the model's own, not the one a
-            # batched pass may have set for the moment.
-            with compat.attention_implementation(self.config, self.attention_impl):
-                mask = compat.mask_function(layer_type)(config=self.config, inputs_embeds=like[:, :n],
-                                                        attention_mask=None, cache=compat.Cache(layers=sizes),
-                                                        position_ids=positions)
+            mask = None  # the block attention masks by position
+            if not self.invariant:
+                # The mask a forward builds depends on the attention implementation: the model's own, not the one
+                # a batched pass may have set for the moment.
+                with compat.attention_implementation(self.config, self.attention_impl):
+                    mask = compat.mask_function(layer_type)(config=self.config, inputs_embeds=like[:, :n],
+                                                            attention_mask=None, cache=compat.Cache(layers=sizes),
+                                                            position_ids=positions)
             rotary = self.rotary[layer_type](like[:, :n], positions) if self.rotary[layer_type] else None
             self._inputs[key] = (mask, rotary)
         return self._inputs[key]
@@ -341,8 +347,11 @@ class LayerReplayer:
         chunk = hidden[:, start:start + n]
         positions = torch.arange(start, start + n, device=hidden.device).unsqueeze(0)
         mask, embeddings = self._chunk_inputs(start, n, t, chunk)
+        if self.invariant and active_kernels() is None:
+            raise RuntimeError("an invariant replay runs outside its run's kernels: use Engine.kernel_scope()")
         attn = compat.attention_module(self.layers[j])
-        scope = compat.attention_implementation(attn.config, self.attention_impl)
+        scope = compat.attention_implementation(attn.config, INVARIANT_ATTENTION if self.invariant
+                                                else self.attention_impl)
         if rows:
             like = hidden[:, start:start + 1]
             context = RowsContext(start, n, compat.attention_function(attn, self.attention_impl),
@@ -365,7 +374,8 @@ class LayerReplayer:
         target = self._target(j, capacity if capacity is not None else hidden.shape[1], carry)
         cache, stand_ins = self._cache(j, target)
         for start, n, is_rows in self._groups(chunks):
-            if is_rows and n > 1 and not spec.is_sliding and self.rows_exact.get(spec.layer_type) is not False:
+            if (is_rows and n > 1 and not spec.is_sliding and not self.invariant
+                    and self.rows_exact.get(spec.layer_type) is not False):
                 if spec.layer_type not in self.rows_exact:
                     with harness():  # a one-time check, not the strategy's state
                         self._check_rows(j, hidden, start, n, target, carry)

@@ -140,7 +140,7 @@ def config_geometry(source: str, dtype: str = "bfloat16") -> dict:
 
 # --- runs ----------------------------------------------------------------------------------------------------------
 def prepare(model: str, device: str, dtype: str, specs: list[str], max_new_tokens: int, turns: list[str],
-            raw: bool = False, twins: bool = True) -> None:
+            raw: bool = False, twins: bool = True, kernels: str = "invariant") -> None:
     """Every check before a run (the same `validate` stages as the CLI), then the memory guard; raises UserError."""
     from . import guard, validate
     from .engine import PREFILL_CHUNK
@@ -150,7 +150,8 @@ def prepare(model: str, device: str, dtype: str, specs: list[str], max_new_token
     loaded = _loaded(req.model, req.dtype, req.device)
     total = validate.against_model(req, loaded)
     prompt = len(Prompter(loaded, raw).first(turns[0]))
-    est = guard.estimate(loaded.config, loaded.dtype, list(req.strategies), prompt, total, PREFILL_CHUNK, twins=twins)
+    est = guard.estimate(loaded.config, loaded.dtype, list(req.strategies), prompt, total, PREFILL_CHUNK, twins=twins,
+                         turns=len(turns), kernels=kernels)
     guard.check(est, loaded.device)
 
 
@@ -161,17 +162,17 @@ class Conversation:
     ----------
     model, device, dtype : the loaded model's name and where it runs.
     specs : strategy specs (`name[:key=value]...`), one pane each.
-    max_new_tokens, raw, twins : as `bench run`.
+    max_new_tokens, raw, twins, kernels : as `bench run`.
     """
 
     def __init__(self, model: str, device: str, dtype: str, specs: list[str], max_new_tokens: int,
-                 raw: bool = False, twins: bool = True):
+                 raw: bool = False, twins: bool = True, kernels: str = "invariant"):
         from .engine import Engine
         from .strategies import parse_specs
 
         with _memory():
             self.engine = Engine(_loaded(model, dtype, device), parse_specs(",".join(specs)),
-                                 max_new_tokens=max_new_tokens, raw=raw, twins=twins)
+                                 max_new_tokens=max_new_tokens, raw=raw, twins=twins, kernels=kernels)
 
     @property
     def shown(self) -> list[str]:
@@ -234,11 +235,12 @@ class FrontierRun:
         return self.sweep.reference
 
 
-def compare(prompt: str, model: str, device: str, dtype: str, specs: list[str], max_new_tokens: int) -> dict:
+def compare(prompt: str, model: str, device: str, dtype: str, specs: list[str], max_new_tokens: int,
+            kernels: str = "invariant") -> dict:
     """One prompt through `specs` in lockstep; the same JSON as `bench run` (checked first, like every run)."""
     from .engine import run_to_end
 
-    prepare(model, device, dtype, specs, max_new_tokens, [prompt])
-    conversation = Conversation(model, device, dtype, specs, max_new_tokens)
+    prepare(model, device, dtype, specs, max_new_tokens, [prompt], kernels=kernels)
+    conversation = Conversation(model, device, dtype, specs, max_new_tokens, kernels=kernels)
     with _memory():
         return run_to_end(conversation.engine, [prompt])

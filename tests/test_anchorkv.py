@@ -74,7 +74,7 @@ def test_cascade_and_naive_rebuild_the_same_kv_with_the_predicted_pass_counts(fa
     for lane in engine.lanes:
         anchors = lane.strategy.anchor_layers(geom)
         replayer = lane.cache.store.replayer
-        with torch.inference_mode():
+        with torch.inference_mode(), engine.kernel_scope():
             for kind in ("cascade", "naive"):
                 replayer.passes = 0
                 kv = rebuild_all(lane.cache, kind)

@@ -193,3 +193,21 @@ def test_the_frontier_tab_draws_a_point_per_strategy_and_setting(app):
     want |= {f"anchorkv:spacing={s}:budget={b}:rebuild={r}" for b in (16, 64) for s, r in ((4, "step"), (4, "turn"), (1, "step"))}
     assert points == want
     assert any(t.get("name") == "Pareto front" for t in figure["data"])
+
+
+def test_kernels_setting_reaches_the_run_its_status_and_the_compare_endpoint(app):
+    """The page's Kernels radio and the compare endpoint's `kernels` choose the run's kernels, the status line
+    says which ran, and a bad value gets its one-line message."""
+    demo, client = app
+    outputs = outputs_of(demo, "send")
+    status = next(i for i, c in enumerate(outputs) if c.elem_id == "kvd-status")
+    for kernels in ("native", "invariant"):
+        out = client.predict("Say hi.", api_name="/send", **_controls(kernels=kernels, strategies=["full", "kvdirect"]))
+        assert "Done: " in out[status] and f"kernels: {kernels}" in out[status], out[status]
+    with pytest.raises(AppError, match="kernels: 'turbo' is not allowed; allowed: invariant, native"):
+        client.predict("Say hi.", api_name="/send", **_controls(kernels="turbo"))
+    for kernels in ("native", "invariant"):
+        result = client.predict("Hi.", TINY, "full,kvdirect", 4, 0, 3, "auto", "float32", kernels, api_name="/compare")
+        assert result["kernels"]["mode"] == kernels and result["strategies"]["kvdirect:budget=4"]["kv_exact"] is True
+    with pytest.raises(AppError, match="kernels: 'fastest' is not allowed"):
+        client.predict("Hi.", TINY, "full", 4, 0, 2, "auto", "float32", "fastest", api_name="/compare")

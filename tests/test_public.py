@@ -5,6 +5,7 @@ import html
 import subprocess
 import sys
 import threading
+import weakref
 
 import psutil
 import pytest
@@ -255,9 +256,11 @@ def text_of(content) -> str:
 
 # --- many visitors -------------------------------------------------------------------------------------------------
 def test_eight_visitors_at_once_get_their_own_answers_and_memory_comes_back(app):
-    """8 concurrent gradio_client sessions x 3 turns on the tiny model: every turn completes (or is told the demo is
+    """8 concurrent gradio_client sessions x 2 turns on the tiny model: every turn completes (or is told the demo is
     busy), no session sees another's text, and once the tabs close the engines and Gradio's copies of the
-    sessions are freed (RSS back within 64 MiB of where it was after a warm-up round at the same concurrency)."""
+    sessions are freed: every engine is garbage (a weak reference to it dies), and RSS is back within 64 MiB of
+    where it was after a warm-up round of the same shape (8 visitors x 2 turns: a shorter warm-up leaves the
+    measured round's longer conversations to grow the heap into places it never reached, which is not a leak)."""
     demo, _ = app
     from .test_app import outputs_of
 
@@ -271,7 +274,7 @@ def test_eight_visitors_at_once_get_their_own_answers_and_memory_comes_back(app)
 
     hashes = []
 
-    def visitor(k: int, turns: int = 3, tag: str = "visitor"):
+    def visitor(k: int, turns: int = 2, tag: str = "visitor"):
         client = gradio_client.Client(demo.local_url, verbose=False)
         hashes.append(client.session_hash)
         try:
@@ -299,7 +302,7 @@ def test_eight_visitors_at_once_get_their_own_answers_and_memory_comes_back(app)
 
     # A first round at the same concurrency warms the process (threads' malloc arenas, Gradio's own caches);
     # the baseline is taken after it, so what comes back is what the sessions held.
-    warm = [threading.Thread(target=visitor, args=(k, 1, "warm")) for k in range(8)]
+    warm = [threading.Thread(target=visitor, args=(k, 2, "warm")) for k in range(8)]
     for t in warm:
         t.start()
     for t in warm:
@@ -314,7 +317,7 @@ def test_eight_visitors_at_once_get_their_own_answers_and_memory_comes_back(app)
         t.join(timeout=600)
     assert not any(t.is_alive() for t in threads), "a visitor's turns did not finish within 10 minutes"
     assert not errors, errors
-    assert sum(len(v) for v in results.values()) == 24  # nobody was turned away at this size
+    assert sum(len(v) for v in results.values()) == 16  # nobody was turned away at this size
     for k, turns in results.items():
         for i, (word, chat, status) in enumerate(turns):
             assert "Done" in status, status
@@ -324,9 +327,12 @@ def test_eight_visitors_at_once_get_their_own_answers_and_memory_comes_back(app)
     # The sessions are gone: their engines are freed when the tabs close (here: expire) and RSS returns.
     sessions = list(demo.kvd_handlers.visitors.values())
     assert any(s.engine is not None for s in sessions)
+    engines = [weakref.ref(s.engine) for s in sessions if s.engine is not None]
     free_all()
     assert not demo.kvd_handlers.visitors
     assert all(s.engine is None for s in sessions)
+    gc.collect()
+    assert all(e() is None for e in engines), "an engine outlived its closed tab"
     after = process.memory_info().rss
     print(f"RSS before {before / 2**20:.0f} MiB, after {after / 2**20:.0f} MiB")
     assert after - before < 64 * 2**20, (before, after)

@@ -102,7 +102,7 @@ def cmd_replay(args) -> int:
     cache, reference = engine.lanes[0].cache, engine.reference.cache
     anchors = strategy.anchor_layers(geom)
     rows = {}
-    with model_lock(loaded.model), torch.inference_mode():
+    with model_lock(loaded.model), torch.inference_mode(), engine.kernel_scope():
         for kind in ("cascade", "naive"):
             replayer = cache.store.replayer
             replayer.passes = replayer.calls = 0

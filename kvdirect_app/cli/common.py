@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from ..engine import MEMORY_MODES, PREFILL_CHUNK
+from ..kernels import MODES as KERNEL_MODES
 from ..models import DEVICES, DTYPES
 from ..scenarios import scenarios
 
@@ -39,6 +40,9 @@ def add_conversation_options(p: argparse.ArgumentParser):
                    help="no teacher-forced twins: agreement and KL stop at a strategy's first divergence")
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
                    help="a prompt longer than this is fed in pieces of this many tokens")
+    p.add_argument("--kernels", default="invariant", help="invariant (the default where the probe passes: every "
+                   "linear one GEMM of a proven row count, block attention; a rebuild or replay is one GEMM per layer) "
+                   "or native (the model's own kernels; exact replay repeats the original shapes)")
 
 
 def turns_from_args(args) -> tuple[list[str], bool]:
@@ -74,6 +78,8 @@ def checked_run(args, specs: str, turns: list[str], raw: bool, compare: bool = T
     validate.integer("prefill_chunk", args.prefill_chunk, 1, 1 << 20)
     if args.memory not in MEMORY_MODES:
         raise CliError(f"memory: {args.memory!r} is not allowed; allowed: {', '.join(MEMORY_MODES)}")
+    if args.kernels not in KERNEL_MODES:
+        raise CliError(f"kernels: {args.kernels!r} is not allowed; allowed: {', '.join(KERNEL_MODES)}")
     req = validate.request(args.model, args.device, args.dtype, specs, args.max_new_tokens, turns, raw)
     loaded = load_model(req.model, dtype=req.dtype, device=req.device)
     ids = None
@@ -84,7 +90,7 @@ def checked_run(args, specs: str, turns: list[str], raw: bool, compare: bool = T
     total = validate.against_model(req, loaded, prompt_tokens=None if ids is None else len(ids))
     prompt = len(ids) if ids is not None else len(Prompter(loaded, raw).first(turns[0]))
     est = guard.estimate(loaded.config, loaded.dtype, list(req.strategies), prompt, total, args.prefill_chunk,
-                         twins=not args.no_twins, compare=compare)
+                         twins=not args.no_twins, compare=compare, turns=len(turns), kernels=args.kernels)
     if getattr(args, "dry_run", False):
         free, source = guard.available(loaded.device)
         verdict = "fits" if est.total * guard.HEADROOM <= free else "does NOT fit"
@@ -102,4 +108,5 @@ def write_json(path: str | None, data: dict):
 def engine_options(args) -> dict:
     """The Engine keywords the conversation options set."""
     return dict(max_new_tokens=args.max_new_tokens, threads=args.threads, memory=args.memory,
-                batch=not args.sequential, twins=not args.no_twins, prefill_chunk=args.prefill_chunk)
+                batch=not args.sequential, twins=not args.no_twins, prefill_chunk=args.prefill_chunk,
+                kernels=args.kernels)

@@ -29,6 +29,7 @@ from pathlib import Path
 import psutil
 
 from .. import rss
+from ..kernels import describe
 from ..metrics import token_match
 from ..units import fmt, fmt_bytes, table
 from .common import CliError, add_conversation_options, checked_run, engine_options, turns_from_args, write_json
@@ -95,6 +96,7 @@ def print_result(result: dict):
     print(f"model {result['model']} ({result['model_source']}), device {result['device']}, dtype {result['dtype']}, "
           f"threads {result['threads']}, prompt {len(result['prompt_ids'])} tokens, {mode}, "
           f"process RSS peak {fmt_bytes(result['process_rss_peak_bytes'])}")
+    print(describe(result["kernels"]))
     print("engine time per turn (first forward to last token, model loading excluded): "
           + ", ".join(f"{s:.2f} s" for s in result["turn_seconds"]))
     print("\nwhat it changes (against the full cache):")
@@ -179,7 +181,7 @@ def conversation_args(args) -> list[str]:
         if value is not None:
             out += [flag, str(value)]
     flags = [("--raw", args.raw), ("--park", args.park), ("--sequential", args.sequential), ("--no-twins", args.no_twins)]
-    return out + [flag for flag, on in flags if on]
+    return out + ["--kernels", args.kernels] + [flag for flag, on in flags if on]
 
 
 GNU_TIME = Path("/usr/bin/time")

@@ -97,13 +97,18 @@ class AnchorStore:
         self.hidden: torch.Tensor | None = None
         self.ready: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def one_chunk(self) -> bool:
+        """Replay all old tokens as one chunk: the fast mode's approximation, or exact under invariant kernels."""
+        return self.mode == "fast" or self.replayer.invariant
+
     def begin_step(self, ids: list[int], device, span: tuple[int, int]):
         """Before a forward of `ids`: store the ids; `span` = (old tokens to rebuild, rows attention reads)."""
         if self.token_id_anchor:
             new = torch.tensor([ids], dtype=torch.int32, device=device)
             self.token_ids = new if self.token_ids is None else torch.cat([self.token_ids, new], dim=1)
         self.span = span
-        self.chunks = chunks_of(self.runs, span[0], one_chunk=self.mode == "fast")
+        self.chunks = chunks_of(self.runs, span[0], one_chunk=self.one_chunk)
         self.cover = covered(self.chunks)
         record_run(self.runs, self.seen, len(ids))
         self.seen += len(ids)
@@ -159,7 +164,7 @@ class AnchorStore:
         if layer in self.ready:
             return self.ready.pop(layer)
         anchor = self.segment_of[layer]
-        chunks = chunks_of(self.runs, end, one_chunk=self.mode == "fast")
+        chunks = chunks_of(self.runs, end, one_chunk=self.one_chunk)
         self.replaying = True
         try:
             hidden = self.start_hidden(anchor, covered(chunks))
@@ -170,7 +175,7 @@ class AnchorStore:
     def rebuild_all(self, end: int, replay: str | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """K/V of tokens 0..end-1 at every global layer from the anchors alone, outside a forward, segment by
         segment (``cascade``: each segment once; ``naive``: from the anchor again for every global layer)."""
-        chunks = chunks_of(self.runs, end, one_chunk=self.mode == "fast")
+        chunks = chunks_of(self.runs, end, one_chunk=self.one_chunk)
         out = {}
         self.replaying = True
         try:
@@ -223,6 +228,10 @@ class AnchorCache(StrategyCache):
 
     def wants_layers(self) -> list[int]:
         return list(range(len(self.layers)))
+
+    def use_kernels(self, kernels):
+        super().use_kernels(kernels)
+        self.store.replayer.invariant = kernels.invariant
 
     def before_layer(self, index: int, x: torch.Tensor):
         self.store.before_layer(index, x)

@@ -237,6 +237,15 @@ class StrategyCache(Cache):
             "shape_mismatches": sum(layer.shape_mismatches for layer in compared),
         }
 
+    kernels = None  # the run's `kernels.Kernels`; None: the model's own (native) kernels
+
+    def use_kernels(self, kernels):
+        """The run's kernels: under invariant kernels a rebuild or replay is one GEMM (one chunk) per layer."""
+        self.kernels = kernels
+        for layer in self.layers:
+            if hasattr(layer, "use_kernels"):
+                layer.use_kernels(kernels)
+
     # --- life cycle ----------------------------------------------------------
     replaying = False  # True while a cache replays layers of the model for itself (hooks stand aside)
 
@@ -288,6 +297,8 @@ class StrategyCache(Cache):
             if reference is not None:
                 memo[id(reference)] = reference
         memo[id(self.strategy)] = self.strategy
+        if self.kernels is not None:
+            memo[id(self.kernels)] = self.kernels
         twin = copy.deepcopy(self, memo)
         for layer in twin.layers:
             layer.reference = None

@@ -50,6 +50,11 @@ class ResidualLayer(RebuildingLayer):
         self.runs: list[list] = []
         self.pending: torch.Tensor | None = None
 
+    one_gemm = False  # set under invariant kernels: any grouping of rows gives their bits
+
+    def use_kernels(self, kernels):
+        self.one_gemm = kernels.invariant
+
     def capture(self, x: torch.Tensor):
         """Receives the attention input (1, q, d) of this forward, just before `update`."""
         self.pending = x
@@ -68,7 +73,7 @@ class ResidualLayer(RebuildingLayer):
         key, value = self.projector.key, self.projector.value
         keys = self.inputs.new_empty(1, key.num_heads, capacity, key.head_dim)
         values = self.inputs.new_empty(1, value.num_heads, capacity, value.head_dim)
-        if self.mode == "fast":
+        if self.mode == "fast" or self.one_gemm:  # one GEMM: approximate, or exact under invariant kernels
             keys[..., :end, :], values[..., :end, :] = self.projector.project(self.inputs[:, :end], 0)
             return keys, values
         for start, n, is_rows in self.runs:

@@ -32,6 +32,7 @@ class Controls:
     rebuild: gr.Radio
     max_new_tokens: gr.Slider
     twins: gr.Checkbox
+    kernels: gr.Radio
 
     def by_name(self, *names: str) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if not names or f.name in names}

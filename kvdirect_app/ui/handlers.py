@@ -287,7 +287,8 @@ class Handlers:
         else:
             took = time.monotonic() - t_start
             message, kind = ((f"Stopped after step {session.steps}.", "ok") if stopped else
-                             (f"Done: {len(session.user_turns)} turn(s), {session.steps} steps in {took:.1f} s.", "ok"))
+                             (f"Done: {len(session.user_turns)} turn(s), {session.steps} steps in {took:.1f} s; "
+                              f"{session.kernels_line or 'kernels: ?'}.", "ok"))
         finally:
             # Also when Gradio closes this generator (the client went away): the turn must end and free the model.
             if events is not None:

@@ -64,10 +64,13 @@ def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tok
         twins = gr.Checkbox(True, label="Measure agreement after a divergence",
                             info="a teacher-forced twin per diverged pane, fed the full cache's tokens: one more "
                                  "forward per step for each")
+        kernels = gr.Radio(["invariant", "native"], value="invariant", label="Kernels", elem_id="kvd-kernels",
+                           info="invariant: every row's bits independent of the call (one GEMM for all lanes and "
+                                "replays; probed at start); native: the model's own kernels, replays repeat shapes")
     with gr.Accordion("More panes (extra strategy specs)", open=False):
         extra = gr.Textbox(label="Extra specs, comma-separated", placeholder="kvdirect:budget=16:mode=fast",
                            info="name[:key=value]…; budget/spacing/mode above fill in what a spec leaves unset.")
-    return Controls(preset, custom, device, dtype, picked, extra, budget_s, spacing, mode, rebuild, max_new, twins)
+    return Controls(preset, custom, device, dtype, picked, extra, budget_s, spacing, mode, rebuild, max_new, twins, kernels)
 
 
 CLAIMS = ASSETS.parent / "docs" / "claims"

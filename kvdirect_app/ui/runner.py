@@ -23,7 +23,7 @@ from ..frontier import frontier_figure, points_from_rows
 from ..hosted import hosted
 from ..limits import integer, limits
 from ..units import fmt_bytes
-from .settings import REFERENCE, RunConfig, Settings, default_model, expand
+from .settings import KERNELS, REFERENCE, RunConfig, Settings, default_model, expand
 
 USER_ERRORS = (UserError,)
 OUT_OF_MEMORY = (OutOfMemory,)
@@ -68,12 +68,12 @@ def is_loaded(config: RunConfig) -> bool:
 def prepare(config: RunConfig, turns: list[str]):
     """Every check before a run (the same `validate` stages as the CLI), then the memory guard."""
     service.prepare(config.model, config.device, config.dtype, list(config.specs), config.max_new_tokens, turns,
-                    config.raw, config.twins)
+                    config.raw, config.twins, config.kernels)
 
 
 def conversation(config: RunConfig) -> service.Conversation:
     return service.Conversation(config.model, config.device, config.dtype, list(config.specs), config.max_new_tokens,
-                                config.raw, config.twins)
+                                config.raw, config.twins, config.kernels)
 
 
 def frontier_plan(config: RunConfig, settings: Settings, budgets: tuple[int, ...]) -> list[list[tuple]]:
@@ -193,13 +193,14 @@ def compare_specs(strategies: str, budget: int, spacing: int, mode: str = "") ->
 @gpu
 def compare(prompt: str, model: str = "", strategies: str = "full,kvdirect:mode=exact",
             budget: int = 64, spacing: int = 0, max_new_tokens: int = 64, device: str = "auto",
-            dtype: str = "float32") -> dict:
+            dtype: str = "float32", kernels: str = "invariant") -> dict:
     """Run `strategies` in lockstep on one prompt; returns the same JSON as `python -m kvdirect_app.bench run`.
 
     `strategies` is comma-separated `name[:key=value]...`; a strategy that
     declares `budget` or `spacing` and does not set it gets the value given
     here (spacing 0: the strategy's default).  `model` "" is the default
-    preset.  Every input goes through `validate` and the memory guard; a bad
+    preset.  `kernels`: "invariant" (batch-invariant, the default) or
+    "native"; the JSON's `kernels` says which ran and why.  Every input goes through `validate` and the memory guard; a bad
     one is answered with its one-line message (never a traceback).
     """
     import gradio as gr
@@ -210,7 +211,9 @@ def compare(prompt: str, model: str = "", strategies: str = "full,kvdirect:mode=
         specs = compare_specs(strategies, integer("budget", budget, 1, 1 << 20),
                               integer("spacing", spacing, 0, 4096, "0: the strategy's default"))
         tokens = integer("max_new_tokens", max_new_tokens, 1, limits().max_new_tokens)
-        return service.compare(prompt, model or default_model(), device, dtype, specs.split(","), tokens)
+        if kernels not in KERNELS:
+            raise UserError(f"kernels: {str(kernels)[:40]!r} is not allowed; allowed: {', '.join(KERNELS)}")
+        return service.compare(prompt, model or default_model(), device, dtype, specs.split(","), tokens, kernels)
     except USER_ERRORS as e:
         raise gr.Error(str(e), print_exception=False) from None
     except OUT_OF_MEMORY as e:

@@ -112,6 +112,7 @@ class Session:
     load_number: int = 0  # the newest model choice of this session (an older load's result is not shown)
     expect: tuple[int, str] | None = None  # a played scenario's (turn, the words its right answer contains)
     about: dict = field(default_factory=dict)  # label -> {"doc", "notes"}: the engine's start event says
+    kernels_line: str = ""  # the run's kernels in a few words (the engine's start event)
     last_plot: float = 0.0
     plot_cost: float = 0.0  # seconds the last live plots took to build (they share the cores with the engine)
 
@@ -145,6 +146,7 @@ class Session:
             self.user_turns, self.steps, self.position, self.rss, self.result, self.token_maps = [], 0, 0, [], None, None
             self.shown = list(event["strategies"])
             self.about = event.get("about", {})
+            self.kernels_line = event.get("kernels_line", "")
             self.lanes = {label: LaneView(label) for label in dict.fromkeys([REFERENCE, *self.shown])}
         elif kind == "prefill":
             self.prefill = (event["done"], event["total"])

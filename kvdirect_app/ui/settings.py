@@ -17,6 +17,7 @@ from ..limits import SettingError, integer, limits
 REFERENCE = "full"  # the engine's reference lane: every other lane is compared with it
 PREFERRED_MODELS = ("smollm2-135m", "gemma3-270m")  # the first whose weights are on this machine is the default
 MODES, REBUILDS = ("exact", "fast"), ("step", "turn")
+KERNELS = ("invariant", "native")  # kernels.MODES (this module imports no torch)
 # Display order and names of the strategies the papers discuss; anything else registered follows, by name.
 TITLES = {
     "full": "Full KV cache",
@@ -111,6 +112,7 @@ class RunConfig:
     max_new_tokens: int
     raw: bool = False
     twins: bool = True  # teacher-forced twins: agreement and KL measured after a divergence too
+    kernels: str = "invariant"  # batch-invariant GEMMs and block attention, or the model's own kernels
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ class Settings:
     rebuild: str
     max_new_tokens: int
     twins: bool = True
+    kernels: str = "invariant"
 
     @classmethod
     def from_controls(cls, values: dict) -> "Settings":
@@ -153,6 +156,9 @@ class Settings:
         for key, allowed in (("mode", MODES), ("rebuild", REBUILDS)):
             if v[key] not in allowed:
                 raise SettingError(f"{key}: {str(v[key])[:40]!r} is not allowed; allowed: {', '.join(allowed)}")
+        v["kernels"] = v["kernels"] or "invariant"
+        if v["kernels"] not in KERNELS:
+            raise SettingError(f"kernels: {str(v['kernels'])[:40]!r} is not allowed; allowed: {', '.join(KERNELS)}")
         v["twins"] = True if v["twins"] is None else v["twins"]
         if not isinstance(v["twins"], bool):
             raise SettingError("twins: expected true or false")
@@ -179,4 +185,5 @@ class Settings:
     def run_config(self, raw: bool = False) -> RunConfig:
         name = service.check_model_name(self.model_name)
         device, dtype = service.check_device_dtype(self.device, self.dtype)
-        return RunConfig(name, device, dtype, tuple(self.specs()), self.max_new_tokens, raw, bool(self.twins))
+        return RunConfig(name, device, dtype, tuple(self.specs()), self.max_new_tokens, raw, bool(self.twins),
+                         self.kernels)

@@ -1,0 +1,140 @@
+"""Every device check in one go, for a borrowed GPU's few minutes (and runnable on the CPU first).
+
+    python scripts/device_check.py --out "$OUT"            # on the device machine (cuda)
+    python scripts/device_check.py --device cpu --quick --out /tmp/dc   # the same script, tried here
+
+What it does, each step timed and written as it finishes (a step that fails is recorded, the rest go on):
+1. the invariance probe on the device's BLAS: for every linear shape of SmolLM2, fp32 (TF32 off) and bf16,
+   which row counts give a large call's rows bit for bit, and whether the block attention passes;
+2. exactness in both kernel modes (`invariant`, `native`) on tiny models of three families and on SmolLM2:
+   every exact lane bit-equal, its rebuilt token-layers and digest;
+3. bytes per lane (allocator) and per-op latency of the seven default panes, lanes batched vs sequential;
+4. AnchorKV's replay at a 4,096-token context (`rebuild=step`, spacing 30), ms per token.
+Results: OUT/device_check.json and OUT/device_check.md (the table docs/perf.md takes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvdirect_app  # noqa: E402,F401  (thread settings before torch)
+import torch  # noqa: E402
+
+from kvdirect_app import kernels as K  # noqa: E402
+from kvdirect_app.engine import Engine, run_to_end  # noqa: E402
+from kvdirect_app.models import load_model  # noqa: E402
+from kvdirect_app.strategies import parse_specs  # noqa: E402
+
+SEVEN = ("full,kvdirect:budget=64,anchorkv:spacing=30:budget=64:rebuild=step,h2o:budget=64,streaming_llm:budget=64,"
+         "snapkv:budget=64,tova:budget=64")
+EXACT = "full,kvdirect:budget=16,anchorkv:spacing=7:budget=16:rebuild=step"
+TURNS = ["What is the capital of France? Answer in one sentence.", "And of Italy?"]
+
+
+def probe(device: str, out: dict):
+    loaded = load_model("smollm2-135m", dtype="float32", device=device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    rows = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        shapes = {tuple(m.weight.shape) for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)}
+        for shape in sorted(shapes):
+            w = torch.empty(shape, device=device, dtype=dtype)
+            v = K.probe_linear(w, None, torch.get_num_threads())
+            rows[f"{dtype} {shape}"] = {"proven": v.as_dict()["proven"], "failed": list(v.failed)}
+        verdict = K.probe_attention_rows(64, dtype, device, torch.get_num_threads())
+        ok, why = K.probe_attention(9, 3, 64, dtype, device, torch.get_num_threads(), pad=verdict.pad)
+        rows[f"{dtype} block attention"] = {"proven": verdict.as_dict()["proven"], "same_bits": ok, "why_not": why}
+    out["probe"] = rows
+
+
+def exactness(device: str, out: dict, quick: bool):
+    table = {}
+    models = ["tiny-llama", "tiny-qwen3", "tiny-gemma3"] + ([] if quick else ["smollm2-135m"])
+    for name in models:
+        for dtype in ("float32", "bfloat16"):
+            loaded = load_model(name, dtype=dtype, device=device)
+            for kernels in ("invariant", "native"):
+                r = run_to_end(Engine(loaded, parse_specs(EXACT), max_new_tokens=10, kernels=kernels), TURNS)
+                table[f"{name} {dtype} {kernels}"] = {
+                    "ran": r["kernels"]["mode"], "reason": r["kernels"]["reason"],
+                    **{s: {"kv_exact": r["strategies"][s]["kv_exact"], "rebuilt": r["strategies"][s]["rebuilt_token_layers"],
+                           "digest": r["strategies"][s]["kv_digest"]} for s in EXACT.split(",")}}
+    out["exactness"] = table
+
+
+def seven(device: str, out: dict, quick: bool):
+    loaded = load_model("smollm2-135m", dtype="float32", device=device)
+    n = 16 if quick else 64
+    table = {}
+    for kernels in ("invariant", "native"):
+        for batch in (True, False):
+            r = run_to_end(Engine(loaded, parse_specs(SEVEN), max_new_tokens=n, kernels=kernels, batch=batch),
+                           ["Why is the sky blue?"])
+            table[f"{kernels} {'batched' if batch else 'sequential'}"] = {
+                "turn_seconds": r["turn_seconds"], "ran": r["kernels"]["mode"],
+                "lanes": {s: {"ms_per_step": v["latency_ms"]["decode_total_ms_mean"],
+                              "ops": {k: v["latency_ms"][k] for k in v["latency_ms"] if k.startswith("decode_")},
+                              "peak_bytes": v["state_bytes"].get("peak"), "kv_exact": v["kv_exact"]}
+                          for s, v in r["strategies"].items()}}
+    out["seven"] = table
+
+
+def replay4k(device: str, out: dict, quick: bool):
+    loaded = load_model("smollm2-135m", dtype="float32", device=device)
+    from kvdirect_app.prompts import filler_ids
+
+    context = 512 if quick else 4096
+    ids = filler_ids(loaded.tokenizer, context)
+    table = {}
+    for kernels in ("invariant", "native"):
+        engine = Engine(loaded, parse_specs("full,anchorkv:spacing=30:budget=16:rebuild=step"), max_new_tokens=4,
+                        kernels=kernels, memory="none")
+        for _ in engine.turn("", ids=ids):
+            pass
+        r = engine.results()
+        table[kernels] = {s: {"ms_per_step": v["latency_ms"]["decode_total_ms_mean"], "kv_exact": v["kv_exact"]}
+                          for s, v in r["strategies"].items()}
+    out["replay"] = {"context": context, **table}
+
+
+def markdown(out: dict) -> str:
+    lines = [f"# Device check: {out['device']} ({out.get('name', '')})", ""]
+    for section, rows in out.items():
+        if isinstance(rows, dict):
+            lines += [f"## {section}", "", "```", json.dumps(rows, indent=1)[:20000], "```", ""]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="short runs (a CPU try of the script)")
+    args = ap.parse_args()
+    dest = Path(args.out)
+    dest.mkdir(parents=True, exist_ok=True)
+    out = {"device": args.device, "torch": torch.__version__,
+           "name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "timings_s": {}}
+    for step in (probe, exactness, seven, replay4k):
+        t0 = time.monotonic()
+        try:
+            step(args.device, out, args.quick) if step is not probe else step(args.device, out)
+        except Exception:
+            out[f"{step.__name__}_error"] = traceback.format_exc()[-2000:]
+        out["timings_s"][step.__name__] = round(time.monotonic() - t0, 1)
+        (dest / "device_check.json").write_text(json.dumps(out, indent=1, default=str))
+        (dest / "device_check.md").write_text(markdown(out))
+        print(f"{step.__name__}: {out['timings_s'][step.__name__]} s", flush=True)
+    return 1 if any(k.endswith("_error") for k in out) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

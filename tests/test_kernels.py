@@ -1,0 +1,258 @@
+"""Batch-invariant kernels (`--kernels invariant`): the probe, the block attention, and exactness that no longer
+depends on how rows were grouped or on the thread count.
+
+Each equality below can fail: the mutation tests raise rows to a count the probe rejected, or hand the
+block attention one key more, and the same checks then see other bits."""
+
+import math
+import multiprocessing
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvdirect_app import kernels as K
+from kvdirect_app.engine import Engine, run_to_end
+from kvdirect_app.engine import InputError
+from kvdirect_app.errors import UserError
+from kvdirect_app.strategies import parse_specs
+
+from .conftest import tiny
+
+TURNS = ["Tell me about caches.", "Why do keys need positions?"]
+EXACT = "full,kvdirect:budget=4,anchorkv:spacing=2:budget=4:rebuild=step"
+
+
+def _run(loaded, specs=EXACT, max_new=8, turns=TURNS, **kw):
+    return run_to_end(Engine(loaded, parse_specs(specs), max_new_tokens=max_new, **kw), turns)
+
+
+def _exact(result, specs=EXACT):
+    ref = result["strategies"]["full"]
+    for spec in specs.split(",")[1:]:
+        r = result["strategies"][spec]
+        assert r["token_ids"] == ref["token_ids"], spec
+        assert r["kv_exact"] is True and r["rebuilt_token_layers"] > 0, spec
+        assert r["max_abs_dk"] == 0.0 and r["max_abs_dv"] == 0.0, spec
+        assert r["kv_digest"] == ref["kv_digest"], spec
+
+
+# --- the probe -------------------------------------------------------------------------------------------
+def test_probe_counts_are_what_it_says_on_fresh_data():
+    """Every count the probe proved gives a large call's rows on other weights and inputs than its own, at
+    other offsets; a count it rejected is not used by `Kernels.linear`."""
+    torch.manual_seed(7)
+    weight, bias = torch.randn(192, 96), torch.randn(192)
+    verdict = K.probe_linear(weight, bias, torch.get_num_threads())
+    assert verdict.counts and verdict.counts[-1] >= K.SPLIT
+    x = torch.randn(K.SPLIT + 20, 96)
+    ref = F.linear(x, weight, bias)
+    for m in verdict.counts:
+        if m <= 64 or m in (128, K.SPLIT):
+            assert torch.equal(F.linear(x[3:3 + m], weight, bias), ref[3:3 + m]), m
+    for m in range(1, 70):
+        padded = verdict.pad(m)
+        assert padded >= m and padded in verdict.counts
+    assert verdict.pad(K.SPLIT + 1) is None
+    assert set(verdict.failed).isdisjoint(verdict.counts)
+
+
+def test_kernels_linear_is_row_invariant_whatever_the_row_count():
+    """`Kernels.linear` gives every row the same bits in a call of 1, 2, 3, 7, 100 or 700 rows."""
+    loaded = tiny("tiny-llama")
+    kernels = K.Kernels.for_model(loaded, "invariant", torch.get_num_threads())
+    assert kernels.invariant, kernels.reason
+    lin = next(m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear))
+    x = torch.randn(700, lin.in_features)
+    with torch.inference_mode():
+        ref = kernels.linear(x, lin.weight, lin.bias)
+        for m in (1, 2, 3, 7, 100, 700):
+            assert torch.equal(kernels.linear(x[5:5 + m], lin.weight, lin.bias), ref[5:5 + m]), m
+
+
+def test_unknown_kernels_get_their_message():
+    with pytest.raises(UserError, match="kernels: 'turbo' is not allowed; allowed: invariant, native"):
+        Engine(tiny("tiny-llama"), parse_specs("full"), kernels="turbo")
+
+
+# --- the block attention ---------------------------------------------------------------------------------
+def _qkv(heads=4, kv_heads=2, t=200, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(heads, t, d, generator=g), torch.randn(kv_heads, t, d, generator=g),
+            torch.randn(kv_heads, t, d, generator=g))
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_block_attention_is_causal_attention(window):
+    q, k, v = _qkv()
+    t, d = q.shape[1], q.shape[2]
+    got = K.block_attention(q, k, v, t, d ** -0.5, window=window)  # (t, H, d)
+    pos = torch.arange(t)
+    allowed = pos[None, :] <= pos[:, None]
+    if window is not None:
+        allowed &= pos[None, :] > pos[:, None] - window
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 0), v.repeat_interleave(2, 0), attn_mask=allowed)
+    assert torch.allclose(got.transpose(0, 1), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_block_attention_softcap_is_the_capped_scores():
+    q, k, v = _qkv(t=70)
+    t, d = q.shape[1], q.shape[2]
+    got = K.block_attention(q, k, v, t, d ** -0.5, softcap=5.0)
+    scores = torch.matmul(q, k.repeat_interleave(2, 0).transpose(1, 2)) * d ** -0.5
+    scores = torch.tanh(scores / 5.0) * 5.0
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+    ref = torch.softmax(scores, -1) @ v.repeat_interleave(2, 0)
+    assert torch.allclose(got.transpose(0, 1), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_query_has_the_same_bits_alone_in_a_prompt_and_among_lanes():
+    q, k, v = _qkv()
+    t, scale = q.shape[1], q.shape[2] ** -0.5
+    pad = K.probe_attention_rows(q.shape[2], q.dtype, q.device, torch.get_num_threads()).pad
+    whole = K.block_attention(q, k, v, t, scale, pad=pad)
+    ends = [1, 63, 64, 65, 129, 200]
+    lanes = K.lanes_block_attention([q[:, e - 1:e] for e in ends], [k[:, :e] for e in ends],
+                                    [v[:, :e] for e in ends], ends, scale, pad=pad)
+    for e, lane in zip(ends, lanes):
+        alone = K.block_attention(q[:, e - 1:e], k[:, :e], v[:, :e], e, scale, pad=pad)
+        assert torch.equal(alone[0], whole[e - 1]), e
+        assert torch.equal(lane[0], whole[e - 1]), e
+    # The checks can fail: the same query over one key more (a dropped mask) has other bits, and so has one
+    # query whose score GEMM keeps its 2 rows (a count the probe rejects) instead of a proven count.
+    more = K.block_attention(q[:, 99:100], k[:, :101], v[:, :101], 101, scale, pad=pad)
+    assert not torch.equal(more[0], whole[99])
+    unpadded = [K.block_attention(q[:, e - 1:e], k[:, :e], v[:, :e], e, scale)[0] for e in ends]
+    assert any(not torch.equal(u, whole[e - 1]) for u, e in zip(unpadded, ends))
+
+
+def test_sdpa_would_not_pass_the_same_check():
+    """Why the block attention exists: here the model's own attention gives a query other bits alone than in a
+    causal call over all positions (if a CPU ever made them equal, this test says so and can be dropped)."""
+    q, k, v = _qkv(heads=2, kv_heads=2, t=300, d=64)
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    differ = sum(not torch.equal(F.scaled_dot_product_attention(q[:, p:p + 1], k[:, :p + 1], v[:, :p + 1])[:, 0],
+                                 whole[:, p]) for p in range(0, 300, 7))
+    assert differ > 0
+
+
+# --- exactness in runs -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3", "tiny-gemma3"])
+def test_digests_are_the_same_at_one_and_two_threads(family):
+    loaded = tiny(family)
+    one, two = _run(loaded, threads=1), _run(loaded, threads=2)
+    for result in (one, two):
+        assert result["kernels"]["mode"] == "invariant", result["kernels"]["reason"]
+        _exact(result)
+    for spec in EXACT.split(","):
+        assert one["strategies"][spec]["kv_digest"] == two["strategies"][spec]["kv_digest"], spec
+        assert one["strategies"][spec]["token_ids"] == two["strategies"][spec]["token_ids"], spec
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rebuilt_at_one_thread_what_two_threads_computed(dtype):
+    """Turn 1 runs at 2 threads; then every rebuild and replay (KV-Direct's recompute, AnchorKV's replay, a
+    parked session's resume) runs at 1 thread over K/V that 2 threads computed: still bit-equal."""
+    loaded = tiny("tiny-llama", dtype)
+    specs = EXACT + ",anchorkv:spacing=3:budget=2:rebuild=turn"
+    engine = Engine(loaded, parse_specs(specs), max_new_tokens=8, threads=2)
+    for _ in engine.turn(TURNS[0]):
+        pass
+    engine.park()
+    engine.set_threads(1)
+    for _ in engine.turn(TURNS[1]):
+        pass
+    result = engine.results()
+    assert result["threads"] == 1 and result["kernels"]["mode"] == "invariant"
+    _exact(result, specs)
+
+
+def test_set_threads_refuses_bad_counts():
+    engine = Engine(tiny("tiny-llama"), parse_specs("full"), max_new_tokens=2, threads=1)
+    with pytest.raises(InputError, match="threads: 0 must be >= 1"):
+        engine.set_threads(0)
+
+
+def _busy(stop):
+    while not stop.is_set():
+        sum(i * i for i in range(10_000))
+
+
+def test_exact_under_load():
+    """Four busy processes on the two cores while a run at 2 threads: exact, and the same digests as a quiet
+    run (a thread that lags changes nothing a kernel computes)."""
+    loaded = tiny("tiny-qwen2")
+    quiet = _run(loaded, threads=2)
+    stop = multiprocessing.Event()
+    busy = [multiprocessing.Process(target=_busy, args=(stop,), daemon=True) for _ in range(2 * (os.cpu_count() or 2))]
+    for p in busy:
+        p.start()
+    try:
+        loaded_run = _run(loaded, threads=2)
+    finally:
+        stop.set()
+        for p in busy:
+            p.join(timeout=10)
+    _exact(loaded_run)
+    for spec in EXACT.split(","):
+        assert loaded_run["strategies"][spec]["kv_digest"] == quiet["strategies"][spec]["kv_digest"], spec
+
+
+@pytest.mark.parametrize("kernels", ["invariant", "native"])
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma2"])
+def test_both_modes_are_exact_where_they_claim_it(family, kernels):
+    result = _run(tiny(family), kernels=kernels)
+    assert result["kernels"]["mode"] == kernels
+    _exact(result)
+
+
+def test_native_falls_back_loudly_never_silently(monkeypatch):
+    """A probe that fails means native kernels, with the reason in the run's JSON (the CLI and the page print
+    `kernels.describe` of it)."""
+    loaded = tiny("tiny-olmo2")
+    monkeypatch.setattr(K, "probe_attention", lambda *a, **k: (False, "one query differs (simulated)"))
+    loaded.probes.clear()
+    try:
+        result = _run(loaded, max_new=4, turns=TURNS[:1])
+    finally:
+        loaded.probes.clear()
+    report = result["kernels"]
+    assert report["requested"] == "invariant" and report["mode"] == "native"
+    assert "simulated" in report["reason"]
+    assert K.describe(report).startswith("kernels: NATIVE: the invariance probe failed here")
+
+
+# --- the embedded model ----------------------------------------------------------------------------------
+SMOL_SPECS = "full,kvdirect:budget=16,anchorkv:spacing=7:budget=16:rebuild=step"
+SMOL_TURNS = ["What is the capital of France? Answer in one sentence.", "And of Italy?"]
+
+
+def test_smollm2_invariant_exact_and_a_rejected_row_count_breaks_it(smollm2, monkeypatch):
+    """On SmolLM2: every exact lane bit-equal in invariant mode.  Mutation: run a row count the probe rejected
+    (the three lanes' decode rows left at 3, not raised to a proven count), and the same run's rebuilt K/V
+    differ from what the forward handed attention.  (Raising 3 rows to 5 or 11, counts the probe also
+    rejected, keeps them exact on this CPU: MKL computes the first rows of such a call in the same panels
+    as a large call's and only the remainder rows differ, which the probe sees at its second offset.)"""
+    result = _run(smollm2, SMOL_SPECS, max_new=10, turns=SMOL_TURNS)
+    assert result["kernels"]["mode"] == "invariant"
+    _exact(result, SMOL_SPECS)
+    kernels = K.Kernels.for_model(smollm2, "invariant", torch.get_num_threads())
+    lanes = len(SMOL_SPECS.split(","))
+    rejected = [v for v in kernels.verdicts.values()
+                if isinstance(v, K.Verdict) and v.key[4] == kernels.threads and lanes in v.failed]
+    assert rejected, f"the probe rejected no GEMM of {lanes} rows here: there is no wrong count to mutate to"
+    proven = K.Verdict.pad
+    monkeypatch.setattr(K.Verdict, "pad", lambda self, m: m if m in self.failed else proven(self, m))
+    broken = _run(smollm2, SMOL_SPECS, max_new=10, turns=SMOL_TURNS)
+    assert broken["kernels"]["mode"] == "invariant"  # the probe's verdicts are kept: the run used the wrong count
+    assert any(broken["strategies"][s]["kv_exact"] is False for s in SMOL_SPECS.split(",")[1:])
+
+
+def test_smollm2_native_and_invariant_reference_say_the_same(smollm2):
+    """The reference's kernels change its bits, not its reply: both modes give the same tokens here, and the
+    logits differ by rounding only (the figure the README quotes)."""
+    a = _run(smollm2, "full", max_new=16, turns=SMOL_TURNS[:1], kernels="native")
+    b = _run(smollm2, "full", max_new=16, turns=SMOL_TURNS[:1], kernels="invariant")
+    assert a["strategies"]["full"]["token_ids"] == b["strategies"]["full"]["token_ids"]
+    assert a["strategies"]["full"]["kv_digest"] != b["strategies"]["full"]["kv_digest"]  # other bits, same answer
