@@ -9,7 +9,8 @@ Two modes for a run (`--kernels`):
   `block_attention` (keys in fixed blocks of 64 anchored at position 0, an
   exact maximum, per-block sums and P@V of fixed shapes combined by a
   sequential cumulative sum, masked keys exact zeros), the same for a
-  one-token step, a prompt and a replay of any number of old tokens.  So a
+  one-token step (all lanes' queries in one call: `lanes_block_attention`),
+  a prompt and a replay of any number of old tokens.  So a
   rebuild or replay may group rows any way it likes: KV-Direct rebuilds all
   old K/V with one GEMM per layer, AnchorKV replays each layer once over all
   old tokens, and the lanes of a step share one GEMM per linear.
@@ -17,7 +18,8 @@ Two modes for a run (`--kernels`):
   original shapes (`replay.py`, `rows.py`: each decoded token as its own row).
   Bit-equal to transformers' own one-row decode.
 
-`probe()` decides, once per (weight shape, bias, dtype, device, thread
+`Kernels.for_model` probes (`probe_linear`, `probe_attention_rows`,
+`probe_attention`), once per (weight shape, bias, dtype, device, thread
 count), outside any timed or traced region, which row counts give the rows
 of a large reference call bit for bit, wherever a row sits in the call; it
 checks the same for the block attention (one query over its keys against
@@ -46,7 +48,10 @@ LARGE = (80, 96, 128, 160, 192, 256, 320, 384, 512)
 SPLIT = LARGE[-1]  # a call of more rows is cut into calls of SPLIT rows (a proven count) and a padded rest
 HEAD_ELEMENTS = 1 << 23  # a weight this large (the output head) sees one row per lane: probed up to HEAD_ROWS rows
 HEAD_ROWS = 16
-ATTENTION_ROWS_BYTES = 4 << 20  # the block attention works on as many query rows at once as keep P within this
+# The block attention works on as many query rows at once as keep its score buffer within this: a replay's
+# transient is about two such buffers (scores/probabilities in place, then the blocks' P@V), which AnchorKV's
+# peak during a turn shows, so it stays small next to the K/V a replay rebuilds.
+ATTENTION_ROWS_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -164,11 +169,15 @@ def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         visible = key_ok[:used, None, :] & (kp <= qpos[None, :, None])
         if window is not None:
             visible &= kp > qpos[None, :, None] - window
-        scores = scores.masked_fill(~visible, float("-inf"))
+        # In place from here (the same arithmetic as out of place, one buffer fewer alive).
+        scores.masked_fill_(~visible, float("-inf"))
         top = scores.amax(dim=(1, 3), keepdim=True)
-        p = torch.exp(scores - top)  # masked: exp(-inf) = exact 0
+        p = scores.sub_(top).exp_()  # masked: exp(-inf) = exact 0
+        del scores
         sums = p.sum(dim=-1).cumsum(dim=1)[:, -1]  # (Hkv, padded)
-        o = torch.matmul(p, v[:, :used]).cumsum(dim=1)[:, -1] / sums[..., None]  # (Hkv, padded, d)
+        o = torch.matmul(p, v[:, :used])
+        del p
+        o = o.cumsum_(dim=1)[:, -1] / sums[..., None]  # (Hkv, padded, d)
         out[s:s + n] = o[:, :m].reshape(heads, n, d).transpose(0, 1)
     return out
 
@@ -219,11 +228,14 @@ def lanes_block_attention(queries: list, keys: list, values: list, ends: list, s
     visible = (kp >= 0) & (kp <= qpos[:, None, None])
     if window is not None:
         visible &= kp > qpos[:, None, None] - window
-    scores = scores.masked_fill(~visible[:, None, :, None, :], float("-inf"))
+    scores.masked_fill_(~visible[:, None, :, None, :], float("-inf"))
     top = scores.amax(dim=(2, 4), keepdim=True)
-    p = torch.exp(scores - top)
+    p = scores.sub_(top).exp_()
+    del scores
     sums = p.sum(dim=-1).cumsum(dim=2)[:, :, -1]  # (L, Hkv, padded)
-    o = torch.matmul(p, vbuf).cumsum(dim=2)[:, :, -1] / sums[..., None]  # (L, Hkv, padded, d)
+    o = torch.matmul(p, vbuf)
+    del p
+    o = o.cumsum_(dim=2)[:, :, -1] / sums[..., None]  # (L, Hkv, padded, d)
     o = o[:, :, :m].reshape(lanes, heads, d).to(queries[0].dtype)
     return [o[i:i + 1] for i in range(lanes)]
 

@@ -6,7 +6,9 @@ together read its weights once.  `run_batch` stacks the lanes' tokens as a
 batch of N rows and runs the model once, keeping every row's computation
 exactly what it would be alone:
 
-* every `F.linear` over the N rows computes each row as its own GEMM: one
+* invariant kernels (`kernels.py`): every `F.linear` is one GEMM over all
+  N rows, raised to a row count the probe proved invariant (a prompt's rows
+  once per distinct lane); native kernels: each row as its own GEMM: one
   token per row (decoding), one `bmm` with each row a batch element, where
   a check proved it bit-equal to a one-row call here (a loop otherwise);
   several tokens per row (a prompt), one GEMM per row, and once only for

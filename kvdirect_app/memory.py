@@ -48,6 +48,7 @@ only the formula is shown, labelled so.
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -112,6 +113,9 @@ def _marked(name: str):
 def harness():
     """Marks work the measurement does inside a lane's forward; its allocations belong to no lane."""
     return _marked(HARNESS)
+
+
+_START = operator.attrgetter("start_time_ns")
 
 
 class AllocationTracer:
@@ -204,17 +208,23 @@ class AllocationTracer:
                 name = event.name
                 inner = (name[len(OWNER):] if name.startswith(OWNER) else
                          f"{owner}/harness" if name == HARNESS else owner)
-                walk(sorted(event.children, key=lambda e: e.start_time_ns), inner)
+                walk(sorted(event.children, key=_START), inner)
 
         walk(result.experimental_event_tree(), shared)
         return out
 
     def _fold(self, result, shared: str, share_among: int):
-        """Replay the session's allocation events into the ledger and the owners' windows."""
+        """Replay the session's allocation events into the ledger and the owners' windows.
+
+        A window's level only rises at an allocation (its owner's, or the shared activations' that every
+        window carries 1/share_among of), so peaks are updated there and nowhere else."""
         blocks, totals, windows = self.blocks, self.totals, self._windows
         for window in windows.values():
             window.start = window.peak = totals.get(window.owner, 0)
         shared_start = totals.get(shared, 0)
+        shared_window = windows.get(shared)
+        others = [w for w in windows.values() if w.owner != shared]
+        share = 0.0
         for owner, ptr, size in self._events(result, shared):
             if size > 0:
                 stale = blocks.pop(ptr, None)  # freed while nobody traced: the address is reused
@@ -222,19 +232,28 @@ class AllocationTracer:
                     totals[stale[1]] -= stale[0]
                 blocks[ptr] = (size, owner)
                 totals[owner] += size
-                if owner in windows:
-                    windows[owner].allocated += size
+                window = windows.get(owner)
+                if window is not None:
+                    window.allocated += size
+                if owner == shared:
+                    share = max(0, totals[shared] - shared_start) / share_among
+                    if shared_window is not None and totals[shared] > shared_window.peak:
+                        shared_window.peak = totals[shared]
+                    for w in others:
+                        level = totals.get(w.owner, 0) + share
+                        if level > w.peak:
+                            w.peak = int(level)
+                elif window is not None:
+                    level = totals[owner] + share
+                    if level > window.peak:
+                        window.peak = int(level)
             else:
                 held = blocks.pop(ptr, None)
                 if held is None:
                     continue  # allocated before tracing began (e.g. model weights): not anyone's state
                 totals[held[1]] -= held[0]
-            share = max(0, totals.get(shared, 0) - shared_start) / share_among
-            touched = windows.values() if owner == shared else ([windows[owner]] if owner in windows else ())
-            for window in touched:
-                level = totals.get(window.owner, 0) + (0 if window.owner == shared else share)
-                if level > window.peak:
-                    window.peak = int(level)
+                if held[1] == shared:
+                    share = max(0, totals[shared] - shared_start) / share_among
         for window in windows.values():
             window.end = totals.get(window.owner, 0)
             window.peak = max(window.peak, window.end)

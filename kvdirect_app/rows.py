@@ -1,4 +1,7 @@
-"""Replaying a run of one-token decode steps as one layer call, bit for bit.
+"""Replaying a run of one-token decode steps as one layer call, bit for bit (native kernels only).
+
+With `--kernels invariant` (the default where the probe passes) none of this runs: a row's bits do not depend
+on the call there, so a replay is one ordinary call over all old tokens (`kernels.py`).
 
 A decode step computes each token as a one-row forward: its projections are
 one-row GEMMs and its attention is one query over the keys before it.  An

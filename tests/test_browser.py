@@ -89,6 +89,7 @@ def test_a_prompt_fills_every_pane_and_draws_the_plots(url, page, tmp_path):
     page.wait_for_function("document.querySelector('#kvd-status').innerText.match(/Done|failed|error/i)",
                            timeout=300_000)
     assert "Done: 1 turn(s)" in status(page)
+    assert "kernels: invariant" in status(page)  # the run's kernels, said on the page
 
     panes = page.locator(".kvd-pane:visible")
     assert panes.count() == len(default_names())

@@ -256,3 +256,15 @@ def test_smollm2_native_and_invariant_reference_say_the_same(smollm2):
     b = _run(smollm2, "full", max_new=16, turns=SMOL_TURNS[:1], kernels="invariant")
     assert a["strategies"]["full"]["token_ids"] == b["strategies"]["full"]["token_ids"]
     assert a["strategies"]["full"]["kv_digest"] != b["strategies"]["full"]["kv_digest"]  # other bits, same answer
+
+
+def test_a_replay_longer_than_one_call_is_exact():
+    """Invariant replays take old tokens `REPLAY_ROWS` at a time (a bounded transient): a conversation longer
+    than that is replayed in several calls per layer, with the bits of one."""
+    from kvdirect_app.strategies.rebuild import REPLAY_ROWS, chunks_of
+
+    assert chunks_of([], 150, rows=64) == [(0, 64), (64, 64), (128, 22)]
+    result = _run(tiny("tiny-llama"), max_new=40)
+    context = sum(map(len, result["turn_chunk_ids"])) + len(result["strategies"]["full"]["token_ids"])
+    assert context > 2 * REPLAY_ROWS, context
+    _exact(result)

@@ -1,5 +1,6 @@
 """End to end on the embedded real model, SmolLM2-135M-Instruct (fp32, CPU)."""
 
+import pytest
 import torch
 
 from kvdirect_app.engine import Engine, run_to_end
@@ -10,8 +11,11 @@ from .test_exactness_tiny import fast_mode_reports_its_error
 TURNS = ["What is the capital of France? Answer in one sentence.", "And of Italy?"]
 
 
-def test_full_matches_generate_on_smollm2(smollm2):
-    result = run_to_end(Engine(smollm2, parse_specs("full"), max_new_tokens=24), TURNS[:1])
+@pytest.mark.parametrize("kernels", ["invariant", "native"])
+def test_full_matches_generate_on_smollm2(smollm2, kernels):
+    """Native kernels give transformers' own bits; invariant ones other bits, but the same tokens here."""
+    result = run_to_end(Engine(smollm2, parse_specs("full"), max_new_tokens=24, kernels=kernels), TURNS[:1])
+    assert result["kernels"]["mode"] == kernels
     ids = torch.tensor([result["prompt_ids"]])
     with torch.inference_mode():
         out = smollm2.model.generate(ids, max_new_tokens=24, do_sample=False)

@@ -50,7 +50,8 @@ from .. import compat, rss
 from ..geometry import ModelGeometry
 from ..replay import LayerReplayer
 from .base import SlidingLayer, Strategy, StrategyCache, StrategyError, storage_bytes, window_layer_bytes, window_layer_transient
-from .rebuild import MODES, REBUILDS, RebuildingLayer, chunks_of, covered, record_run, rebuilding_persistent, rebuilding_transient
+from .rebuild import (MODES, REBUILDS, REPLAY_ROWS, RebuildingLayer, chunks_of, covered, record_run, rebuilding_persistent,
+                      rebuilding_transient)
 
 REPLAYS = ("cascade", "naive")
 # A cascade step that replays this many old tokens hands the heap's freed pages back to the OS after each layer:
@@ -99,8 +100,14 @@ class AnchorStore:
 
     @property
     def one_chunk(self) -> bool:
-        """Replay all old tokens as one chunk: the fast mode's approximation, or exact under invariant kernels."""
-        return self.mode == "fast" or self.replayer.invariant
+        """Replay all old tokens as one chunk: the fast mode's approximation."""
+        return self.mode == "fast"
+
+    def _chunks(self, end: int) -> list[tuple[int, int]]:
+        """How a replay of tokens 0..end-1 is called: the original forwards' shapes (native kernels), calls of
+        `REPLAY_ROWS` tokens (invariant kernels: the same bits whatever the grouping), or one call (fast)."""
+        return chunks_of(self.runs, end, one_chunk=self.one_chunk,
+                         rows=REPLAY_ROWS if self.replayer.invariant and not self.one_chunk else None)
 
     def begin_step(self, ids: list[int], device, span: tuple[int, int]):
         """Before a forward of `ids`: store the ids; `span` = (old tokens to rebuild, rows attention reads)."""
@@ -108,7 +115,7 @@ class AnchorStore:
             new = torch.tensor([ids], dtype=torch.int32, device=device)
             self.token_ids = new if self.token_ids is None else torch.cat([self.token_ids, new], dim=1)
         self.span = span
-        self.chunks = chunks_of(self.runs, span[0], one_chunk=self.one_chunk)
+        self.chunks = self._chunks(span[0])
         self.cover = covered(self.chunks)
         record_run(self.runs, self.seen, len(ids))
         self.seen += len(ids)
@@ -164,7 +171,7 @@ class AnchorStore:
         if layer in self.ready:
             return self.ready.pop(layer)
         anchor = self.segment_of[layer]
-        chunks = chunks_of(self.runs, end, one_chunk=self.one_chunk)
+        chunks = self._chunks(end)
         self.replaying = True
         try:
             hidden = self.start_hidden(anchor, covered(chunks))
@@ -175,7 +182,7 @@ class AnchorStore:
     def rebuild_all(self, end: int, replay: str | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """K/V of tokens 0..end-1 at every global layer from the anchors alone, outside a forward, segment by
         segment (``cascade``: each segment once; ``naive``: from the anchor again for every global layer)."""
-        chunks = chunks_of(self.runs, end, one_chunk=self.one_chunk)
+        chunks = self._chunks(end)
         out = {}
         self.replaying = True
         try:

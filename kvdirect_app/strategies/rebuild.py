@@ -46,11 +46,21 @@ def record_run(runs: list[list], seen: int, q: int):
         runs.append([seen, q, q == 1])
 
 
-def chunks_of(runs: list[list], end: int, one_chunk: bool = False) -> list[tuple[int, int]]:
+# Under invariant kernels a replay may group old tokens any way: it takes them this many at a time, so its
+# transient (a layer's MLP activations and attention buffers for the rows of one call) stays small beside the
+# K/V it rebuilds; a GEMM of this many rows runs near this CPU's peak throughput already.
+REPLAY_ROWS = 64
+
+
+def chunks_of(runs: list[list], end: int, one_chunk: bool = False, rows: int | None = None) -> list[tuple[int, int]]:
     """The original forward chunks (start, n) covering tokens 0..end-1; decode rows one token each.
-    A prefill chunk that straddles `end` is kept whole (its shape is what the original computed)."""
+    A prefill chunk that straddles `end` is kept whole (its shape is what the original computed).
+    `one_chunk`: every token in one call (the fast mode's approximation); `rows`: calls of that many tokens
+    (invariant kernels, where any grouping gives the same bits)."""
     if one_chunk:
         return [(0, end)]
+    if rows is not None:
+        return [(s, min(rows, end - s)) for s in range(0, end, rows)]
     chunks = []
     for start, n, is_rows in runs:
         if start >= end:
