@@ -292,7 +292,7 @@ class LayerReplayer:
         self.attention_impl = compat.attention_module(self.layers[0]).config._attn_implementation
         compat.register_attention(INVARIANT_ATTENTION, invariant_attention)
         self._inputs: dict[tuple, tuple] = {}  # (start, n, type) -> (mask, rotary); valid for one set of chunks
-        self.invariant = False  # under invariant kernels: one chunk, the block attention, no mask
+        self.invariant = False  # under invariant kernels: calls of any size (REPLAY_ROWS tokens), the block attention, no mask
 
     def forget_inputs(self):
         """Masks and rotary embeddings are cached per chunk shape; call when a step is over."""
