@@ -376,6 +376,16 @@ class Engine:
         pieces = [self.loaded.tokenizer.decode([t]) for t in lane.history[:len(states)]]
         return {"tokens": pieces, "states": states}
 
+    def token_maps(self) -> dict:
+        """Every layer's token states of every shown lane: {label: {"tokens": [...], "states": [[...] per layer]}}."""
+        out = {}
+        for label in self.show:
+            first = self.token_map(label, 0)
+            layers = len(self.reference.cache.layers)
+            out[label] = {"tokens": first["tokens"],
+                          "states": [first["states"]] + [self.token_map(label, i)["states"] for i in range(1, layers)]}
+        return out
+
     # --- summary -------------------------------------------------------------
     def _summary(self, lane: Lane) -> dict:
         ref = self.reference

@@ -26,10 +26,12 @@ class Limits:
     max_turns: int = 64  # user turns in one conversation
     max_total_tokens: int | None = None  # tokens in one conversation (None: the model's context)
     max_strategies: int = 12
+    run_seconds: float | None = None  # a page run (all its turns) stops cleanly after this long (None: no bound)
 
 
 LOCAL = Limits()
-HOSTED = Limits(max_new_tokens=128, max_prompt_chars=4_000, max_turns=12, max_total_tokens=2_048, max_strategies=9)
+HOSTED = Limits(max_new_tokens=128, max_prompt_chars=4_000, max_turns=12, max_total_tokens=2_048, max_strategies=9,
+                run_seconds=90.0)
 
 
 def limits() -> Limits:

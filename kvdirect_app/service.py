@@ -90,15 +90,16 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _loaded(name: str, dtype: str, device: str):
+def _loaded(name: str, dtype: str, device: str, progress=None):
     from .models import load_model
 
-    return load_model(name, dtype=dtype, device=device)
+    return load_model(name, dtype=dtype, device=device, progress=progress)
 
 
-def load(name: str, dtype: str = "float32", device: str = "auto") -> dict:
-    """Load a model (once per process); what the page says about it."""
-    loaded = _loaded(name, dtype, device)
+def load(name: str, dtype: str = "float32", device: str = "auto", progress=None) -> dict:
+    """Load a model (once per process); what the page says about it.  `progress(line)` hears what the load is
+    doing (a first load of a GGUF preset dequantises it and keeps a copy; later ones map that copy)."""
+    loaded = _loaded(name, dtype, device, progress)
     facts = geometry(name, dtype, device)
     return {"name": loaded.name, "source": loaded.source, "device": str(loaded.device),
             "dtype": str(loaded.dtype).removeprefix("torch."), "layers": facts["layers"], "geometry": facts}
@@ -201,13 +202,7 @@ class Conversation:
 
     def token_maps(self) -> dict:
         """Every layer's token states of every pane (for a page whose engine does not outlive the call)."""
-        out = {}
-        for label in self.engine.show:
-            first = self.engine.token_map(label, 0)
-            out[label] = {"tokens": first["tokens"],
-                          "states": [first["states"]] + [self.engine.token_map(label, i)["states"]
-                                                         for i in range(1, self.layers)]}
-        return out
+        return self.engine.token_maps()
 
 
 class FrontierRun:

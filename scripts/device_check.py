@@ -9,7 +9,8 @@ What it does, each step timed and written as it finishes (a step that fails is r
 2. exactness in both kernel modes (`invariant`, `native`) on tiny models of three families and on SmolLM2:
    every exact lane bit-equal, its rebuilt token-layers and digest;
 3. bytes per lane (allocator) and per-op latency of the seven default panes, lanes batched vs sequential;
-4. AnchorKV's replay at a 4,096-token context (`rebuild=step`, spacing 30), ms per token.
+4. AnchorKV's replay at a 4,096-token context (`rebuild=step`, spacing 30), ms per token;
+5. recordings of the shipped scenarios on the device (OUT/recordings/*.json.gz, `bench record`).
 Results: OUT/device_check.json and OUT/device_check.md (the table docs/perf.md takes).
 """
 
@@ -106,6 +107,31 @@ def replay4k(device: str, out: dict, quick: bool):
     out["replay"] = {"context": context, **table}
 
 
+def recordings(device: str, out: dict, quick: bool, dest: Path):
+    """The shipped scenarios recorded on this device (`bench record`, the page's default panes), to ship beside the
+    CPU ones in presets/recordings/ (each labelled with its device and date when played)."""
+    import subprocess
+
+    folder = dest / "recordings"
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = ([("recall-tiny-llama", ["--model", "tiny-llama", "--scenario", "recall", "--max-new-tokens", "4"])]
+            if quick else
+            [(f"recall-smollm2-135m-{device}", ["--model", "smollm2-135m", "--scenario", "recall"]),
+             (f"long-document-gemma3-270m-{device}", ["--model", "gemma3-270m", "--scenario", "long-document"]),
+             (f"twenty-turns-smollm2-135m-{device}", ["--model", "smollm2-135m", "--scenario", "twenty-turns",
+                                                      "--max-new-tokens", "24"])])
+    table = {}
+    for name, args in plan:
+        t0 = time.monotonic()
+        path = folder / f"{name}.json.gz"
+        done = subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "record", *args, "--device", device,
+                               "--out", str(path)], capture_output=True, text=True)
+        table[name] = {"rc": done.returncode, "seconds": round(time.monotonic() - t0, 1),
+                       "bytes": path.stat().st_size if path.is_file() else None,
+                       "error": done.stderr.strip().splitlines()[-1:] if done.returncode else None}
+    out["recordings"] = table
+
+
 def markdown(out: dict) -> str:
     lines = [f"# Device check: {out['device']} ({out.get('name', '')})", ""]
     for section, rows in out.items():
@@ -124,10 +150,15 @@ def main():
     dest.mkdir(parents=True, exist_ok=True)
     out = {"device": args.device, "torch": torch.__version__,
            "name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "timings_s": {}}
-    for step in (probe, exactness, seven, replay4k):
+    for step in (probe, exactness, seven, replay4k, recordings):
         t0 = time.monotonic()
         try:
-            step(args.device, out, args.quick) if step is not probe else step(args.device, out)
+            if step is probe:
+                step(args.device, out)
+            elif step is recordings:
+                step(args.device, out, args.quick, dest)
+            else:
+                step(args.device, out, args.quick)
         except Exception:
             out[f"{step.__name__}_error"] = traceback.format_exc()[-2000:]
         out["timings_s"][step.__name__] = round(time.monotonic() - t0, 1)

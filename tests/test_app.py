@@ -123,14 +123,24 @@ def test_scenario_plays_to_the_end_and_exports_what_the_engine_gives(app):
         assert [m["role"] for m in chat[:2]] == ["user", "assistant"]
     downloads = [v for c, v in zip(outputs, final) if type(c).__name__ == "DownloadButton"]
     paths = [d["value"] for d in downloads]  # updates {"value": path, "interactive": True}
-    assert [p.rsplit(".", 1)[-1] for p in paths] == ["json", "csv", "csv", "html"]
-    exported = json.loads(open(paths[0]).read())
+    assert [p.rsplit(".", 1)[-1] for p in paths] == ["gz", "json", "csv", "csv", "html"]
+    exported = json.loads(open(paths[1]).read())
     specs = ",".join(expand(n, 40, 2, "exact", "step") for n in default_names())
     want = engine_result(TINY, specs, turns, 4)
     assert exported["user_turns"] == turns
     assert stable(exported["results"]) == stable(want)
     rows = exported["steps"]
     assert {r["strategy"] for r in rows} == set(want["strategies"])
+    # The Export tab's recording plays back to the same results and the same step rows.
+    from kvdirect_app.recording import load
+    from kvdirect_app.ui.playback import fold
+
+    recorded = load(paths[0])
+    assert recorded["meta"]["source"] == "app" and recorded["meta"]["scenario"] == "capitals"
+    assert recorded["meta"]["turns"] == turns
+    played = fold(recorded)
+    assert stable(played.result) == stable(want)
+    assert played.step_rows() == rows
 
 
 def test_a_scenario_too_long_for_the_model_shows_one_message(app):

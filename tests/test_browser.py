@@ -31,7 +31,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not 
 from kvdirect_app.ui import build_demo  # noqa: E402
 
 from .conftest import launch_local  # noqa: E402
-from kvdirect_app.ui.settings import default_names  # noqa: E402
+from kvdirect_app.ui.settings import default_names, title  # noqa: E402
 
 
 class ServerLog(logging.Handler):
@@ -145,7 +145,6 @@ def test_the_first_screen_at_1280x720_shows_every_verdict_memory_and_speed(url, 
         page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('ready')", timeout=180_000)
         recall = page.locator("#kvd-recall")
         assert recall.is_visible() and recall.bounding_box()["y"] + recall.bounding_box()["height"] <= 720
-        assert "Recall demo" in page.inner_text("#kvd-board")  # the empty board's hint, not an empty table
         page.fill("#kvd-prompt textarea", PROMPT)
         page.click("#kvd-send")
         page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('Done')", timeout=600_000)
@@ -161,8 +160,42 @@ def test_the_first_screen_at_1280x720_shows_every_verdict_memory_and_speed(url, 
             assert "B" in cells[2] and "B" in cells[3] and cells[4] != "—", cells  # bytes and ms/token
         board = page.inner_text("#kvd-board")
         assert "reference" in board and ("exact" in board or "same tokens" in board)
+        assert "recorded on" not in board  # a live run: no recording's label left over
         shot = Path(os.environ.get("STUDIO_PROJECTOR_SHOT") or tmp_path / "projector.png")
         page.screenshot(path=str(shot))  # the viewport only: what a room sees
+        assert shot.stat().st_size > 30_000
+        browser.close()
+
+
+def test_the_first_screen_shows_the_recall_recording_without_any_run(url, tmp_path):
+    """At 1280x720, before any run and before the model is ready: the shipped recall recording's scoreboard,
+    labelled as recorded, with every pane's verdict and whether it says 4127, and the two buttons."""
+    from kvdirect_app.ui import playback
+
+    recorded = playback.fold(playback.open_recording(playback.first_name()))
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 720})
+        page.goto(url)
+        page.wait_for_selector("table.kvd-board", timeout=60_000)
+        board_text = page.inner_text("#kvd-board")
+        assert "recorded on" in board_text and "says 4127?" in board_text
+        rows = page.locator("table.kvd-board tr")
+        assert rows.count() == len(recorded.shown) + 1
+        for i in range(1, rows.count()):
+            box = rows.nth(i).bounding_box()
+            assert box["y"] >= 0 and box["y"] + box["height"] <= 720, (i, box)
+        said = {name: cells[2].strip() for name, cells in board(page).items()}
+        for label in recorded.shown:
+            name = title(label).split(" ")[0]
+            assert said[name] == ("✓" if recorded.says_expected(label) else "✗"), (label, said)
+        assert said["AnchorKV"] == "✓" and said["H2O"] == "✗"  # the story the first screen tells
+        for button in ("#kvd-replay", "#kvd-live"):
+            box = page.locator(button).bounding_box()
+            assert page.locator(button).is_visible() and box["y"] + box["height"] <= 720, button
+        assert "Recorded run: recall" in page.inner_text("#kvd-recording-line")
+        shot = Path(os.environ.get("STUDIO_FIRST_SHOT") or tmp_path / "first.png")
+        page.screenshot(path=str(shot))
         assert shot.stat().st_size > 30_000
         browser.close()
 
@@ -174,10 +207,15 @@ def test_the_claims_tab_shows_the_committed_report(url, tmp_path):
         page.goto(url)
         page.wait_for_selector("#kvd-send", timeout=60_000)
         page.get_by_role("tab", name="Claims").click()
-        table = page.locator("#kvd-claims-table")
-        table.scroll_into_view_if_needed()
-        text = table.inner_text()
-        assert "Claims, measured" in text and "holds" in text and "Recompute vs read" in text
+        cards = page.locator("#kvd-claims-cards .kvd-card")
+        cards.first.scroll_into_view_if_needed()
+        assert cards.count() == 7
+        text = page.inner_text("#kvd-claims-cards")
+        assert "holds" in text and "Recompute vs read" in text and "paper" in text and "ours" in text
+        verdict = cards.first.locator(".kvd-card-verdict")
+        assert float(verdict.evaluate("e => parseFloat(getComputedStyle(e).fontSize)")) >= 20  # large
+        page.get_by_text("The table: every claim's figures and the whole reason").click()
+        assert "Claims, measured" in page.inner_text("#kvd-claims-table")
         shot = Path(os.environ.get("STUDIO_CLAIMS_SHOT") or tmp_path / "claims.png")
         page.screenshot(path=str(shot))
         assert shot.stat().st_size > 30_000
@@ -315,3 +353,71 @@ def test_the_frontier_tab_draws_on_a_tiny_model(visitor):
                            timeout=600_000)
     assert "points from" in page.inner_text("#kvd-frontier-status")
     assert page.locator("#kvd-frontier .scatterlayer .trace").count() > 0
+
+
+def test_replay_streams_stops_and_plays_to_the_recorded_end(visitor, tmp_path):
+    """▶ Replay it at x16 streams the recording (Stop ends it), then instantly to its end: the scoreboard, the
+    plots' titles and the token map say "recorded on"; the map opens on a baseline that dropped "4127" beside
+    AnchorKV, which replays it."""
+    page = visitor
+    page.locator("#kvd-speed").get_by_text("x16").click()
+    page.click("#kvd-replay")
+    page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('Replaying')", timeout=30_000)
+    page.click("#kvd-stop")
+    assert "Replay stopped at step" in ended(page, 120), status(page)
+    page.locator("#kvd-speed").get_by_text("instant").click()
+    page.click("#kvd-replay")
+    page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('Replayed')", timeout=60_000)
+    assert "recorded on" in page.inner_text("#kvd-board")
+    for plot in ("#kvd-memory", "#kvd-latency", "#kvd-agreement"):
+        assert "recorded on" in page.locator(f"{plot} .gtitle").first.text_content(), plot
+    page.get_by_role("tab", name="Token map").click()
+    heads = page.locator("#kvd-token-map .kvd-map-head").all_inner_texts()
+    assert len(heads) == 2, heads
+    assert "“4127”: evicted" in heads[0] and heads[1].startswith("anchorkv") and "evicted" not in \
+        heads[1].split("·")[1], heads
+    assert page.locator("#kvd-token-map .kvd-map-pair > div").first.locator(".kvd-expect.kvd-evicted").count() >= 1
+    page.locator("#kvd-token-map").scroll_into_view_if_needed()
+    shot = Path(os.environ.get("STUDIO_MAP_SHOT") or tmp_path / "map.png")
+    page.screenshot(path=str(shot))
+
+
+def test_a_recording_file_opens_and_an_old_version_is_refused(url, tmp_path):
+    """A visitor's own file plays back; a file of another schema version gets one message naming it (and the
+    page goes on working: the good file plays again)."""
+    import json as _json
+
+    from kvdirect_app import recording
+    from kvdirect_app.ui import playback
+
+    rec = playback.open_recording(playback.first_name())
+    good = recording.save(rec, tmp_path / "mine.json.gz")
+    old = tmp_path / "old.json"
+    old.write_text(_json.dumps({**rec, "version": 0}))
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 720})
+        page.goto(url)
+        page.wait_for_selector("#kvd-upload", timeout=60_000)
+        page.locator("#kvd-speed").get_by_text("instant").click()
+        upload = page.locator("#kvd-upload input[type=file]")
+        for path, words in ((old, "recording version 0 is not supported"), (good, "Replayed")):
+            upload.set_input_files(str(path))
+            page.wait_for_function(f"document.querySelector('#kvd-status').innerText.includes({words!r})",
+                                   timeout=60_000)
+            if page.locator("#kvd-upload button[aria-label='Clear']").count():
+                page.locator("#kvd-upload button[aria-label='Clear']").first.click()
+        toasts = " ".join(page.locator(".toast-body").all_inner_texts())
+        assert "version 0" in toasts  # the refusal, said once as a warning too
+        assert "recorded on" in page.inner_text("#kvd-board")
+        browser.close()
+
+
+def test_run_it_live_runs_the_recorded_conversation_here(visitor):
+    page = visitor
+    set_new_tokens(page, 4)
+    page.click("#kvd-live")
+    assert "Done: 8 turn(s)" in ended(page, 900), status(page)
+    assert "recorded on" not in page.inner_text("#kvd-board")
+    assert "says 4127?" in page.inner_text("#kvd-board")
+    assert len(replies(page)) == 8 * len(default_names())

@@ -113,7 +113,7 @@ def test_the_rss_line_plots_the_measured_rss_along_the_engine_clock(run):
     RSS the engine read after that step, in the unit its axis names."""
     _, session = run
     figure = memory_figure(session)
-    rss = next(t for t in figure.data if t.name == "process RSS (right axis)")
+    rss = next(t for t in figure.data if t.name == "process RSS (right)")
     assert list(rss.x) == [r["position"] for r in session.rss]
     assert all(a < b for a, b in zip(rss.x, rss.x[1:]))
     unit = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[re.search(r"\((\w+)\)$", figure.layout.yaxis2.title.text)[1]]

@@ -31,6 +31,8 @@ import psutil
 from .. import rss
 from ..kernels import describe
 from ..metrics import token_match
+from ..recording import Recorder, save
+from ..scenarios import scenarios
 from ..units import fmt, fmt_bytes, table
 from .common import CliError, add_conversation_options, checked_run, engine_options, turns_from_args, write_json
 
@@ -110,10 +112,12 @@ def print_result(result: dict):
 
 
 def cmd_run(args) -> int:
-    from ..engine import Engine, run_to_end
+    from ..engine import Engine
 
     if args.alone and args.solo:
         raise CliError("give --alone or --solo, not both")
+    if getattr(args, "record", None) and (args.alone or args.solo):
+        raise CliError("--record: records a lockstep run (with the full cache); not with --alone or --solo")
     turns, raw = turns_from_args(args)
     if args.alone and not args.dry_run:
         # The parent loads no model (its load would be the largest RSS of the tree): each child checks and runs.
@@ -130,12 +134,16 @@ def cmd_run(args) -> int:
         load_peak = peak_rss()
         touch_weights(loaded.model)
         before = reset_peak_rss()
-    if ids is not None:
-        for _ in engine.turn(turns[0], ids=ids):
-            pass
-        result = engine.results()
-    else:
-        result = run_to_end(engine, turns, park=args.park, progress=lambda line: print(line, file=sys.stderr))
+    recorder = None
+    if getattr(args, "record", None):
+        if args.solo:
+            raise CliError("--record: a recording needs the full cache to compare with; not with --solo")
+        recorder = Recorder(recording_meta(args, [s.label for s in req.strategies], turns, raw))
+    events = engine.run(turns, park=args.park) if ids is None else first_turn_events(engine, turns[0], ids)
+    result = consume(events, recorder)
+    if recorder is not None:
+        save(recorder.finish(engine.token_maps()), args.record)
+        print(f"wrote the recording {args.record}", file=sys.stderr)
     result["memory_estimate"] = {"total_bytes": est.total, "lanes": est.lanes, "tokens": est.tokens}
     if args.solo:
         result["process"] = {"load_peak_rss_bytes": load_peak, "rss_before_run_bytes": before,
@@ -143,6 +151,37 @@ def cmd_run(args) -> int:
     print_result(result)
     write_json(args.json, result)
     return 0
+
+
+def first_turn_events(engine, text: str, ids: list[int]):
+    """A one-turn run given its token ids (`--context`), as events ending in "done" like `Engine.run`."""
+    yield from engine.turn(text, ids=ids)
+    yield {"type": "done", "result": engine.results()}
+
+
+def consume(events, recorder=None) -> dict:
+    """Every event (each into the recording, if any); the "done" event's results.  A line per prompt piece read."""
+    result = None
+    for event in events:
+        if recorder is not None:
+            recorder.add(event)
+        if event["type"] == "done":
+            result = event["result"]
+        elif event["type"] == "prefill":
+            print(f"turn {event['turn'] + 1}: read {event['done']:,} of {event['total']:,} prompt tokens",
+                  file=sys.stderr)
+    return result
+
+
+def recording_meta(args, specs: list[str], turns: list[str], raw: bool) -> dict:
+    """What a recording made by the CLI says about its run (the engine's start and done events add the rest)."""
+    scenario = scenarios().get(args.scenario or "", {})
+    expect = [len(turns) - 1, scenario["expect"]] if scenario.get("expect") else None
+    return {"source": "bench " + ("record" if getattr(args, "command", "") == "record" else "run"),
+            "command": " ".join(["python -m kvdirect_app.bench", *sys.argv[1:]]) if sys.argv[1:] else None,
+            "model": args.model, "dtype": args.dtype, "specs": specs, "max_new_tokens": args.max_new_tokens,
+            "raw": raw, "twins": not args.no_twins, "kernels_mode": args.kernels, "memory": args.memory,
+            "turns": turns, "scenario": args.scenario, "expect": expect}
 
 
 # --- each strategy alone ------------------------------------------------------------------------------------------
@@ -274,4 +313,6 @@ def register(sub):
     p.add_argument("--dry-run", action="store_true",
                    help="check every setting and the memory guard's estimate, print it, run nothing")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--record", help="also write a recording of the run here (.json, or .json.gz compressed): "
+                                    "every event the app shows, to play back in its Recordings picker")
     p.set_defaults(func=cmd_run)

@@ -51,6 +51,19 @@ class Actions:
 
 
 @dataclass
+class Recordings:
+    """Recorded runs: the one on screen in a line, the shipped ones in a picker, a file of one's own, the pace."""
+
+    line: gr.HTML  # what the recording on screen shows, recorded where and when
+    picker: gr.Dropdown
+    speed: gr.Radio
+    upload: gr.File
+    replay: gr.Button  # "▶ Replay it": the picked recording at the chosen pace
+    live: gr.Button  # "▶ Run it live": the same conversation on this machine, with the sidebar's settings
+    download: gr.DownloadButton  # the Export tab's recording of the run on screen
+
+
+@dataclass
 class Views:
     status: gr.HTML
     board: gr.HTML  # the scoreboard: every pane's verdict, memory and speed on the first screen
@@ -58,6 +71,7 @@ class Views:
     latency: gr.Plot
     agreement: gr.Plot
     map_label: gr.Dropdown
+    map_other: gr.Dropdown  # a second strategy's map beside the first
     map_layer: gr.Slider
     token_map: gr.HTML
     geometry: gr.HTML
@@ -85,10 +99,12 @@ class Studio:
     views: Views
     panes: list[Pane]
     frontier: FrontierTab
+    recordings: Recordings
 
     def outputs(self) -> list:
-        c = self.controls
+        c, r = self.controls, self.recordings
         parts = [c.spacing, c.model, c.custom_model, c.device, c.dtype]  # the model's controls lock during a turn
+        parts += [r.line, r.replay, r.live, r.download]
         for group in (self.actions, self.views):
             parts += [getattr(group, f.name) for f in fields(group) if f.name != "scenario"]
         for pane in self.panes:

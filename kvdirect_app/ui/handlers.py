@@ -20,8 +20,10 @@ import gradio as gr
 
 from .. import service
 from ..hosted import hosted
+from ..limits import limits
 from ..scenarios import scenarios
-from . import runner, views
+from ..recording import RecordingError, describe
+from . import playback, runner, views
 from .components import Studio
 from .export import write_exports
 from .geometry_panel import geometry_html
@@ -56,6 +58,8 @@ class Line:
         self.lock = threading.Lock()
         self.tickets: dict[int, float] = {}  # id(session) -> when it joined (insertion order is the line)
         self.running = 0
+        self.took: list[float] = []  # seconds of the last runs, for the expected wait
+        self.begun: list[float] = []
 
     def join(self, session: Session) -> tuple[int, int]:
         """(runs ahead, runs running); raises gr.Error when the line is full."""
@@ -79,10 +83,26 @@ class Line:
     def started(self):
         with self.lock:
             self.running += 1
+            self.begun.append(time.monotonic())
 
     def ended(self):
         with self.lock:
             self.running -= 1
+            if self.begun:
+                self.took = (self.took + [time.monotonic() - self.begun.pop(0)])[-10:]
+
+    def expected_wait(self, ahead: int, running: int) -> str:
+        """What a queued visitor can expect, from the last runs' measured durations (capped by the time budget)."""
+        budget = limits().run_seconds
+        with self.lock:
+            typical = sorted(self.took)[len(self.took) // 2] if self.took else None
+        if typical is None and budget is None:
+            return " Your run starts when they finish."
+        each = min(typical, budget) if typical is not None and budget is not None else (typical or budget)
+        basis = (f"the last {len(self.took)} run(s) took about {typical:.0f} s each" if typical is not None else
+                 "no run has finished yet")
+        cap = f"; each run here stops after {budget:.0f} s" if budget else ""
+        return f" Expected wait: about {(ahead + running) * each:.0f} s ({basis}{cap})."
 
 
 LINE = Line()
@@ -132,7 +152,8 @@ class Handlers:
         if ahead == 0 and running == 0:
             return views.status("Starting…", "busy")
         return views.status(f"Queued: position {ahead + 1}; {running} run(s) in progress, {ahead} waiting ahead of "
-                            "you. Your run starts when they finish.", "busy")
+                            f"you.{LINE.expected_wait(ahead, running)} Meanwhile, ▶ Replay it plays a recorded run "
+                            "at once.", "busy")
 
     # --- drawing ---------------------------------------------------------------
     def render(self, session: Session, *, busy: bool, message: str | None = None, kind: str = "info",
@@ -147,8 +168,10 @@ class Handlers:
                 out[pane.chat] = views.messages(session, label)
             else:
                 out[pane.box] = gr.Column(visible=False)
-        for button in (a.send, a.regenerate, a.clear, a.play, a.recall):
+        r = self.s.recordings
+        for button in (a.send, a.regenerate, a.clear, a.play, a.recall, r.replay, r.live):
             out[button] = gr.Button(interactive=not busy)
+        out[r.line] = views.recording_line(session)
         c = self.s.controls
         for control in (c.model, c.custom_model, c.device, c.dtype):  # no model switch while a turn streams
             out[control] = gr.update(interactive=not busy)
@@ -165,30 +188,48 @@ class Handlers:
             session.last_plot = time.monotonic()
             session.plot_cost = session.last_plot - t0
         if final:
-            label = session.shown[0] if session.shown else None
+            label, other, layer = views.telling_view(session, self._maps(session))
             out[v.map_label] = gr.Dropdown(choices=session.shown, value=label)
-            out[v.token_map] = self._token_map_html(session, label, 0)
-            out[v.map_layer] = gr.Slider(value=0)
+            out[v.map_other] = gr.Dropdown(choices=session.shown, value=other)
+            out[v.token_map] = self._token_map_html(session, label, layer, other)
+            out[v.map_layer] = gr.Slider(value=layer)
             out.update(self._downloads(session))
         return out
 
+    @staticmethod
+    def _maps(session: Session) -> dict | None:
+        """Every pane's token map at every layer, where it is at hand (a recording, a ZeroGPU run), else None."""
+        if session.token_maps is not None:
+            return session.token_maps
+        return None
+
     def _downloads(self, session: Session) -> dict:
         v = self.s.views
-        buttons = (v.download_json, v.download_steps, v.download_summary, v.download_plots)
+        buttons = (v.download_json, v.download_steps, v.download_summary, v.download_plots, self.s.recordings.download)
         if session.result is None:
             return {b: gr.DownloadButton(value=None, interactive=False) for b in buttons}
-        paths = write_exports(session)
-        return {b: gr.DownloadButton(value=paths[k], interactive=True)
-                for b, k in zip(buttons, ("json", "steps", "summary", "plots"))}
+        try:
+            paths = write_exports(session)
+        except Exception as e:  # a download that cannot be written must not break the page
+            log.error("writing the exports failed:\n%s", traceback.format_exc())
+            gr.Warning(f"The downloads could not be written: {type(e).__name__}: {str(e)[:200]}")
+            return {b: gr.DownloadButton(value=None, interactive=False) for b in buttons}
+        return {b: gr.DownloadButton(value=paths.get(k), interactive=k in paths)
+                for b, k in zip(buttons, ("json", "steps", "summary", "plots", "recording"))}
 
-    def _token_map_html(self, session: Session, label: str | None, layer: int) -> str:
+    def _token_map_html(self, session: Session, label: str | None, layer: int, other: str | None = None) -> str:
         if label is None or session.busy:
             return views.token_map_html(None, "", 0)
-        try:
-            data = runner.token_map(session.engine, session.token_maps, label, int(layer))
-        except (IndexError, KeyError, StopIteration):
-            data = None
-        return views.token_map_html(data, label, int(layer))
+        layer = int(layer)
+        words = session.expect[1] if session.expect else None
+        parts = []
+        for name in dict.fromkeys([label] + ([other] if other and other != label else [])):
+            try:
+                data = runner.token_map(session.engine, session.token_maps, name, layer)
+            except (IndexError, KeyError, StopIteration):
+                data = None
+            parts.append(views.token_map_html(data, name, layer, mark=words))
+        return views.side_by_side(parts, session.recorded_label)
 
     # --- the model -------------------------------------------------------------
     def load_model(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
@@ -206,15 +247,33 @@ class Handlers:
             yield {v.status: views.status(str(e), "error")}
             return
         yield {v.status: views.status(f"Loading {name} on {device} ({dtype})…", "busy")}
-        try:
-            info = service.load(name, dtype=dtype, device=device)
-        except runner.USER_ERRORS as e:
-            message, kind = str(e), "error"
-        except Exception as e:  # e.g. an architecture transformers cannot build: say so, stay up
-            log.error("loading %s failed:\n%s", name, traceback.format_exc())
-            message, kind = f"Cannot load {name}: {type(e).__name__}: {str(e)[:200]}", "error"
+        heard: list[str] = []
+        box: dict = {}
+
+        def work():
+            try:
+                box["info"] = service.load(name, dtype=dtype, device=device, progress=heard.append)
+            except BaseException as e:  # handed to the handler's thread below
+                box["error"] = e
+
+        loader = threading.Thread(target=work, name="kvdirect-load", daemon=True)
+        t0 = time.monotonic()
+        loader.start()
+        while loader.is_alive():
+            loader.join(0.5)
+            if loader.is_alive() and session.load_number == number:
+                doing = views.without_paths(heard[-1]) if heard else f"loading {name}"
+                yield {v.status: views.status(f"{doing[:1].upper()}{doing[1:]}… {time.monotonic() - t0:.0f} s",
+                                              "busy")}
+        error = box.get("error")
+        if isinstance(error, runner.USER_ERRORS):
+            message, kind = str(error), "error"
+        elif error is not None:  # e.g. an architecture transformers cannot build: say so, stay up
+            log.error("loading %s failed:\n%s", name,
+                      "".join(traceback.format_exception(type(error), error, error.__traceback__)))
+            message, kind = f"Cannot load {name}: {type(error).__name__}: {str(error)[:200]}", "error"
         else:
-            message, kind = None, "ok"
+            info, message, kind = box["info"], None, "ok"
         if session.load_number != number:  # a newer choice was made while this one loaded: it speaks instead
             return
         if message is not None:
@@ -231,33 +290,42 @@ class Handlers:
             # Cascade replay runs every layer once whatever the spacing, so the deepest spacing (token ids only,
             # 4 bytes per token) saves the most memory at the same compute; it is >= the break-even s*.
             c.spacing: gr.Slider(maximum=L, value=L),
-            v.status: views.status(f"{name} ready ({info['source']}; {info['device']}, {L} layers).{then}", "ok"),
+            v.status: views.status(f"{name} ready on {info['device']} ({L} layers).{then}", "ok",
+                                   title=f"loaded from: {info['source']}"),
         }
 
     # --- a run -----------------------------------------------------------------
     def _stream(self, session: Session, config: RunConfig, turns: list[str], fresh: bool,
-                note: str, expect: tuple[int, str] | None = None) -> Iterator[dict]:
+                note: str, expect: tuple[int, str] | None = None, scenario: str | None = None) -> Iterator[dict]:
         """Play `turns` (all of them on a fresh engine, else only the new one) and stream the panes."""
         session.busy, session.stop_requested = True, False
         yield {**self.render(session, busy=True, message=note, kind="busy"),
                self.s.actions.prompt: gr.Textbox(value="", interactive=False)}
         events = None
         t_start = time.monotonic()
-        stopped = False
+        stopped = timed_out = False
+        budget = limits().run_seconds
         try:
             if fresh or session.engine is None or runner.on_zero_gpu():
                 engine = None if runner.on_zero_gpu() else runner.conversation(config)
                 session.clear()
                 session.busy, session.expect = True, expect
-                session.config, session.engine = config, engine
+                session.config, session.engine, session.scenario = config, engine, scenario
+                session.recorder = runner.recorder(config, scenario, expect)
                 events = runner.Pump(runner.play(config, turns, engine), lambda: session.stop_requested)
             else:
+                if session.recorder is not None:
+                    session.recorder.resume()
                 events = runner.Pump(runner.play(config, turns[-1:], session.engine), lambda: session.stop_requested)
             last = 0.0
             for event in events:  # every event the engine produced, also those after a stop request
                 session.apply(event)
+                if session.recorder is not None:
+                    session.recorder.add(event)
                 stopped = session.stop_requested
                 now = time.monotonic()
+                if budget is not None and not stopped and now - t_start > budget:
+                    session.stop_requested = timed_out = True  # the engine's thread ends the turn after this step
                 first = event["type"] == "step" and event["index"] == 0
                 if event["type"] in ("turn", "turn_end", "prefill") or first or now - last >= UI_EVERY_S:
                     plots = (event["type"] == "turn_end" or
@@ -286,7 +354,10 @@ class Handlers:
             gr.Warning(message)
         else:
             took = time.monotonic() - t_start
-            message, kind = ((f"Stopped after step {session.steps}.", "ok") if stopped else
+            message, kind = ((f"Stopped at this server's time budget ({budget:.0f} s per run) after step "
+                              f"{session.steps}: what was produced is shown. Fewer panes or a shorter prompt fit more; "
+                              "the recordings show whole runs.", "ok") if timed_out else
+                             (f"Stopped after step {session.steps}.", "ok") if stopped else
                              (f"Done: {len(session.user_turns)} turn(s), {session.steps} steps in {took:.1f} s; "
                               f"{session.kernels_line or 'kernels: ?'}.", "ok"))
         finally:
@@ -316,7 +387,7 @@ class Handlers:
 
     def _run(self, session: Session, controls: dict, turns: list[str], raw: bool, fresh: bool | None,
              note: Callable[[bool], str], problem: str | None = None,
-             expect: tuple[int, str] | None = None) -> Iterator[dict]:
+             expect: tuple[int, str] | None = None, scenario: str | None = None) -> Iterator[dict]:
         """Check everything (`validate`, then the memory guard), then stream `turns`; `fresh` None: rebuild only if
         the settings changed."""
         LINE.leave(session)
@@ -341,24 +412,31 @@ class Handlers:
         LINE.started()
         try:
             yield from self._stream(session, config, turns, fresh, note(fresh),
-                                    expect if fresh else session.expect)
+                                    expect if fresh else session.expect, scenario if fresh else session.scenario)
         finally:
             LINE.ended()
 
     def send(self, session: Session, prompt: str, request: gr.Request = None, **controls) -> Iterator[dict]:
         self._seen(session, request)
+        playback.unfold(session)
         if not isinstance(prompt, str):
             yield from self._refuse(session, "prompt: expected text")
             return
-        earlier = len(session.user_turns)
+        # A recording on screen is not a conversation to continue: a message starts a new one.
+        earlier = 0 if session.recording else len(session.user_turns)
         note = lambda fresh: "Starting…" if not earlier else (
             f"Settings changed: rebuilding and replaying {earlier} earlier turn(s)…" if fresh
             else "Continuing the conversation in every pane…")
         raw = session.config.raw if session.config else False
-        yield from self._run(session, controls, [*session.user_turns, prompt], raw, None, note)  # checked there
+        turns = [*session.user_turns[:earlier], prompt] if earlier else [prompt]
+        yield from self._run(session, controls, turns, raw, True if session.recording else None, note)
 
     def regenerate(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
         self._seen(session, request)
+        playback.unfold(session)
+        if session.recording:
+            yield from self._refuse(session, "A recording is on screen: ▶ Run it live runs its conversation here.")
+            return
         turns = list(session.user_turns)
         raw = session.config.raw if session.config else False
         yield from self._run(session, controls, turns, raw, True,
@@ -375,10 +453,77 @@ class Handlers:
         yield from self._run(session, controls, turns, bool(chosen.get("raw", False)), True,
                              lambda _: f"Playing “{scenario}”: {len(turns)} turns…",
                              None if chosen else f"scenario: unknown {str(scenario)[:40]!r}; allowed: {', '.join(table)}",
-                             expect)
+                             expect, scenario if chosen else None)
 
     def play_recall(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
         yield from self.play_scenario(session, RECALL, request, **controls)
+
+    # --- recordings ------------------------------------------------------------
+    def replay(self, session: Session, choice: str | None, speed: str, upload: str | None = None,
+               request: gr.Request = None) -> Iterator[dict]:
+        """Play a recording (a shipped one by name, or an uploaded file) at `speed`: the recorded events folded
+        into this session exactly as the live run folded them; nothing is recomputed."""
+        self._seen(session, request)
+        if session.busy:
+            yield from self._refuse(session, "A turn is still running: wait for it or press Stop.")
+            return
+        if speed not in playback.SPEEDS:
+            yield from self._refuse(session, f"speed: {str(speed)[:40]!r} is not allowed; allowed: "
+                                             f"{', '.join(playback.SPEEDS)}")
+            return
+        try:
+            recording = playback.open_recording(choice, upload)
+        except RecordingError as e:
+            yield from self._refuse(session, str(e))
+            return
+        playback.start(session, recording)
+        session.busy, session.stop_requested = True, False
+        about = describe(recording["meta"])
+        yield self.render(session, busy=True, message=f"Replaying {about} at {speed}…", kind="busy", plots=True)
+        last, stopped, pace = 0.0, False, playback.SPEEDS[speed]
+        try:
+            for event in playback.paced(recording, pace, lambda: session.stop_requested):
+                session.apply(event)
+                now = time.monotonic()
+                if pace and (event["type"] in ("turn", "turn_end") or now - last >= UI_EVERY_S):
+                    plots = event["type"] == "turn_end" or now - session.last_plot >= PLOTS_EVERY_S
+                    yield self.render(session, busy=True, plots=plots, kind="busy",
+                                      message=f"Replaying ({speed}): turn {len(session.user_turns)}, step "
+                                              f"{session.steps}; every number is the recorded one")
+                    last = now
+            stopped = session.stop_requested
+        finally:
+            session.busy = False
+            playback.finish(session)
+        message = (f"Replay stopped at step {session.steps}." if stopped else
+                   f"Replayed: {about}. Every number is the recorded one; ▶ Run it live runs it on this machine.")
+        yield self.render(session, busy=False, message=message, kind="ok", plots=True, final=True)
+
+    def run_live(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
+        """The conversation of the recording on screen (or the recall scenario), live on this machine with the
+        sidebar's settings; says where they differ from the recording's."""
+        self._seen(session, request)
+        playback.unfold(session)
+        meta = session.recording or {}
+        turns = list(meta.get("turns") or scenarios().get(RECALL, {}).get("turns", []))
+        if not turns:
+            yield from self._refuse(session, "Nothing to run: open a recording first.")
+            return
+        expect = tuple(meta["expect"]) if meta.get("expect") else None
+        scenario = meta.get("scenario")
+        if not meta:
+            chosen = scenarios().get(RECALL, {})
+            expect, scenario = ((len(turns) - 1, chosen["expect"]) if chosen.get("expect") else None), RECALL
+        try:
+            specs = Settings.from_controls(controls).specs()
+        except runner.USER_ERRORS:
+            specs = []
+        differs = [s for s in specs if meta.get("specs") and s not in meta["specs"]]
+        note = (f"Running “{scenario or 'the recording'}” live here: {len(turns)} turns" +
+                (f"; the sidebar's settings differ from the recording's ({', '.join(differs)})" if differs else "") +
+                "…")
+        yield from self._run(session, controls, turns, bool(meta.get("raw", False)), True, lambda _: note, None,
+                             expect, scenario)
 
     def stop(self, session: Session) -> str:
         if not session.busy:
@@ -387,6 +532,7 @@ class Handlers:
         return views.status("Stopping after this step…", "busy")
 
     def clear(self, session: Session) -> dict:
+        session.pending = None
         if session.busy:
             gr.Warning("A turn is still running: press Stop first.")
             return {self.s.views.status: views.status("A turn is still running: press Stop first.", "error")}
@@ -403,6 +549,7 @@ class Handlers:
         if session.busy:
             yield done("A turn is still running: wait for it or press Stop.", "error")
             return
+        playback.unfold(session)
         known = isinstance(source, str) and (source == FRONTIER_CURRENT or source in scenarios())
         turns = [] if not known else list(session.user_turns) if source == FRONTIER_CURRENT else \
             list(scenarios()[source]["turns"])
@@ -436,5 +583,6 @@ class Handlers:
         yield {**done(f"{len(rows)} points from {len(plan)} runs in {time.monotonic() - t0:.0f} s.", "ok"),
                f.plot: figure}
 
-    def token_map(self, session: Session, label: str | None, layer: int) -> str:
-        return self._token_map_html(session, label, layer)
+    def token_map(self, session: Session, label: str | None, layer: int, other: str | None = None) -> str:
+        playback.unfold(session)
+        return self._token_map_html(session, label, layer, other)

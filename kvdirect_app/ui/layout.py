@@ -14,7 +14,10 @@ from ..hosted import hosted
 from ..limits import limits
 from ..scenarios import scenarios
 from . import runner
-from .components import Actions, Controls, FrontierTab, Pane, Studio, Views
+from ..recording import RecordingError
+from . import playback, views
+from .claims_cards import cards_html
+from .components import Actions, Controls, FrontierTab, Pane, Recordings, Studio, Views
 from .handlers import FRONTIER_CURRENT, RECALL, Handlers, session_ttl_s
 from .plots import agreement_figure, latency_figure, memory_figure
 from .scoreboard import scoreboard_html
@@ -23,6 +26,7 @@ from .settings import (any_declares, catalogue, default_model, default_names, ma
                        model_choices, title)
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
+LIVE_REBUILD = "turn"  # a live 64-token turn with the default panes in ~20 s on a laptop CPU (scripts/app_timing.py)
 
 
 def asset(name: str) -> str:
@@ -54,9 +58,12 @@ def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tok
         mode = gr.Radio(["exact", "fast"], value="exact", label="Recompute mode",
                         info="exact: bit-equal K/V; fast: one batched GEMM, error measured",
                         visible=any_declares("mode"))
-        rebuild = gr.Radio(["step", "turn"], value="step", label="Rebuild old K/V",
-                           info="step: at every token (least memory, more compute); turn: once per turn, then "
-                                "full K/V held while the turn lasts",
+        rebuild = gr.Radio(["step", "turn"], value=LIVE_REBUILD, label="Rebuild old K/V", elem_id="kvd-rebuild",
+                           info="turn (the live default, the papers' mode): rebuilt once per turn, full K/V held "
+                                "while the turn lasts: about the full cache's speed. step: every old token rebuilt "
+                                "at every step: the least memory, but in lockstep every pane waits for it (AnchorKV "
+                                "replays the whole conversation through its layers per token, ~1 s a token at a few "
+                                "hundred tokens on a laptop CPU). The recordings use step.",
                            visible=any_declares("rebuild"))
         max_new = gr.Slider(1, min(512, cap.max_new_tokens), value=min(max_new_tokens, cap.max_new_tokens), step=1,
                             elem_id="kvd-max-new",
@@ -84,26 +91,73 @@ def _claims_tab():
         return
     text = report.read_text(encoding="utf-8")
     head, _, details = text.partition("## Details")
-    gr.Markdown(head.replace("Every number below", "Reproduce it with `python -m kvdirect_app.bench reproduce "
-                                                  "--quick --out DIR`. Every number below"), elem_id="kvd-claims-table")
+    results = CLAIMS / "results.json"
+    if results.is_file():
+        import json
+
+        gr.HTML(cards_html(json.loads(results.read_text(encoding="utf-8"))), elem_id="kvd-claims-cards")
     with gr.Row():
         for name in ("agreement", "recompute"):
             if (CLAIMS / f"{name}.png").is_file():
                 gr.Image(str(CLAIMS / f"{name}.png"), show_label=False, interactive=False)
+    with gr.Accordion("The table: every claim's figures and the whole reason", open=False):
+        gr.Markdown(head.replace("Every number below", "Reproduce it with `python -m kvdirect_app.bench reproduce "
+                                                      "--quick --out DIR`. Every number below"),
+                    elem_id="kvd-claims-table")
     with gr.Accordion("Details: every measured row", open=False):
         gr.Markdown(re.sub(r"!\[[^\]]*\]\([^)]*\)", "", details))
 
 
-def _panes() -> list[Pane]:
+def _panes(first: Session) -> list[Pane]:
+    """One column per pane, compact (each message clamped to a few lines; hover or focus shows all of it);
+    the first screen's recording fills them."""
     panes = []
     with gr.Row(elem_id="kvd-panes"):
         for i in range(max_panes()):
-            with gr.Column(visible=False, min_width=340, elem_classes="kvd-pane") as box:
-                head = gr.HTML("")
-                chat = gr.Chatbot([], show_label=False, height=340, layout="panel", buttons=["copy"], elem_classes="kvd-chat",
+            label = first.shown[i] if i < len(first.shown) else None
+            with gr.Column(visible=label is not None, min_width=290, elem_classes="kvd-pane") as box:
+                head = gr.HTML(views.pane_header(first, label) if label else "")
+                chat = gr.Chatbot(views.messages(first, label) if label else [], show_label=False, height=190,
+                                  layout="panel", buttons=["copy"], elem_classes="kvd-chat",
                                   placeholder="Replies stream here.", feedback_options=None)
             panes.append(Pane(box, head, chat))
     return panes
+
+
+def first_screen() -> Session:
+    """The page as it opens: the recall recording's end (its scoreboard, panes, plots), or nothing."""
+    name = playback.first_name()
+    if name is None:
+        return Session()
+    try:
+        return playback.fold(playback.open_recording(name))
+    except RecordingError as e:  # a broken shipped file: the page opens empty and the log says why
+        import logging
+
+        logging.getLogger(__name__).error("the first screen's recording %s cannot be played: %s", name, e)
+        return Session()
+
+
+def _recordings(first: Session):
+    """The sidebar's recordings: the shipped ones in a picker, the pace, a file of one's own."""
+    choices = playback.offered()
+    picker = gr.Dropdown(choices, value=playback.first_name(), label="Recorded runs", elem_id="kvd-recordings",
+                         info="played back at the recorded pace (or faster); every number is the recorded one")
+    speed = gr.Radio(list(playback.SPEEDS), value=playback.DEFAULT_SPEED, label="Replay speed", elem_id="kvd-speed")
+    upload = gr.File(label="…or open a recording file (.json / .json.gz)", file_types=[".json", ".gz"],
+                     file_count="single", type="filepath", elem_id="kvd-upload", height=90)
+    return picker, speed, upload
+
+
+def _first_map(first: Session, label: str | None, other: str | None, layer: int) -> str:
+    if not first.token_maps or label is None:
+        return views.token_map_html(None, "", 0)
+    from .runner import token_map
+
+    words = first.expect[1] if first.expect else None
+    parts = [views.token_map_html(token_map(None, first.token_maps, name, layer), name, layer, mark=words)
+             for name in dict.fromkeys([label] + ([other] if other else []))]
+    return views.side_by_side(parts, first.recorded_label)
 
 
 def build_demo(model: str | None = None, strategies: list[str] | None = None, budget: int = 64,
@@ -114,11 +168,14 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
     the scoreboard (every pane's verdict, memory and speed) are on the first screen; panes, plots and tabs follow.
     """
     model = model or default_model()
-    empty = Session()
+    empty = first_screen()
     table = scenarios()
     with gr.Blocks(title="KV-Direct Studio", analytics_enabled=False) as demo:
         handlers = Handlers(None, demo)
-        session = gr.State(empty, time_to_live=session_ttl_s(), delete_callback=handlers.forget)
+        # Each visitor's state starts as a name only (Gradio copies the initial value per session): the first
+        # screen's recording is folded into a visitor's session when a handler first needs it.
+        session = gr.State(Session(pending=playback.first_name() if empty.recording else None),
+                           time_to_live=session_ttl_s(), delete_callback=handlers.forget)
         gr.HTML(asset("header.html"), elem_id="kvd-header")
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=280, elem_id="kvd-side"):
@@ -127,6 +184,7 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
                                        value=next(iter(table), None), label="Scripted conversation",
                                        elem_id="kvd-scenario")
                 play = gr.Button("▶ Play scenario", variant="secondary", elem_id="kvd-play")
+                picker, speed, upload = _recordings(empty)
             with gr.Column(scale=4, min_width=600):
                 status = gr.HTML("", elem_id="kvd-status")
                 with gr.Row(elem_id="kvd-ask"):
@@ -140,8 +198,13 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
                                        visible=RECALL in table)
                     regenerate = gr.Button("↻ Regenerate", scale=1, min_width=120, elem_id="kvd-regenerate")
                     clear = gr.Button("Clear", scale=1, min_width=70, elem_id="kvd-clear")
+                with gr.Row(elem_id="kvd-recorded", equal_height=True):
+                    line = gr.HTML(views.recording_line(empty), elem_id="kvd-recording-line")
+                    replay = gr.Button("▶ Replay it", scale=0, min_width=120, elem_id="kvd-replay", size="sm",
+                                       visible=bool(playback.offered()))
+                    live = gr.Button("▶ Run it live", scale=0, min_width=130, elem_id="kvd-live", size="sm")
                 board = gr.HTML(scoreboard_html(empty), elem_id="kvd-board")
-                panes = _panes()
+                panes = _panes(empty)
                 memory = gr.Plot(memory_figure(empty), show_label=False, elem_id="kvd-memory")
                 with gr.Row():
                     latency = gr.Plot(latency_figure(empty), show_label=False, elem_id="kvd-latency", min_width=620)
@@ -150,9 +213,15 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
                 with gr.Tabs():
                     with gr.Tab("Token map"):
                         with gr.Row():
-                            map_label = gr.Dropdown([], label="Strategy", scale=3)
-                            map_layer = gr.Slider(0, 29, value=0, step=1, label="Layer", scale=2)
-                        token_map = gr.HTML(elem_id="kvd-token-map")
+                            label0, other0, layer0 = views.telling_view(empty, empty.token_maps)
+                            map_label = gr.Dropdown(empty.shown, value=label0, label="Strategy", scale=3,
+                                                    elem_id="kvd-map-label")
+                            map_other = gr.Dropdown(empty.shown, value=other0, label="…beside", scale=3,
+                                                    elem_id="kvd-map-other")
+                            layers = len(next(iter(empty.token_maps.values()))["states"]) if empty.token_maps else 30
+                            map_layer = gr.Slider(0, max(1, layers - 1), value=layer0, step=1, label="Layer",
+                                                  scale=2, elem_id="kvd-map-layer")
+                        token_map = gr.HTML(_first_map(empty, label0, other0, layer0), elem_id="kvd-token-map")
                     with gr.Tab("Frontier: memory vs agreement"):
                         gr.Markdown(asset("frontier.md"))
                         with gr.Row():
@@ -168,14 +237,18 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
                         with gr.Row():
                             downloads = [gr.DownloadButton(text, interactive=False, variant="secondary")
                                          for text in ("Run (JSON)", "Steps (CSV)", "Summary (CSV)", "Plots (HTML)")]
+                            record = gr.DownloadButton("Recording (.json.gz)", interactive=False, variant="secondary",
+                                                       elem_id="kvd-download-recording")
                     with gr.Tab("Claims", elem_id="kvd-claims"):
                         _claims_tab()
                     with gr.Tab("What am I looking at?", elem_id="kvd-about"):
                         gr.Markdown(asset("about.md"))
         actions = Actions(prompt, send, stop, regenerate, clear, scenario, play, recall)
-        views = Views(status, board, memory, latency, agreement, map_label, map_layer, token_map, geometry, *downloads)
-        studio = Studio(session, controls, actions, views, panes,
-                        FrontierTab(source, draw, frontier_status, frontier_plot))
+        shown = Views(status, board, memory, latency, agreement, map_label, map_other, map_layer, token_map, geometry,
+                      *downloads)
+        studio = Studio(session, controls, actions, shown, panes,
+                        FrontierTab(source, draw, frontier_status, frontier_plot),
+                        Recordings(line, picker, speed, upload, replay, live, record))
         handlers.s = studio
         _wire(demo, studio, handlers)
         gr.api(runner.compare, api_name="compare")
@@ -216,6 +289,13 @@ def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
                  outputs=[f.status, f.plot, f.draw], concurrency_id="generate", trigger_mode="once",
                  show_progress="hidden", api_name="frontier")
     demo.unload(h.closed)
-    for trigger in (v.map_label.input, v.map_layer.release, v.map_layer.input):  # input: arrow keys too
-        trigger(h.token_map, inputs=[studio.session, v.map_label, v.map_layer], outputs=[v.token_map],
+    for trigger in (v.map_label.input, v.map_other.input, v.map_layer.release, v.map_layer.input):  # arrow keys too
+        trigger(h.token_map, inputs=[studio.session, v.map_label, v.map_layer, v.map_other], outputs=[v.token_map],
                 api_visibility="private")
+    r = studio.recordings
+    # Playing a recording needs no model and waits behind no run: its own queue, a few at once.
+    replay = dict(outputs=out, concurrency_id="replay", concurrency_limit=8, trigger_mode="always_last",
+                  show_progress="hidden", api_visibility="private")
+    r.replay.click(h.replay, inputs=[studio.session, r.picker, r.speed], **replay)
+    r.upload.upload(h.replay, inputs=[studio.session, r.picker, r.speed, r.upload], **replay)
+    queued(r.live.click, h.run_live, [studio.session], api_visibility="private")

@@ -16,7 +16,7 @@ OP_COLOURS = {"recompute": "#0072B2", "replay": "#56B4E9", "scoring": "#CC79A7",
               "cache_update": "#009E73", "shared": "#BBBBBB", "other": "#999999"}
 OP_ORDER = list(OP_COLOURS)
 MARKS = 10  # markers along each line
-POSITION_AXIS = "conversation position: prompt + reply tokens so far (the same step is the same x for every strategy)"
+POSITION_AXIS = "conversation position (tokens)"  # prompt + reply tokens so far: one step is one x for every lane
 
 
 def _scale(values: list[float]) -> tuple[float, str]:
@@ -47,14 +47,28 @@ def _byte_axis(fig: go.Figure, values: list[float], what: str, **where) -> tuple
     return unit, unit_name
 
 
-def _layout(fig: go.Figure, height: int, title_text: str) -> go.Figure:
+def _layout(fig: go.Figure, height: int, title_text: str, session: Session | None = None,
+            legend_x: float = 1.02) -> go.Figure:
+    """Short title (with "recorded on ..." under it for a recording), the legend in a column right of the plot
+    (it never covers an axis title), short axis titles (the long explanations are in the hovers and captions)."""
+    if session is not None and session.recording:
+        title_text += f"<br><sup>{session.recorded_label}</sup>"
     fig.update_layout(
-        template="plotly_white", font=FONT, height=height, title=dict(text=title_text, x=0.01, y=0.98, yanchor="top", font=dict(size=20)),
-        margin=dict(l=70, r=30, t=80, b=40), legend=dict(orientation="h", yanchor="top", y=-0.18, x=0,
-                                                         font=dict(size=14)),
+        template="plotly_white", font=FONT, height=height,
+        title=dict(text=title_text, x=0.01, xanchor="left", yref="container", y=1, yanchor="top",
+                   pad=dict(t=14), font=dict(size=20)),
+        margin=dict(l=70, r=20, t=95 if "<br>" in title_text else 70, b=60, autoexpand=True),
+        legend=dict(orientation="v", yanchor="top", y=1.0, x=legend_x, xanchor="left", font=dict(size=13)),
         hoverlabel=dict(font_size=14),
     )
     return fig
+
+
+def short_name(session: Session, label: str) -> str:
+    """A legend's name: the strategy's title, with its settings only where two panes share that title."""
+    name = title(label)
+    same = [other for other in session.shown if title(other) == name]
+    return name if len(same) <= 1 else label
 
 
 def _empty(message: str, height: int, title_text: str) -> go.Figure:
@@ -122,7 +136,7 @@ def memory_figure(session: Session) -> go.Figure:
             if label != REFERENCE and r["turn"] < len(ref_tokens) and r["index"] >= ref_tokens[r["turn"]]:
                 note += "<br>after the full cache's reply ended"
             notes.append([r["turn"] + 1, r["index"] + 1, r["seen"], note])
-        name = title(label) if label == REFERENCE else label
+        name = short_name(session, label)
         fig.add_trace(go.Scatter(x=x, y=[r[main] / unit for r in rows], name=name, legendgroup=label,
                                  line=dict(color=c, width=3), mode="lines+markers",
                                  marker=_marker(label, c, len(rows), k, len(labels)), customdata=notes,
@@ -143,7 +157,7 @@ def memory_figure(session: Session) -> go.Figure:
         fig.add_trace(go.Scatter(x=[x for _, end in ends for x in (end, end, None)],
                                  y=[y for _ in ends for y in (0, top, None)],
                                  customdata=[turn + 1 for turn, _ in ends for _ in range(3)], mode="lines",
-                                 name="the full cache's reply ends (lines beyond it ran on)",
+                                 name="full cache's reply ends",
                                  line=dict(color="#777", width=1.5, dash="dashdot"),
                                  hovertemplate="turn %{customdata}: the full cache's reply ends here; "
                                                "strategies drawn further ran on<extra></extra>"))
@@ -151,17 +165,17 @@ def memory_figure(session: Session) -> go.Figure:
         rss = [r["rss"] for r in session.rss]
         rss_unit, rss_name = _byte_axis(fig, rss, "process RSS", secondary_y=True, showgrid=False)
         fig.add_trace(go.Scatter(x=[r["position"] for r in session.rss], y=[b / rss_unit for b in rss],
-                                 name="process RSS (right axis)", line=dict(color="#888", width=2, dash="longdashdot"),
+                                 name="process RSS (right)", line=dict(color="#888", width=2, dash="longdashdot"),
                                  mode="lines", hovertemplate=f"process RSS %{{y:.3g}} {rss_name}<extra></extra>"),
                       secondary_y=True)
-    styles = ((("state after a step (allocator)", "solid", 3), ("peak within a step (allocator)", "dot", 1.5),
-               ("state by formula (config only)", "dash", 1.2)) if measured else
-              (("state by formula (allocator tracing off)", "solid", 3),))
+    styles = ((("state (allocator)", "solid", 3), ("peak in a step", "dot", 1.5),
+               ("state by formula", "dash", 1.2)) if measured else
+              (("state by formula (no tracing)", "solid", 3),))
     for name, dash, width in styles:
         fig.add_trace(go.Scatter(x=[None], y=[None], name=name, mode="lines", legendgroup="styles",
                                  line=dict(color="#000", dash=dash, width=width)))
     fig.update_xaxes(title_text=POSITION_AXIS)
-    return _layout(fig, 480, "State memory per strategy")
+    return _layout(fig, 480, "State memory per strategy", session, legend_x=1.09 if session.rss else 1.02)
 
 
 def latency_figure(session: Session) -> go.Figure:
@@ -174,58 +188,89 @@ def latency_figure(session: Session) -> go.Figure:
     means = {label: session.lanes[label].op_means() for label in labels}
     ops = [op for op in OP_ORDER if any(op in m for m in means.values())]
     ops += sorted({op for m in means.values() for op in m} - set(ops))
-    names = list(reversed(labels))  # first strategy on top
+    names = [short_name(session, label) for label in reversed(labels)]  # first strategy on top
+    by_name = dict(zip(names, reversed(labels)))
     for op in ops:
-        fig.add_trace(go.Bar(y=names, x=[means[label].get(op, 0.0) for label in names], name=op.replace("_", " "),
+        fig.add_trace(go.Bar(y=names, x=[means[by_name[n]].get(op, 0.0) for n in names], name=op.replace("_", " "),
                              orientation="h", marker_color=OP_COLOURS.get(op, "#bbbbbb"),
                              hovertemplate=f"%{{y}}<br>{op} %{{x:.2f}} ms<extra></extra>"))
-    totals = [sum(means[label].values()) for label in names]
-    rates = [session.lanes[label].tokens_per_s() for label in names]
+    totals = [sum(means[by_name[n]].values()) for n in names]
+    rates = [session.lanes[by_name[n]].tokens_per_s() for n in names]
     fig.add_trace(go.Scatter(y=names, x=totals, mode="text", showlegend=False, textposition="middle right",
                              text=[f"  {r:.1f} tok/s" if r else "" for r in rates], textfont=dict(size=15),
                              hoverinfo="skip"))
     fig.update_layout(barmode="stack")
     batched = any(op == "shared" for op in ops)
-    fig.update_xaxes(title_text="ms per decode step (mean), by op" + (
-        "; 'shared': 1/N of the pass all N lanes make together (projections, MLP)" if batched else ""),
-        range=[0, 1.5 * max(totals, default=1)])
-    return _layout(fig, max(380, 130 + 44 * len(labels)),
-                   "Per-op latency and tokens/s" + (" (lanes batched: own work + a share of the pass)" if batched else ""))
+    fig.update_xaxes(title_text="ms per decode step (mean)", range=[0, 1.5 * max(totals, default=1)])
+    return _layout(fig, max(380, 130 + 44 * len(labels)), "Per-op latency and tokens/s", session)
+
+
+def divergence_step(session: Session, label: str) -> int | None:
+    """The decode step at which a strategy first produced another token than the full cache (None: never)."""
+    for row in session.lanes[label].agreement:
+        if row["match"] < 1.0:
+            return row["step"]
+    return None
 
 
 def agreement_figure(session: Session) -> go.Figure:
-    """Running token match with the full cache, and mean teacher-forced KL on a log axis (KL spans decades:
-    a window far above, the exact strategies at 0, drawn on the axis floor and named so in the hover)."""
+    """Who diverged when: one strip per strategy over the decode steps (solid while its tokens equal the full
+    cache's, a marker where it first differs, thin after), and mean teacher-forced KL on a log axis below (KL
+    spans decades: a window far above, the exact strategies at 0, drawn on the axis floor)."""
     labels = [label for label in session.shown if session.lanes[label].agreement]
     if not labels:
-        return _empty("Send a message or play a scenario: token match and KL against the full cache appear here",
+        return _empty("Send a message or play a scenario: who diverged from the full cache, and when, appears here",
                       480, "Do the strategies change the output?")
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1, row_heights=[0.6, 0.4],
-                        subplot_titles=("token match with the full cache (%)",
-                                        "mean KL to the full cache (nats, log scale)"))
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12, row_heights=[0.55, 0.45],
+                        subplot_titles=("same tokens as the full cache until ✕", "mean KL to the full cache (log)"))
     palette = colours(session.shown)
     positive = [r["kl"] for label in labels for r in session.lanes[label].agreement if r["kl"] > 0]
     floor = 10 ** (math.floor(math.log10(min(positive))) - 1) if positive else 1e-6
-    for k, label in enumerate(labels):
+    names = [short_name(session, label) for label in labels]
+    for label, name in zip(labels, names):
         rows, c = session.lanes[label].agreement, palette[label]
-        x = [r["step"] for r in rows]
-        fig.add_trace(go.Scatter(x=x, y=[100 * r["match"] for r in rows], name=label, legendgroup=label,
-                                 line=dict(color=c, width=3), mode="lines+markers",
-                                 marker=_marker(label, c, len(rows), k, len(labels)),
-                                 hovertemplate=f"{label}<br>match %{{y:.1f}}%<extra></extra>"), row=1, col=1)
-        fig.add_trace(go.Scatter(x=x, y=[r["kl"] if r["kl"] > 0 else floor for r in rows], legendgroup=label,
-                                 showlegend=False, line=dict(color=c, width=2), mode="lines",
+        lane = session.lanes[label]
+        first, last = rows[0]["step"], rows[-1]["step"]
+        split = divergence_step(session, label)
+        same_until = last if split is None else split
+        fig.add_trace(go.Scatter(x=[first, same_until], y=[name, name], mode="lines", legendgroup=label,
+                                 name=name, line=dict(color=c, width=12), showlegend=False,
+                                 hovertemplate=f"{label}<br>same tokens as the full cache up to step "
+                                               f"{same_until}<extra></extra>"), row=1, col=1)
+        if split is not None:
+            turn, index = lane.divergence
+            fig.add_trace(go.Scatter(x=[split, last], y=[name, name], mode="lines", legendgroup=label,
+                                     showlegend=False, line=dict(color=c, width=2, dash="dot"),
+                                     hovertemplate=f"{label}<br>after its first divergence: match "
+                                                   f"{100 * lane.match:.0f}% of the full cache's tokens"
+                                                   "<extra></extra>"), row=1, col=1)
+            fig.add_trace(go.Scatter(x=[split], y=[name], mode="markers+text", legendgroup=label, showlegend=False,
+                                     marker=dict(symbol="x-thin", size=22, line=dict(width=4, color="#c0392b")),
+                                     text=[f" turn {turn + 1}, token {index + 1}"], textposition="middle right",
+                                     textfont=dict(size=13, color="#c0392b"),
+                                     hovertemplate=f"{label}<br>first differs at step {split}: turn {turn + 1}, "
+                                                   f"token {index + 1}<extra></extra>"), row=1, col=1)
+        else:
+            fig.add_trace(go.Scatter(x=[last], y=[name], mode="markers+text", legendgroup=label, showlegend=False,
+                                     marker=dict(symbol="circle", size=12, color=c), text=[" ✓ all tokens"],
+                                     textposition="middle right", textfont=dict(size=13, color="#1e8449"),
+                                     hovertemplate=f"{label}<br>every token equals the full cache's"
+                                                   "<extra></extra>"), row=1, col=1)
+        fig.add_trace(go.Scatter(x=[r["step"] for r in rows], y=[r["kl"] if r["kl"] > 0 else floor for r in rows],
+                                 legendgroup=label, name=name, line=dict(color=c, width=2), mode="lines",
                                  customdata=[f"{r['kl']:.3g}" if r["kl"] > 0 else "0 (exact)" for r in rows],
                                  hovertemplate=f"{label}<br>KL %{{customdata}}<extra></extra>"), row=2, col=1)
     fig.add_hline(y=floor, row=2, col=1, line=dict(color="#999", width=1, dash="dot"))
     # An annotation on a log axis takes log10 of its y.
     fig.add_annotation(text="KL 0 (exact) drawn here", x=0, xref="x2 domain", y=math.log10(floor), yref="y2",
                        xanchor="left", yanchor="bottom", showarrow=False, font=dict(color="#555"))
-    fig.update_yaxes(range=[-3, 103], row=1, col=1)
+    fig.update_yaxes(type="category", categoryorder="array", categoryarray=list(reversed(names)), row=1, col=1)
     fig.update_yaxes(type="log", exponentformat="power", row=2, col=1,
                      range=[math.log10(floor) - 0.2, math.log10(max(positive, default=floor)) + 0.5])
     fig.update_xaxes(title_text="decode step (all turns)", row=2, col=1)
-    fig = _layout(fig, 480, "Do the strategies change the output?")
+    steps = max(session.lanes[label].agreement[-1]["step"] for label in labels)
+    fig.update_xaxes(range=[0, steps * 1.22])  # room for the words at the end of each strip
+    fig = _layout(fig, max(480, 260 + 30 * len(labels)), "Do the strategies change the output?", session)
     fig.update_annotations(font=dict(size=15))
     return fig
 

@@ -22,6 +22,7 @@ from ..errors import OutOfMemory, UserError
 from ..frontier import frontier_figure, points_from_rows
 from ..hosted import hosted
 from ..limits import integer, limits
+from ..recording import Recorder, map_layer
 from ..units import fmt_bytes
 from .settings import KERNELS, REFERENCE, RunConfig, Settings, default_model, expand
 
@@ -175,9 +176,19 @@ class Pump:
         self.abandoned.set()
 
 
+def recorder(config: RunConfig, scenario: str | None, expect: tuple[int, str] | None) -> Recorder:
+    """A live run's recording (the Export tab writes it): what the run is; the events say the rest."""
+    return Recorder({"source": "app", "command": None, "model": config.model, "dtype": config.dtype,
+                     "specs": list(config.specs), "max_new_tokens": config.max_new_tokens, "raw": config.raw,
+                     "twins": config.twins, "kernels_mode": config.kernels, "memory": "trace", "turns": [],
+                     "scenario": scenario, "expect": list(expect) if expect else None})
+
+
 def token_map(talk: service.Conversation | None, maps: dict | None, label: str, layer: int) -> dict | None:
     if maps is not None and label in maps:
         states = maps[label]["states"]
+        if states and isinstance(states[0], str):  # a recording's compact map: one code per token
+            return map_layer(maps, label, layer)
         return {"tokens": maps[label]["tokens"], "states": states[min(layer, len(states) - 1)]}
     if talk is None:
         return None

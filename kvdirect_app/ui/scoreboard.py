@@ -62,7 +62,8 @@ def scoreboard_html(session: Session) -> str:
                   f'<td class="kvd-num kvd-{"good" if says else "bad"}">{"✓" if says else "✗"}</td>')
         rows.append(
             f'<tr><td><span class="kvd-dot" style="background:{palette.get(label, "#333")}"></span>'
-            f'<b>{html.escape(title(name))}</b> <code>{html.escape(settings.replace(":", " "))}</code></td>'
+            f'<b>{html.escape(title(name))}</b> <code title="{html.escape(label)}">'
+            f'{html.escape(settings.replace(":", " "))}</code></td>'
             f'<td class="kvd-{kind}">{words}</td>{answer}'
             f'<td class="kvd-num">{fmt_bytes(between) if between is not None else "—"}</td>'
             f'<td class="kvd-num">{fmt_bytes(peak) if peak is not None else "—"}</td>'
@@ -71,7 +72,9 @@ def scoreboard_html(session: Session) -> str:
     asked = ("" if session.expect is None else
              f'<th title="does its reply to the scenario\'s last question contain the right answer?">'
              f'says {html.escape(session.expect[1])}?</th>')
-    head = ('<tr><th>strategy</th><th>verdict against the full cache</th>' + asked +
+    recorded = (f' <span class="kvd-recorded-label" title="every figure on this page is the recorded one">· '
+                f'{html.escape(session.recorded_label)}</span>' if session.recording else "")
+    head = (f'<tr><th>strategy</th><th>verdict against the full cache{recorded}</th>' + asked +
             '<th title="bytes held after the last finished turn (allocator)">between turns</th>'
             '<th title="highest bytes during a forward of this turn: state, transient buffers, activations">peak in turn</th>'
             '<th title="mean ms per decode step this turn: own work + 1/N of the shared batched pass">ms/token</th>'

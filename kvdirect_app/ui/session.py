@@ -113,6 +113,11 @@ class Session:
     expect: tuple[int, str] | None = None  # a played scenario's (turn, the words its right answer contains)
     about: dict = field(default_factory=dict)  # label -> {"doc", "notes"}: the engine's start event says
     kernels_line: str = ""  # the run's kernels in a few words (the engine's start event)
+    recording: dict | None = None  # the meta of the recording on screen (None: a live run or nothing)
+    recorded: dict | None = None  # that recording itself (Export writes it back unchanged)
+    recorder: object = None  # a live run's `recording.Recorder` (the Export tab's recording)
+    scenario: str | None = None  # the scripted conversation this run plays, if any
+    pending: str | None = None  # the first screen's recording, by name, until a handler folds it in (`unfold`)
     last_plot: float = 0.0
     plot_cost: float = 0.0  # seconds the last live plots took to build (they share the cores with the engine)
 
@@ -120,6 +125,13 @@ class Session:
         keep = self.workdir, self.load_number
         self.__init__()
         self.workdir, self.load_number = keep
+
+    @property
+    def recorded_label(self) -> str:
+        """'recorded on <device>, <date>' while a recording is on screen, else ''."""
+        from ..recording import label
+
+        return label(self.recording) if self.recording else ""
 
     @property
     def reference(self) -> LaneView | None:

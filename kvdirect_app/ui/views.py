@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import re
 
 from ..units import fmt_bytes  # one byte format for the CLI tables and the page
 from ..palette import colours
@@ -148,26 +149,126 @@ def pane_header(session: Session, label: str) -> str:
             f'<div class="kvd-notes">{" ".join(notes) or "&nbsp;"}</div></div>')
 
 
-def status(message: str, kind: str = "info") -> str:
-    """kind: info | busy | ok | error."""
-    return f'<div class="kvd-status kvd-status-{kind}">{_esc(message)}</div>'
+def without_paths(line: str) -> str:
+    """A loader's progress line for the page: no folder of this machine in it."""
+    return re.sub(r"\s+in\s+(/|~)\S+", "", line)
 
 
-def token_map_html(data: dict | None, label: str, layer: int, limit: int = 2000) -> str:
+def status(message: str, kind: str = "info", title: str = "") -> str:
+    """kind: info | busy | ok | error; `title`: more, in the hover."""
+    hover = f' title="{html.escape(title)}"' if title else ""
+    return f'<div class="kvd-status kvd-status-{kind}"{hover}>{_esc(message)}</div>'
+
+
+def marked_tokens(tokens: list[str], words: str | None) -> set[int]:
+    """Indices of the tokens that spell `words` wherever it occurs in the tokens' joined text."""
+    if not words:
+        return set()
+    text, starts = "", []
+    for tok in tokens:
+        starts.append(len(text))
+        text += tok
+    out, at = set(), text.find(words)
+    while at >= 0:
+        out |= {i for i, s in enumerate(starts) if s < at + len(words) and s + len(tokens[i]) > at}
+        at = text.find(words, at + 1)
+    return out
+
+
+def token_map_html(data: dict | None, label: str, layer: int, limit: int = 2000, mark: str | None = None) -> str:
     """What `layer` keeps of each token (the engine's `token_map`), one chip per token; a break opportunity
-    after every chip lets long lines wrap (a chip's own text keeps its spaces)."""
+    after every chip lets long lines wrap (a chip's own text keeps its spaces).  The tokens that spell `mark`
+    (a scenario's expected answer) are outlined, with what this layer kept of them in the head."""
     if not data or not data.get("states"):
         return '<div class="kvd-empty">The token map appears after a turn: pick a strategy and a layer.</div>'
     tokens, states = data["tokens"], data["states"]
     counts = {s: states.count(s) for s in dict.fromkeys(states)}
     legend = " ".join(f'<span class="kvd-tok kvd-{s}" title="{html.escape(STATE_TITLES.get(s, s))}">'
                       f'{STATE_CLASSES.get(s, s)}: {n}</span>' for s, n in counts.items())
+    marked = marked_tokens(tokens[:len(states)], mark)
+    found = ""
+    if marked:
+        kept = sorted({states[i] for i in marked})
+        cls = "bad" if kept == ["evicted"] else "warn" if "evicted" in kept else "good"
+        found = (f' · <span class="kvd-{cls}">“{_esc(mark)}”: '
+                 f'{", ".join(STATE_CLASSES.get(k, k) for k in kept)}</span>')
     start = max(0, len(states) - limit)
     cut = f'<span class="kvd-note">… {start} earlier tokens not drawn …</span> ' if start else ""
     spans = []
-    for tok, state in zip(tokens[start:], states[start:]):
+    for i, (tok, state) in enumerate(zip(tokens[start:], states[start:]), start):
         text = tok.replace("\n", "↵") or "⟨no text⟩"
-        spans.append(f'<span class="kvd-tok kvd-{state}" title="{html.escape(STATE_TITLES.get(state, state))}">'
+        extra = " kvd-expect" if i in marked else ""
+        spans.append(f'<span class="kvd-tok kvd-{state}{extra}" title="{html.escape(STATE_TITLES.get(state, state))}">'
                      f'{_esc(text)}</span>' + ("<br>" if "\n" in tok else "<wbr>"))
-    return (f'<div class="kvd-map-head"><b>{_esc(label)}</b>, layer {layer}: {len(states)} tokens · {legend}</div>'
+    return (f'<div class="kvd-map-head"><b>{_esc(label)}</b>, layer {layer}: {len(states)} tokens{found} · {legend}</div>'
             f'<div class="kvd-map">{cut}{"".join(spans)}</div>')
+
+
+def side_by_side(parts: list[str], recorded: str = "") -> str:
+    """One or two token maps next to each other (each scrolls on its own)."""
+    caption = f'<div class="kvd-note">{_esc(recorded)}: the token states at the end of the recorded run</div>' \
+        if recorded else ""
+    if len(parts) == 1:
+        return caption + parts[0]
+    return caption + '<div class="kvd-map-pair">' + "".join(f'<div>{p}</div>' for p in parts) + '</div>'
+
+
+def telling_view(session: Session, maps: dict | None, states_at=None) -> tuple[str | None, str | None, int]:
+    """The token map's opening view: (strategy, one to compare it with, layer).
+
+    The most telling one: the lossy strategy that diverged first (else any that evicted tokens), at the layer
+    where it evicted the most of the scenario's answer (else the most tokens); beside it the exact strategy
+    that keeps the least (AnchorKV, else KV-Direct, else the full cache).  `maps` are the recording's token
+    maps; without them `states_at(label, layer)` reads a live engine's.
+    """
+    shown = list(session.shown)
+    if not shown:
+        return None, None, 0
+
+    def layers_of(label):
+        if maps is not None and label in maps:
+            return len(maps[label]["states"])
+        return getattr(session.engine, "layers", 0) if session.engine is not None else 0
+
+    def states(label, layer):
+        if maps is not None and label in maps:
+            codes = maps[label]["states"][layer]
+            return list(codes) if isinstance(codes, str) else codes
+        return states_at(label, layer) if states_at is not None else None
+
+    evicted = "e" if maps is not None and maps and isinstance(next(iter(maps.values()))["states"][0], str) else "evicted"
+    lossy = [label for label in shown if label != REFERENCE and label.split(":")[0] not in ("kvdirect", "anchorkv")]
+    diverged = sorted((session.first_divergence_index(label), label) for label in lossy
+                      if session.lanes.get(label) is not None and session.lanes[label].divergence is not None)
+    pick = diverged[0][1] if diverged else (lossy[0] if lossy else shown[0])
+    exact = [label for name in ("anchorkv", "kvdirect") for label in shown if label.split(":")[0] == name]
+    other = exact[0] if exact else (REFERENCE if REFERENCE in shown and pick != REFERENCE else None)
+    best, best_key = 0, None
+    words = session.expect[1] if session.expect else None
+    tokens = maps[pick]["tokens"] if maps is not None and pick in maps else None
+    for layer in range(layers_of(pick)):
+        st = states(pick, layer)
+        if st is None:
+            break
+        marked = marked_tokens(tokens[:len(st)], words) if tokens is not None else set()
+        key = (sum(st[i] == evicted for i in marked), st.count(evicted))
+        if best_key is None or key > best_key:
+            best, best_key = layer, key
+    return pick, other, best
+
+
+def recording_line(session: Session) -> str:
+    """The line above the scoreboard: which recording is on screen, and that every number is the recorded one."""
+    meta = session.recording
+    if not meta:
+        return ""
+    from ..recording import describe
+
+    what = meta.get("scenario") or "a recorded conversation"
+    says = {"recall": "a locker code told in turn 1, asked for seven turns later: the exact panes still say it, "
+                      "the eviction baselines have dropped it"}.get(meta.get("scenario") or "", meta.get("about", ""))
+    full = (f"{describe(meta)}. Every number below is the recorded one; nothing is recomputed. ▶ Replay it plays "
+            f"it back; ▶ Run it live runs the same conversation on this machine.")
+    return (f'<div class="kvd-recording" title="{html.escape(full)}"><b>Recorded run: {_esc(what)}</b>'
+            f'{" · " + _esc(says) if says else ""} <span class="kvd-note">· {meta.get("seconds", 0):.0f} s on '
+            f'{_esc(str(meta.get("device", "?")))}</span></div>')

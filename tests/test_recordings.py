@@ -1,0 +1,288 @@
+"""Recordings: a run's events kept in a file and played back; every figure equal to the live run's.
+
+A recording is the engine's own event stream plus the token maps; the page folds a played-back recording
+through the same `Session.apply` and draws it with the same code as a live run.  These tests check that
+nothing is lost or changed on the way (record -> file -> open -> fold), that files this build cannot play
+are refused with a message naming why, and that each shipped recording replays to the figures it holds.
+"""
+
+import copy
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvdirect_app import recording, service
+from kvdirect_app.recording import FORMAT, VERSION, RecordingError, Recorder
+from kvdirect_app.scenarios import scenarios
+from kvdirect_app.ui import playback, views
+from kvdirect_app.ui.plots import all_figures
+from kvdirect_app.ui.scoreboard import scoreboard_html
+from kvdirect_app.ui.session import Session
+from kvdirect_app.ui.settings import default_names, expand
+
+TINY = "tiny-llama"
+
+
+def live_run(turns, specs, max_new_tokens=5, expect=None):
+    """A live conversation folded into a Session, and its recording (as the page makes both)."""
+    talk = service.Conversation(TINY, "cpu", "float32", specs, max_new_tokens)
+    session = Session()
+    session.expect = expect
+    recorder = Recorder({"source": "test", "model": TINY, "dtype": "float32", "specs": specs, "turns": turns,
+                         "max_new_tokens": max_new_tokens, "expect": list(expect) if expect else None,
+                         "scenario": "recall"})
+    events = [e for text in turns for e in talk.turn(text)] + [{"type": "done", "result": talk.results()}]
+    for event in events:
+        session.apply(event)
+        recorder.add(event)
+    return session, recorder.finish(talk.token_maps()), talk.token_maps()
+
+
+def lanes_of(session: Session) -> dict:
+    return {label: (lane.memory, lane.turns, lane.latency, lane.agreement, lane.divergence, lane.matched, lane.total,
+                    [(r.tokens, r.starts, r.text) for r in lane.replies]) for label, lane in session.lanes.items()}
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    turns = scenarios()["recall"]["turns"][:3]
+    specs = [expand(n, 24, 4, "exact", "step") for n in default_names()]
+    session, rec, maps = live_run(turns, specs, expect=(2, "4127"))
+    path = recording.save(rec, tmp_path_factory.mktemp("rec") / "run.json.gz")
+    return session, rec, maps, path
+
+
+def test_a_recording_round_trips_every_figure(recorded):
+    live, _, maps, path = recorded
+    assert path.read_bytes()[:2] == b"\x1f\x8b"  # .gz: compressed
+    opened = recording.load(path)
+    played = playback.fold(opened)
+    assert played.shown == live.shown and played.steps == live.steps and played.position == live.position
+    assert lanes_of(played) == lanes_of(live)
+    assert played.rss == live.rss and played.result == live.result and played.user_turns == live.user_turns
+    assert played.expect == live.expect
+    # The scoreboard and every plot draw the same numbers; only the "recorded on ..." labels are added.
+    assert "recorded on cpu" in scoreboard_html(played)
+    board = scoreboard_html(played)
+    label = board[board.index(' <span class="kvd-recorded-label"'):]
+    assert board.replace(label[:label.index("</span>") + 7], "") == scoreboard_html(live)
+    for name, figure in all_figures(played).items():
+        assert figure.to_dict()["data"] == all_figures(live)[name].to_dict()["data"], name
+        assert "recorded on cpu" in figure.layout.title.text, name
+    # Token maps: every layer of every pane, as the engine gave them.
+    assert recording.decode_maps(opened["token_maps"]) == maps
+    layers = len(maps["full"]["states"])
+    for label in live.shown:
+        for layer in (0, layers - 1):
+            assert recording.map_layer(opened["token_maps"], label, layer) == {
+                "tokens": maps[label]["tokens"], "states": maps[label]["states"][layer]}
+
+
+def test_a_mutated_recording_shows_other_figures(recorded):
+    """The round trip's check can fail: one byte figure changed in the file changes what the page draws."""
+    live, rec, _, _ = recorded
+    changed = copy.deepcopy(rec)
+    step = next(e for e in changed["events"] if e["type"] == "step")
+    lane = next(iter(step["lanes"].values()))
+    lane["persistent_bytes"] = (lane["persistent_bytes"] or 0) + 1
+    assert lanes_of(playback.fold(changed)) != lanes_of(live)
+
+
+def test_the_recording_holds_what_the_run_was(recorded):
+    _, rec, _, _ = recorded
+    meta = rec["meta"]
+    assert rec["format"] == FORMAT and rec["version"] == VERSION
+    assert meta["device"] == "cpu" and meta["model"] == TINY and meta["threads"] >= 1
+    assert meta["kernels"].startswith("kernels: ") and meta["recorded_at"][:4].isdigit()
+    times = [e["t"] for e in rec["events"]]
+    assert times == sorted(times) and times[-1] == meta["seconds"] > 0
+    assert recording.label(meta).startswith("recorded on cpu")
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda r: r.update(version=VERSION + 1), f"recording version {VERSION + 1} is not supported; this build plays "
+                                              f"version {VERSION}"),
+    (lambda r: r.update(version=0), "recording version 0 is not supported"),
+    (lambda r: r.update(format="something-else"), "not a recording (format 'something-else')"),
+    (lambda r: r.update(events=[]), "non-empty event list"),
+    (lambda r: r["events"].pop(0), "must begin with 'start'"),
+    (lambda r: r["events"][3].pop("t"), "its time 't'"),
+])
+def test_files_this_build_cannot_play_are_refused_naming_why(recorded, tmp_path, change, words):
+    _, rec, _, _ = recorded
+    bad = copy.deepcopy(rec)
+    change(bad)
+    path = recording.save(bad, tmp_path / "bad.json")
+    with pytest.raises(RecordingError) as info:
+        recording.load(path)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_results_file_or_garbage_is_refused(tmp_path):
+    results = tmp_path / "run.json"
+    results.write_text(json.dumps({"model": TINY, "strategies": {}}))
+    with pytest.raises(RecordingError, match="bench run --json results file"):
+        recording.load(results)
+    junk = tmp_path / "junk.json.gz"
+    junk.write_bytes(gzip.compress(b"not json at all"))
+    with pytest.raises(RecordingError, match="not JSON"):
+        recording.load(junk)
+    with pytest.raises(RecordingError, match="damaged gzip"):
+        recording.parse(b"\x1f\x8b\x08\x00garbage", "x.gz")
+
+
+def test_paced_playback_keeps_the_recorded_gaps_and_stops_when_asked(recorded):
+    import time
+
+    _, rec, _, _ = recorded
+    short = {**rec, "events": [{**e, "t": 0.3 * i} for i, e in enumerate(rec["events"][:4])]}
+    t0 = time.monotonic()
+    assert len(list(playback.paced(short, 2.0))) == 4  # 0.9 s of recorded time at x2
+    assert time.monotonic() - t0 >= 0.44
+    assert list(playback.paced(short, 0.0, lambda: True)) == []
+
+
+def test_bench_record_and_run_record_write_recordings(tmp_path):
+    out = tmp_path / "r.json.gz"
+    cmd = [sys.executable, "-m", "kvdirect_app.bench", "record", "--model", TINY, "--scenario", "capitals",
+           "--max-new-tokens", "3", "--out", str(out), "--json", str(tmp_path / "r.json")]
+    subprocess.run(cmd, check=True, capture_output=True)
+    rec = recording.load(out)
+    assert rec["meta"]["source"] == "bench record" and rec["meta"]["scenario"] == "capitals"
+    assert rec["meta"]["specs"] == [expand(n, 64, 4, "exact", "step") for n in default_names()]  # the page's panes
+    played = playback.fold(rec)
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert played.result["strategies"].keys() == results["strategies"].keys()
+    for label, r in results["strategies"].items():
+        assert [reply.text for reply in played.lanes[label].replies] == r["turn_texts"], label
+    run = tmp_path / "run.json"
+    subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "run", "--model", TINY, "--prompt", "hi",
+                    "--strategies", "full,window:budget=4", "--max-new-tokens", "3", "--record", str(run)],
+                   check=True, capture_output=True)
+    assert recording.load(run)["meta"]["source"] == "bench run"
+    bad = subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "record", "--model", TINY, "--out", "x.txt"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--out" in bad.stderr and "ends in .json or .json.gz" in bad.stderr
+
+
+def test_the_token_map_opens_on_the_most_telling_view(recorded):
+    _, rec, _, _ = recorded
+    played = playback.fold(rec)
+    label, other, layer = views.telling_view(played, played.token_maps)
+    diverged = [lbl for lbl in played.shown if played.lanes[lbl].divergence is not None
+                and lbl.split(":")[0] not in ("full", "kvdirect", "anchorkv")]
+    if diverged:
+        assert label in diverged
+    assert other.startswith("anchorkv")
+    tokens = played.token_maps[label]["tokens"]
+
+    def key(j):  # (evicted tokens of the answer, evicted tokens) at layer j: the view maximises it
+        states = recording.map_layer(played.token_maps, label, j)["states"]
+        marked = views.marked_tokens(tokens[:len(states)], "4127")
+        return sum(states[i] == "evicted" for i in marked), states.count("evicted")
+
+    assert all(key(layer) >= key(j) for j in range(len(played.token_maps[label]["states"])))
+    html = views.token_map_html(recording.map_layer(played.token_maps, label, layer), label, layer, mark="4127")
+    assert html.count("kvd-expect") >= 1 and "“4127”" in html
+
+
+SHIPPED = playback.offered()
+
+
+@pytest.mark.skipif(not SHIPPED, reason="no recordings shipped in presets/recordings")
+@pytest.mark.parametrize("name", [name for _, name in SHIPPED])
+def test_each_shipped_recording_replays_to_the_figures_it_holds(name):
+    rec = playback.open_recording(name)
+    meta = rec["meta"]
+    for key in ("model", "device", "dtype", "threads", "kernels", "specs", "turns", "recorded_at", "commit", "command"):
+        assert meta.get(key) is not None, key
+    played = playback.fold(rec)
+    done = [e for e in rec["events"] if e["type"] == "done"][-1]["result"]
+    steps = [e for e in rec["events"] if e["type"] == "step"]
+    assert played.steps == len(steps) and played.user_turns == meta["turns"]
+    ends = [e for e in rec["events"] if e["type"] == "turn_end"]
+    assert len(ends) == len(meta["turns"])
+    for label in played.shown:
+        lane = played.lanes[label]
+        assert [r.text for r in lane.replies] == done["strategies"][label]["turn_texts"], label
+        assert lane.turns == [e["bytes"][label] for e in ends], label
+        assert [t for r in lane.replies for t in r.tokens] == done["strategies"][label]["token_ids"], label
+    # What the scoreboard says is what the recorded results say.
+    board = scoreboard_html(played)
+    for label, r in done["strategies"].items():
+        if label != "full" and r["first_divergence"] is None and r["kv_exact"] and r["rebuilt_token_layers"]:
+            assert played.lanes[label].divergence is None
+    assert "recorded on" in board
+    if meta.get("expect"):
+        turn, words = meta["expect"]
+        for label in played.shown:
+            assert played.says_expected(label) == (words in done["strategies"][label]["turn_texts"][turn])
+
+
+# --- the page's handlers: replay, a message after a recording, the hosted time budget ---------------------------
+@pytest.fixture(scope="module")
+def handlers():
+    from kvdirect_app.ui import build_demo
+
+    return build_demo(model=TINY, max_new_tokens=4).kvd_handlers
+
+
+def controls(**overrides) -> dict:
+    values = dict(model=TINY, custom_model="", device="auto", dtype="float32", strategies=["full", "window"],
+                  extra_specs="", budget=8, spacing=2, mode="exact", rebuild="turn", max_new_tokens=4, twins=True)
+    values.update(overrides)
+    return values
+
+
+def status_of(update: dict) -> str:
+    return next(str(v) for c, v in update.items() if getattr(c, "elem_id", None) == "kvd-status")
+
+
+def test_replaying_folds_the_file_and_a_message_then_starts_a_new_conversation(handlers, recorded):
+    _, rec, _, path = recorded
+    session = Session()
+    final = list(handlers.replay(session, None, "instant", str(path)))[-1]
+    assert "Replayed:" in status_of(final) and session.recording is not None and not session.busy
+    assert lanes_of(session) == lanes_of(playback.fold(rec))
+    # Sending a message does not continue the recorded conversation: it starts a new one, live.
+    final = list(handlers.send(session, "Hello.", **controls()))[-1]
+    assert "Done: 1 turn(s)" in status_of(final), status_of(final)
+    assert session.recording is None and session.user_turns == ["Hello."]
+
+
+def test_a_hosted_run_stops_at_its_time_budget_and_says_so(handlers, monkeypatch):
+    from kvdirect_app import limits as limits_module
+    from kvdirect_app.ui import handlers as handlers_module
+
+    monkeypatch.setattr(handlers_module, "limits", lambda: limits_module.Limits(run_seconds=0.0))
+    session = Session()
+    final = list(handlers.send(session, "Tell me a story.", **controls(max_new_tokens=40)))[-1]
+    message = status_of(final)
+    assert "time budget (0 s per run)" in message and "what was produced is shown" in message, message
+    steps = session.steps
+    assert 1 <= steps < 40 and not session.busy
+    # Without the budget the same run goes on to its token limit (or its end of reply): the stop was the budget's.
+    monkeypatch.setattr(handlers_module, "limits", lambda: limits_module.Limits())
+    unbounded = Session()
+    list(handlers.send(unbounded, "Tell me a story.", **controls(max_new_tokens=40)))
+    assert unbounded.steps > steps
+    assert handlers_module.LINE.took  # the measured runs the expected wait is read from
+
+
+@pytest.mark.skipif(not SHIPPED, reason="no recordings shipped in presets/recordings")
+def test_a_visitor_state_starts_as_a_name_and_unfolds_when_a_handler_needs_it(handlers):
+    import copy as _copy
+
+    from kvdirect_app.ui import layout
+
+    first = layout.first_screen()
+    session = Session(pending=playback.first_name())
+    assert len(repr(_copy.deepcopy(session))) < 2_000  # what Gradio copies for each visitor: no events
+    label, other, layer = views.telling_view(first, first.token_maps)
+    html = handlers.token_map(session, label, layer, other)
+    assert session.pending is None and session.recording == first.recording
+    assert lanes_of(session) == lanes_of(first)
+    assert "recorded on" in html and html.count("kvd-map-head") == 2
