@@ -54,6 +54,10 @@ def main(repeats: int) -> None:
                   f"status: {page.inner_text('#kvd-status')}", flush=True)
         session = next(iter(demo.kvd_handlers.visitors.values()))  # before the tab closes and frees it
         app_ms = {label: session.lanes[label].turn_figures()["ms_per_token"] for label in session.shown}
+        engine_s = (session.result or {}).get("turn_seconds", [])
+        print(f"the app's engine time of the last turn (first forward to last token): "
+              f"{engine_s[-1] if engine_s else float('nan'):.1f} s; the rest of Send to Done is the page's "
+              "(handler, Gradio, Chromium on the same cores)")
         shown = list(session.shown)
         browser.close()
     demo.close()

@@ -26,7 +26,8 @@ from .settings import (any_declares, catalogue, default_model, default_names, ma
                        model_choices, title)
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
-LIVE_REBUILD = "turn"  # a live 64-token turn with the default panes in ~20 s on a laptop CPU (scripts/app_timing.py)
+LIVE_REBUILD = "turn"  # the live defaults (docs/perf.md, "Live defaults": what a 64-token turn costs with them)
+LIVE_TWINS = False
 
 
 def asset(name: str) -> str:
@@ -68,9 +69,10 @@ def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tok
         max_new = gr.Slider(1, min(512, cap.max_new_tokens), value=min(max_new_tokens, cap.max_new_tokens), step=1,
                             elem_id="kvd-max-new",
                             label="Max new tokens per turn")
-        twins = gr.Checkbox(True, label="Measure agreement after a divergence",
-                            info="a teacher-forced twin per diverged pane, fed the full cache's tokens: one more "
-                                 "forward per step for each")
+        twins = gr.Checkbox(LIVE_TWINS, label="Measure agreement after a divergence", elem_id="kvd-twins",
+                            info="a teacher-forced twin per diverged pane, fed the full cache's tokens, for KL after "
+                                 "its first divergence: a second pass over the weights at every step (~+25% of a "
+                                 "turn here). Off for live turns, on in the recordings.")
         kernels = gr.Radio(["invariant", "native"], value="invariant", label="Kernels", elem_id="kvd-kernels",
                            info="invariant: every row's bits independent of the call (one GEMM for all lanes and "
                                 "replays; probed at start); native: the model's own kernels, replays repeat shapes")
