@@ -95,7 +95,6 @@ class Recorder:
         if done is not None:
             result = done["result"]
             for key in ("model", "device", "dtype", "threads"):
-                meta.setdefault(key, result.get(key))
                 if meta.get(key) is None:
                     meta[key] = result.get(key)
         return {"format": FORMAT, "version": VERSION, "meta": meta, "events": self.events,

@@ -220,16 +220,7 @@ class Handlers:
     def _token_map_html(self, session: Session, label: str | None, layer: int, other: str | None = None) -> str:
         if label is None or session.busy:
             return views.token_map_html(None, "", 0)
-        layer = int(layer)
-        words = session.expect[1] if session.expect else None
-        parts = []
-        for name in dict.fromkeys([label] + ([other] if other and other != label else [])):
-            try:
-                data = runner.token_map(session.engine, session.token_maps, name, layer)
-            except (IndexError, KeyError, StopIteration):
-                data = None
-            parts.append(views.token_map_html(data, name, layer, mark=words))
-        return views.side_by_side(parts, session.recorded_label)
+        return runner.map_pair_html(session, label, layer, other)
 
     # --- the model -------------------------------------------------------------
     def load_model(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:

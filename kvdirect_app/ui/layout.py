@@ -151,17 +151,6 @@ def _recordings(first: Session):
     return picker, speed, upload
 
 
-def _first_map(first: Session, label: str | None, other: str | None, layer: int) -> str:
-    if not first.token_maps or label is None:
-        return views.token_map_html(None, "", 0)
-    from .runner import token_map
-
-    words = first.expect[1] if first.expect else None
-    parts = [views.token_map_html(token_map(None, first.token_maps, name, layer), name, layer, mark=words)
-             for name in dict.fromkeys([label] + ([other] if other else []))]
-    return views.side_by_side(parts, first.recorded_label)
-
-
 def build_demo(model: str | None = None, strategies: list[str] | None = None, budget: int = 64,
                max_new_tokens: int = 64) -> gr.Blocks:
     """The Studio page.  Launch it with `launch_options()` (theme and CSS go to `launch()` in Gradio 6).
@@ -223,7 +212,7 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
                             layers = len(next(iter(empty.token_maps.values()))["states"]) if empty.token_maps else 30
                             map_layer = gr.Slider(0, max(1, layers - 1), value=layer0, step=1, label="Layer",
                                                   scale=2, elem_id="kvd-map-layer")
-                        token_map = gr.HTML(_first_map(empty, label0, other0, layer0), elem_id="kvd-token-map")
+                        token_map = gr.HTML(runner.map_pair_html(empty, label0, layer0, other0), elem_id="kvd-token-map")
                     with gr.Tab("Frontier: memory vs agreement"):
                         gr.Markdown(asset("frontier.md"))
                         with gr.Row():

@@ -233,3 +233,21 @@ def compare(prompt: str, model: str = "", strategies: str = "full,kvdirect:mode=
         log.error("compare failed:\n%s", traceback.format_exc())
         raise gr.Error(f"internal error ({type(e).__name__}); the server log has the details",
                        print_exception=False) from None
+
+
+def map_pair_html(session, label: str | None, layer: int, other: str | None = None) -> str:
+    """The token map of `label` at `layer` (beside `other`'s, if given), the scenario's answer outlined; from the
+    session's engine, or from its recorded maps."""
+    from . import views
+
+    if label is None:
+        return views.token_map_html(None, "", 0)
+    words = session.expect[1] if session.expect else None
+    parts = []
+    for name in dict.fromkeys([label] + ([other] if other and other != label else [])):
+        try:
+            data = token_map(session.engine, session.token_maps, name, int(layer))
+        except (IndexError, KeyError, StopIteration):
+            data = None
+        parts.append(views.token_map_html(data, name, int(layer), mark=words))
+    return views.side_by_side(parts, session.recorded_label)
