@@ -25,6 +25,20 @@ A variable the user has set is left as it is.
 
 import os
 
+__version__ = "0.4.0"  # pyproject.toml's (a test checks they agree)
+
 for _name, _value in (("MKL_DYNAMIC", "FALSE"), ("OMP_DYNAMIC", "FALSE"), ("OMP_WAIT_POLICY", "PASSIVE"),
                       ("KINETO_LOG_LEVEL", "6"), ("TORCH_CPP_LOG_LEVEL", "ERROR")):
     os.environ.setdefault(_name, _value)
+
+__all__ = ["strategy_cache"]
+
+
+def __getattr__(name: str):
+    """`from kvdirect_app import strategy_cache` imports torch only when asked for it (the recording player and
+    the package's settings above need no torch)."""
+    if name == "strategy_cache":
+        from .generate import strategy_cache
+
+        return strategy_cache
+    raise AttributeError(f"module 'kvdirect_app' has no attribute {name!r}")

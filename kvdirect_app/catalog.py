@@ -10,8 +10,9 @@ import tomllib
 from pathlib import Path
 
 from .hosted import hosted
+from .paths import data
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
+PRESETS_DIR = data("presets")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 

@@ -18,14 +18,23 @@ from transformers.configuration_utils import PreTrainedConfig as PretrainedConfi
 from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
+    DynamicCache,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     get_layer_types_and_kwargs,
 )
 
+# The keyword that hands a model's forward, and `generate`, its cache (transformers 5 renamed `past_key_values`
+# to `cache`; the old name is a deprecated alias until 6.0).
+CACHE_KWARG = "cache"
+GENERATE_CACHE = CACHE_KWARG
+
 __all__ = [
+    "CACHE_KWARG",
+    "GENERATE_CACHE",
     "Cache",
     "CacheLayerMixin",
+    "DynamicCache",
     "DynamicLayer",
     "DynamicSlidingWindowLayer",
     "LayerSpec",

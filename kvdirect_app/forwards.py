@@ -63,6 +63,7 @@ class Forwards:
                  threads: int, batch: bool, kernels: Kernels):
         self.model, self.device, self.geometry, self.tracer = model, device, geometry, tracer
         self.threads, self.batch, self.kernels = threads, batch, kernels
+        self.snapshots = True  # each turn's attention snapshot (`Lane.attention`)
         self.process = psutil.Process()
         self.rss = self.rss_peak = 0
         self.shared_ms: list[float] = []  # per decode pass of several lanes: the work no lane did alone
@@ -99,12 +100,16 @@ class Forwards:
     def _pass(self, items: list[Item], tap: InputTap, turn_start: bool, piece: int) -> float:
         """One pass of the model over `items` (same token count); returns its wall time."""
         rows = [Row(item.owner, item.cache, item.ids, item.cache.get_seq_length(), item.more_prompt) for item in items]
+        for row, item in zip(rows, items):
+            # The last query of a turn's prompt (what reads the question): its attention at every layer, kept as
+            # the lane's attention snapshot; measurement work, outside every timer and every lane's bytes.
+            row.snapshot = self.snapshots and turn_start and not item.twin and not item.more_prompt
         with self.tracer.session(shared=SHARED, share_among=len(rows)):
             wall = run_batch(self.model, rows, self.tracer, tap, self.device, self.kernels)
         ops = [item.cache.take_timers() for item in items]
         # Inside the pass: each row's attention and cache work, the measurement's comparisons, and the shared rest.
         inside = sum(row.attention_s + o["recompute"] + o["cache_update"] + o["scoring"] + o["replay"] + o["compare"]
-                     for row, o in zip(rows, ops))
+                     + row.snapshot_s for row, o in zip(rows, ops))
         shared = max(0.0, wall - inside)
         if not turn_start and len(rows) > 1 and not items[0].twin:
             self.shared_ms.append(1e3 * shared)
@@ -113,6 +118,9 @@ class Forwards:
                 item.lane.tf_logits = row.logits
                 continue
             item.lane.logits = row.logits
+            if row.snapshot:
+                item.lane.attention = {"position": row.seen + len(item.ids) - 1, "turn": len(item.lane.texts) + 1,
+                                       "layers": row.attention}
             item.lane.kv_digest = row.digest  # what it handed attention at its latest forward
             times = {"recompute": o["recompute"], "replay": o["replay"], "cache_update": o["cache_update"],
                      "scoring": o["scoring"], "attention": row.attention_s, "shared": shared / len(rows),

@@ -72,6 +72,10 @@ class Row:
     setup_s: float = 0.0  # this row's own work outside the pass: its masks, the begin and end of its step
     logits: torch.Tensor | None = None
     window: object = None  # its owner's memory window in the pass's traced session
+    snapshot: bool = False  # keep the last query's attention at every layer (`attention`), outside the timers
+    handed: dict = field(default_factory=dict)  # layer -> (1, G, T) positions of the K/V handed attention
+    attention: dict = field(default_factory=dict)  # layer -> (handed (end,) bool, probs (end,) fp32)
+    snapshot_s: float = 0.0
 
 
 @dataclass
@@ -107,6 +111,10 @@ class _LaneLayer(compat.CacheLayerMixin):
                 # A copy: each cache gets a tensor of its own, as its own forward would have given it.
                 row.kv[self.j] = row.cache.layers[self.j].update(key_states[i:i + 1].clone(),
                                                                  value_states[i:i + 1].clone())
+            if row.snapshot:
+                with harness():
+                    row.handed[self.j] = row.cache.layers[self.j].handed_positions(
+                        row.kv[self.j][0].shape[-2], row.seen + key_states.shape[-2], key_states.device)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -169,6 +177,8 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
                 done.append((block, query[i], k, v, mask, out))
         row.attention_s += time.perf_counter() - t0
         outputs.append(out)
+        if row.snapshot:
+            _snapshot(row, j, query[i:i + 1], k, module, kwargs)
     return torch.cat(outputs, dim=0), weights
 
 
@@ -189,9 +199,49 @@ def _lanes_block_attention(batch: Batch, module, j: int, query: torch.Tensor, kw
                                          kwargs.get("scaling", module.scaling), kwargs.get("softcap"),
                                          kwargs.get("sliding_window"))
     share = (time.perf_counter() - t0) / len(batch.rows)
-    for row in batch.rows:
+    for i, row in enumerate(batch.rows):
         row.attention_s += share
+        if row.snapshot:
+            _snapshot(row, j, query[i:i + 1], keys[i][None], module, kwargs)
     return torch.cat(outs, dim=0).unsqueeze(1)
+
+
+def last_query_attention(query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, end: int, scaling: float,
+                         softcap: float | None = None, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention of the last query (at position end - 1) over the positions 0 .. end - 1, heads averaged.
+
+    query (1, H, q, d_h), keys (1, n_kv, T, d_h), positions (1, G, T) original positions of the keys (G 1 or
+    n_kv).  Returns handed (end,) bool (a position some head was handed) and probs (end,) fp32: the mean over
+    the H query heads of softmax(q k^T * scaling) (softcapped, a sliding layer's window applied), 0 where a
+    head was not handed the position; each head's row sums to 1, so probs does.
+    """
+    n_kv = keys.shape[1]
+    q = query[:, :, -1:].float()
+    heads = q.shape[1]
+    logits = torch.einsum("bkgnd,bktd->bkgnt", q.view(1, n_kv, heads // n_kv, 1, q.shape[-1]), keys.float()) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    pos = positions.long().expand(1, n_kv, positions.shape[-1])
+    visible = pos <= end - 1
+    if window is not None:
+        visible &= pos > end - 1 - window
+    logits = logits.masked_fill(~visible[:, :, None, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).mean(dim=2)[0, :, 0]  # (n_kv, T): each KV head's group averaged
+    out = torch.zeros(end, dtype=torch.float32, device=keys.device)
+    out.index_add_(0, pos[0].flatten(), probs.flatten() / n_kv)
+    handed = torch.zeros(end, dtype=torch.bool, device=keys.device)
+    handed[pos[0][visible[0]]] = True
+    return handed, out
+
+
+def _snapshot(row: Row, j: int, query: torch.Tensor, k: torch.Tensor, module, kwargs):
+    """Row's last query's attention at layer j (measurement work: no lane's bytes, no lane's time)."""
+    t0 = time.perf_counter()
+    with harness():
+        row.attention[j] = last_query_attention(query, k, row.handed.pop(j), row.seen + query.shape[2],
+                                                kwargs.get("scaling", module.scaling), kwargs.get("softcap"),
+                                                kwargs.get("sliding_window"))
+    row.snapshot_s += time.perf_counter() - t0
 
 
 def bit_sums(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, tuple]:
@@ -273,6 +323,8 @@ def run_batch(model: torch.nn.Module, rows: list[Row], tracer: AllocationTracer,
     positions = torch.stack([torch.arange(row.seen, row.seen + q, device=device) for row in rows])
     like = torch.zeros(1, q, 1, device=device, dtype=next(model.parameters()).dtype)
     for i, row in enumerate(rows):
+        for layer in row.cache.layers if row.snapshot else ():
+            layer.keep_handed = True
         with batch.owned(i):
             t0 = time.perf_counter()
             row.cache.begin_step(row.ids, row.more_prompt)
@@ -290,6 +342,9 @@ def run_batch(model: torch.nn.Module, rows: list[Row], tracer: AllocationTracer,
             logits = compat.forward_rows(model, ids, LaneCache(batch), positions)
     finally:
         _LOCAL.batch = None
+        for row in rows:
+            for layer in row.cache.layers if row.snapshot else ():
+                layer.keep_handed = False
     wall = clock(device) - t0
     for i, row in enumerate(rows):
         with batch.owned(i):

@@ -31,13 +31,14 @@ import time
 from pathlib import Path
 
 from .errors import UserError
+from .paths import data
 
 FORMAT = "kvdirect-studio-recording"
 VERSION = 1
 STATE_CODES = {"kv": "k", "residual": "r", "anchor": "a", "replayed": "p", "evicted": "e"}
 STATE_NAMES = {code: name for name, code in STATE_CODES.items()}
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ROOT / "presets" / "recordings"
+SHIPPED = data("presets") / "recordings"
 MAX_BYTES = 64 << 20  # an uploaded file larger than this (compressed or not) is refused before it is parsed
 
 
@@ -83,8 +84,8 @@ class Recorder:
     def add(self, event: dict) -> None:
         self.events.append({"t": round(time.monotonic() - self.t0, 4), **copy.deepcopy(event)})
 
-    def finish(self, token_maps: dict | None) -> dict:
-        """The recording as plain data (write it with `save`)."""
+    def finish(self, token_maps: dict | None, attention_maps: dict | None = None) -> dict:
+        """The recording as plain data (write it with `save`); `attention_maps` is the engine's `attention_maps()`."""
         meta = {"recorded_at": today(), "commit": commit(), **self.meta,
                 "seconds": self.events[-1]["t"] if self.events else 0.0}
         start = next((e for e in self.events if e["type"] == "start"), None)
@@ -98,7 +99,31 @@ class Recorder:
                 if meta.get(key) is None:
                     meta[key] = result.get(key)
         return {"format": FORMAT, "version": VERSION, "meta": meta, "events": self.events,
-                "token_maps": encode_maps(token_maps or {})}
+                "token_maps": encode_maps(token_maps or {}), "attention": encode_attention(attention_maps or {})}
+
+
+ATTENTION_SCALE = 10_000  # a recording keeps attention weights to 4 decimals
+
+
+def encode_attention(maps: dict) -> dict:
+    """The engine's `attention_maps()` -> per lane its position, turn and per layer one integer per token:
+    round(weight * 10,000), -1 where the layer was not handed the token.  The tokens are the token map's."""
+    return {label: {"position": m["position"], "turn": m["turn"],
+                    "layers": [[-1 if w is None else round(w * ATTENTION_SCALE) for w in weights]
+                               for weights in m["layers"]]}
+            for label, m in maps.items()}
+
+
+def attention_layer(recording: dict, label: str, layer: int) -> dict | None:
+    """One layer of a recording's attention snapshot, as the engine's `attention_map` gives it (weights to 4
+    decimals), or None where the recording holds none for `label` (a recording made before snapshots)."""
+    m = (recording.get("attention") or {}).get(label)
+    if not m or not m["layers"]:
+        return None
+    weights = m["layers"][min(max(layer, 0), len(m["layers"]) - 1)]
+    tokens = recording.get("token_maps", {}).get(label, {}).get("tokens", [])
+    return {"position": m["position"], "turn": m["turn"], "tokens": tokens[:m["position"] + 1],
+            "weights": [None if w < 0 else w / ATTENTION_SCALE for w in weights]}
 
 
 def encode_maps(maps: dict) -> dict:
@@ -166,8 +191,10 @@ def parse(data: bytes, name: str = "recording") -> dict:
 def check(recording, name: str = "recording") -> dict:
     if not isinstance(recording, dict) or recording.get("format") != FORMAT:
         found = recording.get("format") if isinstance(recording, dict) else type(recording).__name__
-        hint = (" (a bench run --json results file: record it with bench run --record FILE)"
-                if isinstance(recording, dict) and "strategies" in recording else "")
+        results = isinstance(recording, dict) and ("strategies" in recording or "schema_version" in recording)
+        what = (f"a results file, {recording.get('schema')} version {recording.get('schema_version')}"
+                if results and "schema_version" in recording else "a bench run --json results file")
+        hint = f" ({what}: the page plays recordings; make one with bench run --record FILE)" if results else ""
         raise RecordingError(f"{name}: not a recording (format {found!r}){hint}; expected format {FORMAT!r}")
     version = recording.get("version")
     if version != VERSION:
@@ -185,6 +212,13 @@ def check(recording, name: str = "recording") -> dict:
     maps = recording.get("token_maps", {})
     if not isinstance(maps, dict) or any(set("".join(m.get("states", []))) - set(STATE_NAMES) for m in maps.values()):
         raise RecordingError(f"{name}: token maps use only the codes {''.join(STATE_NAMES)}")
+    attention = recording.get("attention", {})
+    if not isinstance(attention, dict) or any(
+            not isinstance(m, dict) or not isinstance(m.get("position"), int) or not isinstance(m.get("layers"), list)
+            or any(not isinstance(w, list) or len(w) != m["position"] + 1 for w in m["layers"])
+            for m in attention.values()):
+        raise RecordingError(f"{name}: each attention snapshot needs its position and, per layer, one weight per "
+                             f"token up to it")
     return recording
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
+from .paths import data
+
+PRESETS_DIR = data("presets")
 
 
 def scenarios() -> dict[str, dict]:

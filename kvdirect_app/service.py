@@ -20,6 +20,7 @@ from typing import Iterator
 
 from .catalog import DTYPE_NAMES
 from .errors import OutOfMemory, UserError
+from .schema import stamp
 
 __all__ = ["strategy_catalogue", "check_specs", "canonical_spec", "check_model_name",
            "check_device_dtype", "devices", "gpu_available", "load", "is_loaded", "geometry", "prepare",
@@ -204,6 +205,14 @@ class Conversation:
         """Every layer's token states of every pane (for a page whose engine does not outlive the call)."""
         return self.engine.token_maps()
 
+    def attention_map(self, label: str, layer: int) -> dict | None:
+        if label not in self.engine.show:
+            return None
+        return self.engine.attention_map(label, layer)
+
+    def attention_maps(self) -> dict:
+        return self.engine.attention_maps()
+
 
 class FrontierRun:
     """The frontier's runs on one conversation: each a lockstep run of several strategies (`sweeps.Sweep`)."""
@@ -238,4 +247,4 @@ def compare(prompt: str, model: str, device: str, dtype: str, specs: list[str], 
     prepare(model, device, dtype, specs, max_new_tokens, [prompt], kernels=kernels)
     conversation = Conversation(model, device, dtype, specs, max_new_tokens, kernels=kernels)
     with _memory():
-        return run_to_end(conversation.engine, [prompt])
+        return stamp("run", run_to_end(conversation.engine, [prompt]))

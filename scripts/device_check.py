@@ -10,7 +10,8 @@ What it does, each step timed and written as it finishes (a step that fails is r
    every exact lane bit-equal, its rebuilt token-layers and digest;
 3. bytes per lane (allocator) and per-op latency of the seven default panes, lanes batched vs sequential;
 4. AnchorKV's replay at a 4,096-token context (`rebuild=step`, spacing 30), ms per token;
-5. recordings of the shipped scenarios on the device (OUT/recordings/*.json.gz, `bench record`).
+5. the strategies inside transformers' `generate` (`strategy_cache`): exact ones give DynamicCache's tokens;
+6. recordings of the shipped scenarios on the device (OUT/recordings/*.json.gz, `bench record`).
 Results: OUT/device_check.json and OUT/device_check.md (the table docs/perf.md takes).
 """
 
@@ -107,6 +108,33 @@ def replay4k(device: str, out: dict, quick: bool):
     out["replay"] = {"context": context, **table}
 
 
+def generate(device: str, out: dict, quick: bool):
+    """Greedy `generate` with each exact strategy's cache against transformers' DynamicCache, two turns."""
+    from kvdirect_app import strategy_cache
+    from kvdirect_app.compat import DynamicCache
+
+    table = {}
+    for name in ["tiny-llama", "tiny-gemma3"] + ([] if quick else ["smollm2-135m"]):
+        loaded = load_model(name, dtype="float32", device=device)
+        model, tok = loaded.model, loaded.tokenizer
+        greedy = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+
+        def two_turns(cache):
+            ids = torch.tensor([tok.encode(TURNS[0])], device=device)
+            first = model.generate(ids, cache=cache, **greedy)
+            ids2 = torch.cat([first, torch.tensor([tok.encode(" " + TURNS[1])], device=device)], dim=1)
+            return model.generate(ids2, cache=cache, **greedy)[0].tolist()
+
+        reference = two_turns(DynamicCache(config=model.config))
+        for spec in ("kvdirect:budget=8", "anchorkv:spacing=2:budget=8", "anchorkv:spacing=2:budget=8:rebuild=step"):
+            t0 = time.monotonic()
+            with strategy_cache(model, spec) as cache:
+                same = two_turns(cache) == reference
+            table[f"{name} {spec}"] = {"same_tokens": same, "seconds": round(time.monotonic() - t0, 2),
+                                       "rebuilt": cache.report()["rebuilt_token_layers"]}
+    out["generate"] = table
+
+
 def recordings(device: str, out: dict, quick: bool, dest: Path):
     """The shipped scenarios recorded on this device (`bench record`, the page's default panes), to ship beside the
     CPU ones in presets/recordings/ (each labelled with its device and date when played)."""
@@ -150,7 +178,7 @@ def main():
     dest.mkdir(parents=True, exist_ok=True)
     out = {"device": args.device, "torch": torch.__version__,
            "name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "timings_s": {}}
-    for step in (probe, exactness, seven, replay4k, recordings):
+    for step in (probe, exactness, seven, replay4k, generate, recordings):
         t0 = time.monotonic()
         try:
             if step is probe:

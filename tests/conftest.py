@@ -1,9 +1,14 @@
 """Shared fixtures: models are loaded once per session (the loader caches them per process)."""
 
 import contextlib
+import os
 import socket
 
 import pytest
+
+# Every results file the suite writes (bench run/sweep/reproduce/..., the compare endpoint), in this process or
+# in a subprocess, is validated against its JSON Schema (docs/schema/) before it is written (kvdirect_app/schema.py).
+os.environ["KVDIRECT_VALIDATE_JSON"] = "1"
 
 from kvdirect_app.models import load_model
 

@@ -55,6 +55,7 @@ def test_compare_endpoint_returns_the_bench_json(app):
     got = client.predict("Tell me about caches.", TINY, names, 40, 0, 12, api_name="/compare")
     specs = compare_specs(names, 40, 0)
     want = engine_result(TINY, specs, ["Tell me about caches."], 12)
+    assert (got.pop("schema"), got.pop("schema_version")) == ("kvdirect-studio/run", 1)  # validated when written
     assert list(got["strategies"]) == [expand(n, 40) for n in default_names()]
     assert stable(got) == stable(want)
     for label, r in got["strategies"].items():
@@ -79,6 +80,7 @@ def test_compare_on_smollm2_matches_the_engine(app):
     specs = compare_specs("full,kvdirect:mode=exact", 16, 0)
     assert specs == "full,kvdirect:mode=exact:budget=16"
     want = engine_result("smollm2-135m", specs, ["What is the capital of France?"], 10)
+    assert (got.pop("schema"), got.pop("schema_version")) == ("kvdirect-studio/run", 1)
     assert stable(got) == stable(want)
     assert got["strategies"]["kvdirect:mode=exact:budget=16"]["token_ids"] == want["strategies"]["full"]["token_ids"]
 

@@ -380,6 +380,14 @@ def test_replay_streams_stops_and_plays_to_the_recorded_end(visitor, tmp_path):
     page.locator("#kvd-token-map").scroll_into_view_if_needed()
     shot = Path(os.environ.get("STUDIO_MAP_SHOT") or tmp_path / "map.png")
     page.screenshot(path=str(shot))
+    # Below the maps: the question's attention, full cache against the same strategy, its evicted tokens marked.
+    attention = page.locator("#kvd-attention")
+    attention.scroll_into_view_if_needed()
+    assert "Where the question's last token looks" in attention.locator(".gtitle").first.text_content()
+    legend = attention.locator(".legendtext").all_text_contents()
+    assert any(t.startswith("evicted by") for t in legend), legend
+    assert attention.locator(".barlayer .trace").count() == 2
+    page.screenshot(path=str(shot.with_name(shot.stem + "-attention.png")))
 
 
 def test_a_recording_file_opens_and_an_old_version_is_refused(url, tmp_path):

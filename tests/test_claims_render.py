@@ -231,6 +231,9 @@ def test_bad_render_input_is_one_line(committed, tmp_path, capsys):
     (tmp_path / "results.json").write_text("{not json")
     assert "not valid JSON" in error(tmp_path)
     (tmp_path / "results.json").write_text(json.dumps({"model": "smollm2-135m", "quick": True, "cells": 3}))
+    assert "no schema field" in error(tmp_path)
+    stamped = {"schema": "kvdirect-studio/reproduce", "schema_version": 2}
+    (tmp_path / "results.json").write_text(json.dumps({**stamped, "model": "smollm2-135m", "quick": True, "cells": 3}))
     assert "'cells' missing or not a list" in error(tmp_path)
     partial = {**committed, "cells": [c for c in committed["cells"] if c["section"] != "replay"]}
     (tmp_path / "results.json").write_text(json.dumps(partial))

@@ -17,7 +17,7 @@ import pytest
 from kvdirect_app import recording, service
 from kvdirect_app.recording import FORMAT, VERSION, RecordingError, Recorder
 from kvdirect_app.scenarios import scenarios
-from kvdirect_app.ui import playback, views
+from kvdirect_app.ui import playback, runner, views
 from kvdirect_app.ui.plots import all_figures
 from kvdirect_app.ui.scoreboard import scoreboard_html
 from kvdirect_app.ui.session import Session
@@ -38,7 +38,8 @@ def live_run(turns, specs, max_new_tokens=5, expect=None):
     for event in events:
         session.apply(event)
         recorder.add(event)
-    return session, recorder.finish(talk.token_maps()), talk.token_maps()
+    session.attention_live = talk.attention_maps()
+    return session, recorder.finish(talk.token_maps(), session.attention_live), talk.token_maps()
 
 
 def lanes_of(session: Session) -> dict:
@@ -79,6 +80,31 @@ def test_a_recording_round_trips_every_figure(recorded):
         for layer in (0, layers - 1):
             assert recording.map_layer(opened["token_maps"], label, layer) == {
                 "tokens": maps[label]["tokens"], "states": maps[label]["states"][layer]}
+
+
+def test_a_recording_keeps_the_attention_snapshot_to_four_decimals(recorded):
+    live, _, maps, path = recorded
+    opened = recording.load(path)
+    played = playback.fold(opened)
+    attention = live.attention_live
+    assert set(attention) == set(live.shown) and len(attention["full"]["layers"]) == len(maps["full"]["states"])
+    for label, m in attention.items():
+        for layer, weights in enumerate(m["layers"]):
+            got = recording.attention_layer(opened, label, layer)
+            assert got["position"] == m["position"] and got["tokens"] == m["tokens"]
+            assert [w is None for w in got["weights"]] == [w is None for w in weights], (label, layer)
+            assert max(abs(a - b) for a, b in zip(got["weights"], weights) if a is not None) <= 0.5e-4
+    # The page draws it: the full cache and the strategy, the strategy's evicted tokens marked.
+    h2o = next(label for label in live.shown if label.startswith("h2o"))
+    layer = max(range(len(maps["full"]["states"])), key=lambda j: attention[h2o]["layers"][j].count(None))
+    figure = runner.attention_plot(played, h2o, layer)
+    names = [trace.name for trace in figure.data]
+    assert names[:2] == ["Full KV cache", "H2O"]
+    crosses = next(trace for trace in figure.data if trace.name.startswith("evicted by"))
+    evicted = [i for i, w in enumerate(attention[h2o]["layers"][layer]) if w is None]
+    assert list(crosses.x) == evicted
+    same = attention[h2o]["tokens"] == attention["full"]["tokens"]
+    assert ("of the full cache's attention" in figure.layout.title.text) == same
 
 
 def test_a_mutated_recording_shows_other_figures(recorded):
@@ -297,7 +323,12 @@ def test_a_visitor_state_starts_as_a_name_and_unfolds_when_a_handler_needs_it(ha
     session = Session(pending=playback.first_name())
     assert len(repr(_copy.deepcopy(session))) < 2_000  # what Gradio copies for each visitor: no events
     label, other, layer = views.telling_view(first, first.token_maps)
-    html = handlers.token_map(session, label, layer, other)
+    html, attention = handlers.token_map(session, label, layer, other)
     assert session.pending is None and session.recording == first.recording
     assert lanes_of(session) == lanes_of(first)
     assert "recorded on" in html and html.count("kvd-map-head") == 2
+    # The shipped recall recording carries the attention snapshot: the full cache and the strategy, its evicted
+    # tokens marked, "recorded on" in the title.
+    names = [trace.name for trace in attention.data]
+    assert names[:2] == ["Full KV cache", views.title(label)] and any(n.startswith("evicted by") for n in names)
+    assert "recorded on" in attention.layout.title.text

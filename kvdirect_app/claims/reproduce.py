@@ -33,11 +33,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..errors import UserError
+from ..schema import SchemaError, check, stamp
 from .papers import SECTIONS
 from .sections import assess
 from .verdicts import EXACT_TOLERANCE, SIZE_TOLERANCE, VERDICTS, rule_text
 
-SCHEMA = 2
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-olmo2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3"]
 EVICTION = ["window", "streaming_llm", "h2o", "snapkv", "tova"]
 # The twenty-turn run's lanes by name: {s} the break-even spacing s*, {L} the number of layers, {b} the budget.
@@ -239,13 +239,13 @@ def gather(model: str, quick: bool, executor: str, device: str = "auto", workers
     cells = plan(model, quick, device, threads)
     t0 = time.perf_counter()
     outputs = run_cells(run_cell, cells, executor=executor, workers=workers)
-    results = {"schema": SCHEMA, "model": model, "quick": quick, "executor": executor, "device": device,
+    results = {"model": model, "quick": quick, "executor": executor, "device": device,
                "device_name": (torch.cuda.get_device_name() if torch.cuda.is_available() and device != "cpu"
                                else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"),
                "date": time.strftime("%Y-%m-%d"), "seconds": time.perf_counter() - t0,
                "plan": {"knobs": asdict(knobs(model, quick)), "full": asdict(knobs(model, False))},
                "cells": [{**cell, **out} for cell, out in zip(cells, outputs)]}
-    return reassess(results)
+    return stamp("reproduce", reassess(results))
 
 
 def reassess(results: dict) -> dict:
@@ -277,6 +277,10 @@ def load(folder: Path) -> dict:
         results = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ResultsError(f"{str(path)!r} is not valid JSON ({str(e).splitlines()[0]})") from None
+    try:
+        check(results, "reproduce", str(path))
+    except SchemaError as e:
+        raise ResultsError(str(e)) from None
     _check(results, path)
     try:
         return reassess(results)

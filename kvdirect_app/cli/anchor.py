@@ -70,7 +70,7 @@ def cmd_breakeven(args) -> int:
         for row in windowed["uniform"]:
             print(f"  {row['spacing']:>3}  {_kib(row['bytes_per_token']):>13}  {row['cascade_passes']:>6}  "
                   f"{_kib(row['dp_bytes_per_token']):>17}  {row['dp_anchors']}")
-    write_json(args.json, report)
+    write_json(args.json, report, "breakeven")
     return 0
 
 
@@ -127,7 +127,7 @@ def cmd_replay(args) -> int:
         print(f"  {kind:<8} {row['seconds']:>8.2f} {row['layer_passes']:>12} {row['layer_calls']:>11}  "
               f"{'yes' if row['kv_exact'] else 'NO'}")
     print(f"  cascade speedup {speedup:.2f}x; ideal (pass ratio) {ideal:.2f}x; achieved {speedup / ideal:.2f} of ideal")
-    write_json(args.json, result)
+    write_json(args.json, result, "replay")
     return 0
 
 
@@ -231,7 +231,7 @@ def cmd_capacity(args) -> int:
     if n < args.context:
         print(f"note: the next token at {args.context} tokens is extrapolated linearly from {n}: a lower bound "
               "(replayed attention grows faster than linearly)")
-    write_json(args.json, result)
+    write_json(args.json, result, "capacity")
     return 0
 
 

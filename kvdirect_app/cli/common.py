@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import UserError
+from ..schema import stamp
 import argparse
 import json
 from pathlib import Path
@@ -99,9 +100,10 @@ def checked_run(args, specs: str, turns: list[str], raw: bool, compare: bool = T
     return req, loaded, est, ids
 
 
-def write_json(path: str | None, data: dict):
+def write_json(path: str | None, data: dict, kind: str):
+    """Write a results file of `kind`, stamped with its schema id and version (kvdirect_app/schema.py)."""
     if path:
-        Path(path).write_text(json.dumps(data, indent=1))
+        Path(path).write_text(json.dumps(stamp(kind, data), indent=1))
         print(f"\nwrote {path}")
 
 

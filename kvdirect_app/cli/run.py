@@ -142,14 +142,14 @@ def cmd_run(args) -> int:
     events = engine.run(turns, park=args.park) if ids is None else first_turn_events(engine, turns[0], ids)
     result = consume(events, recorder)
     if recorder is not None:
-        save(recorder.finish(engine.token_maps()), args.record)
+        save(recorder.finish(engine.token_maps(), engine.attention_maps()), args.record)
         print(f"wrote the recording {args.record}", file=sys.stderr)
     result["memory_estimate"] = {"total_bytes": est.total, "lanes": est.lanes, "tokens": est.tokens}
     if args.solo:
         result["process"] = {"load_peak_rss_bytes": load_peak, "rss_before_run_bytes": before,
                              "peak_rss_bytes": peak_rss()}
     print_result(result)
-    write_json(args.json, result)
+    write_json(args.json, result, "run")
     return 0
 
 
@@ -296,7 +296,7 @@ def run_alone(args, strategies) -> int:
     if any(r["process"]["time_peak_rss_bytes"] is None for r in summary.values()):
         print(f"note: {GNU_TIME} is not installed: the peak RSS is wait4's for the child, which also counts the "
               "parent's size at the fork")
-    write_json(args.json, {**head, "alone": True, "strategies": summary})
+    write_json(args.json, {**head, "alone": True, "strategies": summary}, "run-alone")
     return 0
 
 

@@ -314,7 +314,7 @@ def cmd_sweep(args) -> int:
         if problem:
             print(f"note: {problem}")
         out["plot"] = {"html": html, "png": png}
-    write_json(args.json, {**head, **out, "reference": reference})
+    write_json(args.json, {**head, **out, "reference": reference}, "sweep")
     return 0
 
 

@@ -72,6 +72,12 @@ class MeasuredLayer:
     """
 
     reference = None
+    keep_handed = False  # set for one pass: keep the positions of what this layer hands attention (a snapshot)
+
+    def handed_positions(self, count: int, end: int, device) -> torch.Tensor:
+        """(1, 1, count) original positions of the `count` keys this layer handed attention in the pass that ended
+        at position `end` (exclusive): the last `count` positions, for a layer that keeps every token or a window."""
+        return torch.arange(end - count, end, device=device).view(1, 1, count)
 
     def init_measures(self):
         self.transient = 0

@@ -157,7 +157,10 @@ class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
         self.compare(keys, values)
         return keys, values
 
+    rebuilt_total = 0  # token-layers rebuilt, compared or not
+
     def count_rebuilt(self, tokens: int):
+        self.rebuilt_total += tokens
         if self.reference is not None:
             self.rebuilt_compared += tokens
 

@@ -68,6 +68,7 @@ from torch import nn
 from .. import compat
 from ..compat import CacheLayerMixin
 from ..geometry import ModelGeometry
+from ..memory import harness
 from ..replay import HeadProjection
 from .base import Forward, MeasuredLayer, SlidingLayer, Strategy, StrategyCache, storage_bytes, window_layer_bytes, window_layer_transient
 
@@ -184,6 +185,7 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
         self.prompt_tokens = 0
         self.prompt_tail: torch.Tensor | None = None  # (1, <= prompt_window, d): the open prompt's last inputs
         self.pending: torch.Tensor | None = None
+        self.handed: torch.Tensor | None = None  # (1, G, T) positions handed attention, kept for a snapshot only
         self.init_measures()
 
     def lazy_initialization(self, key_states, value_states):
@@ -255,10 +257,20 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
             self.transient = 0
         self.scoring_s += scoring_s
         self.cache_update_s += time.perf_counter() - t0 - scoring_s
+        if self.keep_handed:
+            with harness():  # the attention snapshot's (a few bytes, outside the timers), not the cache's
+                self.handed = positions.clone()
         return keys, values
 
     def compare(self, keys, values):
         return
+
+    def handed_positions(self, count: int, end: int, device) -> torch.Tensor:
+        """(1, G, count) original positions of the candidates handed to attention (before this step's eviction)."""
+        handed, self.handed = self.handed, None
+        if handed is None or handed.shape[-1] != count:
+            raise RuntimeError("handed_positions: set keep_handed before the pass")
+        return handed
 
     def end_turn(self):
         self.prefill, self.prompt_open, self.prompt_tokens, self.prompt_tail = True, False, 0, None

@@ -74,6 +74,7 @@ class Views:
     map_other: gr.Dropdown  # a second strategy's map beside the first
     map_layer: gr.Slider
     token_map: gr.HTML
+    attention: gr.Plot  # the question's last query: full cache against the map's strategy, its evicted tokens marked
     geometry: gr.HTML
     download_json: gr.DownloadButton
     download_steps: gr.DownloadButton

@@ -34,7 +34,10 @@ def write_exports(session: Session) -> dict[str, str]:
         maps = session.token_maps
         if maps is None and session.engine is not None:
             maps = session.engine.token_maps()
-        recording = session.recorder.finish(maps)
+        attention = session.attention_maps
+        if attention is None and session.engine is not None:
+            attention = session.engine.attention_maps()
+        recording = session.recorder.finish(maps, attention)
         recording["meta"]["turns"] = list(session.user_turns)
     if recording is not None:
         save(recording, paths["recording"])

@@ -192,6 +192,7 @@ class Handlers:
             out[v.map_label] = gr.Dropdown(choices=session.shown, value=label)
             out[v.map_other] = gr.Dropdown(choices=session.shown, value=other)
             out[v.token_map] = self._token_map_html(session, label, layer, other)
+            out[v.attention] = runner.attention_plot(session, label, layer)
             out[v.map_layer] = gr.Slider(value=layer)
             out.update(self._downloads(session))
         return out
@@ -574,6 +575,8 @@ class Handlers:
         yield {**done(f"{len(rows)} points from {len(plan)} runs in {time.monotonic() - t0:.0f} s.", "ok"),
                f.plot: figure}
 
-    def token_map(self, session: Session, label: str | None, layer: int, other: str | None = None) -> str:
+    def token_map(self, session: Session, label: str | None, layer: int, other: str | None = None) -> tuple:
+        """The token maps of `label` (beside `other`) at `layer`, and the attention snapshot there."""
         playback.unfold(session)
-        return self._token_map_html(session, label, layer, other)
+        return (self._token_map_html(session, label, layer, other),
+                runner.attention_plot(session, None if session.busy else label, layer))

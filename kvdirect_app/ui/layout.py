@@ -12,6 +12,7 @@ from ..catalog import DTYPE_NAMES
 from ..frontier import frontier_figure
 from ..hosted import hosted
 from ..limits import limits
+from ..paths import data
 from ..scenarios import scenarios
 from . import runner
 from ..recording import RecordingError
@@ -25,7 +26,7 @@ from .session import Session
 from .settings import (any_declares, catalogue, default_model, default_names, max_panes, missing_models_note,
                        model_choices, title)
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
+ASSETS = data("assets")
 LIVE_REBUILD = "turn"  # the live defaults (docs/perf.md, "Live defaults": what a 64-token turn costs with them)
 LIVE_TWINS = False
 
@@ -82,7 +83,7 @@ def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tok
     return Controls(preset, custom, device, dtype, picked, extra, budget_s, spacing, mode, rebuild, max_new, twins, kernels)
 
 
-CLAIMS = ASSETS.parent / "docs" / "claims"
+CLAIMS = data("docs/claims")
 
 
 def _claims_tab():
@@ -213,6 +214,8 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
                             map_layer = gr.Slider(0, max(1, layers - 1), value=layer0, step=1, label="Layer",
                                                   scale=2, elem_id="kvd-map-layer")
                         token_map = gr.HTML(runner.map_pair_html(empty, label0, layer0, other0), elem_id="kvd-token-map")
+                        attention = gr.Plot(runner.attention_plot(empty, label0, layer0), show_label=False,
+                                            elem_id="kvd-attention")
                     with gr.Tab("Frontier: memory vs agreement"):
                         gr.Markdown(asset("frontier.md"))
                         with gr.Row():
@@ -235,7 +238,7 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
                     with gr.Tab("What am I looking at?", elem_id="kvd-about"):
                         gr.Markdown(asset("about.md"))
         actions = Actions(prompt, send, stop, regenerate, clear, scenario, play, recall)
-        shown = Views(status, board, memory, latency, agreement, map_label, map_other, map_layer, token_map, geometry,
+        shown = Views(status, board, memory, latency, agreement, map_label, map_other, map_layer, token_map, attention, geometry,
                       *downloads)
         studio = Studio(session, controls, actions, shown, panes,
                         FrontierTab(source, draw, frontier_status, frontier_plot),
@@ -281,7 +284,8 @@ def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
                  show_progress="hidden", api_name="frontier")
     demo.unload(h.closed)
     for trigger in (v.map_label.input, v.map_other.input, v.map_layer.release, v.map_layer.input):  # arrow keys too
-        trigger(h.token_map, inputs=[studio.session, v.map_label, v.map_layer, v.map_other], outputs=[v.token_map],
+        trigger(h.token_map, inputs=[studio.session, v.map_label, v.map_layer, v.map_other],
+                outputs=[v.token_map, v.attention],
                 api_visibility="private")
     r = studio.recordings
     # Playing a recording needs no model and waits behind no run: its own queue, a few at once.

@@ -56,8 +56,8 @@ def _layout(fig: go.Figure, height: int, title_text: str, session: Session | Non
     fig.update_layout(
         template="plotly_white", font=FONT, height=height,
         title=dict(text=title_text, x=0.01, xanchor="left", yref="container", y=1, yanchor="top",
-                   pad=dict(t=14), font=dict(size=20)),
-        margin=dict(l=70, r=20, t=95 if "<br>" in title_text else 70, b=60, autoexpand=True),
+                   pad=dict(t=24), font=dict(size=20)),
+        margin=dict(l=70, r=20, t=105 if "<br>" in title_text else 80, b=60, autoexpand=True),
         legend=dict(orientation="v", yanchor="top", y=1.0, x=legend_x, xanchor="left", font=dict(size=13)),
         hoverlabel=dict(font_size=14),
     )
@@ -271,6 +271,72 @@ def agreement_figure(session: Session) -> go.Figure:
     steps = max(session.lanes[label].agreement[-1]["step"] for label in labels)
     fig.update_xaxes(range=[0, steps * 1.22])  # room for the words at the end of each strip
     fig = _layout(fig, max(480, 260 + 30 * len(labels)), "Do the strategies change the output?", session)
+    fig.update_annotations(font=dict(size=15))
+    return fig
+
+
+ATTENTION_FLOOR = 1e-4  # weights below it (a recording keeps 4 decimals) are drawn on the axis floor
+ATTENTION_TITLE = "Where the question's last token looks"
+
+
+def attention_figure(session: Session, label: str | None, layer: int, full: dict | None, other: dict | None,
+                     marks: tuple[set, set] = (set(), set()), note: str | None = None,
+                     answer: str | None = None) -> go.Figure:
+    """The attention snapshot at `layer` (the last query of the latest turn's prompt, heads averaged), in two
+    rows: the full cache's weights over the conversation's tokens, and `label`'s below, its evicted tokens
+    marked ✕ (and, where both histories are the same, the share of the full cache's attention they held); the
+    scenario's answer tokens (`marks`: indices in full's and in other's tokens) shaded.  `full`/`other` are
+    `attention_map` dicts ({"position", "turn", "tokens", "weights"})."""
+    if full is None:
+        return _empty(note or "After a turn: the attention of the question's last token over the conversation, full "
+                      "cache against the strategy picked above", 380, ATTENTION_TITLE)
+    palette = colours(session.shown or [REFERENCE])
+    pair = other is not None and label != REFERENCE
+    lanes = [(REFERENCE, full, marks[0])] + ([(label, other, marks[1])] if pair else [])
+    names = [short_name(session, name) if session.shown else name for name, _, _ in lanes]
+    fig = make_subplots(rows=len(lanes), cols=1, shared_xaxes=True, vertical_spacing=0.16,
+                        subplot_titles=[f"{n}: its attention" for n in names])
+    same = pair and other["tokens"] == full["tokens"]  # histories equal up to the query
+    for row, ((name, data, marked), shown) in enumerate(zip(lanes, names), 1):
+        xs = list(range(len(data["weights"])))
+        texts = [t.replace("\n", "↵") for t in data["tokens"]]
+        fig.add_trace(go.Bar(x=xs, y=[None if w is None else max(w, ATTENTION_FLOOR) for w in data["weights"]],
+                             name=shown, marker_color=palette.get(name, "#333"), marker_line_width=0,
+                             customdata=texts, showlegend=False,
+                             hovertemplate=f"{name}<br>token %{{x}} “%{{customdata}}”: %{{y:.4f}}<extra></extra>"),
+                      row=row, col=1)
+        for i in sorted(marked):
+            fig.add_vrect(x0=i - 0.5, x1=i + 0.5, fillcolor="#f1c40f", opacity=0.45, line_width=0, row=row, col=1)
+    if answer and any(marks):
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=f"“{answer}”: the answer",
+                                 marker=dict(symbol="square", size=14, color="#f1c40f", opacity=0.6)), row=1, col=1)
+    lost = None
+    if pair:
+        # Evicted: not handed to the strategy's attention where the full cache's was (a sliding layer's window
+        # hands neither the older tokens).
+        n = min(len(full["weights"]), len(other["weights"]))
+        at = [i for i in range(n) if other["weights"][i] is None and full["weights"][i] is not None]
+        if at:
+            if same:
+                lost = sum(full["weights"][i] for i in at)
+            fig.add_trace(go.Scatter(x=at, y=[1.6 * ATTENTION_FLOOR] * len(at), mode="markers",
+                                     name=f"evicted by {names[1]}",
+                                     marker=dict(symbol="x-thin", size=8, line=dict(width=2, color="#c0392b")),
+                                     customdata=[other["tokens"][i].replace("\n", "↵") for i in at],
+                                     hovertemplate="evicted: token %{x} “%{customdata}”<extra></extra>"), row=2, col=1)
+    where = f"turn {full['turn']}'s last prompt token"
+    if lost is not None:
+        where += f" · evicted tokens held {100 * lost:.0f}% of the full cache's attention"
+    elif pair and not same:
+        where += " · replies diverged, each row has its own tokens"
+    fig.update_yaxes(type="log", range=[math.log10(ATTENTION_FLOOR), 0.05], exponentformat="power",
+                     tickvals=[1e-4, 1e-3, 1e-2, 1e-1, 1], title_text="weight (heads avg)")
+    fig.update_xaxes(title_text="token of the conversation", row=len(lanes), col=1)
+    fig.update_layout(bargap=0)
+    if session.recording:  # on the same line: a third title line would run off the top
+        where += f" · {session.recorded_label}"
+    fig = _layout(fig, 200 + 170 * len(lanes), f"{ATTENTION_TITLE} · layer {layer}<br><sup>{where}</sup>")
+    fig.update_layout(margin=dict(t=120))
     fig.update_annotations(font=dict(size=15))
     return fig
 

@@ -22,7 +22,7 @@ from ..errors import OutOfMemory, UserError
 from ..frontier import frontier_figure, points_from_rows
 from ..hosted import hosted
 from ..limits import integer, limits
-from ..recording import Recorder, map_layer
+from ..recording import Recorder, attention_layer, map_layer
 from ..units import fmt_bytes
 from .settings import KERNELS, REFERENCE, RunConfig, Settings, default_model, expand
 
@@ -127,6 +127,7 @@ def play(config: RunConfig, turns: list[str], talk: service.Conversation | None 
     yield {"type": "done", "result": talk.results()}
     if own:
         yield {"type": "token_maps", "maps": talk.token_maps()}
+        yield {"type": "attention_maps", "maps": talk.attention_maps()}
 
 
 class Pump:
@@ -251,3 +252,41 @@ def map_pair_html(session, label: str | None, layer: int, other: str | None = No
             data = None
         parts.append(views.token_map_html(data, name, int(layer), mark=words))
     return views.side_by_side(parts, session.recorded_label)
+
+
+def attention_data(session, label: str) -> callable:
+    """`layer -> attention_map` of `label` (None where there is none): from a recording on screen (once it has been
+    played to its end), from the run's own snapshots, or from the session's engine."""
+    if session.recorded is not None:
+        if session.token_maps is None:  # still playing
+            return lambda layer: None
+        return lambda layer: attention_layer(session.recorded, label, layer)
+    maps = session.attention_maps
+    if maps is not None:
+        m = maps.get(label)
+        return lambda layer: None if m is None else {**{k: m[k] for k in ("position", "turn", "tokens")},
+                                                      "weights": m["layers"][min(layer, len(m["layers"]) - 1)]}
+    talk = session.engine
+    if talk is None:
+        return lambda layer: None
+    return lambda layer: talk.attention_map(label, layer)
+
+
+def attention_plot(session, label: str | None, layer: int):
+    """The attention figure of the token map's strategy at `layer`, against the full cache."""
+    from .plots import attention_figure
+    from .views import marked_tokens
+
+    if label is None:
+        return attention_figure(session, None, 0, None, None)
+    try:
+        full = attention_data(session, REFERENCE)(int(layer))
+        other = attention_data(session, label)(int(layer)) if label != REFERENCE else None
+    except (IndexError, KeyError, StopIteration):
+        full = other = None
+    words = session.expect[1] if session.expect else None
+    marks = tuple(marked_tokens(d["tokens"], words) if d else set() for d in (full, other))
+    note = None
+    if full is None and session.recorded is not None and session.token_maps is not None:
+        note = "This recording holds no attention snapshot (it was made before they were recorded): ▶ Run it live"
+    return attention_figure(session, label, int(layer), full, other, marks, note, words)

@@ -105,6 +105,7 @@ class Session:
     position: int = 0
     result: dict | None = None
     token_maps: dict | None = None  # filled by the run itself where the engine does not outlive it
+    attention_maps: dict | None = None  # the same, for the attention snapshots (`Engine.attention_maps`)
     busy: bool = False
     stop_requested: bool = False
     prefill: tuple[int, int] | None = None  # (tokens read, of) while a long prompt is fed in pieces
@@ -156,6 +157,7 @@ class Session:
         kind = event["type"]
         if kind == "start":
             self.user_turns, self.steps, self.position, self.rss, self.result, self.token_maps = [], 0, 0, [], None, None
+            self.attention_maps = None
             self.shown = list(event["strategies"])
             self.about = event.get("about", {})
             self.kernels_line = event.get("kernels_line", "")
@@ -184,6 +186,8 @@ class Session:
             self.result = event["result"]
         elif kind == "token_maps":
             self.token_maps = event["maps"]
+        elif kind == "attention_maps":
+            self.attention_maps = event["maps"]
 
     def _step(self, event: dict):
         self.prefill = None

@@ -1,0 +1,19 @@
+"""Where the data files are: the checkout's folders (presets/, assets/, docs/claims/), or the copies an installed
+package carries (`pip install .` puts them under kvdirect_app/_data/, see pyproject.toml)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent
+CHECKOUT = PACKAGE.parent
+INSTALLED = {"presets": "presets", "assets": "assets", "docs/claims": "claims", "docs/schema": "schema"}
+
+
+def data(name: str) -> Path:
+    """The folder `name` ("presets", "assets", "docs/claims" or "docs/schema"): the checkout's when this module runs from a
+    checkout, else the installed package's copy."""
+    local = CHECKOUT / name
+    if local.is_dir():
+        return local
+    return PACKAGE / "_data" / INSTALLED[name]

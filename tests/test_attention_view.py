@@ -1,0 +1,98 @@
+"""The attention snapshot: the last query of a turn's prompt, at every layer, heads averaged.
+
+Checked against the model's own eager attention weights (transformers' `output_attentions`) for the full
+cache; exact strategies hand attention the full cache's K, so their snapshot is the full cache's, bit for bit;
+an eviction strategy's snapshot is None exactly where it had evicted; taking snapshots changes no lane's
+tokens, bytes or K/V report; batched and one-by-one passes give the same snapshot.
+"""
+
+import pytest
+import torch
+
+from kvdirect_app import compat
+from kvdirect_app.engine import Engine
+from kvdirect_app.strategies import parse_specs
+
+from .conftest import TINY_FAMILIES, all_sliding, tiny
+
+TURNS = ["Tell me about caches.", "Why do keys need positions?"]
+SPECS = "full,kvdirect:budget=4,anchorkv:spacing=2:budget=3,h2o:budget=8,snapkv:budget=16,window:budget=6"
+
+
+def _run(loaded, batch=True, snapshots=True, specs=SPECS):
+    engine = Engine(loaded, parse_specs(specs), max_new_tokens=6, batch=batch, threads=1)
+    engine.forwards.snapshots = snapshots
+    # label -> layer -> positions evicted after the last turn's first decode step (a superset of those evicted
+    # at the snapshot, the prompt's last pass: an evicted token never comes back)
+    evicted = {}
+    turn = 0
+    for event in engine.run(TURNS):
+        if event["type"] == "turn":
+            turn += 1
+        if event["type"] == "step" and turn == len(TURNS) and not evicted:
+            for label in engine.show:
+                layers = range(len(engine.reference.cache.layers))
+                evicted[label] = {j: {i for i, s in enumerate(engine.token_map(label, j)["states"]) if s == "evicted"}
+                                  for j in layers}
+    return engine, evicted
+
+
+def _eager_weights(loaded, ids: list[int]) -> list[torch.Tensor]:
+    """Per layer, the last query's attention weights over ids, heads averaged: the model's own eager attention."""
+    model = loaded.model
+    attn = compat.attention_module(compat.decoder_layers(model)[0])
+    with torch.inference_mode(), compat.attention_implementation(attn.config, "eager"):
+        out = model(input_ids=torch.tensor([ids]), output_attentions=True, use_cache=False)
+    return [a[0, :, -1].float().mean(dim=0) for a in out.attentions]
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_the_snapshot_is_the_models_own_attention_and_marks_what_was_evicted(family):
+    loaded = tiny(family)
+    engine, evicted = _run(loaded)
+    maps = engine.attention_maps()
+    full = maps["full"]
+    assert full["turn"] == len(TURNS) and len(full["tokens"]) == full["position"] + 1
+    ids = engine.reference.history[:full["position"] + 1]
+    for j, (ours, eager) in enumerate(zip(full["layers"], _eager_weights(loaded, ids))):
+        handed = torch.tensor([w is not None for w in ours])
+        weights = torch.tensor([0.0 if w is None else w for w in ours])
+        # Eager attention gives 0 to masked positions (outside a sliding window): those are the ones not handed.
+        assert torch.allclose(weights, eager, atol=2e-5), (family, j)
+        assert bool(handed.all()) or compat.layer_specs(loaded.config)[j].is_sliding, (family, j)
+        assert abs(float(weights.sum()) - 1.0) < 1e-4
+    for label, snap in maps.items():
+        strategy = label.split(":")[0]
+        for j, layer in enumerate(snap["layers"]):
+            missing = {i for i, w in enumerate(layer) if w is None}
+            assert abs(sum(w for w in layer if w is not None) - 1.0) < 1e-4, (label, j)
+            if strategy in ("kvdirect", "anchorkv"):  # exact: the full cache's K, so the same weights
+                if engine.results()["strategies"][label]["kv_exact"]:
+                    assert layer == _full_on_same_history(engine, label, maps, j), (label, j)
+            elif not compat.layer_specs(loaded.config)[j].is_sliding:
+                # Not handed = evicted before this step; a token evicted by this very step was still handed.
+                assert missing <= evicted[label][j], (label, j)
+    if not all_sliding(loaded):
+        assert any(w is None for w in maps["window:budget=6"]["layers"][-1]), "the window evicted nothing?"
+
+
+def _full_on_same_history(engine, label, maps, j):
+    lane = next(l for l in engine.lanes if l.label == label)
+    assert lane.history[:maps[label]["position"] + 1] == engine.reference.history[:maps["full"]["position"] + 1]
+    return maps["full"]["layers"][j]
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
+def test_snapshots_change_no_figure_and_batching_changes_no_snapshot(family):
+    loaded = tiny(family)
+    with_snap, _ = _run(loaded)
+    without, _ = _run(loaded, snapshots=False)
+    one_by_one, _ = _run(loaded, batch=False)
+    assert without.attention_maps() == {}
+    assert with_snap.attention_maps() == one_by_one.attention_maps()
+    a, b = with_snap.results()["strategies"], without.results()["strategies"]
+    for label in a:
+        for key in ("token_ids", "kv_exact", "max_abs_dk", "kl_mean", "rebuilt_token_layers"):
+            assert a[label][key] == b[label][key], (label, key)
+        for key in ("persistent_peak", "between_turns_peak", "final_persistent", "transient_peak"):
+            assert a[label]["state_bytes"].get(key) == b[label]["state_bytes"].get(key), (label, key)
