@@ -151,7 +151,7 @@ class Lane:
     forwards: list = field(default_factory=list)  # a `strategies.base.Forward` for each forward of the free run
     parks: list[dict] = field(default_factory=list)  # per park: seen, bytes measured and by formula, resume ms
     kv_digest: dict = field(default_factory=dict)  # layer -> bit sums of the K/V its latest forward handed attention
-    # The last query of the latest turn's prompt: {"position": p, "layers": {layer: (handed (p+1,) bool, probs
+    # The last query of the latest turn's prompt: {"position": p, "turn": t, "layers": {layer: (handed (p+1,) bool, probs
     # (p+1,) fp32)}} (lockstep.last_query_attention), None before the first turn.
     attention: dict | None = None
 

@@ -50,6 +50,7 @@ from .memory import AllocationTracer, harness
 from .metrics import clock
 from .replay import linear_rows
 from .strategies import StrategyCache
+from .strategies.scored import attention_probs
 
 LANES_IMPLEMENTATION = "kvdirect_lanes"
 _LOCAL = threading.local()  # .batch: the Batch in progress on this thread
@@ -216,17 +217,11 @@ def last_query_attention(query: torch.Tensor, keys: torch.Tensor, positions: tor
     head was not handed the position; each head's row sums to 1, so probs does.
     """
     n_kv = keys.shape[1]
-    q = query[:, :, -1:].float()
-    heads = q.shape[1]
-    logits = torch.einsum("bkgnd,bktd->bkgnt", q.view(1, n_kv, heads // n_kv, 1, q.shape[-1]), keys.float()) * scaling
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
+    query_at = torch.tensor([end - 1], device=keys.device)
+    probs = attention_probs(query[:, :, -1:], keys, query_at, positions, scaling, softcap, window)
+    probs = probs.mean(dim=2)[0, :, 0]  # (n_kv, T): each KV head's group of query heads averaged
     pos = positions.long().expand(1, n_kv, positions.shape[-1])
-    visible = pos <= end - 1
-    if window is not None:
-        visible &= pos > end - 1 - window
-    logits = logits.masked_fill(~visible[:, :, None, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).mean(dim=2)[0, :, 0]  # (n_kv, T): each KV head's group averaged
+    visible = (pos <= end - 1) if window is None else (pos <= end - 1) & (pos > end - 1 - window)
     out = torch.zeros(end, dtype=torch.float32, device=keys.device)
     out.index_add_(0, pos[0].flatten(), probs.flatten() / n_kv)
     handed = torch.zeros(end, dtype=torch.bool, device=keys.device)

@@ -96,11 +96,13 @@ class QueryProjector:
 
 
 def attention_probs(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
-                    key_positions: torch.Tensor, scaling: float, softcap: float | None = None) -> torch.Tensor:
+                    key_positions: torch.Tensor, scaling: float, softcap: float | None = None,
+                    window: int | None = None) -> torch.Tensor:
     """Causal attention probabilities in fp32, query heads grouped onto their KV head.
 
     queries (1, H, n, d_h), keys (1, n_kv, T, d_h), query_positions (n,),
-    key_positions (1, G, T) with G 1 or n_kv.  Returns (1, n_kv, H // n_kv, n, T).
+    key_positions (1, G, T) with G 1 or n_kv; `window`: a sliding layer's (a query at p sees keys after
+    p - window).  Returns (1, n_kv, H // n_kv, n, T).
     """
     _, heads, n, d_h = queries.shape
     n_kv = keys.shape[1]
@@ -108,7 +110,10 @@ def attention_probs(queries: torch.Tensor, keys: torch.Tensor, query_positions: 
     logits = torch.einsum("bkgnd,bktd->bkgnt", q, keys.float()) * scaling
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    visible = key_positions.long()[:, :, None, None, :] <= query_positions.long()[None, None, None, :, None]
+    keys_at, query_at = key_positions.long()[:, :, None, None, :], query_positions.long()[None, None, None, :, None]
+    visible = keys_at <= query_at
+    if window is not None:
+        visible &= keys_at > query_at - window
     logits = logits.masked_fill(~visible, float("-inf"))
     return torch.softmax(logits, dim=-1)
 
