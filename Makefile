@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install browser bench clean
+.PHONY: demo test check install browser bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +37,16 @@ demo: install
 browser:
 	@test -x /usr/bin/chromium || { apt-get update && apt-get install -y --no-install-recommends chromium; }
 
+# Two workers (pytest-xdist): tests that share a process-wide fixture run together (tests/conftest.py).
+WORKERS := -n 2
+
 test: install $(RAY_STAMP) browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(WORKERS)
+
+# The inner loop (a few minutes): model-free tests, the tiny families' exactness, one SmolLM2 exactness run, the
+# public-input checks (the tests marked `check`).
+check: install
+	$(BIN)/python -m pytest $(WORKERS) -m check
 
 bench: install
 	$(BIN)/python -m kvdirect_app.bench run --model smollm2-135m \

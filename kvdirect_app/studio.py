@@ -28,15 +28,19 @@ def main() -> None:
     from .ui.settings import default_model
 
     model = default_model()
-    threading.Thread(target=_warm_up, args=(model,), daemon=True).start()
     demo = build_demo(model=model)
     demo.queue(**queue_options()).launch(
         server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
         server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
         show_error=False,  # a visitor sees our one-line messages, never a traceback
         state_session_capacity=session_capacity(),
+        prevent_thread_lock=True,
         **launch_options(),
     )
+    # The model loads once the page is served: launch() checks that its own URL answers within 3 s, and a load
+    # beside it (torch's import holds the interpreter for seconds) made that check fail on a busy machine.
+    threading.Thread(target=_warm_up, args=(model,), daemon=True).start()
+    demo.block_thread()
 
 
 if __name__ == "__main__":

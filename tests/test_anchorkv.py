@@ -1,22 +1,25 @@
-"""AnchorKV: exactness at every spacing on every tiny family, replay counts, park and resume, settings."""
+"""AnchorKV: exactness at every spacing on every tiny family (each family's union run, tests/runs.py), replay
+counts, park and resume, settings."""
 
 import pytest
 import torch
 
 from kvdirect_app.engine import Engine, run_to_end
 from kvdirect_app.geometry import ModelGeometry
-from kvdirect_app.strategies import StrategyError, parse_spec, parse_specs
+from kvdirect_app.strategies import StrategyError, parse_specs
 from kvdirect_app.strategies.anchorkv import rebuild_all
 
-from .conftest import TINY_FAMILIES, all_sliding, bad_spec_error, tiny
+from .conftest import bad_spec_error
+from .runs import TINY_FAMILIES, all_sliding, anchorkv_lanes, run_once, tiny, tiny_union
 from .test_exactness_tiny import fast_mode_reports_its_error
 
 TURNS = ["Tell me about caches.", "Why do keys need positions?"]
 
 
-def _check_exact(result, n_layers, rebuilds=True):
+def _check_exact(result, n_layers, rebuilds=True, specs=None):
     ref = result["strategies"]["full"]
-    for spec, r in result["strategies"].items():
+    for spec in specs or result["strategies"]:
+        r = result["strategies"][spec]
         assert r["token_ids"] == ref["token_ids"] and r["token_match"] == 1.0, spec
         assert r["kv_exact"] is True and r["layers_compared"] == n_layers and r["shape_mismatches"] == 0, spec
         assert r["max_abs_dlogit"] == 0.0, spec
@@ -26,17 +29,13 @@ def _check_exact(result, n_layers, rebuilds=True):
             assert (r["rebuilt_token_layers"] > 0) == rebuilds, spec
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_every_spacing_is_bit_equal_and_keeps_tokens(family, dtype):
-    loaded = tiny(family, dtype)
-    L = loaded.config.num_hidden_layers
-    specs = ["full"] + [f"anchorkv:spacing={s}:budget=2:rebuild=step" for s in range(1, L + 1)]
-    specs += ["anchorkv:spacing=2:budget=3:token_id_anchor=false:replay=naive",
-              "anchorkv:anchors=dp:spacing=2:budget=2:rebuild=step", "anchorkv:anchors=0-2:budget=1"]
-    slides = all_sliding(loaded)
-    _check_exact(run_to_end(Engine(loaded, parse_specs(",".join(specs)), max_new_tokens=6), TURNS), L,
-                 rebuilds=not slides)
+    run = tiny_union(family, dtype)
+    L = run.engine.loaded.config.num_hidden_layers
+    _check_exact(run.result, L, rebuilds=not all_sliding(run.engine.loaded), specs=("full",) + anchorkv_lanes(L))
 
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3", "tiny-mistral", "tiny-olmo2"])
@@ -44,7 +43,7 @@ def test_park_and_resume_rebuild_exactly(family):
     loaded = tiny(family)
     L = loaded.config.num_hidden_layers
     specs = f"full,kvdirect:budget=3,kvdirect:budget=3:rebuild=turn,anchorkv:spacing=2:budget=3,anchorkv:spacing={L}:budget=3:rebuild=step"
-    result = run_to_end(Engine(loaded, parse_specs(specs), max_new_tokens=5), TURNS + ["Once more."], park=True)
+    result = run_once(loaded, specs, TURNS + ["Once more."], 5, park=True).result
     _check_exact(result, L, rebuilds=family != "tiny-mistral")
     for spec, r in result["strategies"].items():
         assert len(r["parks"]) == 2
@@ -65,35 +64,42 @@ def test_deepest_spacing_with_token_id_anchor_parks_at_four_bytes_per_token():
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
 def test_cascade_and_naive_rebuild_the_same_kv_with_the_predicted_pass_counts(family):
-    loaded = tiny(family)
-    geom = ModelGeometry.from_config(loaded.config, loaded.dtype)
-    strategy = parse_spec("anchorkv:spacing=1:budget=1")
-    engine = Engine(loaded, [strategy, parse_spec(f"anchorkv:spacing={geom.num_layers}:budget=1")], max_new_tokens=5)
-    run_to_end(engine, TURNS)
+    """Every token's K/V rebuilt from the anchors alone, after the union run, at the shallowest and the deepest
+    spacing: both replays give the full cache's K/V, with the pass counts the geometry predicts."""
+    run = tiny_union(family)
+    engine = run.engine
+    geom = ModelGeometry.from_config(engine.loaded.config, engine.loaded.dtype)
+    L = geom.num_layers
+    lanes = {lane.label: lane for lane in engine.lanes}
+    shallow, deep = (lanes[f"anchorkv:spacing={s}:budget=2:rebuild=step"] for s in (1, L))
     reference = engine.reference.cache
-    for lane in engine.lanes:
+    for lane in (shallow, deep):
         anchors = lane.strategy.anchor_layers(geom)
         replayer = lane.cache.store.replayer
-        with torch.inference_mode(), engine.kernel_scope():
-            for kind in ("cascade", "naive"):
-                replayer.passes = 0
-                kv = rebuild_all(lane.cache, kind)
-                assert replayer.passes == geom.replay_passes(anchors, cascade=kind == "cascade")
-                for g, (k, v) in kv.items():
-                    assert torch.equal(k, reference.layers[g].keys) and torch.equal(v, reference.layers[g].values)
-    deep = engine.lanes[1].strategy.anchor_layers(geom)
-    assert geom.replay_passes(deep, cascade=False) > geom.replay_passes(deep, cascade=True)
+        kept = replayer.passes
+        try:
+            with torch.inference_mode(), engine.kernel_scope():
+                for kind in ("cascade", "naive"):
+                    replayer.passes = 0
+                    kv = rebuild_all(lane.cache, kind)
+                    assert replayer.passes == geom.replay_passes(anchors, cascade=kind == "cascade")
+                    assert kv and len(kv) == len(geom.global_layers)
+                    for g, (k, v) in kv.items():
+                        assert torch.equal(k, reference.layers[g].keys) and torch.equal(v, reference.layers[g].values)
+        finally:
+            replayer.passes = kept
+    deep_anchors = deep.strategy.anchor_layers(geom)
+    assert geom.replay_passes(deep_anchors, cascade=False) > geom.replay_passes(deep_anchors, cascade=True)
 
 
 def test_one_chunk_replay_reports_its_drift():
     # Replaying all old tokens as one chunk changes GEMM and attention query lengths; whether that rounds
     # differently depends on the BLAS, so the test asks for a consistent, measured report, not for a drift.
-    loaded = tiny("tiny-llama")
-    result = run_to_end(Engine(loaded, parse_specs("full,anchorkv:spacing=2:budget=2:mode=fast:rebuild=step"),
-                               max_new_tokens=6), TURNS)
+    result = tiny_union("tiny-llama").result
     fast_mode_reports_its_error(result["strategies"]["anchorkv:spacing=2:budget=2:mode=fast:rebuild=step"])
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("text, words", [
     ("anchorkv:spacing=0", "spacing=0 must be >= 1"),
     ("anchorkv:anchors=1-2", "must include layer 0"),

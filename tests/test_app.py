@@ -1,4 +1,5 @@
-"""The web app as clients reach it: launched in-process, driven with gradio_client."""
+"""The web app as clients reach it: launched in-process (once per process: conftest's `app`), driven with
+gradio_client."""
 
 import json
 
@@ -13,7 +14,6 @@ from kvdirect_app.engine import Engine, run_to_end  # noqa: E402
 from kvdirect_app.models import load_model  # noqa: E402
 from kvdirect_app.strategies import parse_specs  # noqa: E402
 
-from .conftest import running_app  # noqa: E402
 from kvdirect_app.ui.runner import compare_specs  # noqa: E402
 from kvdirect_app.ui.settings import catalogue, default_names, expand  # noqa: E402
 
@@ -21,12 +21,6 @@ TINY = "tiny-llama"
 # Timings and process memory differ from run to run; everything else must be identical.
 VOLATILE = {"latency_ms", "tokens_per_s", "process_rss_peak_bytes", "threads", "shared_pass_ms_mean", "turn_seconds",
             "twins_ms_total", "twins_ms_per_step_mean"}
-
-
-@pytest.fixture(scope="module")
-def app():
-    with running_app(TINY, 6) as launched:
-        yield launched
 
 
 def stable(result: dict) -> dict:
@@ -158,7 +152,7 @@ def test_a_scenario_too_long_for_the_model_shows_one_message(app):
 
 def test_send_continues_the_conversation_and_settings_changes_replay(app):
     demo, _ = app
-    client = gradio_client.Client(demo.local_url, verbose=False)  # a session of its own: a new conversation
+    client = gradio_client.Client(demo.local_url, verbose=False, download_files=False)  # a session of its own
     outputs = outputs_of(demo, "send")
     chat_index = next(i for i, c in enumerate(outputs) if "kvd-chat" in (c.elem_classes or []))
     first = client.predict("Hello.", api_name="/send", **_controls(strategies=["full", "kvdirect"]))
@@ -177,7 +171,7 @@ def test_send_continues_the_conversation_and_settings_changes_replay(app):
 def test_on_zero_gpu_every_turn_rebuilds_and_replays_the_conversation(app, monkeypatch):
     demo, _ = app
     monkeypatch.setenv("SPACES_ZERO_GPU", "true")  # no engine outlives a call there
-    client = gradio_client.Client(demo.local_url, verbose=False)
+    client = gradio_client.Client(demo.local_url, verbose=False, download_files=False)
     outputs = outputs_of(demo, "send")
     chat_index = next(i for i, c in enumerate(outputs) if "kvd-chat" in (c.elem_classes or []))
     map_index = next(i for i, c in enumerate(outputs) if c.elem_id == "kvd-token-map")

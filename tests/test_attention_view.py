@@ -1,4 +1,4 @@
-"""The attention snapshot: the last query of a turn's prompt, at every layer, heads averaged.
+"""The attention snapshot: the last query of a turn's prompt, at every layer, heads averaged (tests/runs.py's runs).
 
 Checked against the model's own eager attention weights (transformers' `output_attentions`) for the full
 cache; exact strategies hand attention the full cache's K, so their snapshot is the full cache's, bit for bit;
@@ -10,31 +10,8 @@ import pytest
 import torch
 
 from kvdirect_app import compat
-from kvdirect_app.engine import Engine
-from kvdirect_app.strategies import parse_specs
 
-from .conftest import TINY_FAMILIES, all_sliding, tiny
-
-TURNS = ["Tell me about caches.", "Why do keys need positions?"]
-SPECS = "full,kvdirect:budget=4,anchorkv:spacing=2:budget=3,h2o:budget=8,snapkv:budget=16,window:budget=6"
-
-
-def _run(loaded, batch=True, snapshots=True, specs=SPECS):
-    engine = Engine(loaded, parse_specs(specs), max_new_tokens=6, batch=batch, threads=1)
-    engine.forwards.snapshots = snapshots
-    # label -> layer -> positions evicted after the last turn's first decode step (a superset of those evicted
-    # at the snapshot, the prompt's last pass: an evicted token never comes back)
-    evicted = {}
-    turn = 0
-    for event in engine.run(TURNS):
-        if event["type"] == "turn":
-            turn += 1
-        if event["type"] == "step" and turn == len(TURNS) and not evicted:
-            for label in engine.show:
-                layers = range(len(engine.reference.cache.layers))
-                evicted[label] = {j: {i for i, s in enumerate(engine.token_map(label, j)["states"]) if s == "evicted"}
-                                  for j in layers}
-    return engine, evicted
+from .runs import ATTENTION, TINY_FAMILIES, all_sliding, one_by_one, run_once, tiny, tiny_union
 
 
 def _eager_weights(loaded, ids: list[int]) -> list[torch.Tensor]:
@@ -48,11 +25,13 @@ def _eager_weights(loaded, ids: list[int]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_the_snapshot_is_the_models_own_attention_and_marks_what_was_evicted(family):
-    loaded = tiny(family)
-    engine, evicted = _run(loaded)
+    """On the family's union run: the snapshot of the last turn's prompt, every lane."""
+    run = tiny_union(family)
+    engine, evicted, loaded = run.engine, run.evicted_at_last_turn, run.engine.loaded
     maps = engine.attention_maps()
     full = maps["full"]
-    assert full["turn"] == len(TURNS) and len(full["tokens"]) == full["position"] + 1
+    turns = sum(e["type"] == "turn" for e in run.events)
+    assert set(maps) == set(engine.show) and full["turn"] == turns and len(full["tokens"]) == full["position"] + 1
     ids = engine.reference.history[:full["position"] + 1]
     for j, (ours, eager) in enumerate(zip(full["layers"], _eager_weights(loaded, ids))):
         handed = torch.tensor([w is not None for w in ours])
@@ -67,7 +46,7 @@ def test_the_snapshot_is_the_models_own_attention_and_marks_what_was_evicted(fam
             missing = {i for i, w in enumerate(layer) if w is None}
             assert abs(sum(w for w in layer if w is not None) - 1.0) < 1e-4, (label, j)
             if strategy in ("kvdirect", "anchorkv"):  # exact: the full cache's K, so the same weights
-                if engine.results()["strategies"][label]["kv_exact"]:
+                if run.result["strategies"][label]["kv_exact"]:
                     assert layer == _full_on_same_history(engine, label, maps, j), (label, j)
             elif not compat.layer_specs(loaded.config)[j].is_sliding:
                 # Not handed = evicted before this step; a token evicted by this very step was still handed.
@@ -84,15 +63,19 @@ def _full_on_same_history(engine, label, maps, j):
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
 def test_snapshots_change_no_figure_and_batching_changes_no_snapshot(family):
+    """The same lanes with and without snapshots: the same tokens, reports and bytes (peaks included: the same
+    lanes share each pass); and the snapshots of lanes one after another are those of the batched lanes."""
     loaded = tiny(family)
-    with_snap, _ = _run(loaded)
-    without, _ = _run(loaded, snapshots=False)
-    one_by_one, _ = _run(loaded, batch=False)
-    assert without.attention_maps() == {}
-    assert with_snap.attention_maps() == one_by_one.attention_maps()
-    a, b = with_snap.results()["strategies"], without.results()["strategies"]
+    with_snap = run_once(loaded, ATTENTION, threads=1)
+    without = run_once(loaded, ATTENTION, threads=1, snapshots=False)
+    sequential = one_by_one(tiny_union(family))
+    assert without.engine.attention_maps() == {}
+    maps, alone = with_snap.engine.attention_maps(), sequential.engine.attention_maps()
+    assert set(maps) == set(ATTENTION) <= set(alone)
+    assert all(maps[label] == alone[label] for label in maps)
+    a, b = with_snap.result["strategies"], without.result["strategies"]
     for label in a:
         for key in ("token_ids", "kv_exact", "max_abs_dk", "kl_mean", "rebuilt_token_layers"):
             assert a[label][key] == b[label][key], (label, key)
-        for key in ("persistent_peak", "between_turns_peak", "final_persistent", "transient_peak"):
-            assert a[label]["state_bytes"].get(key) == b[label]["state_bytes"].get(key), (label, key)
+        for key in ("persistent_peak", "between_turns_peak", "final_persistent", "peak"):
+            assert a[label]["state_bytes"][key] == b[label]["state_bytes"][key], (label, key)

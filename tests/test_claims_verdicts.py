@@ -6,6 +6,8 @@ from kvdirect_app.claims import papers
 from kvdirect_app.claims.verdicts import (DIRECTION_ONLY, EQUAL, EXACT_TOLERANCE, FAILS, HIGHER, HOLDS, LOWER,
                                           NOT_MEASURED, SIZE_TOLERANCE, VERDICTS, judge, rule_text, worst)
 
+pytestmark = pytest.mark.check  # the inner loop (`make check`)
+
 
 def test_higher_is_better_holds_within_the_tolerance_and_keeps_its_direction_below():
     assert judge(16.3, 16.3, HIGHER, SIZE_TOLERANCE, 1.0) == HOLDS

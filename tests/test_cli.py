@@ -1,12 +1,17 @@
 """The benchmark CLI: JSON shape, and one clear line for every kind of bad input."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from kvdirect_app import bench
+from kvdirect_app.schema import schema_of
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TOP_KEYS = {"model", "device", "dtype", "prompt_ids", "strategies"}
 STRATEGY_KEYS = {"token_ids", "text", "token_match", "first_divergence", "kv_exact", "max_abs_dk", "max_abs_dv",
@@ -54,12 +59,35 @@ def test_cuda_request_without_cuda_is_an_error_not_a_fallback(capsys):
     assert "device: 'cuda' is not available here; allowed: auto, cpu" in capsys.readouterr().err
 
 
-def test_the_module_runs_as_a_program_and_fails_cleanly():
-    proc = subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "run", "--model", "tiny-llama",
-                           "--strategies", "h2o_typo"], capture_output=True, text=True, timeout=300)
+def test_the_module_runs_as_a_program_and_fails_cleanly(tmp_path):
+    """The one test that runs the CLI as a program (every other test calls `bench.main` in-process): a bad
+    strategy and an argparse error are each one line and status 2; and the schema check carries into the child
+    process through the environment (conftest sets KVDIRECT_VALIDATE_JSON): a document its schema refuses (here:
+    a schema that requires a field no result has) is not written."""
+    def bench(*args, code=None, env=None):
+        argv = ["-c", code, *args] if code else ["-m", "kvdirect_app.bench", *args]
+        return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, env=env)
+
+    proc = bench("run", "--model", "tiny-llama", "--strategies", "h2o_typo")
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: unknown strategy 'h2o_typo'")
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+    proc = bench("run", "--max-new-tokens", "lots")
+    assert proc.returncode == 2
+    assert "--max-new-tokens: invalid int value: 'lots'" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+    schemas = tmp_path / "docs" / "schema"
+    schemas.mkdir(parents=True)
+    strict = schema_of("breakeven") | {"required": [*schema_of("breakeven")["required"], "no_such_field"]}
+    (schemas / "breakeven.json").write_text(json.dumps(strict))
+    (tmp_path / "presets").symlink_to(ROOT / "presets")
+    code = ("import sys; from kvdirect_app import paths; paths.CHECKOUT = paths.Path(sys.argv[1]); "
+            "from kvdirect_app import bench; sys.exit(bench.main(['breakeven', '--model', 'smollm2-135m', "
+            "'--json', sys.argv[2]]))")
+    out = tmp_path / "b.json"
+    done = bench(str(tmp_path), str(out), code=code, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2 and "no_such_field" in done.stderr and not out.exists(), done.stderr[-500:]
 
 
 def test_alone_runs_each_strategy_in_a_process_of_its_own_and_loads_no_model_itself(tmp_path, capsys):

@@ -20,7 +20,8 @@ from kvdirect_app.engine import Engine, InputTap, run_to_end
 from kvdirect_app.strategies import parse_spec, parse_specs
 from kvdirect_app.strategies.scored import ScoredLayer
 
-from .conftest import bad_spec_error, tiny
+from .conftest import bad_spec_error
+from .runs import LARGE_BUDGET, tiny, tiny_union
 
 TURNS = ["Tell me about caches.", "Why do keys need positions?", "Summarise."]
 EVICTION = ("window", "streaming_llm", "h2o", "snapkv", "tova")
@@ -41,11 +42,11 @@ def _global_layers(cache):
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3", "tiny-olmo2", "tiny-gemma2", "tiny-gemma3", "tiny-mistral"])
 def test_a_budget_larger_than_the_conversation_gives_the_full_caches_tokens(family):
-    loaded = tiny(family)
-    result = _run(loaded, ",".join(["full"] + [f"{name}:budget=400" for name in EVICTION]))
+    result = tiny_union(family).result  # its eviction lanes at budget 400
     ref = result["strategies"]["full"]
     seen = len(result["prompt_ids"]) + sum(len(c) for c in result["turn_chunk_ids"][1:]) + len(ref["token_ids"])
     assert 12 < seen < 400  # crosses the sliding window, stays inside the budget
+    assert LARGE_BUDGET == tuple(f"{name}:budget=400" for name in EVICTION)
     for name in EVICTION:
         r = result["strategies"][f"{name}:budget=400"]
         assert r["token_ids"] == ref["token_ids"], name
@@ -357,6 +358,7 @@ def test_snapkv_shrinks_a_window_that_does_not_fit_the_budget_and_says_so():
 
 # --- settings and the sweep ---------------------------------------------------------------------------------------
 
+@pytest.mark.check
 @pytest.mark.parametrize("text, words", [
     ("window:budget=0", "window: budget=0 must be >= 1"),
     ("tova:budget=-3", "tova: budget=-3 must be >= 1"),

@@ -95,8 +95,10 @@ def test_sweep_on_a_local_ray_gives_the_in_process_json(in_process, small_local_
 
 
 def test_run_cells_keeps_the_cells_order_and_pins_each_childs_threads():
-    cells = [{"x": x, "threads": 1} for x in range(5)]
-    assert run_cells(threads_seen, cells, "local", workers=2) == [(x, 1) for x in range(5)]
+    """Each child computes on its cell's threads, whatever it inherited (the suite's workers start children at one
+    thread: OMP_NUM_THREADS, tests/conftest.py), so 2 shows the pin."""
+    cells = [{"x": x, "threads": 2} for x in range(5)]
+    assert run_cells(threads_seen, cells, "local", workers=2) == [(x, 2) for x in range(5)]
     assert run_cells(threads_seen, [], "local") == []
 
 

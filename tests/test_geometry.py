@@ -9,6 +9,8 @@ import torch
 from kvdirect_app import bench
 from kvdirect_app.geometry import ModelGeometry, load_config
 
+pytestmark = pytest.mark.check  # the inner loop (`make check`)
+
 LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
          "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16}
 GEMMA = {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,

@@ -5,8 +5,6 @@ Each equality below can fail: the mutation tests raise rows to a count the probe
 block attention one key more, and the same checks then see other bits."""
 
 import math
-import multiprocessing
-import os
 
 import pytest
 import torch
@@ -18,14 +16,20 @@ from kvdirect_app.engine import InputError
 from kvdirect_app.errors import UserError
 from kvdirect_app.strategies import parse_specs
 
-from .conftest import tiny
+from .runs import TINY_TURNS as TURNS, run_once, tiny, tiny_union
+from .test_smollm2 import SMOL_EXACT, SMOL_TURNS, smollm2_run
 
-TURNS = ["Tell me about caches.", "Why do keys need positions?"]
-EXACT = "full,kvdirect:budget=4,anchorkv:spacing=2:budget=4:rebuild=step"
+# Lanes of the union run (tests/runs.py): its one-thread half of the comparisons below.
+EXACT = "full,kvdirect:budget=4,anchorkv:spacing=2:budget=3:rebuild=step"
 
 
 def _run(loaded, specs=EXACT, max_new=8, turns=TURNS, **kw):
     return run_to_end(Engine(loaded, parse_specs(specs), max_new_tokens=max_new, **kw), turns)
+
+
+def _shared(loaded, **kw) -> dict:
+    """EXACT over the tiny conversation, made once per process (tests/runs.py)."""
+    return run_once(loaded, EXACT, **kw).result
 
 
 def _exact(result, specs=EXACT):
@@ -119,12 +123,9 @@ def test_a_query_has_the_same_bits_alone_in_a_prompt_and_among_lanes():
         alone = K.block_attention(q[:, e - 1:e], k[:, :e], v[:, :e], e, scale, pad=pad)
         assert torch.equal(alone[0], whole[e - 1]), e
         assert torch.equal(lane[0], whole[e - 1]), e
-    # The checks can fail: the same query over one key more (a dropped mask) has other bits, and so has one
-    # query whose score GEMM keeps its 2 rows (a count the probe rejects) instead of a proven count.
+    # The check can fail: the same query over one key more (a dropped mask) has other bits.
     more = K.block_attention(q[:, 99:100], k[:, :101], v[:, :101], 101, scale, pad=pad)
     assert not torch.equal(more[0], whole[99])
-    unpadded = [K.block_attention(q[:, e - 1:e], k[:, :e], v[:, :e], e, scale)[0] for e in ends]
-    assert any(not torch.equal(u, whole[e - 1]) for u, e in zip(unpadded, ends))
 
 
 def test_sdpa_would_not_pass_the_same_check():
@@ -140,11 +141,11 @@ def test_sdpa_would_not_pass_the_same_check():
 # --- exactness in runs -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3", "tiny-gemma3"])
 def test_digests_are_the_same_at_one_and_two_threads(family):
-    loaded = tiny(family)
-    one, two = _run(loaded, threads=1), _run(loaded, threads=2)
+    one, two = tiny_union(family).result, _shared(tiny(family), threads=2, kernels="invariant")
     for result in (one, two):
         assert result["kernels"]["mode"] == "invariant", result["kernels"]["reason"]
         _exact(result)
+    assert one["threads"] == 1 and two["threads"] == 2
     for spec in EXACT.split(","):
         assert one["strategies"][spec]["kv_digest"] == two["strategies"][spec]["kv_digest"], spec
         assert one["strategies"][spec]["token_ids"] == two["strategies"][spec]["token_ids"], spec
@@ -174,35 +175,10 @@ def test_set_threads_refuses_bad_counts():
         engine.set_threads(0)
 
 
-def _busy(stop):
-    while not stop.is_set():
-        sum(i * i for i in range(10_000))
-
-
-def test_exact_under_load():
-    """Four busy processes on the two cores while a run at 2 threads: exact, and the same digests as a quiet
-    run (a thread that lags changes nothing a kernel computes)."""
-    loaded = tiny("tiny-qwen2")
-    quiet = _run(loaded, threads=2)
-    stop = multiprocessing.Event()
-    busy = [multiprocessing.Process(target=_busy, args=(stop,), daemon=True) for _ in range(2 * (os.cpu_count() or 2))]
-    for p in busy:
-        p.start()
-    try:
-        loaded_run = _run(loaded, threads=2)
-    finally:
-        stop.set()
-        for p in busy:
-            p.join(timeout=10)
-    _exact(loaded_run)
-    for spec in EXACT.split(","):
-        assert loaded_run["strategies"][spec]["kv_digest"] == quiet["strategies"][spec]["kv_digest"], spec
-
-
 @pytest.mark.parametrize("kernels", ["invariant", "native"])
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma2"])
 def test_both_modes_are_exact_where_they_claim_it(family, kernels):
-    result = _run(tiny(family), kernels=kernels)
+    result = _shared(tiny(family), threads=2, kernels=kernels)
     assert result["kernels"]["mode"] == kernels
     _exact(result)
 
@@ -224,36 +200,32 @@ def test_native_falls_back_loudly_never_silently(monkeypatch):
 
 
 # --- the embedded model ----------------------------------------------------------------------------------
-SMOL_SPECS = "full,kvdirect:budget=16,anchorkv:spacing=7:budget=16:rebuild=step"
-SMOL_TURNS = ["What is the capital of France? Answer in one sentence.", "And of Italy?"]
-
-
 def test_smollm2_invariant_exact_and_a_rejected_row_count_breaks_it(smollm2, monkeypatch):
-    """On SmolLM2: every exact lane bit-equal in invariant mode.  Mutation: run a row count the probe rejected
-    (the three lanes' decode rows left at 3, not raised to a proven count), and the same run's rebuilt K/V
-    differ from what the forward handed attention.  (Raising 3 rows to 5 or 11, counts the probe also
-    rejected, keeps them exact on this CPU: MKL computes the first rows of such a call in the same panels
-    as a large call's and only the remainder rows differ, which the probe sees at its second offset.)"""
-    result = _run(smollm2, SMOL_SPECS, max_new=10, turns=SMOL_TURNS)
+    """On SmolLM2 (the shared two-turn run of test_smollm2.py): every exact lane bit-equal in invariant mode.
+    Mutation: run a row count the probe rejected (the three lanes' decode rows left at 3, not raised to a proven
+    count), and the same run's rebuilt K/V differ from what the forward handed attention.  (Raising 3 rows to 5
+    or 11, counts the probe also rejected, keeps them exact on this CPU: MKL computes the first rows of such a
+    call in the same panels as a large call's and only the remainder rows differ, which the probe sees at its
+    second offset.)"""
+    result = smollm2_run(smollm2).result
     assert result["kernels"]["mode"] == "invariant"
-    _exact(result, SMOL_SPECS)
+    _exact(result, SMOL_EXACT)
     kernels = K.Kernels.for_model(smollm2, "invariant", torch.get_num_threads())
-    lanes = len(SMOL_SPECS.split(","))
+    lanes = len(SMOL_EXACT.split(","))
     rejected = [v for v in kernels.verdicts.values()
                 if isinstance(v, K.Verdict) and v.key[4] == kernels.threads and lanes in v.failed]
     assert rejected, f"the probe rejected no GEMM of {lanes} rows here: there is no wrong count to mutate to"
     proven = K.Verdict.pad
     monkeypatch.setattr(K.Verdict, "pad", lambda self, m: m if m in self.failed else proven(self, m))
-    broken = _run(smollm2, SMOL_SPECS, max_new=10, turns=SMOL_TURNS)
+    broken = _run(smollm2, SMOL_EXACT, max_new=10, turns=SMOL_TURNS)
     assert broken["kernels"]["mode"] == "invariant"  # the probe's verdicts are kept: the run used the wrong count
-    assert any(broken["strategies"][s]["kv_exact"] is False for s in SMOL_SPECS.split(",")[1:])
+    assert any(broken["strategies"][s]["kv_exact"] is False for s in SMOL_EXACT.split(",")[1:])
 
 
 def test_smollm2_native_and_invariant_reference_say_the_same(smollm2):
-    """The reference's kernels change its bits, not its reply: both modes give the same tokens here, and the
-    logits differ by rounding only (the figure the README quotes)."""
-    a = _run(smollm2, "full", max_new=16, turns=SMOL_TURNS[:1], kernels="native")
-    b = _run(smollm2, "full", max_new=16, turns=SMOL_TURNS[:1], kernels="invariant")
+    """The reference's kernels change its bits, not its reply: both modes give the same tokens here (the runs
+    test_smollm2.py compares with `generate`)."""
+    a, b = (run_once(smollm2, "full", SMOL_TURNS[:1], 24, kernels=kernels).result for kernels in ("native", "invariant"))
     assert a["strategies"]["full"]["token_ids"] == b["strategies"]["full"]["token_ids"]
     assert a["strategies"]["full"]["kv_digest"] != b["strategies"]["full"]["kv_digest"]  # other bits, same answer
 

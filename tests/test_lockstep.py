@@ -9,38 +9,27 @@ and runs without teacher-forced twins.
 import pytest
 import torch
 
-from kvdirect_app.engine import Engine, run_to_end
+from kvdirect_app.engine import Engine
 from kvdirect_app.strategies import parse_specs
 from kvdirect_app.text import ReplyText
 
-from .conftest import TINY_FAMILIES, all_sliding, tiny
+from .runs import LOCKSTEP, TINY_FAMILIES, TINY_TURNS, all_sliding, one_by_one, run_once, tiny, tiny_union
 
-TURNS = ["Tell me about caches.", "Why do keys need positions?"]
-SPECS = ("full,kvdirect:budget=4,kvdirect:budget=3:mode=fast,anchorkv:spacing=2:budget=3:rebuild=step,"
-         "anchorkv:spacing=2:budget=3,h2o:budget=8,snapkv:budget=16,tova:budget=6,streaming_llm:budget=8,window:budget=6")
 SAME = ("token_ids", "kv_exact", "max_abs_dk", "max_abs_dv", "max_abs_dlogit", "kl_mean", "teacher_forced_agreement",
         "rebuilt_token_layers")
 
 
-def _trace(loaded, specs, batch, turns=TURNS, **options):
-    """Results, per-step logits of every lane and twin, and the events' types."""
-    engine = Engine(loaded, parse_specs(specs), max_new_tokens=8, batch=batch, threads=1, **options)
-    steps, kinds = [], []
-    for event in engine.run(turns):
-        kinds.append(event["type"])
-        if event["type"] == "step":
-            steps.append([(lane.label, lane.logits.clone(), None if lane.tf_logits is None else lane.tf_logits.clone())
-                          for lane in engine.all_lanes])
-    return engine.results(), steps, kinds
-
-
-def assert_same_bits(loaded, specs=SPECS, turns=TURNS, **options):
-    (one, steps_one, kinds_one), (batched, steps_batched, kinds_batched) = (
-        _trace(loaded, specs, False, turns, **options), _trace(loaded, specs, True, turns, **options))
+def assert_same_bits(batched_run, specs=LOCKSTEP):
+    """Lanes one after another (a run of `specs` alone, `batch=False`) against the same lanes in a batched run
+    (which may hold more lanes: a lane's bits do not depend on who else is in the batch)."""
+    one_run = one_by_one(batched_run, specs)
+    one, batched = one_run.result, batched_run.result
     assert batched["batched"] and not one["batched"]
-    assert kinds_one == kinds_batched and len(steps_one) == len(steps_batched) > 4
-    for a, b in zip(steps_one, steps_batched):
-        for (label, logits, twin), (_, logits_b, twin_b) in zip(a, b):
+    assert one_run.kinds == batched_run.kinds and len(one_run.steps) == len(batched_run.steps) > 4
+    for a, b in zip(one_run.steps, batched_run.steps):
+        assert set(a) <= set(b)
+        for label, (logits, twin) in a.items():
+            logits_b, twin_b = b[label]
             assert torch.equal(logits, logits_b), label
             assert (twin is None) == (twin_b is None) and (twin is None or torch.equal(twin, twin_b)), label
     for label, r in one["strategies"].items():
@@ -54,29 +43,33 @@ def assert_same_bits(loaded, specs=SPECS, turns=TURNS, **options):
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_batched_lanes_give_the_same_bits_as_lanes_one_after_another(family):
-    loaded = tiny(family)
-    one, batched = assert_same_bits(loaded)
+    run = tiny_union(family)
+    loaded = run.engine.loaded
+    one, batched = assert_same_bits(run)
     # Some lanes diverged, so twins ran in the batch too (not on a model whose every layer slides: its window
     # holds what every strategy's budget does).
     assert any(r["first_divergence"] is not None for r in batched["strategies"].values()) != all_sliding(loaded)
     assert batched["shared_pass_ms_mean"] is not None and batched["strategies"]["full"]["latency_ms"]["decode_shared_ms_mean"]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16"])
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
-def test_batched_lanes_in_bf16(family):
-    assert_same_bits(tiny(family, "bfloat16"))
+def test_batched_lanes_in_bf16(family, dtype):
+    assert_same_bits(tiny_union(family, dtype))
 
 
 def test_batched_lanes_on_smollm2(smollm2):
     specs = "full,kvdirect:budget=16,anchorkv:spacing=30:budget=16,h2o:budget=16,snapkv:budget=16,tova:budget=16"
-    one, batched = assert_same_bits(smollm2, specs, ["What is the capital of France?"])
+    batched_run = run_once(smollm2, specs, ["What is the capital of France?"], 8, steps=True, threads=1)
+    one, batched = assert_same_bits(batched_run, specs)
     assert batched["strategies"]["kvdirect:budget=16"]["kv_exact"] is True
 
 
 def test_a_long_prompt_is_fed_in_pieces_the_same_for_every_lane():
     loaded = tiny("tiny-llama")
     prompt = "A long message about caches and residual streams. " * 3
-    one, batched = assert_same_bits(loaded, turns=[prompt, "Summarise."], prefill_chunk=40)
+    batched_run = run_once(loaded, LOCKSTEP, [prompt, "Summarise."], 8, steps=True, threads=1, prefill_chunk=40)
+    one, batched = assert_same_bits(batched_run)
     engine = Engine(loaded, parse_specs("full,kvdirect:budget=4"), max_new_tokens=3, prefill_chunk=40)
     events = list(engine.run([prompt]))
     progress = [e for e in events if e["type"] == "prefill"]
@@ -87,8 +80,7 @@ def test_a_long_prompt_is_fed_in_pieces_the_same_for_every_lane():
 
 
 def test_without_twins_agreement_stops_at_the_first_divergence():
-    loaded = tiny("tiny-llama")
-    result = run_to_end(Engine(loaded, parse_specs("full,window:budget=4"), max_new_tokens=8, twins=False), TURNS)
+    result = run_once(tiny("tiny-llama"), "full,window:budget=4", TINY_TURNS[:2], 8, twins=False).result
     r = result["strategies"]["window:budget=4"]
     assert result["teacher_forced_twins"] is False
     assert r["first_divergence"] is not None

@@ -14,6 +14,8 @@ from kvdirect_app.strategies.base import storage_bytes
 
 from .conftest import bad_spec_error
 
+pytestmark = pytest.mark.check  # the inner loop (`make check`)
+
 
 def test_storage_bytes_counts_a_view_at_its_buffer_size_once():
     buf = torch.zeros(10, 4)

@@ -9,12 +9,10 @@ are refused with a message naming why, and that each shipped recording replays t
 import copy
 import gzip
 import json
-import subprocess
-import sys
 
 import pytest
 
-from kvdirect_app import recording, service
+from kvdirect_app import bench, recording, service
 from kvdirect_app.recording import FORMAT, VERSION, RecordingError, Recorder
 from kvdirect_app.scenarios import scenarios
 from kvdirect_app.ui import playback, runner, views
@@ -171,11 +169,10 @@ def test_paced_playback_keeps_the_recorded_gaps_and_stops_when_asked(recorded):
     assert list(playback.paced(short, 0.0, lambda: True)) == []
 
 
-def test_bench_record_and_run_record_write_recordings(tmp_path):
+def test_bench_record_and_run_record_write_recordings(tmp_path, capsys):
     out = tmp_path / "r.json.gz"
-    cmd = [sys.executable, "-m", "kvdirect_app.bench", "record", "--model", TINY, "--scenario", "capitals",
-           "--max-new-tokens", "3", "--out", str(out), "--json", str(tmp_path / "r.json")]
-    subprocess.run(cmd, check=True, capture_output=True)
+    assert bench.main(["record", "--model", TINY, "--scenario", "capitals", "--max-new-tokens", "3", "--out", str(out),
+                       "--json", str(tmp_path / "r.json")]) == 0
     rec = recording.load(out)
     assert rec["meta"]["source"] == "bench record" and rec["meta"]["scenario"] == "capitals"
     assert rec["meta"]["specs"] == [expand(n, 64, 4, "exact", "step") for n in default_names()]  # the page's panes
@@ -185,13 +182,13 @@ def test_bench_record_and_run_record_write_recordings(tmp_path):
     for label, r in results["strategies"].items():
         assert [reply.text for reply in played.lanes[label].replies] == r["turn_texts"], label
     run = tmp_path / "run.json"
-    subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "run", "--model", TINY, "--prompt", "hi",
-                    "--strategies", "full,window:budget=4", "--max-new-tokens", "3", "--record", str(run)],
-                   check=True, capture_output=True)
+    assert bench.main(["run", "--model", TINY, "--prompt", "hi", "--strategies", "full,window:budget=4",
+                       "--max-new-tokens", "3", "--record", str(run)]) == 0
     assert recording.load(run)["meta"]["source"] == "bench run"
-    bad = subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "record", "--model", TINY, "--out", "x.txt"],
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "--out" in bad.stderr and "ends in .json or .json.gz" in bad.stderr
+    capsys.readouterr()
+    assert bench.main(["record", "--model", TINY, "--out", "x.txt"]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "ends in .json or .json.gz" in err and err.count("\n") == 1
 
 
 def test_the_token_map_opens_on_the_most_telling_view(recorded):
@@ -250,10 +247,9 @@ def test_each_shipped_recording_replays_to_the_figures_it_holds(name):
 
 # --- the page's handlers: replay, a message after a recording, the hosted time budget ---------------------------
 @pytest.fixture(scope="module")
-def handlers():
-    from kvdirect_app.ui import build_demo
-
-    return build_demo(model=TINY, max_new_tokens=4).kvd_handlers
+def handlers(app):
+    """The handlers of the app launched once per process (conftest's `app`), called directly."""
+    return app[0].kvd_handlers
 
 
 def controls(**overrides) -> dict:

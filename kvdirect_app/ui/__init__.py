@@ -1,15 +1,27 @@
-"""The Studio web UI (Gradio): a thin client of the engine that never imports torch."""
+"""The Studio web UI (Gradio): a thin client of the engine that never imports torch.
+
+Gradio is imported when the page is built (`build_demo`), not with this package: the CLI reads the page's
+settings (`ui.settings`) and must not pay gradio's import (~5 s here) on every start.
+"""
 
 from __future__ import annotations
 
-from .layout import ASSETS, build_demo
-
 __all__ = ["build_demo", "launch_options"]
+
+
+def __getattr__(name: str):
+    if name == "build_demo":
+        from .layout import build_demo
+
+        return build_demo
+    raise AttributeError(f"module 'kvdirect_app.ui' has no attribute {name!r}")
 
 
 def launch_options() -> dict:
     """Theme and CSS for `demo.launch(...)` (Gradio 6 takes them there, not in `Blocks`)."""
     import gradio as gr
+
+    from .layout import ASSETS
 
     # Local fonts only: the demo must render offline (no web fonts).
     theme = gr.themes.Default(

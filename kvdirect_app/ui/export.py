@@ -13,8 +13,9 @@ from .plots import all_figures
 from .session import Session
 
 
-def write_exports(session: Session) -> dict[str, str]:
-    """Write the session's run into its own folder; returns {kind: path}."""
+def write_exports(session: Session, figures: dict | None = None) -> dict[str, str]:
+    """Write the session's run into its own folder; returns {kind: path}.  `figures`: the plots just drawn for the
+    page (`all_figures`), drawn here otherwise."""
     if session.workdir is None:
         session.workdir = tempfile.mkdtemp(prefix="kvdirect-studio-")
     folder = Path(session.workdir)
@@ -41,7 +42,7 @@ def write_exports(session: Session) -> dict[str, str]:
         recording["meta"]["turns"] = list(session.user_turns)
     if recording is not None:
         save(recording, paths["recording"])
-    figures = list(all_figures(session).values())
+    figures = list((figures or all_figures(session)).values())
     parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figures)]
     paths["plots"].write_text("<!doctype html><html><head><meta charset='utf-8'><title>KV-Direct Studio plots</title>"
                               "</head><body>" + "\n".join(parts) + "</body></html>")

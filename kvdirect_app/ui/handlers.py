@@ -180,11 +180,12 @@ class Handlers:
         out[a.prompt] = gr.Textbox(interactive=not busy)
         if message is not None:
             out[v.status] = views.status(message, kind)
+        figures = None
         if plots:
             t0 = time.monotonic()
-            out[v.memory] = memory_figure(session)
-            out[v.latency] = latency_figure(session)
-            out[v.agreement] = agreement_figure(session)
+            figures = {"memory": memory_figure(session), "latency": latency_figure(session),
+                       "agreement": agreement_figure(session)}
+            out[v.memory], out[v.latency], out[v.agreement] = figures["memory"], figures["latency"], figures["agreement"]
             session.last_plot = time.monotonic()
             session.plot_cost = session.last_plot - t0
         if final:
@@ -194,7 +195,7 @@ class Handlers:
             out[v.token_map] = self._token_map_html(session, label, layer, other)
             out[v.attention] = runner.attention_plot(session, label, layer)
             out[v.map_layer] = gr.Slider(value=layer)
-            out.update(self._downloads(session))
+            out.update(self._downloads(session, figures))
         return out
 
     @staticmethod
@@ -204,13 +205,13 @@ class Handlers:
             return session.token_maps
         return None
 
-    def _downloads(self, session: Session) -> dict:
+    def _downloads(self, session: Session, figures: dict | None = None) -> dict:
         v = self.s.views
         buttons = (v.download_json, v.download_steps, v.download_summary, v.download_plots, self.s.recordings.download)
         if session.result is None:
             return {b: gr.DownloadButton(value=None, interactive=False) for b in buttons}
         try:
-            paths = write_exports(session)
+            paths = write_exports(session, figures)
         except Exception as e:  # a download that cannot be written must not break the page
             log.error("writing the exports failed:\n%s", traceback.format_exc())
             gr.Warning(f"The downloads could not be written: {type(e).__name__}: {str(e)[:200]}")

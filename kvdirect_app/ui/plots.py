@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from ..palette import colours, symbol
@@ -17,6 +18,20 @@ OP_COLOURS = {"recompute": "#0072B2", "replay": "#56B4E9", "scoring": "#CC79A7",
 OP_ORDER = list(OP_COLOURS)
 MARKS = 10  # markers along each line
 POSITION_AXIS = "conversation position (tokens)"  # prompt + reply tokens so far: one step is one x for every lane
+
+
+def _white() -> go.layout.Template:
+    """plotly_white cut to what these figures use (cartesian axes; scatter and bar traces): the same look, and each
+    figure's copy of it costs ~8 ms instead of ~30 (the figures are drawn again and again while a turn runs)."""
+    white = pio.templates["plotly_white"]
+    keep = ("autotypenumbers", "colorway", "font", "hovermode", "hoverlabel", "paper_bgcolor", "plot_bgcolor", "xaxis",
+            "yaxis", "shapedefaults", "annotationdefaults", "title")
+    layout = {k: v for k, v in white.layout.to_plotly_json().items() if k in keep}
+    data = {k: v for k, v in white.data.to_plotly_json().items() if k in ("scatter", "bar")}
+    return go.layout.Template(layout=layout, data=data)
+
+
+TEMPLATE = _white()
 
 
 def _scale(values: list[float]) -> tuple[float, str]:
@@ -54,7 +69,7 @@ def _layout(fig: go.Figure, height: int, title_text: str, session: Session | Non
     if session is not None and session.recording:
         title_text += f"<br><sup>{session.recorded_label}</sup>"
     fig.update_layout(
-        template="plotly_white", font=FONT, height=height,
+        template=TEMPLATE, font=FONT, height=height,
         title=dict(text=title_text, x=0.01, xanchor="left", yref="container", y=1, yanchor="top",
                    pad=dict(t=24), font=dict(size=20)),
         margin=dict(l=70, r=20, t=105 if "<br>" in title_text else 80, b=60, autoexpand=True),
