@@ -446,6 +446,7 @@ class Engine:
             "kv_digest": kv_digest(lane.kv_digest),
             "canonical_spec": lane.strategy.spec(),
             "mode": getattr(lane.strategy, "mode", None),  # "exact" | "fast" for rebuilding strategies, else None
+            "kernels": self._lane_kernels(lane),
             "notes": lane.strategy.notes,
             "claims_exact": lane.strategy.claims_exact and self.determinism["deterministic"],
             "exact_unavailable": None if not lane.strategy.claims_exact or self.determinism["deterministic"]
@@ -456,6 +457,13 @@ class Engine:
             "parks": lane.parks,
             "tokens_per_s": len(lane.times.decode) / decode_s if decode_s > 0 else None,
         }
+
+    def _lane_kernels(self, lane: Lane) -> dict:
+        """What computed this lane: its forwards (the run's kernels) and its rebuilt K/V (the run's in exact mode,
+        the model's own in one call with `mode=fast`, nothing for a strategy that rebuilds nothing)."""
+        mode = getattr(lane.strategy, "mode", None)
+        return {"forward": self.kernels.mode,
+                "rebuild": None if mode is None else "native, one call" if mode == "fast" else self.kernels.mode}
 
     def results(self) -> dict:
         by_label = {self.reference.label: self.reference, **{lane.label: lane for lane in self.lanes}}

@@ -4,138 +4,75 @@ Two modes for a run (`--kernels`):
 
 * ``invariant`` (the default wherever the probe passes): every linear layer
   of every lane, the reference included, is one GEMM over all the rows that
-  need it, its row count raised with zero rows to a count the probe proved
-  invariant on this device, dtype and thread count; attention is
-  `block_attention` (keys in fixed blocks of 64 anchored at position 0, an
-  exact maximum, per-block sums and P@V of fixed shapes combined by a
-  sequential cumulative sum, masked keys exact zeros), the same for a
-  one-token step (all lanes' queries in one call: `lanes_block_attention`),
-  a prompt and a replay of any number of old tokens.  So a
-  rebuild or replay may group rows any way it likes: KV-Direct rebuilds all
-  old K/V with one GEMM per layer, AnchorKV replays each layer once over all
-  old tokens, and the lanes of a step share one GEMM per linear.
+  need it, its row count raised with zero rows to one of a few counts
+  (`probes.ROWS`) that the probe proved invariant on this device, dtype and
+  thread count; attention is `block_attention` (keys in fixed blocks of 64
+  anchored at position 0, an exact maximum, per-block sums and P@V of fixed
+  shapes combined by a sequential cumulative sum, masked keys exact zeros),
+  computed on one thread whatever the run's count (`threads.one_thread`), so
+  the order of every one of its reductions is fixed by the shapes alone; the
+  same for a one-token step (all lanes' queries in one call:
+  `lanes_block_attention`), a prompt and a replay of any number of old
+  tokens.  So a rebuild or replay may group rows any way it likes: KV-Direct
+  rebuilds all old K/V with one GEMM per layer, AnchorKV replays each layer
+  once over all old tokens, and the lanes of a step share one GEMM per
+  linear.
 * ``native``: the model's own kernels; exactness comes from repeating the
   original shapes (`replay.py`, `rows.py`: each decoded token as its own row).
   Bit-equal to transformers' own one-row decode.
 
-`Kernels.for_model` probes (`probe_linear`, `probe_attention_rows`,
-`probe_attention`), once per (weight shape, bias, dtype, device, thread
-count), outside any timed or traced region, which row counts give the rows
-of a large reference call bit for bit, wherever a row sits in the call; it
-checks the same for the block attention (one query over its keys against
-many queries over more keys) and RMSNorm-style row reductions, and that
-the reference results are identical at one thread and at the run's thread
-count.  A failed probe means ``native``, said aloud in the run's JSON
-(`kernels`), the CLI's first lines and the page.  Verdicts are kept on the
-`Kernels` object of a loaded model (its lifetime: the model's).
+`Kernels.for_model` proves (`probes.py`), outside any timed or traced region,
+every linear layer's row counts at the run's thread count (and its large call at one thread),
+the block attention's row counts and its one-query/many-queries/lanes
+equality for each attention geometry of the model, and the model's RMSNorm
+rows; the verdicts are kept on disk and re-checked at the next start.  A
+failed probe means ``native``, said aloud in the run's JSON (`kernels`), the
+CLI's first lines and the page.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import contextvars
-import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from . import probes
+from .probes import ROWS, Verdict, attention_rows_key, linear_key
+from .threads import one_thread
+
 MODES = ("invariant", "native")
-BLOCK = 64  # keys per attention block, blocks anchored at absolute position 0
-DENSE = 64  # every row count 1..DENSE is probed; beyond it the counts below
-LARGE = (80, 96, 128, 160, 192, 256, 320, 384, 512)
-SPLIT = LARGE[-1]  # a call of more rows is cut into calls of SPLIT rows (a proven count) and a padded rest
-HEAD_ELEMENTS = 1 << 23  # a weight this large (the output head) sees one row per lane: probed up to HEAD_ROWS rows
-HEAD_ROWS = 16
+BLOCK = probes.BLOCK  # keys per attention block, blocks anchored at absolute position 0
 # The block attention works on as many query rows at once as keep its score buffer within this: a replay's
 # transient is about two such buffers (scores/probabilities in place, then the blocks' P@V), which AnchorKV's
 # peak during a turn shows, so it stays small next to the K/V a replay rebuilds.
 ATTENTION_ROWS_BYTES = 1 << 20
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """Which row counts of one GEMM shape give the reference call's bits, here."""
-
-    key: tuple
-    counts: tuple[int, ...]  # proven counts, ascending
-    across_threads: bool  # the reference rows are the same at 1 thread and at the run's count
-    failed: tuple[int, ...] = ()  # probed counts that differed
-
-    def pad(self, m: int) -> int | None:
-        """The smallest proven count >= m (None above the largest)."""
-        i = bisect.bisect_left(self.counts, m)
-        return self.counts[i] if i < len(self.counts) else None
-
-    def as_dict(self) -> dict:
-        return {"shape": list(self.key[0]), "bias": self.key[1], "dtype": self.key[2], "device": self.key[3],
-                "threads": self.key[4], "proven": _ranges(self.counts), "failed": list(self.failed),
-                "across_threads": self.across_threads}
-
-
-def _ranges(counts: tuple[int, ...]) -> str:
-    """`12-64, 80, 96` from (12, 13, ..., 64, 80, 96)."""
-    out, start = [], None
-    for i, c in enumerate(counts):
-        if start is None:
-            start = c
-        if i + 1 == len(counts) or counts[i + 1] != c + 1:
-            out.append(f"{start}-{c}" if c != start else f"{c}")
-            start = None
-    return ", ".join(out)
-
-
-def _rows_of(call, x: torch.Tensor, m: int, offset: int) -> torch.Tensor:
-    return call(x[offset:offset + m])
-
-
-def probe_linear(weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Verdict:
-    """Row counts m whose rows of `F.linear` equal those of a large call, at two offsets, at `threads`."""
-    key = (tuple(weight.shape), bias is not None, str(weight.dtype).removeprefix("torch."), str(weight.device), threads)
-    head = weight.numel() >= HEAD_ELEMENTS
-    candidates = list(range(1, HEAD_ROWS + 1)) if head else list(range(1, DENSE + 1)) + list(LARGE)
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    w = torch.randn(weight.shape, generator=gen).to(weight)
-    b = None if bias is None else torch.randn(bias.shape, generator=gen).to(bias)
-    top = candidates[-1] + 8
-    x = torch.randn(top, weight.shape[1], generator=gen).to(weight)
-    call = functools.partial(F.linear, weight=w, bias=b)
-    previous = torch.get_num_threads()
-    try:
-        with torch.inference_mode():
-            torch.set_num_threads(1)
-            one = call(x)
-            torch.set_num_threads(threads)
-            ref = call(x)
-            passed, failed = [], []
-            for m in candidates:
-                same = all(torch.equal(_rows_of(call, x, m, o), ref[o:o + m]) for o in (0, 5))
-                (passed if same else failed).append(m)
-    finally:
-        torch.set_num_threads(previous)
-    return Verdict(key, tuple(passed), torch.equal(one, ref), tuple(failed))
-
-
-def _positions(start: int, n: int, device) -> torch.Tensor:
-    return torch.arange(start, start + n, device=device)
-
-
 def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, end: int, scaling: float,
-                    softcap: float | None = None, window: int | None = None, pad=None) -> torch.Tensor:
+                    softcap: float | None = None, window: int | None = None, rows: Verdict | None = None) -> torch.Tensor:
     """Causal attention whose bits for a query depend only on that query and the keys it sees.
 
     query (H, q, d): the last q positions end-q .. end-1; key, value (Hkv, T, d): positions end-T .. end-1
     (a cache hands attention its keys up to and including the queries).  `window`: a sliding layer sees keys
-    after position p - window.  `pad(m)` raises a row count to a proven one.  Returns (q, H, d).
+    after position p - window.  `rows`: the proven row counts of its GEMMs (`probes.probe_attention_rows`),
+    each GEMM's rows raised to one (None: as they come, for tests).  Returns (q, H, d).
 
     The keys are laid out in blocks of `BLOCK` anchored at absolute position 0 (masked keys fill the first
     and last block).  Per block, the scores of the rows (a KV head's query heads, query by query) are one GEMM
     of fixed width (rows raised to a proven count); the maximum over the visible keys is exact; a masked key's
     probability is an exact zero; each block's sum and P@V are fixed-shape reductions, combined over the
     blocks by a sequential cumulative sum, to which blocks after a query's last visible one add exact zeros.
-    Queries are taken a chunk at a time, each chunk over the blocks up to its last query.
+    Queries are taken a chunk at a time, each chunk over the blocks up to its last query.  Everything runs on one
+    thread (`threads.one_thread`): no reduction's order depends on a thread count or on scheduling.
     """
+    with one_thread():
+        return _block_attention(query, key, value, end, scaling, softcap, window, rows)
+
+
+def _block_attention(query, key, value, end, scaling, softcap, window, proven) -> torch.Tensor:
     heads, q, d = query.shape
     kv_heads, t, _ = key.shape
     group = heads // kv_heads
@@ -150,7 +87,7 @@ def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     rows = query.view(kv_heads, group, q, d)
     out = query.new_empty(q, heads, d)
     chunk = max(1, ATTENTION_ROWS_BYTES // (group * blocks * BLOCK * 4 * kv_heads), 4 // group)
-    chunk = min(chunk, max(1, LARGE[-1] // group))  # a chunk's rows stay within the proven counts
+    chunk = min(chunk, max(1, (proven.largest if proven is not None else ROWS[-1]) // group))  # within proven counts
     for s in range(0, q, chunk):
         n = min(chunk, q - s)
         last = end - q + s + n - 1  # the chunk's last query position
@@ -158,7 +95,7 @@ def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         qpos = torch.arange(last - n + 1, last + 1, device=query.device).repeat(group)
         r = (rows[:, :, s:s + n].float() * scaling).reshape(kv_heads, 1, group * n, d)
         m = group * n
-        padded = pad(m) if pad is not None else m
+        padded = proven.pad(m) if proven is not None else m
         if padded != m:
             r = F.pad(r, (0, 0, 0, padded - m))
             qpos = torch.cat([qpos, qpos[-1:].expand(padded - m)])  # pad rows see what the last query sees
@@ -183,7 +120,7 @@ def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def lanes_block_attention(queries: list, keys: list, values: list, ends: list, scaling: float,
-                          softcap: float | None = None, window: int | None = None, pad=None) -> list:
+                          softcap: float | None = None, window: int | None = None, rows: Verdict | None = None) -> list:
     """`block_attention` for one query per lane, all lanes in one call: lane i's query (H, 1, d) at position
     ends[i]-1 over its keys (Hkv, T_i, d).  Returns [(1, H, d)] per lane, each with the bits `block_attention`
     gives that lane alone (the probe checks it: `probe_attention`).
@@ -192,6 +129,11 @@ def lanes_block_attention(queries: list, keys: list, values: list, ends: list, s
     blocks anchored at position 0, padded at the end with masked blocks up to the longest lane's count.  A
     masked block changes nothing: its maximum is -inf, its probabilities and P@V exact zeros, and the blocks
     are combined by a sequential cumulative sum, to which zeros add nothing."""
+    with one_thread():
+        return _lanes_block_attention(queries, keys, values, ends, scaling, softcap, window, rows)
+
+
+def _lanes_block_attention(queries, keys, values, ends, scaling, softcap, window, rows) -> list:
     lanes = len(queries)
     heads, _, d = queries[0].shape
     kv_heads = keys[0].shape[0]
@@ -216,7 +158,7 @@ def lanes_block_attention(queries: list, keys: list, values: list, ends: list, s
     vbuf = vbuf.view(lanes, kv_heads, blocks, BLOCK, d)
     qpos = torch.tensor(ends, device=device) - 1  # (L,)
     m = group
-    padded = pad(m) if pad is not None else m
+    padded = rows.pad(m) if rows is not None else m
     r = torch.stack([q.view(kv_heads, group, d) for q in queries]).float() * scaling  # (L, Hkv, group, d)
     if padded != m:
         r = F.pad(r, (0, 0, 0, padded - m))
@@ -240,83 +182,29 @@ def lanes_block_attention(queries: list, keys: list, values: list, ends: list, s
     return [o[i:i + 1] for i in range(lanes)]
 
 
-def probe_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, threads: int,
-                    window: int | None = None, softcap: float | None = None, pad=None) -> tuple[bool, str | None]:
-    """Whether `block_attention` gives a query the same bits alone, among many queries, over more keys, at one
-    thread and at `threads`; (ok, why not)."""
-    gen = torch.Generator(device="cpu").manual_seed(2)
-    total = 300
-    q = torch.randn(heads, total, head_dim, generator=gen).to(device, dtype)
-    k = torch.randn(kv_heads, total, head_dim, generator=gen).to(device, dtype)
-    v = torch.randn(kv_heads, total, head_dim, generator=gen).to(device, dtype)
-    scaling = head_dim ** -0.5
-    previous = torch.get_num_threads()
-    try:
-        with torch.inference_mode():
-            torch.set_num_threads(threads)
-            whole = block_attention(q, k, v, total, scaling, softcap, window, pad)
-            for p in (0, 1, 63, 64, 65, 130, 299):
-                one = block_attention(q[:, p:p + 1], k[:, :p + 1], v[:, :p + 1], p + 1, scaling, softcap, window, pad)
-                if not torch.equal(one[0], whole[p]):
-                    return False, f"one query at position {p} differs from the same query in a call of {total}"
-            part = block_attention(q[:, 100:164], k[:, :164], v[:, :164], 164, scaling, softcap, window, pad)
-            if not torch.equal(part, whole[100:164]):
-                return False, "64 queries over their keys differ from the same queries in a longer call"
-            # One query per lane, lanes of different lengths (and block offsets) in one call, as a batched step
-            # hands them: each lane's bits are those it gets alone.
-            ends = (1, 64, 65, 130, 299, 300, 200)
-            starts = (0, 0, 10, 0, 70, 0, 136)  # caches that dropped their first keys (a sliding layer's)
-            lanes = lanes_block_attention([q[:, e - 1:e] for e in ends], [k[:, s:e] for s, e in zip(starts, ends)],
-                                          [v[:, s:e] for s, e in zip(starts, ends)], list(ends), scaling, softcap,
-                                          window, pad)
-            for (s, e), got in zip(zip(starts, ends), lanes):
-                alone = block_attention(q[:, e - 1:e], k[:, s:e], v[:, s:e], e, scaling, softcap, window, pad)
-                if not torch.equal(got, alone):
-                    return False, f"a lane's query at position {e - 1} differs when lanes share one call"
-            torch.set_num_threads(1)
-            if not torch.equal(block_attention(q, k, v, total, scaling, softcap, window, pad), whole):
-                return False, f"1 thread and {threads} threads give different bits"
-    finally:
-        torch.set_num_threads(previous)
-    return True, None
-
-
-def probe_attention_rows(head_dim: int, dtype: torch.dtype, device, threads: int) -> Verdict:
-    """Row counts of the block attention's two GEMMs ((rows, d) @ (d, 64) per block, (rows, 64) @ (64, d)) whose
-    rows equal those of a large call, over 1 and 7 blocks."""
-    key = (("attention", head_dim), False, str(dtype).removeprefix("torch."), str(device), threads)
-    gen = torch.Generator(device="cpu").manual_seed(3)
-    top = LARGE[-1] + 8
-    x = torch.randn(2, 1, top, head_dim, generator=gen).to(device, torch.float32)
-    k = torch.randn(2, 7, BLOCK, head_dim, generator=gen).to(device, torch.float32)
-    p = torch.rand(2, 7, top, BLOCK, generator=gen).to(device, torch.float32)
-    previous = torch.get_num_threads()
-    passed, failed = [], []
-    try:
-        with torch.inference_mode():
-            torch.set_num_threads(1)
-            one = torch.matmul(x.expand(2, 7, top, head_dim), k.transpose(2, 3)), torch.matmul(p, k)
-            torch.set_num_threads(threads)
-            ref = torch.matmul(x.expand(2, 7, top, head_dim), k.transpose(2, 3)), torch.matmul(p, k)
-            for m in [*range(1, DENSE + 1), *LARGE]:
-                same = True
-                for blocks in (1, 7):
-                    scores = torch.matmul(x[:, :, :m].expand(2, blocks, m, head_dim), k[:, :blocks].transpose(2, 3))
-                    pv = torch.matmul(p[:, :blocks, :m].contiguous(), k[:, :blocks])
-                    same &= torch.equal(scores, ref[0][:, :blocks, :m]) and torch.equal(pv, ref[1][:, :blocks, :m])
-                (passed if same else failed).append(m)
-    finally:
-        torch.set_num_threads(previous)
-    return Verdict(key, tuple(passed), torch.equal(one[0], ref[0]) and torch.equal(one[1], ref[1]), tuple(failed))
-
-
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("kvdirect_kernels", default=None)
+_NATIVE: contextvars.ContextVar = contextvars.ContextVar("kvdirect_native", default=False)
 INVARIANT_ATTENTION = "kvdirect_invariant"
 
 
 def active() -> "Kernels | None":
     """The kernels of the pass in progress in this context (set by `Kernels.applied`)."""
     return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def native():
+    """Inside: the model's own kernels, whatever the run's (`mode=fast`: one call over all old tokens, with the
+    model's GEMM and attention, so that its error against the exact rebuild is the regrouping's, measured)."""
+    token = _NATIVE.set(True)
+    try:
+        yield
+    finally:
+        _NATIVE.reset(token)
+
+
+def native_now() -> bool:
+    return _NATIVE.get()
 
 
 def invariant_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -334,20 +222,26 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
 class Kernels:
     """The kernels of one run on one model: the mode, the probe's verdicts, the padded GEMM, the attention.
 
-    `for_model` probes (once per model and thread count: the verdicts live on the loaded model) every linear
-    layer's shape and each attention geometry of the model; any failure means ``native``, and `reason` says
-    why.
+    `for_model` proves (once per model and thread count: the verdicts live on the loaded model's `probes.Store`,
+    and on disk) every linear layer's shape, each attention geometry and each row-wise norm of the model; any
+    failure means ``native``, and `reason` says why.
     """
 
     mode: str
     threads: int
     requested: str = "invariant"
     reason: str | None = None  # why `native` where `invariant` was asked for
-    verdicts: dict = field(default_factory=dict)  # key -> Verdict (shared with the loaded model)
+    store: object = None  # probes.Store of the loaded model
+    linears: dict = field(default_factory=dict)  # (weight shape, bias) -> Verdict at `threads` (proven)
+    rows: Verdict | None = None  # the block attention's GEMMs
 
     @property
     def invariant(self) -> bool:
         return self.mode == "invariant"
+
+    @property
+    def verdicts(self) -> dict:
+        return self.store.verdicts if self.store is not None else {}
 
     @classmethod
     def for_model(cls, loaded, mode: str, threads: int) -> "Kernels":
@@ -355,39 +249,42 @@ class Kernels:
             from .errors import UserError
 
             raise UserError(f"kernels: {str(mode)[:40]!r} is not allowed; allowed: {', '.join(MODES)}")
-        kernels = cls("native", threads, requested=mode, verdicts=loaded.probes)
+        kernels = cls("native", threads, requested=mode, store=loaded.probes)
         if mode == "invariant":
             kernels.reason = kernels._probe(loaded.model, loaded.device, loaded.dtype)
             kernels.mode = "invariant" if kernels.reason is None else "native"
         return kernels
 
     # --- the probe ---------------------------------------------------------------------------------------
-    def _verdict(self, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Verdict:
-        key = (tuple(weight.shape), bias is not None, str(weight.dtype).removeprefix("torch."), str(weight.device),
-               threads)
-        if key not in self.verdicts:
-            self.verdicts[key] = probe_linear(weight, bias, threads)
-        return self.verdicts[key]
-
-    def _attention_verdict(self, head_dim: int, dtype, device, threads: int) -> Verdict:
-        key = (("attention", head_dim), False, str(dtype).removeprefix("torch."), str(device), threads)
-        if key not in self.verdicts:
-            self.verdicts[key] = probe_attention_rows(head_dim, dtype, device, threads)
-        return self.verdicts[key]
+    def _linear_verdict(self, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Verdict:
+        return self.store.get(linear_key(weight, bias, threads), lambda: probes.probe_linear(weight, bias, threads),
+                              lambda v: probes.recheck(v, weight, bias))
 
     def _probe(self, model, device, dtype) -> str | None:
         """None when every kernel of the model passed at this thread count and across thread counts."""
         from . import compat
 
-        for threads in dict.fromkeys((self.threads, 1)):
-            for m in model.modules():
-                if isinstance(m, torch.nn.Linear):
-                    v = self._verdict(m.weight, m.bias, threads)
-                    if not v.counts or v.counts[-1] < (HEAD_ROWS if m.weight.numel() >= HEAD_ELEMENTS else SPLIT):
-                        return f"no row count of a {tuple(m.weight.shape)} GEMM up to {v.counts[-1] if v.counts else 0} " \
-                               f"gives the rows of a large call here ({v.as_dict()['proven'] or 'none'})"
-                    if not v.across_threads:
-                        return f"a {tuple(m.weight.shape)} GEMM gives other bits at 1 thread than at {threads}"
+        # Each count proven at this thread count gives a large call's rows, and the large call has the same bits at
+        # one thread: so K/V computed here equal those a run at another proven thread count computes (the chain
+        # through the large call), and a later run at 1 thread proves its own counts when it starts.
+        for m in model.modules():
+            if not isinstance(m, torch.nn.Linear):
+                continue
+            v = self._linear_verdict(m.weight, m.bias, self.threads)
+            if not v.counts:
+                return (f"no row count of a {tuple(m.weight.shape)} GEMM ({', '.join(map(str, v.failed))}) gives the "
+                        f"rows of a large call here at {self.threads} thread(s)")
+            if not v.across_threads:
+                return f"a {tuple(m.weight.shape)} GEMM gives other bits at 1 thread than at {self.threads}"
+            self.linears[(tuple(m.weight.shape), m.bias is not None)] = v
+        for m in model.modules():
+            name = type(m).__name__
+            if name.endswith("RMSNorm") and getattr(m, "weight", None) is not None:
+                key = ("rows", name, tuple(m.weight.shape), probes._name(dtype), str(device), self.threads)
+                ok, why = self.store.get(key, lambda: probes.probe_rows(m, m.weight.shape[-1], dtype, device,
+                                                                        self.threads))
+                if not ok:
+                    return f"row-wise reduction: {why}"
         cfg = compat.text_config(model.config)
         seen = set()
         for spec in compat.layer_specs(model.config):
@@ -397,14 +294,18 @@ class Kernels:
             if geometry in seen:
                 continue
             seen.add(geometry)
-            rows = self._attention_verdict(attn.head_dim, dtype, device, self.threads)
-            if not rows.counts or not rows.across_threads:
-                return f"the block attention's GEMMs have no invariant row count here ({rows.as_dict()['proven']})"
-            key = ("block attention", geometry, str(dtype), str(device), self.threads)
-            if key not in self.verdicts:  # once per model, geometry and thread count, like the GEMMs' verdicts
-                self.verdicts[key] = probe_attention(*geometry[:3], dtype, device, self.threads, window=geometry[3],
-                                                     softcap=geometry[4], pad=rows.pad)
-            ok, why = self.verdicts[key]
+            rows = self.store.get(attention_rows_key(attn.head_dim, dtype, device),
+                                  lambda: probes.probe_attention_rows(attn.head_dim, dtype, device), probes.recheck)
+            if not rows.counts:
+                return f"the block attention's GEMMs have no invariant row count here ({', '.join(map(str, rows.failed))})"
+            group = geometry[0] // geometry[1]
+            if group > rows.largest:
+                return f"{group} query heads per key head: more rows than the attention's largest proven count"
+            self.rows = rows
+            key = ("block attention", geometry, probes._name(dtype), str(device), self.threads)
+            ok, why = self.store.get(key, lambda: probes.probe_attention(
+                (self.attention, self.lanes_attention), *geometry[:3], dtype, device, self.threads,
+                window=geometry[3], softcap=geometry[4]))
             if not ok:
                 return f"block attention: {why}"
         return None
@@ -412,10 +313,15 @@ class Kernels:
     # --- the kernels -------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`F.linear` over every row of x (..., d) as GEMMs of proven row counts: zero rows added, cut into calls of
-        `SPLIT` rows (the output head: `HEAD_ROWS`) above that."""
+        the largest proven count above that.  Only at the thread count the verdicts were proven for."""
+        verdict = self.linears.get((tuple(weight.shape), bias is not None))
+        if verdict is None:
+            raise RuntimeError(f"invariant kernels: a {tuple(weight.shape)} GEMM that was not probed")
+        if torch.get_num_threads() != self.threads:
+            raise RuntimeError(f"invariant kernels: a GEMM at {torch.get_num_threads()} threads; proven at "
+                               f"{self.threads} (pin the threads first)")
         rows = x.reshape(-1, x.shape[-1])
-        verdict = self._verdict(weight, bias, torch.get_num_threads())
-        split = verdict.counts[-1]
+        split = verdict.largest
         parts = []
         for s in range(0, rows.shape[0], split):
             part = rows[s:s + split]
@@ -427,16 +333,20 @@ class Kernels:
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.view(*x.shape[:-1], weight.shape[0])
 
+    def _rows(self, query: torch.Tensor) -> Verdict:
+        if self.rows is None or self.rows.key != attention_rows_key(query.shape[-1], query.dtype, query.device):
+            self.rows = self.store.get(attention_rows_key(query.shape[-1], query.dtype, query.device),
+                                       lambda: probes.probe_attention_rows(query.shape[-1], query.dtype, query.device),
+                                       probes.recheck)
+        return self.rows
+
     def attention(self, query, key, value, end: int, scaling: float, softcap=None, window=None) -> torch.Tensor:
         """`block_attention` with this device's proven row counts; query (H, q, d) -> (q, H, d)."""
-        rows = self._attention_verdict(query.shape[-1], query.dtype, query.device, torch.get_num_threads())
-        return block_attention(query, key, value, end, scaling, softcap, window, pad=rows.pad)
+        return block_attention(query, key, value, end, scaling, softcap, window, rows=self._rows(query))
 
     def lanes_attention(self, queries, keys, values, ends, scaling: float, softcap=None, window=None) -> list:
         """`lanes_block_attention` (one query per lane, all lanes in one call) with this device's row counts."""
-        rows = self._attention_verdict(queries[0].shape[-1], queries[0].dtype, queries[0].device,
-                                       torch.get_num_threads())
-        return lanes_block_attention(queries, keys, values, ends, scaling, softcap, window, pad=rows.pad)
+        return lanes_block_attention(queries, keys, values, ends, scaling, softcap, window, rows=self._rows(queries[0]))
 
     @contextlib.contextmanager
     def applied(self):
@@ -450,11 +360,17 @@ class Kernels:
     def report(self) -> dict:
         """For the run's JSON: the mode, why not invariant where it was asked for, and the probe's verdicts."""
         threads = {self.threads, 1}
+        verdicts = self.verdicts
         return {"mode": self.mode, "requested": self.requested, "reason": self.reason, "threads": self.threads,
-                "probes": [v.as_dict() for k, v in self.verdicts.items() if isinstance(v, Verdict) and k[4] in threads],
+                "rows": list(ROWS), "probe_file": None if self.store is None or self.store.path is None
+                else str(self.store.path.name), "from_file": 0 if self.store is None else self.store.read_from_file,
+                "probes": [{"shape": list(v.key[1]), "bias": v.key[2], "dtype": v.key[3], "device": v.key[4],
+                            "threads": v.key[5], "proven": list(v.counts), "failed": list(v.failed),
+                            "across_threads": v.across_threads}
+                           for k, v in verdicts.items() if k[0] == "linear" and k[5] in threads],
                 "attention_probes": [{"heads": k[1][0], "kv_heads": k[1][1], "head_dim": k[1][2], "window": k[1][3],
                                       "softcap": k[1][4], "threads": k[4], "same_bits": v[0], "why_not": v[1]}
-                                     for k, v in self.verdicts.items() if k[0] == "block attention" and k[4] in threads]}
+                                     for k, v in verdicts.items() if k[0] == "block attention" and k[4] in threads]}
 
 
 def brief(report: dict) -> str:
@@ -469,9 +385,10 @@ def brief(report: dict) -> str:
 def describe(report: dict) -> str:
     """A run's kernels (`Kernels.report()`) in one line, for the CLI's first lines and the page."""
     if report["mode"] == "invariant":
-        starts = sorted({p["proven"].split(",")[0] for p in report["probes"] if p["threads"] == report["threads"]})
+        smallest = sorted({p["proven"][0] for p in report["probes"] if p["threads"] == report["threads"]})
         return (f"kernels: invariant (probe passed at {report['threads']} thread(s) and across thread counts: every "
-                f"linear one GEMM of a proven row count ({'; '.join(starts)} ...), block attention)")
+                f"linear one GEMM of a proven row count (from {', '.join(map(str, smallest))} rows), block attention "
+                "on one thread)")
     if report["requested"] == "invariant":
         return f"kernels: NATIVE: the invariance probe failed here: {report['reason']}"
     return "kernels: native (asked for: the model's own kernels; exact replay repeats the original shapes)"

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from . import compat
-from .kernels import Kernels
+from .kernels import Kernels, native_now
 from .memory import AllocationTracer, harness
 from .metrics import clock
 from .replay import linear_rows
@@ -278,7 +278,10 @@ def _rows_forward(linear: torch.nn.Linear, n: int, x: torch.Tensor) -> torch.Ten
 
 def _invariant_forward(kernels: Kernels, linear: torch.nn.Linear, n: int, x: torch.Tensor) -> torch.Tensor:
     """`linear` in the invariant mode: every row of x in GEMMs of proven row counts (`Kernels.linear`); a prompt's
-    rows once per distinct lane (lanes that have not diverged share their first prompt)."""
+    rows once per distinct lane (lanes that have not diverged share their first prompt).  Inside
+    `kernels.native()` (a fast-mode rebuild), the model's own GEMM."""
+    if native_now():
+        return F.linear(x, linear.weight, linear.bias)
     if x.dim() == 3 and x.shape[0] == n > 1 and x.shape[1] > 1:
         firsts, where = _unique_rows(x)
         if len(firsts) < n:

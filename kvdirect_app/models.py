@@ -43,8 +43,15 @@ class LoadedModel:
     source: str  # where the weights came from, in words
     device: torch.device
     dtype: torch.dtype
-    # The invariance probe's verdicts for this model's kernels (kernels.Kernels), kept as long as the model is.
-    probes: dict = field(default_factory=dict, repr=False)
+    # The invariance probe's verdicts for this model's kernels (kernels.Kernels), kept as long as the model is, and
+    # on disk for the next start (probes.Store).
+    probes: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.probes is None:
+            from .probes import Store
+
+            self.probes = Store(self.name, self.dtype, self.device)
 
     @property
     def config(self):

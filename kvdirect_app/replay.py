@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import compat
-from .kernels import INVARIANT_ATTENTION, invariant_attention
+from .kernels import INVARIANT_ATTENTION, invariant_attention, native_now
 from .kernels import active as active_kernels
 from .memory import harness
 from .rows import RowsContext
@@ -161,9 +161,11 @@ class HeadProjection:
         return y
 
     def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """x (1, T, d) at positions start..start+T-1 -> (1, H, T, d_h), as one GEMM."""
+        """x (1, T, d) at positions start..start+T-1 -> (1, H, T, d_h), as one GEMM (the run's kernels; the model's
+        own inside `kernels.native()`)."""
         positions = torch.arange(start, start + x.shape[1], device=x.device).unsqueeze(0)
-        return self.finish(self.linear(x), positions)
+        y = F.linear(x, self.linear.weight, self.linear.bias) if native_now() else self.linear(x)
+        return self.finish(y, positions)
 
 
 class KVProjector:
@@ -300,14 +302,15 @@ class LayerReplayer:
 
     def _chunk_inputs(self, start: int, n: int, layer_type: str, like: torch.Tensor) -> tuple:
         """The mask and rotary embeddings the model's forward builds for a chunk of `n` tokens after `start`."""
-        key = (start, n, layer_type)
+        invariant = self.invariant and not native_now()
+        key = (start, n, layer_type, invariant)
         if key not in self._inputs:
             sizes = [_SizeLayer(s.sliding_window) for s in self.specs]
             for layer in sizes:
                 layer.count = start
             positions = torch.arange(start, start + n, device=like.device).unsqueeze(0)
             mask = None  # the block attention masks by position
-            if not self.invariant:
+            if not invariant:
                 # The mask a forward builds depends on the attention implementation: the model's own, not the one
                 # a batched pass may have set for the moment.
                 with compat.attention_implementation(self.config, self.attention_impl):
@@ -347,11 +350,11 @@ class LayerReplayer:
         chunk = hidden[:, start:start + n]
         positions = torch.arange(start, start + n, device=hidden.device).unsqueeze(0)
         mask, embeddings = self._chunk_inputs(start, n, t, chunk)
-        if self.invariant and active_kernels() is None:
+        invariant = self.invariant and not native_now()
+        if invariant and active_kernels() is None:
             raise RuntimeError("an invariant replay runs outside its run's kernels: use Engine.kernel_scope()")
         attn = compat.attention_module(self.layers[j])
-        scope = compat.attention_implementation(attn.config, INVARIANT_ATTENTION if self.invariant
-                                                else self.attention_impl)
+        scope = compat.attention_implementation(attn.config, INVARIANT_ATTENTION if invariant else self.attention_impl)
         if rows:
             like = hidden[:, start:start + 1]
             context = RowsContext(start, n, compat.attention_function(attn, self.attention_impl),
@@ -374,7 +377,7 @@ class LayerReplayer:
         target = self._target(j, capacity if capacity is not None else hidden.shape[1], carry)
         cache, stand_ins = self._cache(j, target)
         for start, n, is_rows in self._groups(chunks):
-            if (is_rows and n > 1 and not spec.is_sliding and not self.invariant
+            if (is_rows and n > 1 and not spec.is_sliding and not (self.invariant and not native_now())
                     and self.rows_exact.get(spec.layer_type) is not False):
                 if spec.layer_type not in self.rows_exact:
                     with harness():  # a one-time check, not the strategy's state

@@ -102,8 +102,26 @@ def load(name: str, dtype: str = "float32", device: str = "auto", progress=None)
     doing (a first load of a GGUF preset dequantises it and keeps a copy; later ones map that copy)."""
     loaded = _loaded(name, dtype, device, progress)
     facts = geometry(name, dtype, device)
+    kernels = prove_kernels(loaded, progress)
     return {"name": loaded.name, "source": loaded.source, "device": str(loaded.device),
-            "dtype": str(loaded.dtype).removeprefix("torch."), "layers": facts["layers"], "geometry": facts}
+            "dtype": str(loaded.dtype).removeprefix("torch."), "layers": facts["layers"], "geometry": facts,
+            "kernels": kernels}
+
+
+def prove_kernels(loaded, progress=None) -> str:
+    """The invariant kernels' probe at this process's thread count, once the model is loaded (not inside the first
+    turn); its verdicts are kept on disk, so a later start only re-checks them.  Returns the kernels in a few
+    words."""
+    import torch
+
+    from .kernels import Kernels, brief
+
+    store = loaded.probes
+    threads = torch.get_num_threads()
+    if progress is not None:
+        progress("checking the kernels on this CPU" + ("" if store.stored else
+                                                       " (the first start here probes them: ~10-20 s, kept for the next)"))
+    return brief(Kernels.for_model(loaded, "invariant", threads).report())
 
 
 def is_loaded(name: str, dtype: str, device: str) -> bool:

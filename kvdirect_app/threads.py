@@ -16,14 +16,50 @@ forward, and costs nothing when the count is already right.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import torch.nn.functional as F
 
+_PINNED = threading.local()  # .threads: the count `pin` set on this thread
+
 
 def pin(threads: int):
-    """Use `threads` intra-op threads on the calling thread (and MKL's, non-dynamic) from now on."""
-    if torch.get_num_threads() != threads:
+    """Use `threads` intra-op threads on the calling thread (and MKL's, non-dynamic) from now on.
+
+    The first call on a thread always sets the count, also when torch already reports it: setting it is what
+    turns MKL's dynamic threading off and gives MKL this thread's count (torch may have been imported before
+    this package set MKL_DYNAMIC=FALSE)."""
+    if getattr(_PINNED, "threads", None) != threads or torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+        _PINNED.threads = threads
+
+
+@contextlib.contextmanager
+def threads_set(threads: int):
+    """Inside: `threads` intra-op threads on this thread; the count before is restored after."""
+    previous = torch.get_num_threads()
+    pin(threads)
+    try:
+        yield
+    finally:
+        pin(previous)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Inside: this thread computes on one thread.  The invariant kernels' attention runs here, so that the order
+    of every one of its reductions depends on the shapes alone, never on a thread count or on scheduling."""
+    previous = torch.get_num_threads()
+    if previous == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def probe_determinism(device: torch.device, dtype: torch.dtype, threads: int, repeats: int = 3) -> dict:

@@ -41,19 +41,29 @@ TURNS = ["What is the capital of France? Answer in one sentence.", "And of Italy
 
 
 def probe(device: str, out: dict):
+    """The invariance probe on this device (cuBLAS: TF32 off), fp32 and bf16: each linear shape's proven row counts,
+    the block attention's, and the attention probe proper (one query alone / among many / among lanes)."""
+    import functools
+
+    from kvdirect_app import probes
+
     loaded = load_model("smollm2-135m", dtype="float32", device=device)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    threads = torch.get_num_threads()
     rows = {}
     for dtype in (torch.float32, torch.bfloat16):
         shapes = {tuple(m.weight.shape) for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)}
         for shape in sorted(shapes):
-            w = torch.empty(shape, device=device, dtype=dtype)
-            v = K.probe_linear(w, None, torch.get_num_threads())
-            rows[f"{dtype} {shape}"] = {"proven": v.as_dict()["proven"], "failed": list(v.failed)}
-        verdict = K.probe_attention_rows(64, dtype, device, torch.get_num_threads())
-        ok, why = K.probe_attention(9, 3, 64, dtype, device, torch.get_num_threads(), pad=verdict.pad)
-        rows[f"{dtype} block attention"] = {"proven": verdict.as_dict()["proven"], "same_bits": ok, "why_not": why}
+            w = torch.randn(shape, device=device, dtype=dtype)
+            v = probes.probe_linear(w, None, threads)
+            rows[f"{dtype} {shape}"] = {"proven": list(v.counts), "failed": list(v.failed),
+                                        "across_threads": v.across_threads}
+        verdict = probes.probe_attention_rows(64, dtype, device)
+        attention = (functools.partial(K.block_attention, rows=verdict),
+                     functools.partial(K.lanes_block_attention, rows=verdict))
+        ok, why = probes.probe_attention(attention, 9, 3, 64, dtype, device, threads)
+        rows[f"{dtype} block attention"] = {"proven": list(verdict.counts), "same_bits": ok, "why_not": why}
     out["probe"] = rows
 
 

@@ -191,8 +191,15 @@ def test_exactness_counts_only_runs_that_rebuilt(committed):
     assert f"{len(counted)} of {len(counted)} exact-mode runs that rebuilt K/V bit-equal" in reason
     text = render.render(out)
     assert "Nothing to rebuild (0 token-layers), not counted:" in text
-    # A fast-mode run that came out bit-equal says why (batch invariance of the GEMMs in its dtype).
-    assert "bf16 F.linear gives every row the same bits" in out["claims"]["exactness"]["reason"]
+    # The kernels are read from the runs, never stated: which computed the forwards, and fast mode's count.
+    modes = sorted({(r_json.get("kernels") or {}).get("mode", "mode not recorded")
+                    for r_json in (c["json"] for c in cells(committed, "exactness"))})
+    assert f"kernels: the reference and every lane's forwards {', '.join(modes)}" in reason
+    assert "fast mode (all old tokens in one call, rebuilt with:" in reason
+    native = copy.deepcopy(committed)
+    for c in cells(native, "exactness"):
+        c["json"]["kernels"] = {**(c["json"].get("kernels") or {}), "mode": "native"}
+    assert "forwards native" in reproduce.reassess(native)["claims"]["exactness"]["reason"]
 
 
 def test_missing_figures_are_not_measured(committed):

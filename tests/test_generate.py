@@ -40,18 +40,37 @@ def _two_turns(loaded, cache=None, tokens=8):
     return out[0, first.shape[1]:].tolist(), out2[0, second.shape[1]:].tolist()
 
 
+def _handed(cache) -> list:
+    """Records every K/V the cache hands attention (`Cache.update`'s return), per call, as bytes."""
+    seen, update = [], cache.update
+
+    def recording(key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = update(key_states, value_states, layer_idx, *args, **kwargs)
+        seen.append((layer_idx, tuple(k.shape), k.float().numpy().tobytes(), v.float().numpy().tobytes()))
+        return k, v
+
+    cache.update = recording
+    return seen
+
+
 def _hooks(model) -> list:
     return [(name, len(m._forward_pre_hooks), len(m._forward_hooks)) for name, m in model.named_modules()]
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_exact_strategies_generate_the_dynamic_caches_tokens(family):
+    """Tokens, and every K/V handed to attention in every forward of both turns bit for bit (the native kernels:
+    a rebuild repeats the original GEMM shapes)."""
     loaded = tiny(family)
-    reference = _two_turns(loaded)
+    dynamic = compat.DynamicCache(config=loaded.model.config)
+    handed = _handed(dynamic)
+    reference = _two_turns(loaded, dynamic)
     hooks, config = _hooks(loaded.model), loaded.model.config.to_dict()
     for spec in EXACT:
         with strategy_cache(loaded.model, spec) as cache:
+            seen = _handed(cache)
             assert _two_turns(loaded, cache) == reference, (family, spec)
+        assert len(seen) == len(handed) and seen == handed, (family, spec)
         report = cache.report()
         assert report["exact"] and report["turns"] == 2 and report["forwards"] == 2 * 8, report
         assert report["tokens_seen"] == _two_turns.fed

@@ -4,13 +4,19 @@ depends on how rows were grouped or on the thread count.
 Each equality below can fail: the mutation tests raise rows to a count the probe rejected, or hand the
 block attention one key more, and the same checks then see other bits."""
 
+import json
 import math
+import multiprocessing
+import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kvdirect_app import kernels as K
+from kvdirect_app import probes
+from kvdirect_app.threads import threads_set
 from kvdirect_app.engine import Engine, run_to_end
 from kvdirect_app.engine import InputError
 from kvdirect_app.errors import UserError
@@ -45,25 +51,25 @@ def _exact(result, specs=EXACT):
 # --- the probe -------------------------------------------------------------------------------------------
 def test_probe_counts_are_what_it_says_on_fresh_data():
     """Every count the probe proved gives a large call's rows on other weights and inputs than its own, at
-    other offsets; a count it rejected is not used by `Kernels.linear`."""
+    other offsets; a count above the largest proven one is refused, never used unproven."""
     torch.manual_seed(7)
     weight, bias = torch.randn(192, 96), torch.randn(192)
-    verdict = K.probe_linear(weight, bias, torch.get_num_threads())
-    assert verdict.counts and verdict.counts[-1] >= K.SPLIT
-    x = torch.randn(K.SPLIT + 20, 96)
+    verdict = probes.probe_linear(weight, bias, torch.get_num_threads())
+    assert verdict.counts and set(verdict.counts) | set(verdict.failed) == set(probes.ROWS)
+    x = torch.randn(probes.ROWS[-1] + 20, 96)
     ref = F.linear(x, weight, bias)
     for m in verdict.counts:
-        if m <= 64 or m in (128, K.SPLIT):
-            assert torch.equal(F.linear(x[3:3 + m], weight, bias), ref[3:3 + m]), m
-    for m in range(1, 70):
+        assert torch.equal(F.linear(x[3:3 + m], weight, bias), ref[3:3 + m]), m
+    for m in range(1, verdict.largest + 1):
         padded = verdict.pad(m)
         assert padded >= m and padded in verdict.counts
-    assert verdict.pad(K.SPLIT + 1) is None
-    assert set(verdict.failed).isdisjoint(verdict.counts)
+    with pytest.raises(ValueError, match="no proven count holds it"):
+        verdict.pad(verdict.largest + 1)
 
 
 def test_kernels_linear_is_row_invariant_whatever_the_row_count():
-    """`Kernels.linear` gives every row the same bits in a call of 1, 2, 3, 7, 100 or 700 rows."""
+    """`Kernels.linear` gives every row the same bits in a call of 1, 2, 3, 7, 100 or 700 rows; at a thread count
+    its verdicts were not proven for it refuses to compute."""
     loaded = tiny("tiny-llama")
     kernels = K.Kernels.for_model(loaded, "invariant", torch.get_num_threads())
     assert kernels.invariant, kernels.reason
@@ -73,6 +79,60 @@ def test_kernels_linear_is_row_invariant_whatever_the_row_count():
         ref = kernels.linear(x, lin.weight, lin.bias)
         for m in (1, 2, 3, 7, 100, 700):
             assert torch.equal(kernels.linear(x[5:5 + m], lin.weight, lin.bias), ref[5:5 + m]), m
+        with threads_set(torch.get_num_threads() + 1), pytest.raises(RuntimeError, match="pin the threads"):
+            kernels.linear(x[:3], lin.weight, lin.bias)
+        with pytest.raises(RuntimeError, match="not probed"):
+            kernels.linear(x[:3], torch.randn(5, lin.in_features), None)
+
+
+def test_the_probe_checks_every_rmsnorm_and_a_row_wise_reduction_that_is_not_fails():
+    """The model's norms are probed (a row alone against the same row among 300); a module whose reduction
+    depends on the call (here: a mean over the whole call's rows mixed into each row) fails the probe."""
+    loaded = tiny("tiny-qwen3")  # input norms and per-head q/k norms
+    K.Kernels.for_model(loaded, "invariant", 1)
+    probed = {k[1:3] for k in loaded.probes.verdicts if k[0] == "rows"}
+    norms = {(type(m).__name__, tuple(m.weight.shape)) for m in loaded.model.modules()
+             if type(m).__name__.endswith("RMSNorm")}
+    assert norms and probed == norms
+
+    class CallMean(torch.nn.Module):
+        def forward(self, x):
+            return x - x.mean(dim=-2, keepdim=True)
+
+    ok, why = probes.probe_rows(CallMean(), 16, torch.float32, "cpu", 1)
+    assert not ok and "row 0 alone differs" in why
+
+
+def test_verdicts_are_kept_on_disk_rechecked_at_the_next_start_and_a_wrong_one_is_probed_again(tmp_path, monkeypatch):
+    monkeypatch.setenv(probes.CACHE_ENV, str(tmp_path))
+    loaded = tiny("tiny-llama")
+    first = probes.Store(loaded.name, loaded.dtype, loaded.device)
+    K.Kernels.for_model(SimpleNamespace(model=loaded.model, device=loaded.device, dtype=loaded.dtype, probes=first),
+                        "invariant", 1)
+    assert first.path.is_file() and first.read_from_file == 0 and len(first.verdicts) > 5
+    data = json.loads(first.path.read_text())
+    assert data["environment"]["torch_build"] == torch.version.git_version and data["environment"]["cpu"]
+
+    # A second start reads every verdict from the file (each linear one re-checked on a few rows).
+    calls = []
+    real = probes.probe_linear
+    monkeypatch.setattr(probes, "probe_linear", lambda *a: calls.append(a) or real(*a))
+    second = probes.Store(loaded.name, loaded.dtype, loaded.device)
+    kernels = K.Kernels.for_model(SimpleNamespace(model=loaded.model, device=loaded.device, dtype=loaded.dtype,
+                                                  probes=second), "invariant", 1)
+    kept = [v for v in first.verdicts.values() if isinstance(v, probes.Verdict)]  # the GEMMs' (the rest: every start)
+    assert len(data["verdicts"]) == len(kept) > 3
+    assert kernels.invariant and not calls and second.read_from_file == len(kept)
+
+    # A stored verdict that the re-check does not confirm is probed again (the mutation: every re-check fails).
+    monkeypatch.setattr(probes, "recheck", lambda v, *a: False)
+    third = probes.Store(loaded.name, loaded.dtype, loaded.device)
+    K.Kernels.for_model(SimpleNamespace(model=loaded.model, device=loaded.device, dtype=loaded.dtype, probes=third),
+                        "invariant", 1)
+    assert calls and third.read_from_file == 0
+    # Another machine or build does not read this file at all.
+    monkeypatch.setattr(probes, "environment", lambda device: {"cpu": "another"})
+    assert probes.Store(loaded.name, loaded.dtype, loaded.device).stored == {}
 
 
 def test_unknown_kernels_get_their_message():
@@ -114,18 +174,54 @@ def test_block_attention_softcap_is_the_capped_scores():
 def test_a_query_has_the_same_bits_alone_in_a_prompt_and_among_lanes():
     q, k, v = _qkv()
     t, scale = q.shape[1], q.shape[2] ** -0.5
-    pad = K.probe_attention_rows(q.shape[2], q.dtype, q.device, torch.get_num_threads()).pad
-    whole = K.block_attention(q, k, v, t, scale, pad=pad)
+    rows = probes.probe_attention_rows(q.shape[2], q.dtype, q.device)
+    whole = K.block_attention(q, k, v, t, scale, rows=rows)
     ends = [1, 63, 64, 65, 129, 200]
     lanes = K.lanes_block_attention([q[:, e - 1:e] for e in ends], [k[:, :e] for e in ends],
-                                    [v[:, :e] for e in ends], ends, scale, pad=pad)
+                                    [v[:, :e] for e in ends], ends, scale, rows=rows)
     for e, lane in zip(ends, lanes):
-        alone = K.block_attention(q[:, e - 1:e], k[:, :e], v[:, :e], e, scale, pad=pad)
+        alone = K.block_attention(q[:, e - 1:e], k[:, :e], v[:, :e], e, scale, rows=rows)
         assert torch.equal(alone[0], whole[e - 1]), e
         assert torch.equal(lane[0], whole[e - 1]), e
     # The check can fail: the same query over one key more (a dropped mask) has other bits.
-    more = K.block_attention(q[:, 99:100], k[:, :101], v[:, :101], 101, scale, pad=pad)
+    more = K.block_attention(q[:, 99:100], k[:, :101], v[:, :101], 101, scale, rows=rows)
     assert not torch.equal(more[0], whole[99])
+
+
+def _probe_cases(threads: int, rounds: int) -> list[str]:
+    """The attention probe's cases (SmolLM2's geometry), `rounds` times over, in this process; what differed."""
+    attention = K.Kernels("invariant", threads)
+    attention.store = probes.Store("cases", torch.float32, "cpu")
+    failures = []
+    for _ in range(rounds):
+        ok, why = probes.probe_attention((attention.attention, attention.lanes_attention), 9, 3, 64, torch.float32,
+                                         "cpu", threads)
+        if not ok:
+            failures.append(why)
+    return failures
+
+
+def test_the_attention_probe_repeated_200_times_at_two_threads_under_load_never_varies(monkeypatch):
+    """The block attention's reductions run on one thread in an order fixed by the shapes: its probe's cases,
+    200 times at 2 threads with twice as many busy processes as cores, see no variation (on a CPU where a
+    reduction's split followed the scheduling, some of these would differ)."""
+    monkeypatch.setenv(probes.CACHE_ENV, "off")
+    stop = multiprocessing.Event()
+    busy = [multiprocessing.Process(target=_busy, args=(stop,), daemon=True) for _ in range(2 * (os.cpu_count() or 2))]
+    for b in busy:
+        b.start()
+    try:
+        failures = _probe_cases(2, 200)
+    finally:
+        stop.set()
+        for b in busy:
+            b.join(timeout=10)
+    assert not failures, failures[:3]
+
+
+def _busy(stop):
+    while not stop.is_set():
+        sum(i * i for i in range(10_000))
 
 
 def test_sdpa_would_not_pass_the_same_check():
@@ -185,9 +281,9 @@ def test_both_modes_are_exact_where_they_claim_it(family, kernels):
 
 def test_native_falls_back_loudly_never_silently(monkeypatch):
     """A probe that fails means native kernels, with the reason in the run's JSON (the CLI and the page print
-    `kernels.describe` of it)."""
+    `kernels.describe` of it); the failed verdict is not kept for the next start."""
     loaded = tiny("tiny-olmo2")
-    monkeypatch.setattr(K, "probe_attention", lambda *a, **k: (False, "one query differs (simulated)"))
+    monkeypatch.setattr(probes, "probe_attention", lambda *a, **k: (False, "one query differs (simulated)"))
     loaded.probes.clear()
     try:
         result = _run(loaded, max_new=4, turns=TURNS[:1])
@@ -197,28 +293,31 @@ def test_native_falls_back_loudly_never_silently(monkeypatch):
     assert report["requested"] == "invariant" and report["mode"] == "native"
     assert "simulated" in report["reason"]
     assert K.describe(report).startswith("kernels: NATIVE: the invariance probe failed here")
+    stored = json.loads(loaded.probes.path.read_text())["verdicts"] if loaded.probes.path else []
+    assert not [e for e in stored if e["key"][0] == "block attention"]
 
 
 # --- the embedded model ----------------------------------------------------------------------------------
-def test_smollm2_invariant_exact_and_a_rejected_row_count_breaks_it(smollm2, monkeypatch):
+def test_smollm2_invariant_exact_and_an_unproven_row_count_breaks_it(smollm2, monkeypatch):
     """On SmolLM2 (the shared two-turn run of test_smollm2.py): every exact lane bit-equal in invariant mode.
-    Mutation: run a row count the probe rejected (the three lanes' decode rows left at 3, not raised to a proven
-    count), and the same run's rebuilt K/V differ from what the forward handed attention.  (Raising 3 rows to 5
-    or 11, counts the probe also rejected, keeps them exact on this CPU: MKL computes the first rows of such a
-    call in the same panels as a large call's and only the remainder rows differ, which the probe sees at its
-    second offset.)"""
+    Mutation: a decode step's rows computed one per GEMM (a one-row call, a count no verdict proves: the GEMV
+    path rounds differently from a many-row GEMM here) instead of raised to a proven count, and the same run's
+    rebuilt K/V (one GEMM over all old tokens) differ from what the forward handed attention."""
     result = smollm2_run(smollm2).result
     assert result["kernels"]["mode"] == "invariant"
     _exact(result, SMOL_EXACT)
-    kernels = K.Kernels.for_model(smollm2, "invariant", torch.get_num_threads())
-    lanes = len(SMOL_EXACT.split(","))
-    rejected = [v for v in kernels.verdicts.values()
-                if isinstance(v, K.Verdict) and v.key[4] == kernels.threads and lanes in v.failed]
-    assert rejected, f"the probe rejected no GEMM of {lanes} rows here: there is no wrong count to mutate to"
-    proven = K.Verdict.pad
-    monkeypatch.setattr(K.Verdict, "pad", lambda self, m: m if m in self.failed else proven(self, m))
+    proven = K.Kernels.linear
+
+    def one_row_calls(self, x, weight, bias):
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > probes.ROWS[0]:  # a prompt or a rebuild: as proven
+            return proven(self, x, weight, bias)
+        out = torch.cat([F.linear(row, weight, bias) for row in rows.split(1)])
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    monkeypatch.setattr(K.Kernels, "linear", one_row_calls)
     broken = _run(smollm2, SMOL_EXACT, max_new=10, turns=SMOL_TURNS)
-    assert broken["kernels"]["mode"] == "invariant"  # the probe's verdicts are kept: the run used the wrong count
+    assert broken["kernels"]["mode"] == "invariant"
     assert any(broken["strategies"][s]["kv_exact"] is False for s in SMOL_EXACT.split(",")[1:])
 
 

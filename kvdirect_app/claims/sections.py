@@ -22,11 +22,6 @@ from .render import figure_text, number
 from .verdicts import judge, worst
 
 UNRECORDED = "mode not recorded"
-# The batch invariance measured on the project's CPU (torch 2.13, MKL): why a one-GEMM rebuild can give
-# the bits of the step-by-step original there.
-INVARIANT_ROWS = {"float32": "a many-row fp32 GEMM gives every row the same bits once the row count is >= 12 "
-                             "(also 4 and 8)",
-                  "bfloat16": "bf16 F.linear gives every row the same bits for every row count"}
 
 
 def _cells(results: dict, section: str) -> list[dict]:
@@ -221,7 +216,9 @@ def _exactness(results: dict) -> dict:
                 continue
             rows.append({"model": j["model"], "dtype": j["dtype"], "strategy": spec, "mode": _mode(r),
                          "load": c.get("load", 0), "token_match": r["token_match"], "kv_exact": r["kv_exact"],
-                         "rebuilt": r["rebuilt_token_layers"], "max_abs_dk": r["max_abs_dk"]})
+                         "rebuilt": r["rebuilt_token_layers"], "max_abs_dk": r["max_abs_dk"],
+                         "forward_kernels": (j.get("kernels") or {}).get("mode", UNRECORDED),
+                         "rebuild_kernels": (r.get("kernels") or {}).get("rebuild", UNRECORDED)})
     counted = [r for r in rows if r["mode"] == "exact" and r["rebuilt"]]
     fast = [r for r in rows if r["mode"] == "fast" and r["rebuilt"]]
     idle = [r for r in rows if r["mode"] in ("exact", "fast") and not r["rebuilt"]]
@@ -241,13 +238,17 @@ def _exactness(results: dict) -> dict:
     if idle:
         notes.append(f"{len(idle)} runs rebuilt nothing and are listed apart: a single turn with rebuild=turn keeps "
                      "full K/V within the turn, and layers that all slide keep their window as the full cache does")
+    if rows:
+        forward = sorted({r["forward_kernels"] for r in rows})
+        rebuilt = sorted({r["rebuild_kernels"] for r in counted}) if counted else []
+        notes.append(f"kernels: the reference and every lane's forwards {', '.join(forward)}"
+                     + (f"; exact rebuilds {', '.join(rebuilt)}" if rebuilt else ""))
     if fast:
         equal = [r for r in fast if r["kv_exact"]]
         out["fast_equal"] = len(equal)
-        why = [f"{d} ({INVARIANT_ROWS[d]})" for d in sorted({r["dtype"] for r in equal}) if d in INVARIANT_ROWS]
-        notes.append(f"fast mode (one GEMM over all tokens), not counted: {len(equal)} of {len(fast)} bit-equal"
-                     + (f", where a one-GEMM rebuild can coincide with the step-by-step original on the project's "
-                        f"CPU: {'; '.join(why)}" if why else ""))
+        kinds = sorted({r["rebuild_kernels"] for r in fast})
+        notes.append(f"fast mode (all old tokens in one call, rebuilt with: {', '.join(kinds)}), not counted: "
+                     f"{len(equal)} of {len(fast)} bit-equal to the forwards' K/V")
     if unrecorded:
         notes.append(f"{len(unrecorded)} runs not counted: {UNRECORDED} in their JSON")
     devices = sorted({(c.get("env") or {}).get("device", "not recorded") for c in _cells(results, "exactness")})

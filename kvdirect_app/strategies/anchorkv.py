@@ -41,6 +41,7 @@ transient bytes are the carried hidden states plus one layer's K/V buffer.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ import torch
 
 from .. import compat, rss
 from ..geometry import ModelGeometry
+from ..kernels import native
 from ..replay import LayerReplayer
 from .base import SlidingLayer, Strategy, StrategyCache, StrategyError, storage_bytes, window_layer_bytes, window_layer_transient
 from .rebuild import (MODES, REBUILDS, REPLAY_ROWS, RebuildingLayer, chunks_of, covered, record_run, rebuilding_persistent,
@@ -103,6 +105,11 @@ class AnchorStore:
         """Replay all old tokens as one chunk: the fast mode's approximation."""
         return self.mode == "fast"
 
+    def _kernels(self):
+        """The fast mode replays with the model's own kernels (one chunk, its GEMMs and attention), whatever the
+        run's: its error against the exact replay is measured, not promised."""
+        return native() if self.one_chunk else contextlib.nullcontext()
+
     def _chunks(self, end: int) -> list[tuple[int, int]]:
         """How a replay of tokens 0..end-1 is called: the original forwards' shapes (native kernels), calls of
         `REPLAY_ROWS` tokens (invariant kernels: the same bits whatever the grouping), or one call (fast)."""
@@ -141,8 +148,9 @@ class AnchorStore:
             if j == a:
                 self.hidden = self.start_hidden(a, self.cover)
             last = self.last_target[a]
-            kv = self.replayer.replay_layer(j, self.hidden, self.chunks, total if j in self.segment_of else None,
-                                            carry=j < last)
+            with self._kernels():
+                kv = self.replayer.replay_layer(j, self.hidden, self.chunks, total if j in self.segment_of else None,
+                                                carry=j < last)
             if j in self.segment_of:
                 self.ready[j] = kv
             if j == last:
@@ -175,7 +183,8 @@ class AnchorStore:
         self.replaying = True
         try:
             hidden = self.start_hidden(anchor, covered(chunks))
-            return self.replayer.replay(hidden, anchor, [layer], chunks, capacity)[layer]
+            with self._kernels():
+                return self.replayer.replay(hidden, anchor, [layer], chunks, capacity)[layer]
         finally:
             self.replaying = False
 
@@ -191,7 +200,8 @@ class AnchorStore:
                 for group in groups:
                     if group:
                         hidden = self.start_hidden(anchor, covered(chunks))
-                        out.update(self.replayer.replay(hidden, anchor, group, chunks, end))
+                        with self._kernels():
+                            out.update(self.replayer.replay(hidden, anchor, group, chunks, end))
         finally:
             self.replaying = False
             self.replayer.forget_inputs()
