@@ -32,7 +32,6 @@ loads from the GGUF file and the log says why nothing was kept.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -41,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from .paths import cache
+
 CACHE_ENV = "KVDIRECT_MODEL_CACHE"
 WEIGHTS = "weights.pt"
 MANIFEST = "manifest.json"
@@ -48,14 +49,8 @@ FORMAT = 1  # bump when the folder's layout changes
 
 
 def root() -> Path | None:
-    """The cache's folder, or None when it is turned off."""
-    value = os.environ.get(CACHE_ENV, "").strip()
-    if value.lower() in ("off", "0", "none", "false"):
-        return None
-    if value:
-        return Path(value).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache"
-    return Path(base) / "kvdirect-studio" / "models"
+    """The folder, or None when it is turned off (`paths.cache`)."""
+    return cache(CACHE_ENV, "models")
 
 
 def _version(package: str) -> str:

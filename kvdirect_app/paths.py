@@ -3,6 +3,7 @@ package carries (`pip install .` puts them under kvdirect_app/_data/, see pyproj
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
@@ -17,3 +18,15 @@ def data(name: str) -> Path:
     if local.is_dir():
         return local
     return PACKAGE / "_data" / INSTALLED[name]
+
+
+def cache(env: str, name: str) -> Path | None:
+    """A cache folder of ours: the environment variable `env` names it (``off`` turns it off: None), else
+    ``$XDG_CACHE_HOME`` or ``~/.cache``, then ``kvdirect-studio/<name>``."""
+    value = os.environ.get(env, "").strip()
+    if value.lower() in ("off", "0", "none", "false"):
+        return None
+    if value:
+        return Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache"
+    return Path(base) / "kvdirect-studio" / name

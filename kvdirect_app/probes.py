@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .paths import cache
 from .threads import one_thread, threads_set
 
 VERSION = 2  # stored verdicts of another version are not read: bump it when a kernel or the probe changes
@@ -242,13 +243,8 @@ def environment(device) -> dict:
 
 
 def root() -> Path | None:
-    value = os.environ.get(CACHE_ENV, "").strip()
-    if value.lower() in ("off", "0", "none", "false"):
-        return None
-    if value:
-        return Path(value).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache"
-    return Path(base) / "kvdirect-studio" / "probes"
+    """The folder, or None when it is turned off (`paths.cache`)."""
+    return cache(CACHE_ENV, "probes")
 
 
 class Store:
