@@ -9,7 +9,7 @@ rebuilt there; the test says so rather than count it).
 import pytest
 import torch
 
-from .runs import ANCHORKV_EXTRA, KVDIRECT_LANES, TINY_FAMILIES, all_sliding, run_once, tiny, tiny_union
+from .runs import KVDIRECT_LANES, TINY_FAMILIES, all_sliding, tiny_union
 
 pytestmark = pytest.mark.check
 
@@ -34,31 +34,6 @@ def test_kvdirect_exact_is_bit_equal_on_every_layer_and_keeps_tokens(family, dty
         assert r["state_bytes"]["peak"] >= r["state_bytes"]["formula_peak"], spec  # the formula is a lower bound
         rebuilds = spec != "full" and "budget=500" not in spec and not slides
         assert (r["rebuilt_token_layers"] > 0) == rebuilds, spec
-
-
-# The native kernels (the fallback wherever the probe fails, and `--kernels native`): every exact lane, prompts fed
-# in pieces of 3 tokens (each piece its own GEMM shape, repeated by the rebuild).
-NATIVE_LANES = (("full",) + KVDIRECT_LANES + ("anchorkv:spacing=2:budget=2:rebuild=step", "anchorkv:spacing=3:budget=3")
-                + ANCHORKV_EXTRA)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_native_kernels_are_exact_on_every_family_with_prompts_in_pieces(family, dtype):
-    loaded = tiny(family, dtype)
-    run = run_once(loaded, NATIVE_LANES, threads=1, kernels="native", prefill_chunk=3)
-    result = run.result
-    assert result["kernels"]["mode"] == "native" and result["kernels"]["requested"] == "native"
-    assert run.kinds.count("prefill") > 2 * run.kinds.count("turn")  # each prompt in several pieces
-    ref = result["strategies"]["full"]
-    slides = all_sliding(loaded)
-    for spec in NATIVE_LANES[1:]:
-        r = result["strategies"][spec]
-        assert r["kernels"] == {"forward": "native", "rebuild": "native"}, spec
-        assert r["token_ids"] == ref["token_ids"] and r["kv_digest"] == ref["kv_digest"], spec
-        assert r["kv_exact"] is True and r["max_abs_dk"] == 0.0 and r["max_abs_dv"] == 0.0, spec
-        assert r["max_abs_dlogit"] == 0.0, spec
-        assert (r["rebuilt_token_layers"] > 0) == ("budget=500" not in spec and not slides), spec
 
 
 def fast_mode_reports_its_error(r):
