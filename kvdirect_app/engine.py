@@ -6,8 +6,12 @@ by default they go through the model together, one layer at a time, each
 with its own cache, bit for bit as if run one after another (`forwards.py`,
 `lockstep.py`), and the reference's cache is updated first at every layer,
 so a strategy can compare what it hands to attention with what the
-reference holds for the same step.  Each lane's bytes are measured by the
-allocator and kept beside the formula (`lanes.ByteBook`); a prompt longer
+reference holds for the same step.  Instruments (`instruments.py`) observe
+the lanes at fixed points of a step and a turn, and their time is their own:
+each step reports its wall time, every lane's own time, the instruments'
+time and the unattributed rest, which add up to the wall time.  Each lane's
+bytes are measured (the storages its cache holds by default, the allocator
+with ``memory="trace"``) and kept beside the formula (`lanes.ByteBook`); a prompt longer
 than `prefill_chunk` tokens is fed in pieces, with a progress event per
 piece.  Sessions can be parked between turns and resumed.
 
@@ -23,9 +27,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from .forwards import Forwards, Item
+from .forwards import Forwards, Item, storage_held
 from .geometry import ModelGeometry
 from .hooks import InputTap, model_lock
+from .instruments import COUNTS, MEMORY_MODES, Instruments
 from .kernels import Kernels
 from .kernels import brief as kernels_brief
 from .lockstep import batch_linears
@@ -36,13 +41,12 @@ from .models import LoadedModel
 from .prompts import InputError, Prompter
 from .strategies import Strategy
 from .strategies.full import Full
-from .teacher import kv_summary, observe
+from .teacher import agree, kv_summary, observe
 from .text import ReplyText
-from .threads import pin, probe_determinism
+from .threads import one_thread, pin, probe_determinism
 
 __all__ = ["Engine", "InputError", "InputTap", "Prompter", "model_lock", "run_to_end", "MEMORY_MODES"]
 
-MEMORY_MODES = ("trace", "none")
 PREFILL_CHUNK = 1024
 
 
@@ -52,7 +56,10 @@ class Engine:
     Parameters
     ----------
     threads : pinned for every forward, on whichever thread runs it (default: torch's count now).
-    memory : "trace" (bytes measured by the allocator) or "none" (formula only).
+    memory : "storage" (the tensors' storages each cache holds, and the transients each strategy counts), "trace"
+        (the allocator's every allocation, auditing the storage count) or "none" (formula only).
+    instruments : False turns every instrument off (no memory, comparison, twins, agreement, snapshot, digest or
+        RSS work at all): the engine then only runs the lanes.
     compare : False runs one strategy alone, as deployed, with no reference (`bench run --solo`).
     batch : every lane of a step in one pass through the model (bit-identical to one by one, which False does).
     twins : keep measuring agreement after a divergence on a teacher-forced twin (one more forward per lane).
@@ -60,8 +67,9 @@ class Engine:
     """
 
     def __init__(self, loaded: LoadedModel, strategies: list[Strategy], max_new_tokens: int = 64,
-                 raw: bool = False, threads: int | None = None, memory: str = "trace", compare: bool = True,
-                 batch: bool = True, twins: bool = True, prefill_chunk: int = PREFILL_CHUNK, kernels: str = "invariant"):
+                 raw: bool = False, threads: int | None = None, memory: str = "storage", compare: bool = True,
+                 batch: bool = True, twins: bool = True, prefill_chunk: int = PREFILL_CHUNK, kernels: str = "invariant",
+                 instruments: bool = True):
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens: {max_new_tokens} must be >= 1")
         if threads is not None and threads < 1:
@@ -76,13 +84,17 @@ class Engine:
         self.threads = threads or torch.get_num_threads()
         self.prompter = Prompter(loaded, raw)
         self.geometry = ModelGeometry.from_config(loaded.config, loaded.dtype)
+        self.instruments = Instruments(memory=memory, twins=twins) if instruments else Instruments.off()
+        memory = self.instruments.memory
         self.tracer = AllocationTracer(loaded.device, enabled=memory == "trace")
-        self.instrument = (f"allocator trace ({loaded.device.type})" if memory == "trace" else "none (formula only)")
-        self.twins, self.prefill_chunk = twins, prefill_chunk
+        self.instrument = {"trace": f"allocator trace ({loaded.device.type})",
+                           "storage": f"tensor storages ({loaded.device.type})", "none": "none (formula only)"}[memory]
+        self.twins, self.prefill_chunk = self.instruments.twins, prefill_chunk
+        self.steps: list[dict] = []  # per decode step: wall, lanes', instruments' and unattributed ms
         # Probed now, outside every timed and traced step (the verdicts stay with the loaded model).
         self.kernels = Kernels.for_model(loaded, kernels, self.threads)
         self.forwards = Forwards(self.model, loaded.device, self.geometry, self.tracer, self.threads, batch,
-                                 self.kernels)
+                                 self.kernels, self.instruments)
         self.solo = not compare
         if self.solo:  # one strategy as deployed alone: it drives the conversation, nothing is compared
             if len(strategies) != 1:
@@ -110,11 +122,11 @@ class Engine:
         return out
 
     def _lane(self, strategy: Strategy) -> Lane:
-        lane = Lane(strategy, None, strategy.label, ByteBook(traced=self.tracer.enabled))
+        lane = Lane(strategy, None, strategy.label, ByteBook(measured=self.instruments.memory != "none"))
         with self.tracer.trace(lane.label):
             lane.cache = strategy.build_cache(self.model)
         lane.cache.use_kernels(self.kernels)
-        if self.loaded.device.type == "cuda":  # the allocator reports rounded blocks there: compare like for like
+        if self.loaded.device.type == "cuda" and self.tracer.enabled:  # the allocator rounds blocks: like for like
             lane.book.held_sizes = lane.cache.storage_sizes
         return lane
 
@@ -123,7 +135,7 @@ class Engine:
         return [self.reference, *self.lanes]
 
     def _held(self, lane: Lane) -> int | None:
-        return self.tracer.live(lane.label)
+        return self.forwards.held(lane)
 
     # --- the run -------------------------------------------------------------
     def turn(self, text: str, ids: list[int] | None = None) -> Iterator[dict]:
@@ -151,7 +163,7 @@ class Engine:
             previous_threads = torch.get_num_threads()
             tap = InputTap(self.model, self.loaded.device)
             try:
-                if k == 0:
+                if k == 0 and self.instruments.compare:
                     for lane in self.lanes:
                         lane.cache.compare_with(self.reference.cache)
                     yield {"type": "start", "strategies": self.show, "reference": self.reference.label,
@@ -186,8 +198,15 @@ class Engine:
         if lane.replies:
             lane.texts[-1] = lane.replies[-1].final()
         seen = lane.cache.get_seq_length()
-        lane.book.between_turns(seen, self._held(lane),
-                                lane.strategy.formula_between_turns(self.geometry, seen, lane.forwards))
+        held = self._held(lane)
+        if self.tracer.enabled:  # the storage count beside the allocator's, between turns too
+            with self.instruments.timed("storage"):
+                storage = storage_held(lane.cache)
+                lane.book.audit("between turns", seen, storage, storage, held, None)
+        lane.book.between_turns(seen, held, lane.strategy.formula_between_turns(self.geometry, seen, lane.forwards))
+        if self.instruments.digests:
+            with self.instruments.timed("digest"):
+                lane.kv_digest = state_digest(lane.cache)
 
     def park(self) -> dict:
         """Between turns: every cache keeps only its persistent state (full KV, inputs, anchors or token ids).
@@ -307,13 +326,24 @@ class Engine:
             lane.texts.append("")
             lane.replies.append(ReplyText(self.loaded.tokenizer))
             lane.active, lane.pending = True, None
+        self.instruments.take()  # the prompt's measurement is the turn's, not its first step's
         index = 0
+        inst = self.instruments
         while ref.active or any(lane.active for lane in lanes):
+            step_started = clock(self.loaded.device)
             ref_token = self._choose(ref, index) if ref.active else None
             ref_logits = ref.logits if ref_token is not None else None
             event = {"type": "step", "turn": k, "index": index, "lanes": {}}
+            # Agreement for every lane in one pass over the stacked logits, on one thread: per lane, a few small
+            # ops on a vocabulary's logits each woke the second thread and waited for the GIL behind the page's
+            # handler (113 ms a step in the app, 3 ms in the CLI).
+            with inst.timed("agreement") if inst.agreement else contextlib.nullcontext(), one_thread():
+                compared = [(lane, observe(lane, ref_token, ref_logits, ref.cache, self.tracer, self.twins,
+                                           inst.agreement)) for lane in lanes]
+                compared = [(lane, logits) for lane, logits in compared if logits is not None]
+                if compared:
+                    agree([lane for lane, _ in compared], [logits for _, logits in compared], ref_token, ref_logits)
             for lane in lanes:
-                observe(lane, ref_token, ref_logits, ref.cache, self.tracer, self.twins)
                 if lane.active:
                     self._choose(lane, index)
             items = []
@@ -325,10 +355,12 @@ class Engine:
                     items.append(Item(lane, [token]))
                 if lane.tf_cache is not None and ref_token is not None and ref.active:
                     items.append(Item(lane, [ref_token], twin=True))
+            fed = {item.lane.label for item in items if not item.twin}
             self.forwards.run(items, tap, turn_start=False)
             for lane in self.all_lanes:
                 if len(lane.tokens[k]) == index + 1:
                     event["lanes"][lane.label] = self._lane_event(lane, k)
+            event.update(self._step_figures(step_started, fed))
             yield event
             index += 1
         self.turn_seconds.append(clock(self.loaded.device) - started)
@@ -337,6 +369,17 @@ class Engine:
         yield {"type": "turn_end", "turn": k, "texts": {lane.label: lane.texts[k] for lane in self.all_lanes},
                "seconds": self.turn_seconds[-1],
                "bytes": {lane.label: lane.book.turns[-1].summary() for lane in self.all_lanes}}
+
+    def _step_figures(self, started: float, fed: set[str]) -> dict:
+        """The step as a visitor sees it: its wall time, each fed lane's own time, the instruments' time (each
+        apart) and the rest nobody's (choosing tokens, the engine's bookkeeping); they add up to the wall."""
+        wall = 1e3 * (clock(self.loaded.device) - started)
+        own = {lane.label: 1e3 * lane.times.decode[-1]["total"] for lane in self.all_lanes if lane.label in fed}
+        measured = self.instruments.take()
+        figures = {"step_ms": wall, "lanes_ms": own, "measurement_ms": measured,
+                   "unattributed_ms": wall - sum(own.values()) - sum(measured.values())}
+        self.steps.append(figures)
+        return figures
 
     def _choose(self, lane: Lane, index: int) -> int:
         """Greedy token at `index` of the current turn; ends the lane's turn on EOS, the token limit or the context."""
@@ -443,7 +486,7 @@ class Engine:
             "max_abs_dlogit": 0.0 if is_ref else (lane.max_dlogit if lane.tf_steps else None),
             "teacher_forced_steps": None if is_ref or self.solo else lane.tf_steps,
             **kv,
-            "kv_digest": kv_digest(lane.kv_digest),
+            "kv_digest": lane.kv_digest,
             "canonical_spec": lane.strategy.spec(),
             "mode": getattr(lane.strategy, "mode", None),  # "exact" | "fast" for rebuilding strategies, else None
             "kernels": self._lane_kernels(lane),
@@ -467,7 +510,7 @@ class Engine:
 
     def results(self) -> dict:
         by_label = {self.reference.label: self.reference, **{lane.label: lane for lane in self.lanes}}
-        shared, twins = self.forwards.shared_ms, self.forwards.twins_ms
+        shared = self.forwards.shared_ms
         out = {
             "model": self.loaded.name,
             "model_source": self.loaded.source,
@@ -478,9 +521,10 @@ class Engine:
             "batched": self.forwards.batch,
             "teacher_forced_twins": self.twins,
             "shared_pass_ms_mean": sum(shared) / len(shared) if shared else None,
-            # The teacher-forced twins' own passes: the measurement's overhead, charged to no lane.
-            "twins_ms_per_step_mean": sum(twins) / len(twins) if twins else None,
-            "twins_ms_total": sum(twins),
+            "shared_rule": "the pass's shared work (linears, norms, embedding, head) charged by rows: 1/N to each "
+                           "of its N rows (a lane's forward or a twin's)",
+            "instruments": self.instruments.describe(),
+            "steps": step_summary(self.steps),
             "turn_seconds": self.turn_seconds,
             "prompt_ids": self.prompt_ids,
             "turn_chunk_ids": self.turn_chunks,
@@ -496,13 +540,36 @@ class Engine:
         return out
 
 
-def kv_digest(sums: dict) -> str | None:
-    """A hash of the bits of every layer's K/V a lane handed attention at its latest forward (lockstep.bit_sums):
-    equal in two runs when they handed attention the same bits."""
-    if not sums:
+def state_digest(cache) -> str:
+    """A hash of the bits of every tensor a cache holds (its K/V, inputs, anchors, token ids, scores, positions),
+    taken at the end of a turn: equal in two runs when they hold the same bits (the K/V a step rebuilds are
+    compared with the full cache's as they are handed to attention: `MeasuredLayer.compare`)."""
+    COUNTS["digest"] += 1
+    h = hashlib.sha256()
+    for t in cache.state_tensors():
+        if t is None:
+            h.update(b"-")
+            continue
+        t = t.detach().contiguous().reshape(-1)
+        h.update(f"{t.dtype}{t.numel()}".encode())
+        h.update(t.view(torch.uint8).cpu().numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def step_summary(steps: list[dict]) -> dict | None:
+    """Means over the decode steps of the step figures (`Engine._step_figures`), ms."""
+    if not steps:
         return None
-    text = json.dumps([[j, *sums[j][:2], list(sums[j][2])] for j in sorted(sums)])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    n = len(steps)
+    names = sorted({name for step in steps for name in step["measurement_ms"]})
+    return {"steps": n,
+            "wall_ms_mean": sum(s["step_ms"] for s in steps) / n,
+            "lanes_ms_mean": sum(sum(s["lanes_ms"].values()) for s in steps) / n,
+            "measurement_ms_mean": sum(sum(s["measurement_ms"].values()) for s in steps) / n,
+            "measurement_by_instrument_ms_mean": {name: sum(s["measurement_ms"].get(name, 0.0) for s in steps) / n
+                                                  for name in names},
+            "unattributed_ms_mean": sum(s["unattributed_ms"] for s in steps) / n,
+            "measurement_ms_per_step": [round(sum(s["measurement_ms"].values()), 3) for s in steps]}
 
 
 def run_to_end(engine: Engine, turns: list[str], park: bool = False,

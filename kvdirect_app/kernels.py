@@ -11,19 +11,18 @@ Two modes for a run (`--kernels`):
   shapes combined by a sequential cumulative sum, masked keys exact zeros),
   computed on one thread whatever the run's count (`threads.one_thread`), so
   the order of every one of its reductions is fixed by the shapes alone; the
-  same for a one-token step (all lanes' queries in one call:
-  `lanes_block_attention`), a prompt and a replay of any number of old
+  same for a one-token step, a prompt and a replay of any number of old
   tokens.  So a rebuild or replay may group rows any way it likes: KV-Direct
   rebuilds all old K/V with one GEMM per layer, AnchorKV replays each layer
   once over all old tokens, and the lanes of a step share one GEMM per
-  linear.
+  linear (each lane's attention is its own call, timed as its own).
 * ``native``: the model's own kernels; exactness comes from repeating the
   original shapes (`replay.py`, `rows.py`: each decoded token as its own row).
   Bit-equal to transformers' own one-row decode.
 
 `Kernels.for_model` proves (`probes.py`), outside any timed or traced region,
 every linear layer's row counts at the run's thread count (and its large call at one thread),
-the block attention's row counts and its one-query/many-queries/lanes
+the block attention's row counts and its one-query/many-queries
 equality for each attention geometry of the model, and the model's RMSNorm
 rows; the verdicts are kept on disk and re-checked at the next start.  A
 failed probe means ``native``, said aloud in the run's JSON (`kernels`), the
@@ -117,69 +116,6 @@ def _block_attention(query, key, value, end, scaling, softcap, window, proven) -
         o = o.cumsum_(dim=1)[:, -1] / sums[..., None]  # (Hkv, padded, d)
         out[s:s + n] = o[:, :m].reshape(heads, n, d).transpose(0, 1)
     return out
-
-
-def lanes_block_attention(queries: list, keys: list, values: list, ends: list, scaling: float,
-                          softcap: float | None = None, window: int | None = None, rows: Verdict | None = None) -> list:
-    """`block_attention` for one query per lane, all lanes in one call: lane i's query (H, 1, d) at position
-    ends[i]-1 over its keys (Hkv, T_i, d).  Returns [(1, H, d)] per lane, each with the bits `block_attention`
-    gives that lane alone (the probe checks it: `probe_attention`).
-
-    The same operations as `block_attention`, with a leading lane dimension: every lane's keys laid out in
-    blocks anchored at position 0, padded at the end with masked blocks up to the longest lane's count.  A
-    masked block changes nothing: its maximum is -inf, its probabilities and P@V exact zeros, and the blocks
-    are combined by a sequential cumulative sum, to which zeros add nothing."""
-    with one_thread():
-        return _lanes_block_attention(queries, keys, values, ends, scaling, softcap, window, rows)
-
-
-def _lanes_block_attention(queries, keys, values, ends, scaling, softcap, window, rows) -> list:
-    lanes = len(queries)
-    heads, _, d = queries[0].shape
-    kv_heads = keys[0].shape[0]
-    group = heads // kv_heads
-    device = queries[0].device
-    leads, firsts = [], []
-    for k, end in zip(keys, ends):
-        first = end - k.shape[1]
-        firsts.append(first)
-        leads.append(first % BLOCK)
-    blocks = max(-(-(lead + k.shape[1]) // BLOCK) for lead, k in zip(leads, keys))
-    kbuf = torch.zeros(lanes, kv_heads, blocks * BLOCK, d, device=device)
-    vbuf = torch.zeros(lanes, kv_heads, blocks * BLOCK, d, device=device)
-    key_pos = torch.full((lanes, blocks * BLOCK), -1, device=device, dtype=torch.long)
-    base = torch.arange(blocks * BLOCK, device=device)
-    for i, (k, v, lead, first) in enumerate(zip(keys, values, leads, firsts)):
-        t = k.shape[1]
-        kbuf[i, :, lead:lead + t] = k
-        vbuf[i, :, lead:lead + t] = v
-        key_pos[i, lead:lead + t] = base[lead:lead + t] + (first - lead)
-    kbuf = kbuf.view(lanes, kv_heads, blocks, BLOCK, d)
-    vbuf = vbuf.view(lanes, kv_heads, blocks, BLOCK, d)
-    qpos = torch.tensor(ends, device=device) - 1  # (L,)
-    m = group
-    padded = rows.pad(m) if rows is not None else m
-    r = torch.stack([q.view(kv_heads, group, d) for q in queries]).float() * scaling  # (L, Hkv, group, d)
-    if padded != m:
-        r = F.pad(r, (0, 0, 0, padded - m))
-    r = r.view(lanes, kv_heads, 1, padded, d)
-    scores = torch.matmul(r.expand(lanes, kv_heads, blocks, padded, d), kbuf.transpose(3, 4))  # (L, Hkv, b, p, 64)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    kp = key_pos.view(lanes, blocks, BLOCK)
-    visible = (kp >= 0) & (kp <= qpos[:, None, None])
-    if window is not None:
-        visible &= kp > qpos[:, None, None] - window
-    scores.masked_fill_(~visible[:, None, :, None, :], float("-inf"))
-    top = scores.amax(dim=(2, 4), keepdim=True)
-    p = scores.sub_(top).exp_()
-    del scores
-    sums = p.sum(dim=-1).cumsum(dim=2)[:, :, -1]  # (L, Hkv, padded)
-    o = torch.matmul(p, vbuf)
-    del p
-    o = o.cumsum_(dim=2)[:, :, -1] / sums[..., None]  # (L, Hkv, padded, d)
-    o = o[:, :, :m].reshape(lanes, heads, d).to(queries[0].dtype)
-    return [o[i:i + 1] for i in range(lanes)]
 
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("kvdirect_kernels", default=None)
@@ -304,7 +240,7 @@ class Kernels:
             self.rows = rows
             key = ("block attention", geometry, probes._name(dtype), str(device), self.threads)
             ok, why = self.store.get(key, lambda: probes.probe_attention(
-                (self.attention, self.lanes_attention), *geometry[:3], dtype, device, self.threads,
+                self.attention, *geometry[:3], dtype, device, self.threads,
                 window=geometry[3], softcap=geometry[4]))
             if not ok:
                 return f"block attention: {why}"
@@ -343,10 +279,6 @@ class Kernels:
     def attention(self, query, key, value, end: int, scaling: float, softcap=None, window=None) -> torch.Tensor:
         """`block_attention` with this device's proven row counts; query (H, q, d) -> (q, H, d)."""
         return block_attention(query, key, value, end, scaling, softcap, window, rows=self._rows(query))
-
-    def lanes_attention(self, queries, keys, values, ends, scaling: float, softcap=None, window=None) -> list:
-        """`lanes_block_attention` (one query per lane, all lanes in one call) with this device's row counts."""
-        return lanes_block_attention(queries, keys, values, ends, scaling, softcap, window, rows=self._rows(queries[0]))
 
     @contextlib.contextmanager
     def applied(self):

@@ -1,11 +1,16 @@
 """One strategy's state during a run, and its byte book (DESIGN.md, "Metrics").
 
-Bytes come from two independent sources, kept side by side:
+Bytes come from independent sources, kept side by side:
 
-* measured: the allocation tracer (`memory.AllocationTracer`) — what the
-  lane's own forwards (and its fork, park, resume) allocated and still hold,
-  and the highest that went during each forward (state + transient buffers +
-  activations).  The logits the engine keeps for itself are not the lane's.
+* measured, by the run's memory instrument (`instruments.py`): ``storage``
+  (the default) counts the distinct storages of the tensors the lane's cache
+  holds after each forward, and its peak adds the transient buffers the
+  strategy counts where it allocates them (no activations); ``trace`` is the
+  allocator's ledger (`memory.AllocationTracer`): what the lane's own forwards
+  (and its fork, park, resume) allocated and still hold, and the highest that
+  went during each forward (state + transient buffers + its share of the
+  activations).  In ``trace`` mode the storage count runs beside it and the
+  book audits the two against each other (`audit`).
 * formula: the strategy's own arithmetic from the config alone (persistent
   state; transient = the strategy's buffers, no activations, so it is a lower
   bound of the measured peak).
@@ -21,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from .memory import Window, cuda_block_range
+from .memory import cuda_block_range
 from .metrics import StepTimes
 from .strategies import Strategy, StrategyCache
 
@@ -50,7 +55,7 @@ class TurnBytes:
 class ByteBook:
     """Measured and formula bytes of one lane over a run."""
 
-    traced: bool
+    measured: bool  # a memory instrument runs (storage or trace); False: the formula only
     persistent_peak: int | None = None
     peak: int | None = None
     between_turns_peak: int | None = None
@@ -64,6 +69,12 @@ class ByteBook:
     turns: list[TurnBytes] = field(default_factory=list)
     # On CUDA: the exact sizes of the tensors the lane's cache holds (see memory.py: block rounding).
     held_sizes: Callable[[], list[int]] | None = None
+    # The trace's audit of the storage count: (where, seen, storage, traced), the first few, and peaks where the
+    # storage count (state + declared transient) went above the allocator's.
+    audits: list = field(default_factory=list)
+    audit_count: int = 0
+    audit_steps: int = 0
+    storage_peak_above_trace: int = 0
 
     def agrees(self, measured: int, formula: int) -> bool:
         """Measurement and formula, like for like: equal on the CPU; on CUDA the formula equal to the exact bytes
@@ -84,9 +95,24 @@ class ByteBook:
             if len(self.mismatches) < MISMATCHES_KEPT:
                 self.mismatches.append((where, seen, measured, formula))
 
-    def step(self, seen: int, state: int | None, window: Window, formula_state: int, formula_transient: int):
-        """After one forward of the lane (not its teacher-forced twin)."""
-        peak = window.peak if self.traced else None
+    def audit(self, where, seen: int, storage: int, storage_peak: int, traced: int, traced_peak: int | None):
+        """The allocator's figures against the storage count's (``--memory trace``): held bytes agree (like for
+        like, as `agrees` compares with the formula), and the storage count's peak is not above the allocator's
+        by more than the step's growth.  (The storage peak is held-after-the-step + the largest layer's
+        transient; while an early layer's transient was alive, later layers had not grown yet: the allocator's
+        peak can be lower by at most what the step added.  It leaves out the activations, which the allocator
+        sees.)"""
+        grown = max(0, storage - (self.last.get("persistent_bytes") or 0)) if self.last else storage
+        self.audit_steps += 1
+        if not self.agrees(traced, storage):
+            self.audit_count += 1
+            if len(self.audits) < MISMATCHES_KEPT:
+                self.audits.append((where, seen, storage, traced))
+        if traced_peak is not None and self.held_sizes is None and storage_peak > traced_peak + grown:
+            self.storage_peak_above_trace += 1
+
+    def step(self, seen: int, state: int | None, peak: int | None, formula_state: int, formula_transient: int):
+        """After one forward of the lane (not its teacher-forced twin): its held bytes and peak as measured."""
         formula_peak = formula_state + formula_transient
         self.check("step", seen, state, formula_state)
         if peak is not None and peak < formula_peak:
@@ -117,10 +143,15 @@ class ByteBook:
             "formula_persistent_peak": self.formula_persistent_peak,
             "formula_peak": self.formula_peak,
             "formula_between_turns_peak": self.formula_between_turns_peak,
-            "formula_matches_measurement": self.mismatch_count == 0 if self.traced else None,
+            "formula_matches_measurement": self.mismatch_count == 0 if self.measured else None,
             "mismatch_count": self.mismatch_count,
             "mismatches": [list(m) for m in self.mismatches],
             "peak_below_formula_steps": self.peak_below_formula,
+            # ``--memory trace`` only: the storage count audited by the allocator.
+            "storage_audit": {"steps": self.audit_steps, "held_mismatches": self.audit_count,
+                              "first_mismatches": [list(m) for m in self.audits],
+                              "storage_peak_above_trace_steps": self.storage_peak_above_trace}
+            if self.audit_steps else None,
         }
 
 
@@ -150,7 +181,7 @@ class Lane:
     history: list[int] = field(default_factory=list)  # every id fed to the free run, in order
     forwards: list = field(default_factory=list)  # a `strategies.base.Forward` for each forward of the free run
     parks: list[dict] = field(default_factory=list)  # per park: seen, bytes measured and by formula, resume ms
-    kv_digest: dict = field(default_factory=dict)  # layer -> bit sums of the K/V its latest forward handed attention
+    kv_digest: str | None = None  # a hash of the bits its cache held at the end of the latest turn
     # The last query of the latest turn's prompt: {"position": p, "turn": t, "layers": {layer: (handed (p+1,) bool, probs
     # (p+1,) fp32)}} (lockstep.last_query_attention), None before the first turn.
     attention: dict | None = None

@@ -17,18 +17,22 @@ exactly what it would be alone:
 * each lane's cache gets its own row of K/V (`update`), its own attention
   input and residual (the input tap), and runs its own rebuilding, replay
   and scoring, as it would alone;
-* attention (native) is the model's own attention function, once per lane,
-  with the lane's K/V and the mask the model builds for that lane's cache:
-  the layer's config points at a registered function (`kvdirect_lanes`) for
-  the pass, under the model's lock; (invariant) the block attention, for a
-  decode step all lanes' queries in one call (`lanes_block_attention`);
+* attention is each row's own call, timed as that row's, with the row's
+  K/V: the model's own attention function with the mask the model builds for
+  that row's cache (native; the layer's config points at a registered
+  function, `kvdirect_lanes`, for the pass, under the model's lock), or the
+  block attention (invariant), whose bits for a query do not depend on the
+  call it is in;
 * norms, RoPE (positions are per row), activations and residual adds work
   row by row.
 
-Timing: what a lane does alone (its cache's work, its attention) is timed per
-lane; the rest of the pass is shared and is attributed 1/N to each of the N
-forwards.  Memory: each lane's work runs in its own owner scope of one
-traced session; the pass's activations are shared, 1/N charged to each.
+Timing: what a row does alone (its cache's work, its attention) is timed per
+row, in its own call; the rest of the pass (the linears, norms, embedding and
+head over all rows) is shared and charged by rows: 1/N to each of the N rows
+(a row is one forward, and every row of a pass has the same token count).
+Memory: each row's work runs in its own owner scope (of a traced session, or
+the storage instrument's count); the pass's activations are shared, 1/N
+charged to each.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from . import compat
+from .instruments import COUNTS
 from .kernels import Kernels, native_now
 from .memory import AllocationTracer, harness
 from .metrics import clock
@@ -68,7 +73,6 @@ class Row:
     more_prompt: bool = False  # a piece of a turn's prompt, more pieces follow
     masks: dict = field(default_factory=dict)  # layer type -> the mask the model builds for this cache alone
     kv: dict = field(default_factory=dict)  # layer -> the K/V this cache handed attention
-    digest: dict = field(default_factory=dict)  # layer -> bit sums of those K/V (what two runs compare)
     attention_s: float = 0.0  # this row's attention function calls, inside the pass
     setup_s: float = 0.0  # this row's own work outside the pass: its masks, the begin and end of its step
     logits: torch.Tensor | None = None
@@ -142,28 +146,27 @@ def _same(a, b) -> bool:
 
 
 def lanes_attention(module, query, key, value, attention_mask, **kwargs):
-    """The registered attention function: the model's own, once per row, with that row's K/V and mask.
+    """The registered attention function: each row's attention in a call of its own, with that row's K/V (and,
+    native, its mask), timed as that row's: no lane waits in another lane's call or is padded to its keys.
 
-    With several tokens per row (a prompt), a row whose query, K/V and mask are bit-identical to an earlier
-    row's (lanes that have not diverged) reuses that row's output: the same call would give the same bits."""
+    Invariant kernels: the block attention (a query's bits depend only on it and the keys it sees, so a lane's
+    call gives what it would alone); native: the model's own function.  With several tokens per row (a
+    prompt), a row whose query, K/V and mask are bit-identical to an earlier row's (lanes that have not
+    diverged) reuses that row's output: the same call would give the same bits."""
     batch: Batch = _LOCAL.batch
     j = module.layer_idx
     layer_type = batch.layer_types[j]
     outputs, done, weights = [], [], None
     q = query.shape[2]
-    if batch.kernels.invariant and q == 1 and len(batch.rows) > 1:
-        return _lanes_block_attention(batch, module, j, query, kwargs), None
+    block = batch.kernels.invariant
     for i, row in enumerate(batch.rows):
         k, v = row.kv.pop(j)
-        with harness():  # the measurement's: what this lane handed attention, as bits
-            row.digest[j] = bit_sums(k, v)
-        block = batch.kernels.invariant
         mask = None if block else row.masks[layer_type]
         t0 = time.perf_counter()
         out = None
         if q > 1:
-            out = next((o for (b, qr, kr, vr, mr, o) in done if b == block and torch.equal(qr, query[i])
-                        and _same(kr, k) and _same(vr, v) and _same(mr, mask)), None)
+            out = next((o for (qr, kr, vr, mr, o) in done if torch.equal(qr, query[i]) and _same(kr, k)
+                        and _same(vr, v) and _same(mr, mask)), None)
         if out is None:
             with batch.owned(i):
                 # Every cache hands attention its keys in position order, the queries the last q of them and every
@@ -175,36 +178,12 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
                 else:
                     out, weights = batch.attention(module, query[i:i + 1], k, v, mask, **kwargs)
             if q > 1:
-                done.append((block, query[i], k, v, mask, out))
+                done.append((query[i], k, v, mask, out))
         row.attention_s += time.perf_counter() - t0
         outputs.append(out)
         if row.snapshot:
             _snapshot(row, j, query[i:i + 1], k, module, kwargs)
     return torch.cat(outputs, dim=0), weights
-
-
-def _lanes_block_attention(batch: Batch, module, j: int, query: torch.Tensor, kwargs) -> torch.Tensor:
-    """A decode step in the invariant mode: every lane's one query in one block-attention call (each lane's
-    bits are those it would get alone: the probe checks it).  The call's time is shared by its lanes."""
-    keys, values, ends = [], [], []
-    for i, row in enumerate(batch.rows):
-        k, v = row.kv.pop(j)
-        with harness():
-            row.digest[j] = bit_sums(k, v)
-        keys.append(k[0])
-        values.append(v[0])
-        ends.append(row.seen + 1)
-    t0 = time.perf_counter()
-    # Its buffers are the pass's, shared like the rest of it (1/N to each lane).
-    outs = batch.kernels.lanes_attention([query[i] for i in range(len(batch.rows))], keys, values, ends,
-                                         kwargs.get("scaling", module.scaling), kwargs.get("softcap"),
-                                         kwargs.get("sliding_window"))
-    share = (time.perf_counter() - t0) / len(batch.rows)
-    for i, row in enumerate(batch.rows):
-        row.attention_s += share
-        if row.snapshot:
-            _snapshot(row, j, query[i:i + 1], keys[i][None], module, kwargs)
-    return torch.cat(outs, dim=0).unsqueeze(1)
 
 
 def last_query_attention(query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, end: int, scaling: float,
@@ -232,18 +211,12 @@ def last_query_attention(query: torch.Tensor, keys: torch.Tensor, positions: tor
 def _snapshot(row: Row, j: int, query: torch.Tensor, k: torch.Tensor, module, kwargs):
     """Row's last query's attention at layer j (measurement work: no lane's bytes, no lane's time)."""
     t0 = time.perf_counter()
+    COUNTS["snapshot"] += 1
     with harness():
         row.attention[j] = last_query_attention(query, k, row.handed.pop(j), row.seen + query.shape[2],
                                                 kwargs.get("scaling", module.scaling), kwargs.get("softcap"),
                                                 kwargs.get("sliding_window"))
     row.snapshot_s += time.perf_counter() - t0
-
-
-def bit_sums(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, tuple]:
-    """A cheap digest of two tensors' bits: the sums of their 16- or 32-bit words, and the shape."""
-    word = torch.int32 if k.element_size() == 4 else torch.int16
-    return (int(k.contiguous().view(word).sum(dtype=torch.int64)), int(v.contiguous().view(word).sum(dtype=torch.int64)),
-            tuple(k.shape))
 
 
 def _unique_rows(x: torch.Tensor) -> tuple[list[int], list[int]]:

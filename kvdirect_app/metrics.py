@@ -1,4 +1,4 @@
-"""Agreement, divergence and timing helpers (DESIGN.md, "Metrics")."""
+"""Token match and timing helpers (DESIGN.md, "Metrics"); agreement and KL are `teacher.agree`'s."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 
 def clock(device: torch.device) -> float:
@@ -16,13 +15,6 @@ def clock(device: torch.device) -> float:
     elif device.type == "mps":
         torch.mps.synchronize()
     return time.perf_counter()
-
-
-def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
-    """KL(p_ref || p) in nats, from fp32 logits (vocab,)."""
-    ref_logp = F.log_softmax(ref_logits.float(), dim=-1)
-    logp = F.log_softmax(logits.float(), dim=-1)
-    return float(torch.sum(ref_logp.exp() * (ref_logp - logp)).clamp_min(0.0))
 
 
 def token_match(reference: list[list[int]], tokens: list[list[int]]) -> tuple[float, int | None]:

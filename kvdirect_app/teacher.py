@@ -14,36 +14,52 @@ from __future__ import annotations
 
 import torch
 
+from .instruments import COUNTS
 from .lanes import Lane
 from .memory import AllocationTracer
-from .metrics import kl_divergence
 from .strategies import StrategyCache
 
 
 def observe(lane: Lane, ref_token: int | None, ref_logits: torch.Tensor | None, reference: StrategyCache,
-            tracer: AllocationTracer, twins: bool):
-    """This step's teacher-forced logits against the reference's; fork the twin at the first divergence."""
+            tracer: AllocationTracer, twins: bool, agreement: bool = True) -> torch.Tensor | None:
+    """Fork the twin at the first divergence; returns the logits this step's agreement compares with the
+    reference's (the free run's before the divergence, the twin's after it), or None when there is nothing to
+    compare.  Without `agreement` (the instruments off) only the divergence is noted: no twin, no K/V report."""
     if not lane.diverged:
         lane_done, ref_done = not lane.active, ref_token is None
         if lane_done and ref_done:
-            return
+            return None
         if lane_done != ref_done or int(torch.argmax(lane.logits)) != ref_token:
             lane.diverged = True
             lane.kv = lane.cache.kv_report()
             lane.cache.compare_with(None)
-            if twins:
+            if twins and agreement:
                 # The free run leaves the reference's history here: keep measuring on a twin fed its tokens.
                 with tracer.trace(lane.twin_owner):
                     lane.tf_cache = lane.cache.fork()
                 lane.tf_cache.compare_with(reference)
                 lane.tf_logits = lane.logits
-    if ref_token is None or (lane.diverged and lane.tf_cache is None):
+    if not agreement or ref_token is None or (lane.diverged and lane.tf_cache is None):
+        return None
+    return lane.tf_logits if lane.diverged else lane.logits
+
+
+def agree(lanes: list[Lane], logits: list[torch.Tensor], ref_token: int, ref_logits: torch.Tensor):
+    """Teacher-forced agreement, KL(p_ref || p) and max |dlogit| of every lane at this step, in one pass over the
+    stacked logits (the reference's first row: identical logits give identical rows, KL and |dlogit| exactly 0)."""
+    if not lanes:
         return
-    logits = lane.tf_logits if lane.diverged else lane.logits
-    lane.tf_steps += 1
-    lane.tf_agree += int(torch.argmax(logits)) == ref_token
-    lane.kl_sum += kl_divergence(ref_logits, logits)
-    lane.max_dlogit = max(lane.max_dlogit, float((logits - ref_logits).abs().max()))
+    COUNTS["agreement"] += len(lanes)
+    rows = torch.stack([ref_logits, *logits]).float()
+    logp = torch.log_softmax(rows, dim=-1)
+    kl = (logp[0].exp() * (logp[0] - logp[1:])).sum(dim=-1).clamp_min(0.0)
+    figures = torch.stack([kl, (rows[1:].argmax(dim=-1) == ref_token).float(),
+                           (rows[1:] - rows[0]).abs().amax(dim=-1)], dim=1).tolist()
+    for lane, (k, same, dlogit) in zip(lanes, figures):
+        lane.tf_steps += 1
+        lane.tf_agree += int(same)
+        lane.kl_sum += k
+        lane.max_dlogit = max(lane.max_dlogit, dlogit)
 
 
 def kv_summary(lane: Lane) -> dict:

@@ -1,10 +1,12 @@
 """Times the app as a visitor sees it: Send -> a token in every pane, Send -> Done, in headless Chromium;
 then the same prompt and strategies with `bench run`, and each pane's ms/token from both side by side.
 
-    .venv/bin/python scripts/app_timing.py [REPEATS]     (needs Debian's chromium: `make browser`)
+    .venv/bin/python scripts/app_timing.py [REPEATS] [SCREENSHOT.png]     (needs Debian's chromium: `make browser`)
 
 The app is launched in-process with its default panes and 64 new tokens; prints one line per repeat, then
 the table (the app's figure is what its scoreboard and pane show: the last turn's mean ms per decode step).
+With SCREENSHOT, the first screen (1280x720) after the last turn: the scoreboard with each pane's own figures and the
+step's wall time below them.
 """
 import json
 import subprocess
@@ -29,7 +31,7 @@ EVERY_PANE_HAS_A_TOKEN = """() => {
     return bot.length && bot[bot.length - 1].innerText.trim().length; }); }"""
 
 
-def main(repeats: int) -> None:
+def main(repeats: int, shot: str | None = None) -> None:
     demo = build_demo(model="smollm2-135m", max_new_tokens=64)
     launch_local(demo)
     with sync_api.sync_playwright() as p:
@@ -52,6 +54,15 @@ def main(repeats: int) -> None:
             done = time.perf_counter() - t0
             print(f"first token in every pane {first:.2f} s, Send to Done {done:.2f} s; "
                   f"status: {page.inner_text('#kvd-status')}", flush=True)
+        steps = page.inner_text("#kvd-board")
+        print("the scoreboard's step rows:", " | ".join(line for line in steps.splitlines()
+                                                         if line.startswith(("measurement", "unattributed", "step"))))
+        if shot:
+            page.set_viewport_size({"width": 1280, "height": 720})
+            page.evaluate("window.scrollTo(0, 0)")
+            time.sleep(1)
+            page.screenshot(path=shot)
+            print(f"wrote {shot}")
         session = next(iter(demo.kvd_handlers.visitors.values()))  # before the tab closes and frees it
         app_ms = {label: session.lanes[label].turn_figures()["ms_per_token"] for label in session.shown}
         engine_s = (session.result or {}).get("turn_seconds", [])
@@ -73,7 +84,10 @@ def main(repeats: int) -> None:
     for label, ms in app_ms.items():
         c = cli[label]["latency_ms"]["decode_total_ms_mean"]
         print(f"{label:58s} {ms:12.1f} {c:12.1f} {ms / c:8.2f}")
+    steps = run["steps"]
+    print(f"bench run per decode step: wall {steps['wall_ms_mean']:.0f} ms = lanes {steps['lanes_ms_mean']:.0f} + "
+          f"measurement {steps['measurement_ms_mean']:.0f} + unattributed {steps['unattributed_ms_mean']:.0f}")
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2, sys.argv[2] if len(sys.argv) > 2 else None)

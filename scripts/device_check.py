@@ -60,8 +60,7 @@ def probe(device: str, out: dict):
             rows[f"{dtype} {shape}"] = {"proven": list(v.counts), "failed": list(v.failed),
                                         "across_threads": v.across_threads}
         verdict = probes.probe_attention_rows(64, dtype, device)
-        attention = (functools.partial(K.block_attention, rows=verdict),
-                     functools.partial(K.lanes_block_attention, rows=verdict))
+        attention = functools.partial(K.block_attention, rows=verdict)
         ok, why = probes.probe_attention(attention, 9, 3, 64, dtype, device, threads)
         rows[f"{dtype} block attention"] = {"proven": list(verdict.counts), "same_bits": ok, "why_not": why}
     out["probe"] = rows
@@ -92,7 +91,7 @@ def seven(device: str, out: dict, quick: bool):
             r = run_to_end(Engine(loaded, parse_specs(SEVEN), max_new_tokens=n, kernels=kernels, batch=batch),
                            ["Why is the sky blue?"])
             table[f"{kernels} {'batched' if batch else 'sequential'}"] = {
-                "turn_seconds": r["turn_seconds"], "ran": r["kernels"]["mode"],
+                "turn_seconds": r["turn_seconds"], "ran": r["kernels"]["mode"], "steps": r["steps"],
                 "lanes": {s: {"ms_per_step": v["latency_ms"]["decode_total_ms_mean"],
                               "ops": {k: v["latency_ms"][k] for k in v["latency_ms"] if k.startswith("decode_")},
                               "peak_bytes": v["state_bytes"].get("peak"), "kv_exact": v["kv_exact"]}

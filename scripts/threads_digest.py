@@ -1,5 +1,5 @@
-"""`--threads 1` against `--threads 2`: every lane's `kv_digest` (the bits of the K/V it handed attention on the last
-step) and tokens, on prompts of our own, each run a fresh `bench run` process.
+"""`--threads 1` against `--threads 2`: every lane's `kv_digest` (the bits of every tensor its cache held at the end
+of the turn: K/V, inputs, anchors) and tokens, on prompts of our own, each run a fresh `bench run` process.
 
     .venv/bin/python scripts/threads_digest.py [--model smollm2-135m] [--tokens 24] [--json OUT]
 

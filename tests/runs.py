@@ -74,6 +74,9 @@ def run_once(loaded, specs: str | tuple | list, turns=TINY_TURNS, max_new_tokens
     for in this process and kept.  `steps` keeps every lane's logits after every step; `snapshots` False turns
     the attention snapshots off."""
     specs = specs if isinstance(specs, str) else ",".join(dict.fromkeys(specs))
+    # The allocator's trace unless a test asks for another instrument: the tests' byte checks are against it, and
+    # every traced run audits the storage count (the default instrument) beside it (`test_memory.py`).
+    options.setdefault("memory", "trace")
     key = (loaded.name, str(loaded.dtype), str(loaded.device), specs, tuple(turns), max_new_tokens, park, steps,
            snapshots, tuple(sorted(options.items())))
     if key not in _RUNS:
@@ -83,7 +86,7 @@ def run_once(loaded, specs: str | tuple | list, turns=TINY_TURNS, max_new_tokens
 
 def _run(loaded, specs, turns, max_new_tokens, park, steps, snapshots, options) -> Run:
     engine = Engine(loaded, parse_specs(specs), max_new_tokens=max_new_tokens, **options)
-    engine.forwards.snapshots = snapshots
+    engine.instruments.snapshots = snapshots
     run = Run(engine, None, [])
     turn = 0
     for event in engine.run(turns, park=park):

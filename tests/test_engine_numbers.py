@@ -2,8 +2,9 @@
 
 * every latency row of every lane has the same ops, batched or alone (a lane decoding on alone after the
   reference's reply ended used to have rows without `shared`: the Recall demo's KeyError);
-* the shared pass is charged among the lanes' own rows; teacher-forced twins run in a pass of their own,
-  reported as the measurement's overhead;
+* the shared pass is charged by rows (1/N to each lane's or twin's row); teacher-forced twins ride in the
+  lanes' pass and their rows are the measurement's; a step's wall time is the lanes' own time, the
+  instruments' time and the unattributed rest;
 * a prompt fed in pieces keeps the same tokens and bytes whatever the piece size, for every strategy;
 * a teacher-forced twin copies the cache's state, never the model.
 """
@@ -47,27 +48,34 @@ def test_every_latency_row_of_every_lane_has_the_same_ops(batch):
     assert window.diverged and len(full_chunks) == 2
 
 
-def test_the_shared_pass_is_charged_among_the_lanes_rows_and_twins_are_apart():
-    """At a decode step where every lane is in one pass, the lanes' `shared` charges add up to the pass's shared
-    work: a twin's row takes no share from any lane; the twins' own passes are reported apart."""
+def test_a_step_adds_up_lanes_charged_by_rows_twins_and_instruments_apart():
+    """Twins ride in the lanes' pass: every row (a lane's or a twin's) is charged 1/N of the pass's shared work, so
+    at a step where every lane and twin shares one pass the lanes' shares are N_lanes/N of it; the twins' rows are
+    the `twins` instrument's.  Every step's wall time is the lanes' own time + the instruments' + the unattributed
+    rest, each reported apart."""
     loaded = tiny("tiny-llama")
     engine = Engine(loaded, parse_specs("full,window:budget=4,tova:budget=4,kvdirect:budget=4"), max_new_tokens=8,
                     threads=1)
     steps = []
     for event in engine.run(TURNS[:1]):
         if event["type"] == "step":
-            steps.append((event, len(engine.forwards.shared_ms)))
+            steps.append((event, len(engine.forwards.shared_ms), sum(l.tf_cache is not None for l in engine.lanes)))
     result = engine.results()
     assert any(lane.tf_cache is not None for lane in engine.lanes), "no lane diverged: no twin ran"
-    assert result["twins_ms_total"] > 0 and result["twins_ms_per_step_mean"] > 0
+    assert result["steps"]["measurement_by_instrument_ms_mean"]["twins"] > 0
     checked = 0
-    for (event, passes), (_, before) in zip(steps[1:], steps[:-1]):
-        lanes = event["lanes"]
-        fed = [ev for ev in lanes.values() if ev["fed"]]
-        if passes - before != 1 or len(fed) != len(engine.all_lanes):
-            continue  # a step where the lanes were split into several passes, or one ended
+    for (event, passes, twins), (_, before, _) in zip(steps[1:], steps[:-1]):
+        wall = event["step_ms"]
+        parts = sum(event["lanes_ms"].values()) + sum(event["measurement_ms"].values()) + event["unattributed_ms"]
+        assert parts == pytest.approx(wall)
+        assert all(v >= 0 for v in event["measurement_ms"].values())
+        fed = [ev for ev in event["lanes"].values() if ev["fed"]]
+        if passes - before != 1 or len(fed) != len(engine.all_lanes) or not twins:
+            continue  # a step where the rows were split into several passes, a lane ended, or no twin rode along
         shared = engine.forwards.shared_ms[passes - 1]
-        assert sum(ev["latency_ms"]["shared"] for ev in fed) == pytest.approx(shared)
+        rows = len(fed) + twins
+        assert sum(ev["latency_ms"]["shared"] for ev in fed) == pytest.approx(shared * len(fed) / rows)
+        assert event["measurement_ms"]["twins"] >= shared * twins / rows * 0.999  # at least their shares
         checked += 1
     assert checked >= 3
 
@@ -115,15 +123,15 @@ def test_the_guard_bounds_a_prompt_fed_in_pieces():
         assert est.lanes[label] >= r["state_bytes"]["peak"], label
 
 
-def _anchor_cache_after_a_turn(loaded, spec):
-    engine = Engine(loaded, parse_specs(f"full,{spec}"), max_new_tokens=4, threads=1)
+def _anchor_cache_after_a_turn(loaded, spec, **options):
+    engine = Engine(loaded, parse_specs(f"full,{spec}"), max_new_tokens=4, threads=1, **options)
     run_to_end(engine, ["Tell me about caches."])
     return engine, engine.lanes[0]
 
 
 def test_a_twin_shares_every_model_side_object_and_copies_the_state():
     loaded = tiny("tiny-llama")
-    engine, lane = _anchor_cache_after_a_turn(loaded, "anchorkv:spacing=2:budget=3:mode=fast")
+    engine, lane = _anchor_cache_after_a_turn(loaded, "anchorkv:spacing=2:budget=3:mode=fast", memory="trace")
     cache = lane.cache
     assert isinstance(cache, AnchorCache)
     with engine.tracer.trace("twin under test"):

@@ -45,8 +45,7 @@ def _exact(result, specs=EXACT):
         r = result["strategies"][spec]
         assert r["token_ids"] == ref["token_ids"], spec
         assert r["kv_exact"] is True and r["rebuilt_token_layers"] > 0, spec
-        assert r["max_abs_dk"] == 0.0 and r["max_abs_dv"] == 0.0, spec
-        assert r["kv_digest"] == ref["kv_digest"], spec
+        assert r["max_abs_dk"] == 0.0 and r["max_abs_dv"] == 0.0, spec  # every K/V handed attention, every step
 
 
 # --- the probe -------------------------------------------------------------------------------------------
@@ -172,18 +171,16 @@ def test_block_attention_softcap_is_the_capped_scores():
     assert torch.allclose(got.transpose(0, 1), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_a_query_has_the_same_bits_alone_in_a_prompt_and_among_lanes():
+def test_a_query_has_the_same_bits_alone_and_in_a_prompt():
+    """Each lane's decode query is its own block-attention call: its bits are those of the same query inside a
+    prompt's call, whatever the key count and block offset."""
     q, k, v = _qkv()
     t, scale = q.shape[1], q.shape[2] ** -0.5
     rows = probes.probe_attention_rows(q.shape[2], q.dtype, q.device)
     whole = K.block_attention(q, k, v, t, scale, rows=rows)
-    ends = [1, 63, 64, 65, 129, 200]
-    lanes = K.lanes_block_attention([q[:, e - 1:e] for e in ends], [k[:, :e] for e in ends],
-                                    [v[:, :e] for e in ends], ends, scale, rows=rows)
-    for e, lane in zip(ends, lanes):
+    for e in [1, 63, 64, 65, 129, 200]:
         alone = K.block_attention(q[:, e - 1:e], k[:, :e], v[:, :e], e, scale, rows=rows)
         assert torch.equal(alone[0], whole[e - 1]), e
-        assert torch.equal(lane[0], whole[e - 1]), e
     # The check can fail: the same query over one key more (a dropped mask) has other bits.
     more = K.block_attention(q[:, 99:100], k[:, :101], v[:, :101], 101, scale, rows=rows)
     assert not torch.equal(more[0], whole[99])
@@ -195,7 +192,7 @@ def _probe_cases(threads: int, rounds: int) -> list[str]:
     attention.store = probes.Store("cases", torch.float32, "cpu")
     failures = []
     for _ in range(rounds):
-        ok, why = probes.probe_attention((attention.attention, attention.lanes_attention), 9, 3, 64, torch.float32,
+        ok, why = probes.probe_attention(attention.attention, 9, 3, 64, torch.float32,
                                          "cpu", threads)
         if not ok:
             failures.append(why)
@@ -299,7 +296,7 @@ def test_native_kernels_are_exact_on_every_family_with_prompts_in_pieces(family,
     for spec in NATIVE_LANES[1:]:
         r = result["strategies"][spec]
         assert r["kernels"] == {"forward": "native", "rebuild": "native"}, spec
-        assert r["token_ids"] == ref["token_ids"] and r["kv_digest"] == ref["kv_digest"], spec
+        assert r["token_ids"] == ref["token_ids"], spec
         assert r["kv_exact"] is True and r["max_abs_dk"] == 0.0 and r["max_abs_dv"] == 0.0, spec
         assert r["max_abs_dlogit"] == 0.0, spec
         assert (r["rebuilt_token_layers"] > 0) == ("budget=500" not in spec and not slides), spec

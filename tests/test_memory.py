@@ -1,4 +1,5 @@
-"""Bytes measured by the allocator: the instrument itself, mutations it must catch, peaks it must bound."""
+"""Bytes measured: the allocator's trace itself, mutations it must catch, peaks it must bound; the storage count
+(the default instrument) held to the trace on every strategy and family."""
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from kvdirect_app.strategies.anchorkv import AnchorCache
 from kvdirect_app.strategies.kvdirect import ResidualLayer
 
 from .conftest import tiny
+from .runs import TINY_FAMILIES, tiny_union
 
 TURNS = ["Tell me about caches.", "Why do keys need positions?"]
 
@@ -69,7 +71,7 @@ def test_a_hidden_copy_of_kv_changes_the_measurement_and_disagrees_with_the_form
     loaded = tiny("tiny-llama")
     MODEL[:] = [loaded.model]
     spec = "kvdirect:budget=4"
-    clean = run_to_end(Engine(loaded, parse_specs(f"full,{spec}"), max_new_tokens=6), TURNS)["strategies"][spec]
+    clean = run_to_end(Engine(loaded, parse_specs(f"full,{spec}"), memory="trace", max_new_tokens=6), TURNS)["strategies"][spec]
     assert clean["state_bytes"]["formula_matches_measurement"] is True
 
     original = ResidualLayer.update
@@ -80,7 +82,7 @@ def test_a_hidden_copy_of_kv_changes_the_measurement_and_disagrees_with_the_form
         return keys, values
 
     monkeypatch.setattr(ResidualLayer, "update", update)
-    engine = Engine(loaded, parse_specs(f"full,{spec}"), max_new_tokens=6)
+    engine = Engine(loaded, parse_specs(f"full,{spec}"), memory="trace", max_new_tokens=6)
     mutated = run_to_end(engine, TURNS)["strategies"][spec]
     CLOSURE.clear()
     for layer in compat.decoder_layers(loaded.model):
@@ -88,6 +90,9 @@ def test_a_hidden_copy_of_kv_changes_the_measurement_and_disagrees_with_the_form
     sb = mutated["state_bytes"]
     assert mutated["token_ids"] == clean["token_ids"]
     assert sb["formula_matches_measurement"] is False and sb["mismatch_count"] > 0
+    # The storage count (the default instrument) cannot see the copy; the allocator, its auditor, says so.
+    assert clean["state_bytes"]["storage_audit"]["held_mismatches"] == 0
+    assert sb["storage_audit"]["held_mismatches"] > 0
     assert sb["persistent_peak"] > clean["state_bytes"]["persistent_peak"]
     assert sb["formula_persistent_peak"] == clean["state_bytes"]["formula_persistent_peak"]
     # The cache's own list of what it holds does not see the copy: that is why it is not the measurement.
@@ -106,7 +111,7 @@ def test_rebuild_step_bounds_the_peak_not_only_what_is_held_between_steps():
     loaded = tiny("tiny-llama")
     L = loaded.config.num_hidden_layers
     step, turn = f"anchorkv:spacing={L}:budget=4:rebuild=step", f"anchorkv:spacing={L}:budget=4"
-    engine = Engine(loaded, parse_specs(f"full,{step},{turn}"), max_new_tokens=8, threads=1)
+    engine = Engine(loaded, parse_specs(f"full,{step},{turn}"), memory="trace", max_new_tokens=8, threads=1)
     rows = []
     for event in engine.run(["A long message about caches and residual streams. " * 6]):
         if event["type"] == "step":
@@ -131,7 +136,7 @@ def test_resume_rebuilds_once_not_twice():
     loaded = tiny("tiny-llama")
     L = loaded.config.num_hidden_layers
     specs = f"full,anchorkv:spacing=2:budget=3,kvdirect:budget=3:rebuild=turn,anchorkv:spacing={L}:budget=3:rebuild=step"
-    engine = Engine(loaded, parse_specs(specs), max_new_tokens=4)
+    engine = Engine(loaded, parse_specs(specs), memory="trace", max_new_tokens=4)
     for _ in engine.turn(TURNS[0]):
         pass
     engine.park()
@@ -167,7 +172,7 @@ def test_the_first_run_in_a_process_measures_the_same_bytes_as_the_next():
     replay._KERNELS.clear()
 
     def peaks():
-        result = run_to_end(Engine(loaded, parse_specs(specs), max_new_tokens=4), TURNS[:1])
+        result = run_to_end(Engine(loaded, parse_specs(specs), memory="trace", max_new_tokens=4), TURNS[:1])
         return {label: (r["state_bytes"]["peak"], r["state_bytes"]["persistent_peak"])
                 for label, r in result["strategies"].items()}
 
@@ -184,14 +189,14 @@ def test_cuda_blocks_are_compared_like_for_like():
 
     sizes = [1000, 4096, 3 << 20]
     assert cuda_block_range(sizes) == (1024 + 4096 + (3 << 20), 1024 + 4096 + (3 << 20) + (1 << 20))
-    book = ByteBook(traced=True, held_sizes=lambda: sizes)
+    book = ByteBook(measured=True, held_sizes=lambda: sizes)
     exact = sum(sizes)
     low, high = cuda_block_range(sizes)
     assert book.agrees(low, exact) and book.agrees(high, exact)
     assert not book.agrees(high + 512, exact)  # a hidden copy of a block more than the rounding allows
     assert not book.agrees(low - 512, exact)
     assert not book.agrees(low, exact + 8)  # a formula that misses the cache's own bytes
-    assert ByteBook(traced=True).agrees(exact, exact) and not ByteBook(traced=True).agrees(low, exact)
+    assert ByteBook(measured=True).agrees(exact, exact) and not ByteBook(measured=True).agrees(low, exact)
 
 
 def test_the_cache_lists_every_tensor_it_holds_as_the_formula_counts_them():
@@ -199,9 +204,47 @@ def test_the_cache_lists_every_tensor_it_holds_as_the_formula_counts_them():
     for family in ("tiny-llama", "tiny-gemma2"):
         loaded = tiny(family)
         specs = "full,kvdirect:budget=4,anchorkv:spacing=2:budget=3,h2o:budget=6,snapkv:budget=8:window=4"
-        engine = Engine(loaded, parse_specs(specs), max_new_tokens=5, threads=1)
+        engine = Engine(loaded, parse_specs(specs), memory="trace", max_new_tokens=5, threads=1)
         run_to_end(engine, TURNS)
         for lane in engine.all_lanes:
             seen = lane.cache.get_seq_length()
             assert sum(lane.cache.storage_sizes()) == lane.strategy.formula_between_turns(
                 engine.geometry, seen, lane.forwards), (family, lane.label)
+
+
+# --- the storage count (the default instrument) against the allocator ---------------------------------------------
+
+@pytest.mark.check
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_the_storage_count_agrees_with_the_allocator_on_every_strategy(family, dtype):
+    """The union run is traced and counts storages beside the trace: after every forward and between turns the two
+    give the same held bytes for every lane (every strategy, exact and lossy), and the storage count's peak (held
+    + the transient buffers each strategy counts where it allocates them) is never above the allocator's, which
+    sees the activations too."""
+    strategies = tiny_union(family, dtype).result["strategies"]
+    for spec, r in strategies.items():
+        audit = r["state_bytes"]["storage_audit"]
+        assert audit["steps"] > 0, spec
+        assert audit["held_mismatches"] == 0, (spec, audit["first_mismatches"])
+        assert audit["storage_peak_above_trace_steps"] == 0, spec
+
+
+@pytest.mark.check
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
+def test_the_storage_count_alone_matches_the_formula_and_its_peak_bounds_the_declared_transient(family):
+    """`--memory storage` (the default) on its own: held bytes equal the formula at every step and between turns, and
+    each step's peak (held + counted transients) is at least the formula's peak (held + the strategy's declared
+    transient buffers), for every strategy."""
+    loaded = tiny(family)
+    specs = ("full,kvdirect:budget=4,kvdirect:budget=3:rebuild=turn,anchorkv:spacing=2:budget=3:rebuild=step,"
+             "anchorkv:spacing=2:budget=3,window:budget=6,streaming_llm:budget=8,h2o:budget=8,snapkv:budget=16,"
+             "tova:budget=6")
+    result = run_to_end(Engine(loaded, parse_specs(specs), max_new_tokens=6, threads=1), TURNS)
+    assert result["memory_instrument"].startswith("tensor storages")
+    for spec, r in result["strategies"].items():
+        sb = r["state_bytes"]
+        assert sb["instrument"].startswith("tensor storages"), spec
+        assert sb["formula_matches_measurement"] is True, (spec, sb["mismatches"])
+        assert sb["peak"] >= sb["formula_peak"], spec
+        assert sb["storage_audit"] is None, spec  # no allocator ran to audit it

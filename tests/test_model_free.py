@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from kvdirect_app.metrics import kl_divergence, token_match
+from kvdirect_app.metrics import token_match
 from kvdirect_app.replay import (BLOCK_FROM, BLOCK_ROWS, _linear_rows_batched, _linear_rows_loop, _rows_blocked,
                                  _rows_loop, linear_rows, rows_are_exact, rows_kernel_is_exact)
 from kvdirect_app.strategies import StrategyError, parse_spec, parse_specs, registry
@@ -65,12 +65,20 @@ def test_token_match_counts_over_turns_and_finds_the_first_divergence():
     assert token_match([[1, 2]], [[1, 2, 7]]) == (1.0, 2)
 
 
-def test_kl_is_zero_for_equal_logits_and_matches_the_definition():
-    a = torch.tensor([1.0, 2.0, 3.0])
-    b = torch.tensor([3.0, 2.0, 1.0])
-    assert kl_divergence(a, a) == 0.0
+def test_agreement_is_exact_for_equal_logits_and_matches_the_definition():
+    """`teacher.agree` takes every lane's KL, agreement and max |dlogit| in one pass over stacked logits: equal
+    logits give exactly 0 (what the exact strategies must show), others the definition's KL."""
+    from kvdirect_app.lanes import Lane
+    from kvdirect_app.teacher import agree
+
+    a = torch.tensor([1.0, 2.0, 3.0, 0.5] * 1000)
+    b = torch.tensor([3.0, 2.0, 1.0, 0.5] * 1000)
+    same, other = Lane(None, None, "same", None), Lane(None, None, "other", None)
+    agree([same, other], [a.clone(), b], 2, a)
+    assert (same.kl_sum, same.max_dlogit, same.tf_agree, same.tf_steps) == (0.0, 0.0, 1, 1)
     p, q = torch.softmax(a, 0), torch.softmax(b, 0)
-    assert math.isclose(kl_divergence(a, b), float((p * (p / q).log()).sum()), rel_tol=1e-5)
+    assert math.isclose(other.kl_sum, float((p * (p / q).log()).sum()), rel_tol=1e-4)
+    assert other.max_dlogit == 2.0 and other.tf_agree == 0  # b's first maximum is at index 0, not 2
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -209,7 +209,7 @@ def test_guard_estimate_bounds_the_allocator_measurement(model):
     loaded = load_model(model, device="cpu")
     specs = parse_specs("kvdirect:budget=16,anchorkv:anchors=0:budget=16:rebuild=step,h2o:budget=16,"
                         "snapkv:budget=16,anchorkv:spacing=2:budget=16,window:budget=16")
-    engine = Engine(loaded, specs, max_new_tokens=6, prefill_chunk=256, threads=1)
+    engine = Engine(loaded, specs, max_new_tokens=6, prefill_chunk=256, threads=1, memory="trace")
     for _ in engine.turn("x", ids=filler_ids(loaded.tokenizer, 500)):
         pass
     result = engine.results()

@@ -174,6 +174,7 @@ def plan(model: str, quick: bool, device: str = "auto", threads: int = 1) -> lis
     tiny = model.startswith("tiny-")
     budget = 8 if tiny else 32
     common = ["--model", model, "--device", device, "--threads", str(threads)]
+    traced = ["--memory", "trace"]  # the claims' bytes are the allocator's
     cells = []
     sources = [("--model", p) for p in presets() if not p.startswith("tiny-") or p == model]
     sources += [("--config", str(f.relative_to(PRESETS_DIR.parent)))
@@ -185,14 +186,14 @@ def plan(model: str, quick: bool, device: str = "auto", threads: int = 1) -> lis
     # The byte-level tiny models cannot hold twenty turns in their 1,024 tokens: they play three.
     scenario = "capitals" if tiny else "twenty-turns"
     cells.append({"kind": "bench", "section": "turns20", "name": scenario, "scenario": scenario,
-                  "argv": ["run", *common, "--scenario", scenario, "--max-new-tokens", str(k.turns_new_tokens),
+                  "argv": ["run", *common, *traced, "--scenario", scenario, "--max-new-tokens", str(k.turns_new_tokens),
                            "--strategies", ",".join(specs)]})
     if k.equal_memory:
         cells.append({"kind": "bench", "section": "turns20", "name": "twenty turns at equal memory",
-                      "argv": ["sweep", *common, "--scenario", "twenty-turns", "--max-new-tokens", str(k.new_tokens),
+                      "argv": ["sweep", *common, *traced, "--scenario", "twenty-turns", "--max-new-tokens", str(k.new_tokens),
                                "--equal-memory", "--strategies", ",".join(EVICTION), "--budgets", "8,16,32,64,128"]})
     cells.append({"kind": "bench", "section": "agreement", "name": "recall sweep",
-                  "argv": ["sweep", *common, "--scenario", "recall", "--max-new-tokens", str(k.new_tokens),
+                  "argv": ["sweep", *common, *traced, "--scenario", "recall", "--max-new-tokens", str(k.new_tokens),
                            "--budgets", ",".join(map(str, k.budgets)),
                            "--strategies", ",".join(["kvdirect", f"anchorkv:spacing={L}:rebuild=step", *EVICTION])]})
     cells.append({"kind": "recompute", "section": "recompute", "name": "recompute vs read", "model": model,
@@ -223,7 +224,7 @@ def _exactness_cells(model: str, k: Knobs, L: int, device: str, threads: int) ->
             cells.append({"kind": "bench", "section": "exactness", "name": f"exactness {family} {dtype}",
                           "load": 2 if own else 0,  # the model itself under load: two busy processes
                           "argv": ["run", "--model", family, "--device", device, "--dtype", dtype, "--threads",
-                                   str(threads), *conversation, "--strategies",
+                                   str(threads), "--memory", "trace", *conversation, "--strategies",
                                    ",".join(["full", "kvdirect:budget=4", "kvdirect:budget=4:mode=fast", *anchors])]})
     return cells
 

@@ -149,7 +149,8 @@ def _session(loaded, strategy, n: int, threads: int | None):
     """One session of `strategy` alone (no reference lane), `n` tokens of context, parked."""
     from ..engine import Engine
 
-    engine = Engine(loaded, [strategy], max_new_tokens=1, raw=True, threads=threads, compare=False)
+    engine = Engine(loaded, [strategy], max_new_tokens=1, raw=True, threads=threads, compare=False,
+                    memory="trace")  # parked bytes and resume peaks: the allocator's (the claims report reads them)
     for _ in engine.turn("context", ids=filler_ids(loaded.tokenizer, n)):
         pass
     engine.park()

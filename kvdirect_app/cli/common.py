@@ -33,8 +33,12 @@ def add_conversation_options(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICES)}")
     p.add_argument("--threads", type=int, default=None, help="torch threads, pinned for every forward (default: torch's)")
-    p.add_argument("--memory", default="trace", help=f"one of {', '.join(MEMORY_MODES)}: bytes measured by the "
-                                                     "allocator (every forward traced), or the formula only")
+    p.add_argument("--memory", default="storage", help=f"one of {', '.join(MEMORY_MODES)}: bytes counted from the "
+                   "storages of each cache's tensors (the default, cheap), measured by the allocator (every forward "
+                   "traced; it audits the storage count), or the formula only")
+    p.add_argument("--no-instruments", action="store_true",
+                   help="every instrument off (memory, K/V comparison, twins, agreement, snapshots, digests, RSS): "
+                        "the lanes alone, for timing what the strategies cost")
     p.add_argument("--sequential", action="store_true",
                    help="run the lanes of a step one after another instead of in one batched pass (same bits)")
     p.add_argument("--no-twins", action="store_true",
@@ -111,4 +115,4 @@ def engine_options(args) -> dict:
     """The Engine keywords the conversation options set."""
     return dict(max_new_tokens=args.max_new_tokens, threads=args.threads, memory=args.memory,
                 batch=not args.sequential, twins=not args.no_twins, prefill_chunk=args.prefill_chunk,
-                kernels=args.kernels)
+                kernels=args.kernels, instruments=not args.no_instruments)

@@ -49,4 +49,5 @@ def register(sub):
     p.add_argument("--rebuild", default="step", help=f"AnchorKV's rebuild in the default panes: {', '.join(REBUILDS)}")
     p.add_argument("--out", required=True, help="the recording to write (.json or .json.gz)")
     p.add_argument("--json", help="also write bench run's results JSON here")
-    p.set_defaults(func=cmd_record, command="record")
+    # A recording is kept and replayed as the record of a run: its bytes are the allocator's.
+    p.set_defaults(func=cmd_record, command="record", memory="trace")

@@ -97,10 +97,17 @@ def print_result(result: dict):
     mode = "lanes batched in one pass per step" if result["batched"] else "lanes one after another"
     print(f"model {result['model']} ({result['model_source']}), device {result['device']}, dtype {result['dtype']}, "
           f"threads {result['threads']}, prompt {len(result['prompt_ids'])} tokens, {mode}, "
-          f"process RSS peak {fmt_bytes(result['process_rss_peak_bytes'])}")
+          f"process RSS peak {fmt_bytes(result['process_rss_peak_bytes']) if result['process_rss_peak_bytes'] else 'not read'}")
     print(describe(result["kernels"]))
+    print(f"memory instrument: {result['memory_instrument']}")
     print("engine time per turn (first forward to last token, model loading excluded): "
           + ", ".join(f"{s:.2f} s" for s in result["turn_seconds"]))
+    steps = result.get("steps")
+    if steps:
+        parts = ", ".join(f"{name} {ms:.1f}" for name, ms in steps["measurement_by_instrument_ms_mean"].items())
+        print(f"per decode step (mean of {steps['steps']}): wall {steps['wall_ms_mean']:.1f} ms = lanes' own "
+              f"{steps['lanes_ms_mean']:.1f} + measurement {steps['measurement_ms_mean']:.1f} ({parts or 'none'}) + "
+              f"unattributed {steps['unattributed_ms_mean']:.1f}")
     print("\nwhat it changes (against the full cache):")
     print(output_table(result))
     print("\nwhat it costs (between turns, peak during a turn and ms per token: measured; then the formula):")
@@ -264,8 +271,9 @@ def run_alone(args, strategies) -> int:
             print(f"running {spec} in its own process…", file=sys.stderr)
             runs[spec] = run_child(spec, args, Path(folder))
     reference = runs["full"]["strategies"]["full"]
+    measured = {"trace": "allocator", "storage": "storage"}.get(args.memory, "formula")  # what the peak column is
     cols = ["strategy", "tokens", "match", "1st div", "load peak RSS", "peak RSS (/usr/bin/time)", "RSS before run",
-            "RSS growth", "allocator peak", "growth - allocator", "between turns", "ms/token", "tok/s"]
+            "RSS growth", f"{measured} peak", f"growth - {measured}", "between turns", "ms/token", "tok/s"]
     rows, summary = [], {}
     for spec, result in runs.items():
         r = result["strategies"][spec]
@@ -274,7 +282,7 @@ def run_alone(args, strategies) -> int:
         outside = proc["time_peak_rss_bytes"]
         peak = outside if outside is not None else proc["wait4_peak_rss_bytes"]
         growth = peak - proc["rss_before_run_bytes"]
-        allocator = r["state_bytes"]["peak"]
+        allocator = r["state_bytes"]["peak"] if r["state_bytes"]["peak"] is not None else r["state_bytes"]["formula_peak"]
         rows.append([spec, str(len(r["token_ids"])), fmt(match, ".3f"), fmt(first, "d"),
                      fmt_bytes(proc["load_peak_rss_bytes"]), fmt_bytes(peak) + ("" if outside is not None else " (wait4)"),
                      fmt_bytes(proc["rss_before_run_bytes"]), fmt_bytes(growth),
@@ -291,8 +299,11 @@ def run_alone(args, strategies) -> int:
     print("note: each process loads the model (its peak: 'load peak RSS'), reads every page of its weights, hands "
           "the heap's free pages back and starts the kernel's high-water mark afresh; 'peak RSS' is then the run's "
           "own, as /usr/bin/time -v reports it for that process; RSS growth = that peak minus the RSS before the "
-          "run; the allocator peak is the same process's in-process measurement of the strategy's state, transient "
-          "buffers and activations")
+          f"run; the {measured} peak is the same process's in-process figure: "
+          + {"allocator": "the strategy's state, transient buffers and activations, traced",
+             "storage": "the strategy's held tensors and the transient buffers it counts (no activations; "
+                        "--memory trace adds them)",
+             "formula": "the strategy's formula (no instrument ran)"}[measured])
     if any(r["process"]["time_peak_rss_bytes"] is None for r in summary.values()):
         print(f"note: {GNU_TIME} is not installed: the peak RSS is wait4's for the child, which also counts the "
               "parent's size at the fork")

@@ -190,7 +190,7 @@ def equal_memory(runner: Runner, names: list[str], budgets: list[int], given: st
         row = runner.run([(spec, parse_spec(spec), None)], "target")[0]
         target = row["state_bytes"]["peak"]
         if target is None:
-            raise CliError("--equal-memory needs measured peaks: use --memory trace")
+            raise CliError("--equal-memory needs measured peaks: use --memory storage or trace")
         probes.append(row)
     grid = [b for b in GRID if b < runner.loaded.max_context]
     bounds = {name: [0, len(grid) - 1] for name in names}
@@ -232,8 +232,9 @@ def cmd_sweep(args) -> int:
     budgets = parse_budgets(args.budgets)
     if args.target is not None and not args.equal_memory:
         raise CliError("--target: only with --equal-memory")
-    if args.equal_memory and args.memory != "trace":
-        raise CliError("--equal-memory compares measured peaks: it needs --memory trace")
+    if args.equal_memory and (args.memory == "none" or args.no_instruments):
+        raise CliError("--equal-memory compares measured peaks: it needs --memory storage (the default) or trace, "
+                       "and the instruments on")
     if args.context is not None:
         raise CliError("--context: not for sweep; give --prompt, --prompt-file or --scenario")
     if args.executor is not None:

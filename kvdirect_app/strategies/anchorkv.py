@@ -95,6 +95,7 @@ class AnchorStore:
         self.carried = {j for j, a in enumerate(self.anchor_of) if a in self.last_target and j <= self.last_target[a]}
         self.replaying = False
         self.replay_s = 0.0
+        self.transient = 0  # this step's largest carried hidden states plus a layer's replayed K/V (bytes)
         # Per step: the span to rebuild, the carried hidden states and the K/V waiting for their layer.
         self.span: tuple[int, int] = (0, 0)
         self.hidden: torch.Tensor | None = None
@@ -122,6 +123,7 @@ class AnchorStore:
             new = torch.tensor([ids], dtype=torch.int32, device=device)
             self.token_ids = new if self.token_ids is None else torch.cat([self.token_ids, new], dim=1)
         self.span = span
+        self.transient = 0
         self.chunks = self._chunks(span[0])
         self.cover = covered(self.chunks)
         record_run(self.runs, self.seen, len(ids))
@@ -139,6 +141,8 @@ class AnchorStore:
         if j in self.residuals:
             held = self.residuals[j]
             self.residuals[j] = x if held is None else torch.cat([held, x], dim=1)
+            if held is not None:  # the shorter store, alive beside the longer one until it is dropped here
+                self.transient = max(self.transient, storage_bytes(held))
 
     def _carry(self, j: int, end: int, total: int):
         a = self.anchor_of[j]
@@ -153,6 +157,7 @@ class AnchorStore:
                                                 carry=j < last)
             if j in self.segment_of:
                 self.ready[j] = kv
+            self.transient = max(self.transient, storage_bytes(self.hidden, *(kv or ())))
             if j == last:
                 self.hidden = None
             if end >= RELEASE_FROM:
@@ -258,6 +263,11 @@ class AnchorCache(StrategyCache):
 
     def persistent_bytes(self) -> int:
         return super().persistent_bytes() + self.store.bytes()
+
+    def transient_bytes(self) -> int:
+        """A layer's transient, or the carried hidden states with the K/V a replayed layer built, whichever is
+        larger."""
+        return max(super().transient_bytes(), self.store.transient)
 
     def take_timers(self) -> dict[str, float]:
         out = super().take_timers()

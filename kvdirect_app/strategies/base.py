@@ -32,6 +32,7 @@ import torch
 from .. import compat
 from ..compat import Cache, DynamicLayer
 from ..geometry import ModelGeometry
+from ..instruments import COUNTS
 from ..memory import harness
 
 
@@ -109,6 +110,7 @@ class MeasuredLayer:
         if ref is None or ref.keys is None:
             return
         t0 = time.perf_counter()
+        COUNTS["compare"] += 1
         with harness():
             rk, rv = ref.keys, ref.values
             self.compared += 1

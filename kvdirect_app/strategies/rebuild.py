@@ -31,7 +31,7 @@ import time
 import torch
 
 from ..compat import CacheLayerMixin
-from .base import MeasuredLayer
+from .base import MeasuredLayer, storage_sizes
 
 MODES = ("exact", "fast")
 REBUILDS = ("step", "turn")
@@ -124,8 +124,12 @@ class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
         t0 = time.perf_counter()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        stored = storage_sizes(*self.held_tensors())
         q = key_states.shape[-2]
         self.before_update(q)
+        # The stored inputs extended: the shorter copy is freed before the K/V work begins.
+        extended = sum(n for ptr, n in stored.items() if ptr not in storage_sizes(*self.held_tensors()))
+        before = storage_sizes(self.keys, self.values, *(self.active or ()))
         end, total = self.rebuild_span(q)
         rebuild_s = 0.0
         if self.active is not None:
@@ -152,6 +156,11 @@ class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
             # A copy, so the hot window never pins the step's larger buffer.
             self.keys = keys[..., -self.budget:, :].clone()
             self.values = values[..., -self.budget:, :].clone()
+        # Transient: every K/V buffer alive during the step that the layer does not hold after it (the rebuilt K/V
+        # attention read, a hot window or a turn's K/V replaced by a longer copy), or the inputs' shorter copy.
+        after = storage_sizes(self.keys, self.values, *(self.active or ()))
+        during = {**before, **storage_sizes(keys, values)}
+        self.transient = max(extended, sum(n for ptr, n in during.items() if ptr not in after))
         self.recompute_s += rebuild_s
         self.cache_update_s += time.perf_counter() - t0 - rebuild_s
         self.compare(keys, values)

@@ -70,7 +70,8 @@ from ..compat import CacheLayerMixin
 from ..geometry import ModelGeometry
 from ..memory import harness
 from ..replay import HeadProjection
-from .base import Forward, MeasuredLayer, SlidingLayer, Strategy, StrategyCache, storage_bytes, window_layer_bytes, window_layer_transient
+from .base import (Forward, MeasuredLayer, SlidingLayer, Strategy, StrategyCache, storage_sizes,
+                   window_layer_bytes, window_layer_transient)
 
 POSITION_DTYPE = torch.int32
 POSITION_BYTES = 4
@@ -226,6 +227,7 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         x, self.pending = self.pending, None
+        before = storage_sizes(*self.state_tensors())
         q = key_states.shape[-2]
         rows = self.positions.shape[1]
         keys = torch.cat([self.keys, key_states], dim=-2)
@@ -256,10 +258,13 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
             self.keys, self.values = keys.gather(2, kv_index), values.gather(2, kv_index)
             self.positions = positions.gather(2, keep)
             self.buffers = {name: buf.gather(2, keep) for name, buf in step.buffers.items()}
-            self.transient = storage_bytes(keys, values, positions, *step.buffers.values())
         else:
             self.keys, self.values, self.positions, self.buffers = keys, values, positions, step.buffers
-            self.transient = 0
+        # Transient: what was alive during the step and is not held after it (the held tensors beside the
+        # candidates while they are concatenated; the candidates while the kept ones are gathered).
+        after = storage_sizes(*self.state_tensors())
+        during = {**before, **storage_sizes(keys, values, positions, *step.buffers.values())}
+        self.transient = sum(n for ptr, n in during.items() if ptr not in after)
         self.scoring_s += scoring_s
         self.cache_update_s += time.perf_counter() - t0 - scoring_s
         if self.keep_handed:

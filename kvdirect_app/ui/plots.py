@@ -16,6 +16,7 @@ FONT = dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", siz
 OP_COLOURS = {"recompute": "#0072B2", "replay": "#56B4E9", "scoring": "#CC79A7", "attention": "#E69F00",
               "cache_update": "#009E73", "shared": "#BBBBBB", "other": "#999999"}
 OP_ORDER = list(OP_COLOURS)
+MEASURE_COLOURS = ["#6B7280", "#9CA3AF", "#4B5563", "#D1D5DB", "#374151", "#E5E7EB", "#1F2937", "#F3F4F6"]
 MARKS = 10  # markers along each line
 POSITION_AXIS = "conversation position (tokens)"  # prompt + reply tokens so far: one step is one x for every lane
 
@@ -212,12 +213,30 @@ def latency_figure(session: Session) -> go.Figure:
     totals = [sum(means[by_name[n]].values()) for n in names]
     rates = [session.lanes[by_name[n]].tokens_per_s() for n in names]
     fig.add_trace(go.Scatter(y=names, x=totals, mode="text", showlegend=False, textposition="middle right",
-                             text=[f"  {r:.1f} tok/s" if r else "" for r in rates], textfont=dict(size=15),
+                             text=[f"  {r:.1f} tok/s own" if r else "" for r in rates], textfont=dict(size=15),
                              hoverinfo="skip"))
+    steps = session.step_means()
+    if steps is not None:  # the instruments' own bar, and the rest that is nobody's: never inside a pane's
+        for k, (name, ms) in enumerate(sorted(steps["measurement"].items())):
+            fig.add_trace(go.Bar(y=["measurement"], x=[ms], name=name, orientation="h", showlegend=False,
+                                 marker_color=MEASURE_COLOURS[k % len(MEASURE_COLOURS)],
+                                 hovertemplate=f"instrument {name} %{{x:.2f}} ms per step<extra></extra>"))
+        fig.add_trace(go.Bar(y=["unattributed"], x=[steps["unattributed"]], name="unattributed", orientation="h",
+                             showlegend=False, marker_color="#DDDDDD",
+                             hovertemplate="nobody's (choosing tokens, bookkeeping) %{x:.2f} ms<extra></extra>"))
+        measured = sum(steps["measurement"].values())
+        fig.add_trace(go.Scatter(y=["measurement", "unattributed"], x=[measured, max(0.0, steps["unattributed"])],
+                                 mode="text", showlegend=False, textposition="middle right", hoverinfo="skip",
+                                 text=[f"  {measured:.0f} ms", f"  step {steps['wall']:.0f} ms = "
+                                       f"{1e3 / steps['wall']:.1f} tok/s seen" if steps["wall"] > 0 else ""],
+                                 textfont=dict(size=15)))
+        fig.update_yaxes(categoryorder="array", categoryarray=["unattributed", "measurement", *names])
+        totals.append(measured)
     fig.update_layout(barmode="stack")
     batched = any(op == "shared" for op in ops)
     fig.update_xaxes(title_text="ms per decode step (mean)", range=[0, 1.5 * max(totals, default=1)])
-    return _layout(fig, max(380, 130 + 44 * len(labels)), "Per-op latency and tokens/s", session)
+    return _layout(fig, max(380, 130 + 44 * (len(labels) + 2 * (steps is not None))), "Per-op latency and tokens/s",
+                   session)
 
 
 def divergence_step(session: Session, label: str) -> int | None:

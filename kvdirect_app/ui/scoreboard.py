@@ -74,9 +74,34 @@ def scoreboard_html(session: Session) -> str:
              f'says {html.escape(session.expect[1])}?</th>')
     recorded = (f' <span class="kvd-recorded-label" title="every figure on this page is the recorded one">· '
                 f'{html.escape(session.recorded_label)}</span>' if session.recording else "")
+    memory = (session.result or {}).get("memory_instrument") or session.memory_instrument or "the run's instrument"
     head = (f'<tr><th>strategy</th><th>verdict against the full cache{recorded}</th>' + asked +
-            '<th title="bytes held after the last finished turn (allocator)">between turns</th>'
-            '<th title="highest bytes during a forward of this turn: state, transient buffers, activations">peak in turn</th>'
-            '<th title="mean ms per decode step this turn: own work + 1/N of the shared batched pass">ms/token</th>'
-            '<th title="decode steps per second of this strategy\'s compute">tok/s</th></tr>')
-    return f'<table class="kvd-board">{head}{"".join(rows)}</table>'
+            f'<th title="bytes held after the last finished turn ({html.escape(memory)})">between turns</th>'
+            f'<th title="highest bytes during a forward of this turn ({html.escape(memory)})">peak in turn</th>'
+            '<th title="mean ms of this strategy\'s own work per decode step this turn: its attention, its cache\'s '
+            'work, and the batched pass\'s shared linears charged by rows (1/N to each of N rows)">own ms/token</th>'
+            '<th title="tokens per second of its own work alone; every pane shows a token per step, at the step\'s '
+            'speed (the last row)">own tok/s</th></tr>')
+    return f'<table class="kvd-board">{head}{"".join(rows)}{_step_rows(session, bool(session.expect))}</table>'
+
+
+def _step_rows(session: Session, asked: bool) -> str:
+    """Below the panes, one row: the step's wall time (what a visitor sees: one token in every pane per step) and
+    its parts, the panes' own time, the instruments' (measurement, by instrument) and the unattributed rest, which
+    add up to it."""
+    means = session.step_means()
+    if means is None:
+        return ""
+    measured = sum(means["measurement"].values())
+    parts = ", ".join(f"{name} {ms:.0f}" for name, ms in sorted(means["measurement"].items(), key=lambda kv: -kv[1])
+                      if ms >= 0.5)
+    wall = means["wall"]
+    words = (f"= panes' own {means['lanes']:.0f} + measurement {measured:.0f}{f' ({parts})' if parts else ''} + "
+             f"unattributed {means['unattributed']:.0f} ms · mean of {means['steps']} steps this turn")
+    title = ("a decode step's wall time: every pane gets one token per step, so this is the speed each pane is seen "
+             "at; its parts are the panes' own ms/token (the column above), the instruments' time (measurement: "
+             "never inside a pane's) and what is nobody's (choosing tokens, bookkeeping)")
+    return (f'<tr class="kvd-step-row" title="{html.escape(title)}"><td><b>step, as seen</b></td>'
+            f'<td colspan="{4 if asked else 3}" class="kvd-note">{html.escape(words)}</td>'
+            f'<td class="kvd-num"><b>{wall:.0f}</b></td>'
+            f'<td class="kvd-num"><b>{1e3 / wall:.1f}</b></td></tr>' if wall > 0 else "")

@@ -98,6 +98,8 @@ class Session:
     shown: list[str] = field(default_factory=list)
     lanes: dict[str, LaneView] = field(default_factory=dict)
     rss: list[dict] = field(default_factory=list)
+    # Per decode step, as a visitor sees it: its wall time, each lane's own ms, the instruments' ms and the rest.
+    step_times: list[dict] = field(default_factory=list)
     steps: int = 0
     # Tokens of the conversation so far on the engine's clock: every prompt (the full cache's) plus one per step,
     # the same for every lane at a step.  A lane's own `seen` (its cache's length) differs: it counts its own
@@ -114,6 +116,7 @@ class Session:
     expect: tuple[int, str] | None = None  # a played scenario's (turn, the words its right answer contains)
     about: dict = field(default_factory=dict)  # label -> {"doc", "notes"}: the engine's start event says
     kernels_line: str = ""  # the run's kernels in a few words (the engine's start event)
+    memory_instrument: str = ""  # what measured the bytes (the engine's start event)
     recording: dict | None = None  # the meta of the recording on screen (None: a live run or nothing)
     recorded: dict | None = None  # that recording itself (Export writes it back unchanged)
     recorder: object = None  # a live run's `recording.Recorder` (the Export tab's recording)
@@ -157,10 +160,12 @@ class Session:
         kind = event["type"]
         if kind == "start":
             self.user_turns, self.steps, self.position, self.rss, self.result, self.token_maps = [], 0, 0, [], None, None
+            self.step_times = []
             self.attention_maps = None
             self.shown = list(event["strategies"])
             self.about = event.get("about", {})
             self.kernels_line = event.get("kernels_line", "")
+            self.memory_instrument = event.get("memory", "")
             self.lanes = {label: LaneView(label) for label in dict.fromkeys([REFERENCE, *self.shown])}
         elif kind == "prefill":
             self.prefill = (event["done"], event["total"])
@@ -218,9 +223,27 @@ class Session:
                 lane.matched += same
                 kl = ev["kl_mean"] if ev is not None else (lane.agreement[-1]["kl"] if lane.agreement else 0.0)
                 lane.agreement.append({"step": self.steps, "match": lane.matched / lane.total, "kl": kl})
-        if events:
-            rss = next(iter(events.values()))["rss_bytes"]  # the engine's process, read after the step
+        rss = next(iter(events.values())).get("rss_bytes") if events else None  # read after the step
+        if rss is not None:
             self.rss.append({"step": self.steps, "position": self.position, "rss": rss})
+        if "step_ms" in event:  # (a recording made before step times has none)
+            self.step_times.append({"step": self.steps, "turn": turn, "step_ms": event["step_ms"],
+                                    "lanes_ms": event["lanes_ms"], "measurement_ms": event["measurement_ms"],
+                                    "unattributed_ms": event["unattributed_ms"]})
+
+    def step_means(self) -> dict | None:
+        """The current (or last) turn's decode steps, means in ms: the wall time (what every pane's speed is, as
+        seen), the lanes' own time together, each instrument's, and the unattributed rest; they add up to the wall."""
+        if not self.step_times:
+            return None
+        turn = self.step_times[-1]["turn"]
+        rows = [r for r in self.step_times if r["turn"] == turn]
+        n = len(rows)
+        names = sorted({name for r in rows for name in r["measurement_ms"]})
+        measured = {name: sum(r["measurement_ms"].get(name, 0.0) for r in rows) / n for name in names}
+        return {"steps": n, "wall": sum(r["step_ms"] for r in rows) / n,
+                "lanes": sum(sum(r["lanes_ms"].values()) for r in rows) / n,
+                "measurement": measured, "unattributed": sum(r["unattributed_ms"] for r in rows) / n}
 
     def step_rows(self) -> list[dict]:
         """One row per strategy and step: what the CSV export holds."""
