@@ -219,7 +219,9 @@ def latency_figure(session: Session) -> go.Figure:
     if steps is not None:  # the instruments' own bar, and the rest that is nobody's: never inside a pane's
         for k, (name, ms) in enumerate(sorted(steps["measurement"].items())):
             fig.add_trace(go.Bar(y=["measurement"], x=[ms], name=name, orientation="h", showlegend=False,
-                                 marker_color=MEASURE_COLOURS[k % len(MEASURE_COLOURS)],
+                                 marker_color=MEASURE_COLOURS[k % len(MEASURE_COLOURS)], text=[name],
+                                 textposition="inside", insidetextanchor="middle", textangle=0,
+                                 textfont=dict(color="white"),
                                  hovertemplate=f"instrument {name} %{{x:.2f}} ms per step<extra></extra>"))
         fig.add_trace(go.Bar(y=["unattributed"], x=[steps["unattributed"]], name="unattributed", orientation="h",
                              showlegend=False, marker_color="#DDDDDD",
@@ -231,6 +233,7 @@ def latency_figure(session: Session) -> go.Figure:
                                        f"{1e3 / steps['wall']:.1f} tok/s seen" if steps["wall"] > 0 else ""],
                                  textfont=dict(size=15)))
         fig.update_yaxes(categoryorder="array", categoryarray=["unattributed", "measurement", *names])
+        fig.update_layout(uniformtext_minsize=11, uniformtext_mode="hide")  # a name only where it fits
         totals.append(measured)
     fig.update_layout(barmode="stack")
     batched = any(op == "shared" for op in ops)
