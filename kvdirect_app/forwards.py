@@ -110,9 +110,10 @@ class Forwards:
         if self.tracer.enabled:  # the profiler's start, and its stop and fold (its recording runs inside the pass)
             inst.add("trace", (t1 - t0) + (time.perf_counter() - t2), 1)
         ops = [item.cache.take_timers() for item in items]
-        # Inside the pass: each row's attention and cache work, the measurement's comparisons, and the shared rest.
+        # Inside the pass: each row's attention and cache work, the measurement's comparisons, AnchorKV's heap release
+        # (nobody's: it falls in the step's unattributed rest), and the shared rest.
         inside = sum(row.attention_s + o["recompute"] + o["cache_update"] + o["scoring"] + o["replay"] + o["compare"]
-                     + row.snapshot_s for row, o in zip(rows, ops))
+                     + o.get("release", 0.0) + row.snapshot_s for row, o in zip(rows, ops))
         shared = max(0.0, wall - inside)
         if not turn_start and len(rows) > 1:
             self.shared_ms.append(1e3 * shared)

@@ -95,6 +95,7 @@ class AnchorStore:
         self.carried = {j for j, a in enumerate(self.anchor_of) if a in self.last_target and j <= self.last_target[a]}
         self.replaying = False
         self.replay_s = 0.0
+        self.release_s = 0.0  # handing the heap's free pages back after replayed layers (`rss.release`)
         self.transient = 0  # this step's largest carried hidden states plus a layer's replayed K/V (bytes)
         # Per step: the span to rebuild, the carried hidden states and the K/V waiting for their layer.
         self.span: tuple[int, int] = (0, 0)
@@ -160,11 +161,13 @@ class AnchorStore:
             self.transient = max(self.transient, storage_bytes(self.hidden, *(kv or ())))
             if j == last:
                 self.hidden = None
-            if end >= RELEASE_FROM:
-                rss.release()
         finally:
             self.replaying = False
             self.replay_s += time.perf_counter() - t0
+        if end >= RELEASE_FROM:  # not the replay's time: the heap's hygiene, nobody's (`release_s`)
+            t1 = time.perf_counter()
+            rss.release()
+            self.release_s += time.perf_counter() - t1
 
     def start_hidden(self, anchor: int, end: int) -> torch.Tensor:
         """Hidden states (1, end, d) entering layer `anchor` for tokens 0..end-1, a fresh tensor (the replay
@@ -272,7 +275,8 @@ class AnchorCache(StrategyCache):
     def take_timers(self) -> dict[str, float]:
         out = super().take_timers()
         out["replay"] = self.store.replay_s
-        self.store.replay_s = 0.0
+        out["release"] = self.store.release_s
+        self.store.replay_s = self.store.release_s = 0.0
         return out
 
     def resume(self):

@@ -128,7 +128,8 @@ def _ran_on(session: Session, labels: list[str]) -> list[tuple[int, int]]:
 
 def memory_figure(session: Session) -> go.Figure:
     """Per strategy against the conversation position: state held after each step and the peak within it, both
-    measured by the allocator (solid, dotted), and the state by formula (dashed); process RSS on the right."""
+    measured by the run's instrument (solid, dotted: the allocator's trace or the tensors' storages, named in the
+    legend), and the state by formula (dashed); process RSS on the right."""
     labels = [label for label in session.shown if session.lanes[label].memory]
     if not labels:
         return _empty("Send a message or play a scenario: memory per strategy appears here", 480,
@@ -184,9 +185,10 @@ def memory_figure(session: Session) -> go.Figure:
                                  name="process RSS (right)", line=dict(color="#888", width=2, dash="longdashdot"),
                                  mode="lines", hovertemplate=f"process RSS %{{y:.3g}} {rss_name}<extra></extra>"),
                       secondary_y=True)
-    styles = ((("state (allocator)", "solid", 3), ("peak in a step", "dot", 1.5),
+    by = "allocator" if session.memory_instrument.startswith("allocator") else "tensor storages"
+    styles = (((f"state ({by})", "solid", 3), (f"peak in a step ({by})", "dot", 1.5),
                ("state by formula", "dash", 1.2)) if measured else
-              (("state by formula (no tracing)", "solid", 3),))
+              (("state by formula (no instrument)", "solid", 3),))
     for name, dash, width in styles:
         fig.add_trace(go.Scatter(x=[None], y=[None], name=name, mode="lines", legendgroup="styles",
                                  line=dict(color="#000", dash=dash, width=width)))

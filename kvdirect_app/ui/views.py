@@ -91,13 +91,15 @@ def _summary(session: Session, label: str) -> dict:
     return session.result.get("strategies", {}).get(label, {})
 
 
-def _bytes_cell(measured, formula, what: str) -> str:
-    """A byte figure: measured by the allocator, the formula beside it in the tooltip (or alone, labelled)."""
+def _bytes_cell(measured, formula, what: str, instrument: str = "") -> str:
+    """A byte figure: measured by the run's instrument (named), the formula beside it in the tooltip (or alone,
+    labelled)."""
     if measured is None and formula is None:
         return "—"
     if measured is None:
-        return f'<span title="{what}: by formula (allocator tracing is off)">{fmt_bytes(formula)}*</span>'
-    return f'<span title="{what}: measured by the allocator; formula {fmt_bytes(formula)}">{fmt_bytes(measured)}</span>'
+        return f'<span title="{what}: by formula (no memory instrument ran)">{fmt_bytes(formula)}*</span>'
+    by = _esc(instrument or "the run's memory instrument")
+    return f'<span title="{what}: measured by {by}; formula {fmt_bytes(formula)}">{fmt_bytes(measured)}</span>'
 
 
 def pane_header(session: Session, label: str) -> str:
@@ -108,8 +110,11 @@ def pane_header(session: Session, label: str) -> str:
     stats = []
     if lane is not None and lane.memory:
         f = lane.turn_figures()
-        stats.append(f"between turns <b>{_bytes_cell(f['between'], f['formula_between'], 'held after the last turn')}</b>")
-        stats.append(f"peak in turn <b>{_bytes_cell(f['peak'], f['formula_peak'], 'highest during a forward of this turn (state, transient buffers, activations)')}</b>")
+        by = session.memory_instrument
+        stats.append(f"between turns <b>{_bytes_cell(f['between'], f['formula_between'], 'held after the last turn', by)}"
+                     "</b>")
+        stats.append(f"peak in turn <b>{_bytes_cell(f['peak'], f['formula_peak'], 'highest during a forward of this turn', by)}"
+                     "</b>")
         if f["ms_per_token"] is not None:
             stats.append(f'<span title="mean ms per decode step this turn: this strategy\'s own work (attention, '
                          f'recompute, replay, scoring, cache update) plus 1/N of the pass the N lanes make together '
