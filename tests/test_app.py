@@ -23,6 +23,14 @@ VOLATILE = {"latency_ms", "tokens_per_s", "process_rss_peak_bytes", "threads", "
             "steps"}
 
 
+def differences(a, b, path: str = "") -> list[str]:
+    """Where two results differ: a path per differing leaf (what a failed comparison prints)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in dict.fromkeys([*a, *b]) for d in
+                (differences(a[k], b[k], f"{path}/{k}") if k in a and k in b else [f"{path}/{k}: on one side only"])]
+    return [] if a == b else [f"{path}: {str(a)[:80]} != {str(b)[:80]}"]
+
+
 def stable(result: dict) -> dict:
     out = {k: v for k, v in result.items() if k not in VOLATILE}
     out["strategies"] = {label: {k: v for k, v in r.items() if k not in VOLATILE}
@@ -51,7 +59,7 @@ def test_compare_endpoint_returns_the_bench_json(app):
     want = engine_result(TINY, specs, ["Tell me about caches."], 12)
     assert (got.pop("schema"), got.pop("schema_version")) == ("kvdirect-studio/run", 1)  # validated when written
     assert list(got["strategies"]) == [expand(n, 40) for n in default_names()]
-    assert stable(got) == stable(want)
+    assert not differences(stable(got), stable(want)), differences(stable(got), stable(want))
     for label, r in got["strategies"].items():
         assert r["token_ids"] == want["strategies"][label]["token_ids"], label
     assert got["strategies"]["kvdirect:budget=40"]["kv_exact"] is True
@@ -75,7 +83,7 @@ def test_compare_on_smollm2_matches_the_engine(app):
     assert specs == "full,kvdirect:mode=exact:budget=16"
     want = engine_result("smollm2-135m", specs, ["What is the capital of France?"], 10)
     assert (got.pop("schema"), got.pop("schema_version")) == ("kvdirect-studio/run", 1)
-    assert stable(got) == stable(want)
+    assert not differences(stable(got), stable(want)), differences(stable(got), stable(want))
     assert got["strategies"]["kvdirect:mode=exact:budget=16"]["token_ids"] == want["strategies"]["full"]["token_ids"]
 
 
@@ -124,7 +132,7 @@ def test_scenario_plays_to_the_end_and_exports_what_the_engine_gives(app):
     specs = ",".join(expand(n, 40, 2, "exact", "step") for n in default_names())
     want = engine_result(TINY, specs, turns, 4)
     assert exported["user_turns"] == turns
-    assert stable(exported["results"]) == stable(want)
+    assert not differences(stable(exported["results"]), stable(want)), differences(stable(exported["results"]), stable(want))
     rows = exported["steps"]
     assert {r["strategy"] for r in rows} == set(want["strategies"])
     # The Export tab's recording plays back to the same results and the same step rows.

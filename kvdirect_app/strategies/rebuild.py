@@ -31,7 +31,7 @@ import time
 import torch
 
 from ..compat import CacheLayerMixin
-from .base import MeasuredLayer, storage_sizes
+from .base import MeasuredLayer, storage_bytes, storage_sizes
 
 MODES = ("exact", "fast")
 REBUILDS = ("step", "turn")
@@ -129,7 +129,7 @@ class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
         self.before_update(q)
         # The stored inputs extended: the shorter copy is freed before the K/V work begins.
         extended = sum(n for ptr, n in stored.items() if ptr not in storage_sizes(*self.held_tensors()))
-        before = storage_sizes(self.keys, self.values, *(self.active or ()))
+        before = storage_bytes(self.keys, self.values, *(self.active or ()))  # replaced by this step, whatever path
         end, total = self.rebuild_span(q)
         rebuild_s = 0.0
         if self.active is not None:
@@ -156,11 +156,11 @@ class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
             # A copy, so the hot window never pins the step's larger buffer.
             self.keys = keys[..., -self.budget:, :].clone()
             self.values = values[..., -self.budget:, :].clone()
-        # Transient: every K/V buffer alive during the step that the layer does not hold after it (the rebuilt K/V
-        # attention read, a hot window or a turn's K/V replaced by a longer copy), or the inputs' shorter copy.
-        after = storage_sizes(self.keys, self.values, *(self.active or ()))
-        during = {**before, **storage_sizes(keys, values)}
-        self.transient = max(extended, sum(n for ptr, n in during.items() if ptr not in after))
+        # Transient: the K/V the layer held before the step (a hot window or a turn's K/V, replaced by a new copy)
+        # and the K/V attention read when the layer does not keep them (a rebuilt buffer), or the inputs' shorter
+        # copy.  By the tensors, not by their addresses: a freed block's address is reused within the step.
+        handed = 0 if self.active is not None and self.active[0] is keys else storage_bytes(keys, values)
+        self.transient = max(extended, before + handed)
         self.recompute_s += rebuild_s
         self.cache_update_s += time.perf_counter() - t0 - rebuild_s
         self.compare(keys, values)

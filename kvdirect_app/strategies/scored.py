@@ -70,7 +70,7 @@ from ..compat import CacheLayerMixin
 from ..geometry import ModelGeometry
 from ..memory import harness
 from ..replay import HeadProjection
-from .base import (Forward, MeasuredLayer, SlidingLayer, Strategy, StrategyCache, storage_sizes,
+from .base import (Forward, MeasuredLayer, SlidingLayer, Strategy, StrategyCache, storage_bytes,
                    window_layer_bytes, window_layer_transient)
 
 POSITION_DTYPE = torch.int32
@@ -227,7 +227,7 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         x, self.pending = self.pending, None
-        before = storage_sizes(*self.state_tensors())
+        before = storage_bytes(*self.state_tensors())  # replaced by this step
         q = key_states.shape[-2]
         rows = self.positions.shape[1]
         keys = torch.cat([self.keys, key_states], dim=-2)
@@ -260,11 +260,11 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
             self.buffers = {name: buf.gather(2, keep) for name, buf in step.buffers.items()}
         else:
             self.keys, self.values, self.positions, self.buffers = keys, values, positions, step.buffers
-        # Transient: what was alive during the step and is not held after it (the held tensors beside the
-        # candidates while they are concatenated; the candidates while the kept ones are gathered).
-        after = storage_sizes(*self.state_tensors())
-        during = {**before, **storage_sizes(keys, values, positions, *step.buffers.values())}
-        self.transient = sum(n for ptr, n in during.items() if ptr not in after)
+        # Transient: the held tensors beside the candidates while they are concatenated, and the candidates while
+        # the kept ones are gathered (when the step evicts).  By the tensors, not by their addresses: a freed
+        # block's address is reused within the step.
+        candidates = 0 if self.keys is keys else storage_bytes(keys, values, positions, *step.buffers.values())
+        self.transient = before + candidates
         self.scoring_s += scoring_s
         self.cache_update_s += time.perf_counter() - t0 - scoring_s
         if self.keep_handed:
