@@ -26,6 +26,7 @@ class Point:
     ms_per_token: float | None
     teacher_forced: float | None = None
     between_bytes: int | None = None
+    instrument: str = "allocator trace"  # what measured the peak (`state_bytes.instrument`)
 
 
 def points_from_rows(rows: list[dict]) -> list[Point]:
@@ -37,7 +38,8 @@ def points_from_rows(rows: list[dict]) -> list[Point]:
             continue
         out.append(Point(r.get("spec") or r["canonical_spec"], peak, r["token_match"],
                          r["latency_ms"]["decode_total_ms_mean"], r["teacher_forced_agreement"],
-                         r["state_bytes"]["between_turns_peak"]))
+                         r["state_bytes"]["between_turns_peak"],
+                         r["state_bytes"].get("instrument") or "allocator trace"))
     return out
 
 
@@ -95,7 +97,8 @@ def frontier_figure(points: list[Point], title: str = "Memory against agreement:
                           "<br>token match %{y:.1f}% · teacher-forced %{customdata[3]}%"
                           "<br>%{customdata[2]} ms per token<extra></extra>"))
     ticks = _byte_ticks([p.peak_bytes for p in points])
-    fig.update_xaxes(type="log", title_text="measured peak bytes during a turn (log scale; allocator)",
+    by = "; ".join(dict.fromkeys(p.instrument.split(" (")[0] for p in points)) or "allocator trace"
+    fig.update_xaxes(type="log", title_text=f"measured peak bytes during a turn (log scale; {by})",
                      tickvals=ticks, ticktext=[fmt_bytes(t) for t in ticks])
     fig.update_yaxes(title_text="token match with the full cache (%)", range=[-3, 103])
     text = title + (f"<br><sup>{subtitle}</sup>" if subtitle else "")
