@@ -71,9 +71,13 @@ class Forwards:
         self.process = psutil.Process()
         self.rss = self.rss_peak = None
         self.shared_ms: list[float] = []  # per decode pass of several rows: the work no row did alone
-        pin(threads)
-        if not kernels.invariant:
-            check_rows_kernels(model)  # now, not inside the first traced, timed step
+        if not kernels.invariant:  # now, not inside the first traced, timed step; at the run's thread count, which
+            previous = torch.get_num_threads()  # is the process's (torch's count is global): given back after
+            pin(threads)
+            try:
+                check_rows_kernels(model)
+            finally:
+                pin(previous)
 
     # Inference mode is entered per call, not around a turn: it is per thread, and a turn's generator may be
     # advanced from different threads.

@@ -166,3 +166,17 @@ def test_model_side_finds_the_model_however_deep_and_nothing_of_the_cache():
     assert id(loaded.model) in found and id(loaded.model.config) in found
     assert all(id(p) in found for p in loaded.model.parameters())
     assert id(cache.store) not in found
+
+
+@pytest.mark.parametrize("kernels", ["invariant", "native"])
+def test_an_engine_leaves_the_process_thread_count_as_it_found_it(kernels):
+    """torch's thread count is the process's: an engine at another count pins it for its own work only (building
+    it, a turn), and gives it back, so a run beside it (the page's compare endpoint and a test's own engine, a
+    process pool's cells and the run in this process) starts from what the process had."""
+    before = torch.get_num_threads()
+    other = 2 if before != 2 else 1
+    engine = Engine(tiny("tiny-llama"), parse_specs("full,kvdirect:budget=2"), max_new_tokens=3, threads=other,
+                    kernels=kernels)
+    assert torch.get_num_threads() == before
+    result = run_to_end(engine, TURNS[:1])
+    assert torch.get_num_threads() == before and result["threads"] == other
