@@ -552,7 +552,8 @@ def state_digest(cache) -> str:
             continue
         t = t.detach().contiguous().reshape(-1)
         h.update(f"{t.dtype}{t.numel()}".encode())
-        h.update(t.view(torch.uint8).cpu().numpy().tobytes() if t.numel() else b"")
+        if t.numel():  # the tensor's own bytes, read in place (no copy of a store that may be 100 MiB)
+            h.update(t.view(torch.uint8).cpu().numpy())
     return h.hexdigest()[:16]
 
 

@@ -137,3 +137,11 @@ def all_sliding(loaded) -> bool:
     from kvdirect_app.compat import layer_specs
 
     return all(spec.is_sliding for spec in layer_specs(loaded.config))
+
+
+def differences(a, b, path: str = "") -> list[str]:
+    """Where two results differ: a path per differing leaf (what a failed comparison prints)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in dict.fromkeys([*a, *b]) for d in
+                (differences(a[k], b[k], f"{path}/{k}") if k in a and k in b else [f"{path}/{k}: on one side only"])]
+    return [] if a == b else [f"{path}: {str(a)[:80]} != {str(b)[:80]}"]

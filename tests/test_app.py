@@ -15,20 +15,14 @@ from kvdirect_app.models import load_model  # noqa: E402
 from kvdirect_app.strategies import parse_specs  # noqa: E402
 
 from kvdirect_app.ui.runner import compare_specs  # noqa: E402
+
+from .runs import differences  # noqa: E402
 from kvdirect_app.ui.settings import catalogue, default_names, expand  # noqa: E402
 
 TINY = "tiny-llama"
 # Timings and process memory differ from run to run; everything else must be identical.
 VOLATILE = {"latency_ms", "tokens_per_s", "process_rss_peak_bytes", "threads", "shared_pass_ms_mean", "turn_seconds",
             "steps"}
-
-
-def differences(a, b, path: str = "") -> list[str]:
-    """Where two results differ: a path per differing leaf (what a failed comparison prints)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in dict.fromkeys([*a, *b]) for d in
-                (differences(a[k], b[k], f"{path}/{k}") if k in a and k in b else [f"{path}/{k}: on one side only"])]
-    return [] if a == b else [f"{path}: {str(a)[:80]} != {str(b)[:80]}"]
 
 
 def stable(result: dict) -> dict:

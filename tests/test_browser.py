@@ -337,8 +337,10 @@ def test_a_model_switch_between_turns_replays_the_earlier_turns_on_the_new_model
     send(page, "Name a colour.")
     assert "Done: 1 turn(s)" in ended(page, 600), status(page)
     choose(page, "#kvd-model", "gemma3-270m")
-    page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('gemma3-270m ready')",
-                           timeout=300_000)
+    # The status settles on the loaded model (a second change event can start the same load again: read the
+    # status once it says ready with the replay, not at its first "ready").
+    page.wait_for_function("(s => s.includes('gemma3-270m ready') && s.includes('earlier turn'))"
+                           "(document.querySelector('#kvd-status').innerText)", timeout=300_000)
     assert "replays the 1 earlier turn(s)" in status(page)
     send(page, "Name another one.")
     assert "Done: 2 turn(s)" in ended(page, 900), status(page)
