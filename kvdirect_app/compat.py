@@ -176,3 +176,11 @@ def run_decoder_layer(layer: torch.nn.Module, hidden: torch.Tensor, mask, positi
     out = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids,
                 cache=cache, use_cache=True)
     return out[0] if isinstance(out, tuple) else out
+
+
+def no_init_weights():
+    """transformers' context in which a model's modules are built without initialising their weights (the
+    real-size checks fill every parameter themselves: a 4B model's own init takes minutes on two cores)."""
+    from transformers.initialization import no_init_weights as skip
+
+    return skip()

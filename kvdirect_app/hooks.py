@@ -82,6 +82,10 @@ class InputTap:
     def target_rows(self, batch):
         self._target([row.cache for row in batch.rows], batch)
 
+    def clear(self):
+        """Target nothing: every hook stands aside (a forward that is not the target's own hands it nothing)."""
+        self._target([], None)
+
     def _target(self, caches: list[StrategyCache], batch):
         self.caches, self.batch = caches, batch
         self.wants = [set(cache.wants_inputs()) for cache in caches]

@@ -25,7 +25,7 @@ VERSIONS = {
     "run": 1,  # bench run --json, the compare endpoint
     "run-alone": 1,  # bench run --alone --json: each strategy in a process of its own
     "sweep": 1,  # bench sweep --json
-    "reproduce": 2,  # bench reproduce: results.json (version 2: the cells, rule, claims and sections)
+    "reproduce": 3,  # bench reproduce: results.json (3: residual patching cells, claims 2b and 7b, measured_on)
     "breakeven": 1,  # bench breakeven --json
     "replay": 1,  # bench replay --json
     "capacity": 1,  # bench capacity --json

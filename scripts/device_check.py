@@ -11,7 +11,9 @@ What it does, each step timed and written as it finishes (a step that fails is r
 3. bytes per lane (allocator) and per-op latency of the seven default panes, lanes batched vs sequential;
 4. AnchorKV's replay at a 4,096-token context (`rebuild=step`, spacing 30), ms per token;
 5. the strategies inside transformers' `generate` (`strategy_cache`): exact ones give DynamicCache's tokens;
-6. recordings of the shipped scenarios on the device (OUT/recordings/*.json.gz, `bench record`).
+6. recordings of the shipped scenarios on the device (OUT/recordings/*.json.gz, `bench record`);
+7. the claims report's exactness and residual-patching cells on the device (a tiny-model `reproduce --quick`:
+   OUT/claims/, whose row 7b, exactness on accelerators, is measured there and nowhere else).
 Results: OUT/device_check.json and OUT/device_check.md (the table docs/perf.md takes).
 """
 
@@ -169,6 +171,18 @@ def recordings(device: str, out: dict, quick: bool, dest: Path):
     out["recordings"] = table
 
 
+def claims(device: str, out: dict, quick: bool, dest: Path):
+    """`bench reproduce --quick` on a tiny model, every cell on this device: rows 7 and 7b (exactness on CPU and
+    on accelerators) and 8 (residual patching) as the report judges them."""
+    from kvdirect_app.claims import render, reproduce
+
+    results = reproduce.gather("tiny-llama", quick=True, executor="local", device=device, workers=1)
+    render.write(results, dest / "claims")
+    out["claims"] = {name: {"verdict": c["verdict"], "measured_on": c["measured_on"]}
+                     for name, c in results["claims"].items() if name in ("exactness", "exactness_accelerator",
+                                                                          "patching")}
+
+
 def markdown(out: dict) -> str:
     lines = [f"# Device check: {out['device']} ({out.get('name', '')})", ""]
     for section, rows in out.items():
@@ -187,12 +201,12 @@ def main():
     dest.mkdir(parents=True, exist_ok=True)
     out = {"device": args.device, "torch": torch.__version__,
            "name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "timings_s": {}}
-    for step in (probe, exactness, seven, replay4k, generate, recordings):
+    for step in (probe, exactness, seven, replay4k, generate, recordings, claims):
         t0 = time.monotonic()
         try:
             if step is probe:
                 step(args.device, out)
-            elif step is recordings:
+            elif step in (recordings, claims):
                 step(args.device, out, args.quick, dest)
             else:
                 step(args.device, out, args.quick)

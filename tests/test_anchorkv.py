@@ -11,7 +11,7 @@ from kvdirect_app.strategies.anchorkv import rebuild_all
 
 from .conftest import bad_spec_error
 from .runs import TINY_FAMILIES, all_sliding, anchorkv_lanes, run_once, tiny, tiny_union
-from .test_exactness_tiny import fast_mode_reports_its_error
+from .test_exactness_tiny import ANCHORKV_FAST, fast_mode_reports_its_error, native_fast_run
 
 TURNS = ["Tell me about caches.", "Why do keys need positions?"]
 
@@ -92,11 +92,25 @@ def test_cascade_and_naive_rebuild_the_same_kv_with_the_predicted_pass_counts(fa
     assert geom.replay_passes(deep_anchors, cascade=False) > geom.replay_passes(deep_anchors, cascade=True)
 
 
-def test_one_chunk_replay_reports_its_drift():
-    # Replaying all old tokens as one chunk changes GEMM and attention query lengths; whether that rounds
-    # differently depends on the BLAS, so the test asks for a consistent, measured report, not for a drift.
-    result = tiny_union("tiny-llama").result
-    fast_mode_reports_its_error(result["strategies"]["anchorkv:spacing=2:budget=2:mode=fast:rebuild=step"])
+@pytest.mark.parametrize("kernels", ["invariant", "native"])
+def test_one_chunk_replay_reports_its_drift(kernels):
+    """Fast mode replays all old tokens as one chunk with the model's own kernels (its GEMMs and its attention),
+    whatever the run's.  In both kernel modes that rounds differently from what the forward computed here (fp32):
+    under invariant kernels the forward's attention was the block attention and the replay's is the model's own
+    (~1e-6 apart); under native ones the forward's decoded rows were one-row calls and the replay's one chunk is
+    not.  The replayed layers' K/V differ and the report says so, while the exact sibling (the same anchors and
+    budget, replayed as the mode promises) is bit-equal: the drift is the one chunk's.
+
+    Mutation that fails it: fast mode replaying as exact mode does (in anchorkv.py, the `one_chunk` property
+    returning False): its K/V become bit-equal and the report says exact, in both kernel modes."""
+    run = tiny_union("tiny-llama") if kernels == "invariant" else native_fast_run("tiny-llama")
+    result = run.result
+    assert result["kernels"]["mode"] == kernels
+    fast = result["strategies"][ANCHORKV_FAST]
+    assert fast["kernels"] == {"forward": kernels, "rebuild": "native, one call"}
+    fast_mode_reports_its_error(fast)
+    exact = result["strategies"]["anchorkv:spacing=2:budget=2:rebuild=step"]
+    assert exact["kv_exact"] is True and exact["max_abs_dk"] == 0.0 and exact["rebuilt_token_layers"] > 0
 
 
 @pytest.mark.check

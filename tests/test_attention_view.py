@@ -64,7 +64,15 @@ def _full_on_same_history(engine, label, maps, j):
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
 def test_snapshots_change_no_figure_and_batching_changes_no_snapshot(family):
     """The same lanes with and without snapshots: the same tokens, reports and bytes (peaks included: the same
-    lanes share each pass); and the snapshots of lanes one after another are those of the batched lanes."""
+    lanes share each pass); and the snapshots of lanes one after another are those of the batched lanes.
+
+    The bytes compared are the allocator trace's (`state_bytes` and each turn's figures, as `ByteBook.summary` and
+    `TurnBytes.summary` name them), indexed with [] and required to be measured (an int, not None): a key that
+    is gone, or an instrument that measured nothing, fails here instead of comparing None with None.
+
+    Mutation that fails it: the snapshot computed outside the measurement's harness (in lockstep.py's
+    `_snapshot`, `with contextlib.nullcontext():` instead of `with harness():`): its buffers are charged to the
+    lane, whose peak with snapshots is then above its peak without."""
     loaded = tiny(family)
     with_snap = run_once(loaded, ATTENTION, threads=1)
     without = run_once(loaded, ATTENTION, threads=1, snapshots=False)
@@ -74,8 +82,18 @@ def test_snapshots_change_no_figure_and_batching_changes_no_snapshot(family):
     assert set(maps) == set(ATTENTION) <= set(alone)
     assert all(maps[label] == alone[label] for label in maps)
     a, b = with_snap.result["strategies"], without.result["strategies"]
+    assert set(a) == set(b) == set(ATTENTION)
     for label in a:
         for key in ("token_ids", "kv_exact", "max_abs_dk", "kl_mean", "rebuilt_token_layers"):
             assert a[label][key] == b[label][key], (label, key)
+        sa, sb = a[label]["state_bytes"], b[label]["state_bytes"]
+        assert sa["instrument"] == sb["instrument"] == "allocator trace (cpu)", label
         for key in ("persistent_peak", "between_turns_peak", "final_persistent", "peak"):
-            assert a[label]["state_bytes"][key] == b[label]["state_bytes"][key], (label, key)
+            assert isinstance(sa[key], int) and sa[key] > 0, (label, key, sa[key])
+            assert sa[key] == sb[key], (label, key)
+        assert sa["peak"] >= sa["persistent_peak"] >= sa["final_persistent"], label
+        assert len(a[label]["turns"]) == len(b[label]["turns"]) == 2, label
+        for ta, tb in zip(a[label]["turns"], b[label]["turns"]):
+            for key in ("peak_during_turn", "between_turns"):
+                assert isinstance(ta[key], int) and ta[key] > 0, (label, ta["turn"], key, ta[key])
+                assert ta[key] == tb[key], (label, ta["turn"], key)

@@ -22,12 +22,14 @@ CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
         "--disable-component-update", "--disable-sync"]
 MODEL = "smollm2-135m"
+ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Why is the sky blue? Answer in two sentences."
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
                                 reason=f"no Chromium at {CHROMIUM}: install Debian's package (apt-get install -y chromium)")
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (requirements-dev.txt)")
 
+from kvdirect_app.claims import reproduce  # noqa: E402
 from kvdirect_app.ui import build_demo  # noqa: E402
 
 from .conftest import launch_local  # noqa: E402
@@ -216,9 +218,14 @@ def test_the_claims_tab_shows_the_committed_report(url, browser, tmp_path):
     page.get_by_role("tab", name="Claims").click()
     cards = page.locator("#kvd-claims-cards .kvd-card")
     cards.first.scroll_into_view_if_needed()
-    assert cards.count() == 7
+    computed = reproduce.load(ROOT / "docs" / "claims")["claims"]  # the numbers' verdicts, as --render gives them
+    assert cards.count() == len(computed)
+    for card, claim in zip(cards.all(), computed.values()):
+        text = card.inner_text()
+        assert claim["title"] in text and claim["verdict"] == card.locator(".kvd-card-verdict").inner_text().strip()
+        assert claim["measured_on"] in text  # every verdict names its devices and kernels
     text = page.inner_text("#kvd-claims-cards")
-    assert "holds" in text and "Recompute vs read" in text and "paper" in text and "ours" in text
+    assert "Recompute vs read" in text and "Residual patching" in text and "paper" in text and "ours" in text
     verdict = cards.first.locator(".kvd-card-verdict")
     assert float(verdict.evaluate("e => parseFloat(getComputedStyle(e).fontSize)")) >= 20  # large
     page.get_by_text("The table: every claim's figures and the whole reason").click()

@@ -406,7 +406,7 @@ def test_sweep_runs_every_strategy_at_every_budget_and_writes_every_row(tmp_path
 
 
 def test_sweep_at_equal_memory_picks_for_each_strategy_the_probe_closest_to_the_exact_strategys_peak(tmp_path):
-    from kvdirect_app.cli.sweep import GRID
+    from kvdirect_app.sweeps import GRID
 
     out = tmp_path / "equal.json"
     names = ["anchorkv:anchors=0:rebuild=step", "window", "streaming_llm:sinks=2"]

@@ -166,6 +166,95 @@ def test_a_strategy_keeps_its_colour_whatever_else_is_shown():
     assert colours([fast, "tova:budget=8", exact]) == {**both, "tova:budget=8": colours(["tova:budget=8"])["tova:budget=8"]}
 
 
+# --- byte figures: each names its instrument ----------------------------------
+
+FORMULA = {"between": 7 * 2**10, "peak": 9 * 2**10}  # what the formula says for every lane (7.0 KiB, 9.0 KiB)
+
+
+def measured_where(instrument: str, measured: dict[str, bool]) -> Session:
+    """One turn as the engine yields it: each lane's bytes measured by `instrument` where `measured[label]`, else
+    only the formula's (the figures a lane without a measured value shows)."""
+    session = Session()
+    session.apply({"type": "start", "strategies": list(measured), "memory": instrument})
+    session.apply({"type": "turn", "turn": 0, "user": "Hi.", "chunk_ids": ids("Hi.")})
+    for index in range(2):
+        lanes = {label: {"token_id": 65 + index, "text": "AB"[:index + 1], "active": index == 0, "seen": 3 + index,
+                         "persistent_bytes": 3 * 2**10 if m else None, "peak_bytes": 5 * 2**10 if m else None,
+                         "formula_bytes": FORMULA["between"], "formula_peak_bytes": FORMULA["peak"],
+                         "latency_ms": {"total": 1.0}, "kl_mean": 0.0} for label, m in measured.items()}
+        session.apply({"type": "step", "turn": 0, "index": index, "lanes": lanes})
+    session.apply({"type": "turn_end", "turn": 0, "texts": {label: "AB" for label in measured},
+                   "bytes": {label: {"turn": 0, "peak_during_turn": 5 * 2**10 if m else None,
+                                     "formula_peak_during_turn": FORMULA["peak"],
+                                     "between_turns": 3 * 2**10 if m else None,
+                                     "formula_between_turns": FORMULA["between"], "decode_ms_per_token": 1.0}
+                             for label, m in measured.items()}})
+    return session
+
+
+def board_cells(board: str) -> tuple[str, list[str], dict[str, list[str]]]:
+    """The scoreboard's legend of byte marks (under the head's first cell), its two byte column heads' tooltips,
+    and per strategy row its two byte cells (between turns, peak in turn)."""
+    legend = re.search(r'class="kvd-note kvd-src-legend"[^>]*>([^<]*)</span>', board)
+    heads = re.findall(r'<th title="([^"]*)">(?:between turns|peak in turn)</th>', board)
+    rows = {}
+    for row in re.findall(r"<tr><td>.*?</tr>", board):
+        label = re.search(r'<code title="([^"]*)"', row)[1]
+        rows[label] = re.findall(r'<td class="kvd-num">(.*?)</td>', row)[:2]
+    return legend[1] if legend else "", heads, rows
+
+
+@pytest.mark.check
+@pytest.mark.parametrize("instrument, source, mark", [("allocator trace (cpu)", "allocator", "ᵃ"),
+                                                      ("tensor storages (cpu)", "storages", "ˢ")],
+                         ids=["allocator", "storages"])
+def test_every_byte_figure_names_its_instrument_on_the_scoreboard_and_in_the_panes(instrument, source, mark):
+    """A lane with no measured value shows the formula's figure: it carries the formula's mark, and the board's
+    head names every instrument its figures come from (a legend of the marks; each byte column's tooltip names
+    its own column's), never the measured one alone over a formula figure.  The panes mark the same figures the
+    same way.  (The scoreboard used to print the formula's bytes bare under a head whose tooltip named the
+    allocator: HEAD's scoreboard.py fails here.)
+
+    Mutations that fail it: `views.byte_figure` leaving the mark off a formula figure (`... if source !=
+    "formula" else ""`); the scoreboard's heads naming the run's instrument whatever its figures' sources
+    (`sources["between"].add("allocator")`)."""
+    from kvdirect_app.ui.scoreboard import scoreboard_html
+    from kvdirect_app.ui.views import pane_header
+
+    marked = lambda m: f'<span class="kvd-note kvd-src">{m}</span>'  # a figure's mark, right after it
+    measured, formula = "kvdirect:budget=4", "window:budget=4"
+    session = measured_where(instrument, {REFERENCE: True, measured: True, formula: False})
+    legend, heads, rows = board_cells(scoreboard_html(session))
+    assert legend == f"bytes: {mark} {source} · * formula"  # both sources present, both named
+    assert len(heads) == 2 and set(rows) == {REFERENCE, measured, formula}
+    for head in heads:
+        assert f"{mark} {instrument}" in head and "* formula" in head, head
+    for label in (REFERENCE, measured):
+        for cell, value in zip(rows[label], ("3.0 KiB", "5.0 KiB")):
+            assert f'data-source="{source}"' in cell and instrument in cell, (label, cell)
+            assert cell.endswith(f"{value}{marked(mark)}</span>"), (label, cell)
+    for cell, value in zip(rows[formula], ("7.0 KiB", "9.0 KiB")):
+        assert 'data-source="formula"' in cell and "by formula" in cell, cell
+        assert cell.endswith(f"{value}{marked('*')}</span>"), cell
+    # No formula figure shown anywhere on the board (tooltips aside) without its mark right after it.
+    shown = re.sub(r'title="[^"]*"', "", scoreboard_html(session))
+    for value in ("7.0 KiB", "9.0 KiB"):
+        assert shown.count(value) == shown.count(f"{value}{marked('*')}") == 1, value
+    # The panes: the same figures, the same marks.
+    assert pane_header(session, formula).count(marked("*")) == 2
+    assert pane_header(session, measured).count(marked(mark)) == 2
+
+    # Every figure measured: the head names the instrument and no formula.
+    legend, heads, _ = board_cells(scoreboard_html(measured_where(instrument, {REFERENCE: True, measured: True})))
+    assert legend == f"bytes: {mark} {source}"
+    assert all("formula" not in head and f"{mark} {instrument}" in head for head in heads), heads
+    # Nothing measured (instruments off): formula figures, and the formula alone named.
+    off = measured_where("none (formula only)", {REFERENCE: False, formula: False})
+    legend, heads, rows = board_cells(scoreboard_html(off))
+    assert legend == "bytes: * formula" and all(head.endswith("produced it: * formula") for head in heads), heads
+    assert all(cell.endswith(f"{marked('*')}</span>") for cells in rows.values() for cell in cells)
+
+
 # --- replies -----------------------------------------------------------------
 
 def test_a_strategy_that_ends_its_reply_first_says_so_in_words():

@@ -61,13 +61,11 @@ import math
 import statistics
 import time
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from .. import compat
-from ..metrics import clock
-from ..replay import KVProjector
-from ..threads import pin
 from .verdicts import FAILS, HIGHER, HOLDS, SIZE_TOLERANCE, VERDICTS, judge
 
 __all__ = ["measure", "figure", "summary", "Recomputer", "PAPER_SPEEDUP", "VERDICTS", "MAX_CELL_BYTES"]
@@ -89,6 +87,8 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def _resolve_device(device, default: torch.device) -> torch.device:
+    import torch
+
     if device is None:
         return default
     device = torch.device(device)
@@ -108,6 +108,9 @@ class Recomputer:
     """
 
     def __init__(self, loaded, layer: int | None = None, device=None):
+        from .. import compat
+        from ..replay import KVProjector
+
         model = loaded.model
         specs = compat.layer_specs(model.config)
         if layer is None:
@@ -153,6 +156,8 @@ class Recomputer:
 
 def _time(fn, device: torch.device, repeats: int) -> float:
     """Median seconds per call of `fn` over `repeats` samples, after one warm-up call."""
+    from ..metrics import clock
+
     t0 = clock(device)
     fn()
     once = clock(device) - t0
@@ -169,6 +174,8 @@ def _time(fn, device: torch.device, repeats: int) -> float:
 def calibrate(device: torch.device, dtype: torch.dtype, host_copy: bool = False, repeats: int = 3) -> dict:
     """The device's balance point: achieved FLOP/s of a large square matmul in `dtype`, bytes/s of a large
     tensor copy (bytes copied per second), and with `host_copy` on CUDA the pinned host-to-device copy's."""
+    import torch
+
     size, copy_bytes = CALIBRATION.get(device.type, CALIBRATION["cpu"])
     gen = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(size, size, generator=gen).to(device, dtype)
@@ -216,6 +223,10 @@ def measure(loaded, batch_sizes=(1, 4, 16, 64), contexts=(256, 1024, 4096), laye
     CPU shared with other busy processes, parallel kernels wait for descheduled threads (measured here: a
     1 MB `torch.cat` took 16 ms with 2 threads on 2 busy cores), so pass `threads=1` there.
     """
+    import torch
+
+    from ..threads import pin
+
     previous = torch.get_num_threads()
     if threads is not None:
         pin(int(threads))
@@ -226,6 +237,8 @@ def measure(loaded, batch_sizes=(1, 4, 16, 64), contexts=(256, 1024, 4096), laye
 
 
 def _measure(loaded, batch_sizes, contexts, layer, repeats, device, host_copy, max_cell_bytes) -> dict:
+    import torch
+
     recompute = Recomputer(loaded, layer, device)
     dev, dtype = recompute.device, recompute.dtype
     notes = []

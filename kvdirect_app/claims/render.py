@@ -58,7 +58,7 @@ def _head(results: dict) -> list[str]:
         paper = f"{c['paper']}: " + "; ".join(f"{f['label']} {figure_text(f['value'], f['unit'])}"
                                                for f in c["figures"]) + f" ({models})"
         ours = "; ".join(f"{f['label']} {figure_text(p['ours'], f['unit'])}" for f, p in zip(c["figures"], c["parts"]))
-        ours += f" ({c['basis']}; {c['model']})"
+        ours += f" ({c['basis']}; {c['model']}; {c['measured_on']})"
         rows.append([f"{c['title']}: \"{c['claim']}\"", paper, ours, f"**{c['verdict']}**", c["reason"]])
     out = _table(["claim", "paper", "ours", "verdict", "why"], rows)
     out += ["", results["rule"]["text"]]
@@ -83,9 +83,14 @@ def _details(results: dict) -> list[str]:
     t = sec["turns20"]
     out += ["", *title("turns20", f": scenario {t['scenario']}, {t['turns']} turns, at most {t['new_tokens']} new "
                                   f"tokens per turn ({t['tokens']} tokens in the first turn)")]
-    out += _table(["strategy", "mode", "between turns", "peak in turn", "token match"],
-                  [[r["strategy"], r["mode"] or "-", fmt_bytes(r["between_turns_peak"]), fmt_bytes(r["peak"]),
-                    number(r["token_match"])] for r in t["rows"]])
+    out += _table(["model", "strategy", "mode", "between turns", "peak in turn", "token match"],
+                  [[r["model"], r["strategy"], r["mode"] or "-", fmt_bytes(r["between_turns_peak"]),
+                    fmt_bytes(r["peak"]), number(r["token_match"])] for r in t["rows"]])
+    for name, lane in (("turns20", "KV-Direct's own lane"), ("turns20_anchorkv", "AnchorKV's lowest exact lane")):
+        out += ["", f"{results['claims'][name]['title']}: {lane}, per model (the verdict is the report's model's):", ""]
+        out += _table(["model", "r", "lane", "lane's peak", "full cache's peak", "full / lane", "verdict"],
+                      [[m["model"], number(m["r"]), m["lane"] or "-", fmt_bytes(m["lane_peak"]),
+                        fmt_bytes(m["full_peak"]), number(m["ratio"]), m["verdict"]] for m in sec[name]["by_model"]])
     if t["equal_memory"]:
         out += ["", "At equal measured peak:", ""]
         out += _table(["strategy", "budget", "peak", "token match"],
@@ -114,6 +119,8 @@ def _details(results: dict) -> list[str]:
                     fmt_bytes(r["parked_bytes_measured"]), fmt_bytes(r["formula_at_measure"]), number(r["resume_ms"])]
                    for r in k["rows"]])
     out += ["", *title("exactness")]
+    out += [f"{results['claims']['exactness_accelerator']['title']}: {results['claims']['exactness_accelerator']['verdict']}"
+            f" ({results['claims']['exactness_accelerator']['measured_on']}).", ""]
     cols = ["model", "dtype", "strategy", "busy processes", "token match", "K/V bit-equal", "rebuilt token-layers",
             "max abs dK"]
     groups = [("Exact mode, counted (rebuilt at least one token-layer):",
@@ -128,6 +135,14 @@ def _details(results: dict) -> list[str]:
             out += [label, ""] + _table(cols, [[r["model"], r["dtype"], r["strategy"], r["load"],
                                                 number(r["token_match"]), r["kv_exact"], r["rebuilt"],
                                                 number(r["max_abs_dk"])] for r in rows]) + [""]
+    g = sec["patching"]
+    out += ["", *title("patching"), "Every position: the donor's residual stream entering the layer, at every "
+            "position, in the recipient's forward. Control: at the last position only.", ""]
+    out += _table(["model", "dtype", "tokens", "layers", "layers with KL 0 and equal logits", "max KL",
+                   "max abs dlogit", "control: least KL over layers"],
+                  [[r["model"], r["dtype"], r["tokens"], r["layers"], r["zero_layers"], number(r["max_kl"]),
+                    number(r["max_abs_dlogit"]), number(r["min_control_kl"])] for r in g["rows"]])
+    out += ["", "![patching](patching.png)"]
     return out
 
 
@@ -144,7 +159,7 @@ def render(results: dict) -> str:
 def figures(results: dict) -> dict:
     import plotly.graph_objects as go
 
-    from . import recompute
+    from . import patching, recompute
 
     rows = results["sections"]["agreement"]["rows"]
     fig = go.Figure()
@@ -156,7 +171,8 @@ def figures(results: dict) -> dict:
                       xaxis=dict(title="budget (tokens of K/V kept)", type="log"),
                       yaxis=dict(title="token match", range=[0, 1.05]), font=dict(size=16), template="plotly_white")
     cell = next(c for c in results["cells"] if c["section"] == "recompute")
-    return {"agreement": fig, "recompute": recompute.figure(cell["json"])}
+    return {"agreement": fig, "recompute": recompute.figure(cell["json"]),
+            "patching": patching.figure(results["sections"]["patching"]["runs"], results["model"])}
 
 
 def write(results: dict, out: Path) -> list[Path]:

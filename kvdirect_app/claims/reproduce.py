@@ -4,8 +4,9 @@
     python -m kvdirect_app.bench reproduce --render DIR
 
 The work is a list of independent cells (`plan`: one benchmark each, a
-`bench` subcommand with its JSON or the recompute-vs-read microbenchmark),
-run through `executors.run_cells` in a bounded process pool or on Ray; each
+typed library call of `benchmarks` (`kind`: run, sweep, breakeven, replay,
+capacity; `config`: its settings) with its results, the recompute-vs-read
+microbenchmark or residual patching), run through `executors.run_cells` in a bounded process pool or on Ray; each
 cell records the environment it ran in, in the process that ran it.
 `gather` puts the cells into one dict (results.json), and `reassess` adds
 what follows from them: the claims with the papers' figures (`papers`), our
@@ -20,14 +21,11 @@ lists every knob in which they differ.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -38,7 +36,11 @@ from .papers import SECTIONS
 from .sections import assess
 from .verdicts import EXACT_TOLERANCE, SIZE_TOLERANCE, VERDICTS, rule_text
 
-FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-olmo2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3"]
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-olmo2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3",
+            "tiny-llama-mha"]
+# A model without grouped-query attention: a residual is half a layer's K/V (r = 0.5), where KV-Direct's own
+# lane can hold claim 2 (on SmolLM2, r = 1.5, it cannot).
+MHA = "tiny-llama-mha"
 EVICTION = ["window", "streaming_llm", "h2o", "snapkv", "tova"]
 # The twenty-turn run's lanes by name: {s} the break-even spacing s*, {L} the number of layers, {b} the budget.
 LANES = {"full": "full", "kvdirect": "kvdirect:budget={b}",
@@ -62,11 +64,12 @@ class Knobs:
     replay_context: int  # tokens
     park_context: int  # tokens at which sessions are parked and measured by the allocator
     model_bf16: bool  # the model's own exactness run in bf16 as well (the tiny families always run both)
+    real_size: bool  # the public configs built at full size with random weights (claims/realsize.py)
 
 
 FULL = Knobs(new_tokens=24, turns_new_tokens=24, turns_lanes=tuple(LANES), equal_memory=True, budgets=(16, 32, 64, 128),
              recompute_batches=(1, 4, 16, 64), recompute_contexts=(256, 1024, 4096), replay_context=1024,
-             park_context=1024, model_bf16=True)
+             park_context=1024, model_bf16=True, real_size=True)
 # --quick: SmolLM2 within 10 minutes on 2 CPU cores.  The twenty-turn run dominates (its rebuild=step lanes
 # replay every old token at every step, so their work grows with turns x tokens): four new tokens per turn
 # instead of eight, and six of the ten lanes (the exact lane with the lowest peak, KV-Direct's own, three
@@ -74,9 +77,10 @@ FULL = Knobs(new_tokens=24, turns_new_tokens=24, turns_lanes=tuple(LANES), equal
 QUICK = Knobs(new_tokens=8, turns_new_tokens=4,
               turns_lanes=("full", "kvdirect", "anchorkv:spacing=L:rebuild=step", "streaming_llm", "h2o", "tova"),
               equal_memory=False, budgets=(16, 64), recompute_batches=(1, 8), recompute_contexts=(256, 1024),
-              replay_context=512, park_context=256, model_bf16=False)
+              replay_context=512, park_context=256, model_bf16=False, real_size=False)
 # The byte-level tiny models (tests) hold 1,024 tokens: short turns, small budgets and contexts.
-TINY = dict(new_tokens=4, turns_new_tokens=4, budgets=(4, 8), replay_context=128, park_context=64, model_bf16=True)
+TINY = dict(new_tokens=4, turns_new_tokens=4, budgets=(4, 8), replay_context=128, park_context=64, model_bf16=True,
+            real_size=False)
 LABELS = {"turns_new_tokens": "new tokens per turn in the twenty-turn run",
           "turns_lanes": "lanes of the twenty-turn run",
           "equal_memory": "the twenty-turn sweep of the baselines at equal measured peak",
@@ -84,7 +88,9 @@ LABELS = {"turns_new_tokens": "new tokens per turn in the twenty-turn run",
           "budgets": "budgets of the recall sweep", "recompute_batches": "batch sizes of recompute vs read",
           "recompute_contexts": "contexts of recompute vs read", "replay_context": "tokens of the replay benchmark",
           "park_context": "tokens at which sessions are parked and measured",
-          "model_bf16": "the model's own exactness run in bf16"}
+          "model_bf16": "the model's own exactness run in bf16",
+          "real_size": "exactness at the public configs' real size, random weights (Qwen2.5-0.5B, Llama 3.2-1B, "
+                       "Qwen3-4B, Gemma 3-4B)"}
 
 
 def knobs(model: str, quick: bool) -> Knobs:
@@ -96,6 +102,8 @@ def leaves_out(quick: dict, full: dict) -> list[str]:
     """What a run with knobs `quick` leaves out of one with `full`, one phrase per knob that differs."""
     out = []
     for key, label in LABELS.items():
+        if key not in quick or key not in full:  # a knob added after the run was made
+            continue
         q, f = quick[key], full[key]
         if q == f:
             continue
@@ -124,22 +132,23 @@ def environment(device: str | None, threads: int | None = None) -> dict:
 
 
 def bench_cell(cell: dict) -> dict:
-    """One `bench` subcommand in this process; its JSON and environment.  Busy processes for `load`."""
-    from .. import bench
+    """One benchmark, called as a library function in this process (`benchmarks`): the cell's `kind` names the
+    call, its `config` the settings; its results and environment.  Busy processes for `load`."""
+    from .. import benchmarks
 
+    configs = {"run": benchmarks.RunConfig, "sweep": benchmarks.SweepConfig, "breakeven": benchmarks.BreakevenConfig,
+               "replay": benchmarks.ReplayConfig, "capacity": benchmarks.CapacityConfig}
+    quiet = dict(say=lambda line: None)
+    calls = {"run": lambda c: benchmarks.run(c, **quiet).data, "sweep": lambda c: benchmarks.sweep(c, **quiet),
+             "breakeven": benchmarks.breakeven, "replay": benchmarks.replay,
+             "capacity": lambda c: benchmarks.capacity(c, **quiet)}
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cell.get("load", 0))]
     try:
-        with tempfile.TemporaryDirectory() as folder:
-            out = Path(folder) / "out.json"
-            sink = io.StringIO()
-            t0 = time.perf_counter()
-            with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-                code = bench.main([*cell["argv"], "--json", str(out)])
-            seconds = time.perf_counter() - t0
-            if code != 0 or not out.is_file():
-                raise RuntimeError(f"bench {' '.join(cell['argv'])} exited {code}: {sink.getvalue().strip()[-300:]}")
-            result = json.loads(out.read_text())
-            return {"json": result, "seconds": seconds, "env": environment(result.get("device"), result.get("threads"))}
+        t0 = time.perf_counter()
+        result = calls[cell["kind"]](configs[cell["kind"]](**cell["config"]))
+        result.pop("plotted", None)
+        seconds = time.perf_counter() - t0
+        return {"json": result, "seconds": seconds, "env": environment(result.get("device"), result.get("threads"))}
     finally:
         for p in busy:
             p.kill()
@@ -153,19 +162,43 @@ def recompute_cell(cell: dict) -> dict:
     loaded = load_model(cell["model"], dtype=cell["dtype"], device=cell["device"])
     result = recompute.measure(loaded, batch_sizes=tuple(cell["batches"]), contexts=tuple(cell["contexts"]),
                                repeats=cell["repeats"], threads=cell.get("threads"))
+    result["kernels"] = "the model's own (the microbenchmark's GEMMs and copies)"
     return {"json": result, "env": environment(result["device"], result["threads"])}
+
+
+def patching_cell(cell: dict) -> dict:
+    from ..models import load_model
+    from . import patching
+
+    loaded = load_model(cell["model"], dtype=cell["dtype"], device=cell["device"])
+    result = patching.measure(loaded, threads=cell.get("threads"))
+    return {"json": result, "env": environment(result["device"], result["threads"])}
+
+
+def realsize_cell(cell: dict) -> dict:
+    """The public configs built with random weights at their real size, one after another in this worker (one
+    4B model in memory at a time): K/V, tokens and allocator bytes of every exact lane."""
+    from . import realsize
+
+    runs = [realsize.measure(name, dtype, prompt_tokens=cell["prompt_tokens"], new_tokens=cell["new_tokens"],
+                             threads=cell.get("threads"), device=cell["device"])
+            for name, dtype in cell["configs"]]
+    return {"json": {"runs": runs, "label": realsize.LABEL,
+                     "kernels": {"mode": ", ".join(sorted({r["kernels_mode"] for r in runs}))}},
+            "env": environment(runs[0]["device"], runs[0]["threads"])}
 
 
 def run_cell(cell: dict) -> dict:
     """What the executor runs: the cell's kind picks the function."""
-    return (recompute_cell if cell["kind"] == "recompute" else bench_cell)(cell)
+    kinds = {"recompute": recompute_cell, "patching": patching_cell, "realsize": realsize_cell}
+    return kinds.get(cell["kind"], bench_cell)(cell)
 
 
 # --- the plan --------------------------------------------------------------------------------------------------
 def plan(model: str, quick: bool, device: str = "auto", threads: int = 1) -> list[dict]:
     """Every cell of the report for `model`, with the knobs of `knobs(model, quick)`."""
     from ..geometry import ModelGeometry, load_config
-    from ..models import PRESETS_DIR, presets
+    from ..models import PRESETS_DIR, embedded_presets, presets
 
     k = knobs(model, quick)
     geom = ModelGeometry.from_config(load_config(model))
@@ -173,38 +206,54 @@ def plan(model: str, quick: bool, device: str = "auto", threads: int = 1) -> lis
     s_star = geom.break_even_spacing(token_id_anchor=True) or L
     tiny = model.startswith("tiny-")
     budget = 8 if tiny else 32
-    common = ["--model", model, "--device", device, "--threads", str(threads)]
-    traced = ["--memory", "trace"]  # the claims' bytes are the allocator's
+    common = dict(model=model, device=device, threads=threads)
+    traced = dict(memory="trace")  # the claims' bytes are the allocator's
     cells = []
-    sources = [("--model", p) for p in presets() if not p.startswith("tiny-") or p == model]
-    sources += [("--config", str(f.relative_to(PRESETS_DIR.parent)))
+    sources = [("model", p) for p in presets() if not p.startswith("tiny-") or p in (model, MHA)]
+    sources += [("config", str(f.relative_to(PRESETS_DIR.parent)))
                 for f in sorted((PRESETS_DIR / "configs").glob("*.json"))]
-    for flag, source in sources:
-        cells.append({"kind": "bench", "section": "bytes", "name": f"bytes {Path(source).stem}",
-                      "argv": ["breakeven", flag, source, "--dtype", "bfloat16"]})
+    for key, source in sources:
+        cells.append({"kind": "breakeven", "section": "bytes", "name": f"bytes {Path(source).stem}",
+                      "config": {key: source, "dtype": "bfloat16"}})
     specs = [LANES[lane].format(s=s_star, L=L, b=budget) for lane in k.turns_lanes]
     # The byte-level tiny models cannot hold twenty turns in their 1,024 tokens: they play three.
     scenario = "capitals" if tiny else "twenty-turns"
-    cells.append({"kind": "bench", "section": "turns20", "name": scenario, "scenario": scenario,
-                  "argv": ["run", *common, *traced, "--scenario", scenario, "--max-new-tokens", str(k.turns_new_tokens),
-                           "--strategies", ",".join(specs)]})
+    cells.append({"kind": "run", "section": "turns20", "name": scenario, "scenario": scenario,
+                  "config": {**common, **traced, "scenario": scenario, "max_new_tokens": k.turns_new_tokens,
+                             "strategies": ",".join(specs)}})
+    if model != MHA:  # KV-Direct's own lane where r < 1: three turns of the byte-level MHA model
+        mha_layers = ModelGeometry.from_config(load_config(MHA)).num_layers
+        cells.append({"kind": "run", "section": "turns20", "name": f"capitals on {MHA}", "scenario": "capitals",
+                      "config": {**common, **traced, "model": MHA, "scenario": "capitals", "max_new_tokens": 4,
+                                 "strategies": f"full,kvdirect:budget=8,anchorkv:spacing={mha_layers}:budget=8:"
+                                               "rebuild=step"}})
     if k.equal_memory:
-        cells.append({"kind": "bench", "section": "turns20", "name": "twenty turns at equal memory",
-                      "argv": ["sweep", *common, *traced, "--scenario", "twenty-turns", "--max-new-tokens", str(k.new_tokens),
-                               "--equal-memory", "--strategies", ",".join(EVICTION), "--budgets", "8,16,32,64,128"]})
-    cells.append({"kind": "bench", "section": "agreement", "name": "recall sweep",
-                  "argv": ["sweep", *common, *traced, "--scenario", "recall", "--max-new-tokens", str(k.new_tokens),
-                           "--budgets", ",".join(map(str, k.budgets)),
-                           "--strategies", ",".join(["kvdirect", f"anchorkv:spacing={L}:rebuild=step", *EVICTION])]})
+        cells.append({"kind": "sweep", "section": "turns20", "name": "twenty turns at equal memory",
+                      "config": {**common, **traced, "scenario": "twenty-turns", "max_new_tokens": k.new_tokens,
+                                 "equal_memory": True, "strategies": ",".join(EVICTION), "budgets": "8,16,32,64,128"}})
+    cells.append({"kind": "sweep", "section": "agreement", "name": "recall sweep",
+                  "config": {**common, **traced, "scenario": "recall", "max_new_tokens": k.new_tokens,
+                             "budgets": ",".join(map(str, k.budgets)),
+                             "strategies": ",".join(["kvdirect", f"anchorkv:spacing={L}:rebuild=step", *EVICTION])}})
     cells.append({"kind": "recompute", "section": "recompute", "name": "recompute vs read", "model": model,
                   "dtype": "float32", "device": device, "threads": threads, "repeats": 3,
                   "batches": list(k.recompute_batches), "contexts": list(k.recompute_contexts)})
-    cells.append({"kind": "bench", "section": "replay", "name": f"replay at {k.replay_context}",
-                  "argv": ["replay", *common, "--context", str(k.replay_context), "--spacing", str(L)]})
-    cells.append({"kind": "bench", "section": "parked", "name": "parked sessions at 32k",
-                  "argv": ["capacity", *common, "--context", "32768", "--measure", "2",
-                           "--measure-context", str(k.park_context), "--budget", str(budget)]})
+    cells.append({"kind": "replay", "section": "replay", "name": f"replay at {k.replay_context}",
+                  "config": {**common, "context": k.replay_context, "spacing": L}})
+    cells.append({"kind": "capacity", "section": "parked", "name": "parked sessions at 32k",
+                  "config": {**common, "context": 32768, "measure": 2, "measure_context": k.park_context,
+                             "budget": budget}})
     cells += _exactness_cells(model, k, L, device, threads)
+    if k.real_size:  # the full run: the four public configs with random weights (fp32 where it fits in time)
+        cells.append({"kind": "realsize", "section": "exactness", "name": "random weights at the real configs",
+                      "configs": [["qwen2.5-0.5b", "float32"], ["llama-3.2-1b", "float32"], ["qwen3-4b", "bfloat16"],
+                                  ["gemma-3-4b", "bfloat16"]],
+                      "prompt_tokens": 300, "new_tokens": 8, "device": "cpu" if device == "auto" else device,
+                      "threads": threads})
+    real = [] if tiny else [p for p in embedded_presets() if not p.startswith("tiny-")]  # weights on this machine
+    for name in dict.fromkeys([model, *real, *FAMILIES]):
+        cells.append({"kind": "patching", "section": "patching", "name": f"patching {name}", "model": name,
+                      "dtype": "float32", "device": device, "threads": threads})
     return cells
 
 
@@ -217,15 +266,15 @@ def _exactness_cells(model: str, k: Knobs, L: int, device: str, threads: int) ->
         for dtype in ("float32", "bfloat16"):
             if own and dtype == "bfloat16" and not k.model_bf16:
                 continue
-            conversation = (["--prompt", "Tell me a short story about a lighthouse.", "--max-new-tokens",
-                             str(k.new_tokens)] if own else ["--scenario", "capitals", "--max-new-tokens", "6"])
-            anchors = [f"anchorkv:spacing=2:budget=4:rebuild=step", f"anchorkv:spacing={L}:budget=4:rebuild=step"] \
+            conversation = (dict(prompt="Tell me a short story about a lighthouse.", max_new_tokens=k.new_tokens)
+                            if own else dict(scenario="capitals", max_new_tokens=6))
+            anchors = ["anchorkv:spacing=2:budget=4:rebuild=step", f"anchorkv:spacing={L}:budget=4:rebuild=step"] \
                 if own else ["anchorkv:spacing=2:budget=4", "anchorkv:spacing=2:budget=4:rebuild=step"]
-            cells.append({"kind": "bench", "section": "exactness", "name": f"exactness {family} {dtype}",
+            cells.append({"kind": "run", "section": "exactness", "name": f"exactness {family} {dtype}",
                           "load": 2 if own else 0,  # the model itself under load: two busy processes
-                          "argv": ["run", "--model", family, "--device", device, "--dtype", dtype, "--threads",
-                                   str(threads), "--memory", "trace", *conversation, "--strategies",
-                                   ",".join(["full", "kvdirect:budget=4", "kvdirect:budget=4:mode=fast", *anchors])]})
+                          "config": {"model": family, "device": device, "dtype": dtype, "threads": threads,
+                                     "memory": "trace", **conversation, "strategies":
+                                     ",".join(["full", "kvdirect:budget=4", "kvdirect:budget=4:mode=fast", *anchors])}})
     return cells
 
 
@@ -301,7 +350,7 @@ def _check(results, path: Path):
             raise bad(f"'{key}' missing or not a {kind.__name__}")
     for i, c in enumerate(results["cells"]):
         if not (isinstance(c, dict) and c.get("section") in SECTIONS and isinstance(c.get("json"), dict)
-                and isinstance(c.get("argv", []), list)):
+                and isinstance(c.get("config", {}), dict)):
             raise bad(f"cell {i + 1} lacks a known 'section' or its 'json'")
     missing = [s for s in SECTIONS if not any(c["section"] == s for c in results["cells"])]
     if missing:

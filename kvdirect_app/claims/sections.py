@@ -17,9 +17,9 @@ from __future__ import annotations
 import re
 
 from ..units import fmt_bytes
-from .papers import CLAIMS, SECTIONS
+from .papers import CLAIMS, NAMES, section_of
 from .render import figure_text, number
-from .verdicts import judge, worst
+from .verdicts import NOT_MEASURED, judge, worst
 
 UNRECORDED = "mode not recorded"
 
@@ -59,40 +59,76 @@ def _bytes(results: dict) -> dict:
     return out
 
 
-def _turns20(results: dict) -> dict:
-    cell = next(c for c in _cells(results, "turns20") if c["argv"][0] == "run")
-    run = cell["json"]
-    rows = [{"strategy": spec, "mode": _mode(r), "between_turns_peak": r["state_bytes"]["between_turns_peak"],
-             "peak": r["state_bytes"]["peak"], "token_match": r["token_match"]}
-            for spec, r in run["strategies"].items()]
-    turns = len(run["turn_chunk_ids"])
-    out = {"rows": rows, "scenario": cell.get("scenario"), "turns": turns, "tokens": len(run["prompt_ids"]),
-           "new_tokens": run["max_new_tokens"], "basis": "measured", "ours": {"peak_ratio": None}, "equal_memory": None}
-    equal = next((c for c in _cells(results, "turns20") if c["argv"][0] == "sweep"), None)
+def _runs20(results: dict) -> list[dict]:
+    """The twenty-turn section's lockstep runs (one per model), the report's model first."""
+    runs = [c for c in _cells(results, "turns20") if c["json"].get("strategies")]
+    return sorted(runs, key=lambda c: c["json"]["model"] != results["model"])
+
+
+def _lanes20(cell: dict) -> list[dict]:
+    return [{"model": cell["json"]["model"], "strategy": spec, "mode": _mode(r),
+             "between_turns_peak": r["state_bytes"]["between_turns_peak"], "peak": r["state_bytes"]["peak"],
+             "token_match": r["token_match"]} for spec, r in cell["json"]["strategies"].items()]
+
+
+def _ratio_r(results: dict, model: str):
+    """r (a residual's bytes / one layer's K/V) of `model`, from its bytes cell (None if it has none)."""
+    own = next((c["json"] for c in _cells(results, "bytes") if c["json"]["source"] == model), None)
+    return None if own is None else own["ratio_r"]
+
+
+def _lowest(rows: list[dict], prefix: str):
+    """The lowest-peak exact lane whose spec starts with `prefix` and whose every token equals the full cache's."""
+    exact = [r for r in rows if r["strategy"].startswith(prefix) and r["mode"] == "exact" and r["token_match"] == 1.0]
+    return min(exact, key=lambda r: r["peak"], default=None)
+
+
+def _turns20(results: dict, prefix: str = "kvdirect") -> dict:
+    """Claim 2 on KV-Direct's own lane (`prefix`), per model, with r beside it; the report's model decides."""
+    runs = _runs20(results)
+    first = runs[0]["json"]
+    rows = [row for c in runs for row in _lanes20(c)]
+    turns = len(first["turn_chunk_ids"])
+    out = {"rows": rows, "scenario": runs[0].get("scenario"), "turns": turns, "tokens": len(first["prompt_ids"]),
+           "new_tokens": first["max_new_tokens"], "basis": "measured", "ours": {"peak_ratio": None},
+           "equal_memory": None, "lane": prefix}
+    equal = next((c for c in _cells(results, "turns20") if c["json"].get("rows")), None)
     if equal is not None:
         out["equal_memory"] = [{"strategy": r["strategy"], "budget": r["budget"], "peak": r["state_bytes"]["peak"],
                                 "token_match": r["token_match"]} for r in equal["json"]["rows"]]
-    where = (f"{run['model']}, {turns} turns of at most {run['max_new_tokens']} new tokens"
-             + ("" if turns == 20 else " (the paper: 20 turns)"))
-    full = next((r for r in rows if r["strategy"] == "full"), None)
-    exact = [r for r in rows if r["mode"] == "exact" and r["token_match"] == 1.0]
-    if full is None or not exact:
-        missing = "no full-cache lane" if full is None else "no exact-mode lane with every token equal"
-        return {**out, "notes": [f"{missing} in this run ({where})"]}
-    best = min(exact, key=lambda r: r["peak"])
-    out.update(best=best["strategy"], best_peak=best["peak"], full_peak=full["peak"])
-    out["ours"]["peak_ratio"] = full["peak"] / best["peak"]
-    notes = [f"{best['strategy']} peaks at {fmt_bytes(best['peak'])} against the full cache's "
-             f"{fmt_bytes(full['peak'])} with every token equal, on {where}; the paper's 42 MB and 103 MB are for its "
-             "own model and conversation, so only their ratio carries over"]
-    own = [r for r in rows if r["strategy"].startswith("kvdirect") and r["mode"] == "exact"]
-    if own and own[0] is not best:
-        out["kvdirect_ratio"] = full["peak"] / own[0]["peak"]
-        notes.append(f"KV-Direct's own lane ({own[0]['strategy']}) peaks at {fmt_bytes(own[0]['peak'])}: "
-                     f"{_x(out['kvdirect_ratio'])}" + (", above the full cache: a residual at every layer outweighs "
-                                                     "that layer's K/V where r > 1 (see 1.)"
-                                                     if out["kvdirect_ratio"] < 1 else ""))
+    figure = next(f for f in CLAIMS["turns20"].figures if f.key == "peak_ratio")
+    name = {"kvdirect": "KV-Direct", "anchorkv": "AnchorKV"}[prefix]
+    by_model, notes = [], []
+    for c in runs:
+        j, mine = c["json"], [r for r in rows if r["model"] == c["json"]["model"]]
+        where = (f"{j['model']}, {len(j['turn_chunk_ids'])} turns of at most {j['max_new_tokens']} new tokens"
+                 + ("" if len(j["turn_chunk_ids"]) == 20 else " (the paper: 20 turns)"))
+        full, lane = next((r for r in mine if r["strategy"] == "full"), None), _lowest(mine, prefix)
+        entry = {"model": j["model"], "r": _ratio_r(results, j["model"]), "full_peak": full and full["peak"],
+                 "lane": lane and lane["strategy"], "lane_peak": lane and lane["peak"], "ratio": None,
+                 "verdict": NOT_MEASURED}
+        if full is None or lane is None:
+            notes.append(f"{where}: " + ("no full-cache lane" if full is None else
+                                         f"no exact {name} lane with every token equal"))
+        else:
+            entry["ratio"] = full["peak"] / lane["peak"]
+            entry["verdict"] = judge(figure.value, entry["ratio"], figure.direction, figure.tolerance, figure.neutral)
+            r = "r not computed" if entry["r"] is None else f"r = {number(entry['r'])}"
+            notes.append(f"{where} ({r}): {lane['strategy']} peaks at {fmt_bytes(lane['peak'])} against the full "
+                         f"cache's {fmt_bytes(full['peak'])}, {_x(entry['ratio'])} ({entry['verdict']})"
+                         + ("; a residual at every layer outweighs that layer's K/V where r > 1 (see 1.)"
+                            if prefix == "kvdirect" and entry["r"] is not None and entry["r"] > 1 else ""))
+        by_model.append(entry)
+    out["by_model"] = by_model
+    if by_model and by_model[0]["model"] == results["model"]:
+        out["ours"]["peak_ratio"] = by_model[0]["ratio"]
+    notes.append(f"judged on {results['model']}'s {name} lane; the paper's 42 MB and 103 MB are for its own model and "
+                 "conversation, so only their ratio carries over")
     return {**out, "notes": notes}
+
+
+def _turns20_anchorkv(results: dict) -> dict:
+    return _turns20(results, "anchorkv")
 
 
 def _agreement(results: dict) -> dict:
@@ -207,24 +243,44 @@ def _parked(results: dict) -> dict:
     return {**out, "notes": notes}
 
 
-def _exactness(results: dict) -> dict:
-    rows = []
-    for c in _cells(results, "exactness"):
-        j = c["json"]
-        for spec, r in j["strategies"].items():
-            if spec == "full" or _mode(r) is None:  # the full cache and the baselines rebuild nothing
-                continue
-            rows.append({"model": j["model"], "dtype": j["dtype"], "strategy": spec, "mode": _mode(r),
-                         "load": c.get("load", 0), "token_match": r["token_match"], "kv_exact": r["kv_exact"],
-                         "rebuilt": r["rebuilt_token_layers"], "max_abs_dk": r["max_abs_dk"],
-                         "forward_kernels": (j.get("kernels") or {}).get("mode", UNRECORDED),
-                         "rebuild_kernels": (r.get("kernels") or {}).get("rebuild", UNRECORDED)})
+def _exactness_rows(cell: dict, j: dict) -> list[dict]:
+    """One exactness run's rebuilding lanes: a `bench run` JSON, or a real-size run (`claims/realsize.py`,
+    labelled with its random weights)."""
+    if "lanes" in j:  # random weights at a real config
+        return [{"model": f"{j['model']} ({j['label']})", "dtype": j["dtype"], "strategy": spec, "mode": _mode(r),
+                 "load": 0, "token_match": 1.0 if r["tokens_equal"] else 0.0, "kv_exact": r["kv_exact"],
+                 "rebuilt": r["rebuilt_token_layers"], "max_abs_dk": r["max_abs_dk"], "bytes_match": r["bytes_match"],
+                 "forward_kernels": j["kernels"]["mode"], "rebuild_kernels": r["kernels"]["rebuild"]}
+                for spec, r in j["lanes"].items() if spec != "full" and _mode(r) is not None]
+    return [{"model": j["model"], "dtype": j["dtype"], "strategy": spec, "mode": _mode(r),
+             "load": cell.get("load", 0), "token_match": r["token_match"], "kv_exact": r["kv_exact"],
+             "rebuilt": r["rebuilt_token_layers"], "max_abs_dk": r["max_abs_dk"],
+             "forward_kernels": (j.get("kernels") or {}).get("mode", UNRECORDED),
+             "rebuild_kernels": (r.get("kernels") or {}).get("rebuild", UNRECORDED)}
+            for spec, r in j["strategies"].items()
+            if spec != "full" and _mode(r) is not None]  # the full cache and the baselines rebuild nothing
+
+
+def _on_accelerator(cell: dict) -> bool:
+    return str((cell.get("env") or {}).get("device", "")).startswith("cuda")
+
+
+def _exactness_accelerator(results: dict) -> dict:
+    return _exactness(results, accelerator=True)
+
+
+def _exactness(results: dict, accelerator: bool = False) -> dict:
+    """Claim 7 on the CPU runs (7b: on the accelerator runs; not measured where none ran)."""
+    rows, mine = [], [c for c in _cells(results, "exactness") if _on_accelerator(c) == accelerator]
+    for c in mine:
+        for j in c["json"].get("runs", [c["json"]]):
+            rows += _exactness_rows(c, j)
     counted = [r for r in rows if r["mode"] == "exact" and r["rebuilt"]]
     fast = [r for r in rows if r["mode"] == "fast" and r["rebuilt"]]
     idle = [r for r in rows if r["mode"] in ("exact", "fast") and not r["rebuilt"]]
     unrecorded = [r for r in rows if r["mode"] == UNRECORDED]
     out = {"rows": rows, "basis": "measured", "counted": len(counted), "idle": len(idle),
-           "ours": {"kv": None, "tokens": None}}
+           "ours": {"kv": None, "tokens": None}, "measured_on": measured_on(results, "exactness", mine)}
     notes = []
     if counted:
         out["kv_equal"] = sum(1 for r in counted if r["kv_exact"])
@@ -235,6 +291,11 @@ def _exactness(results: dict) -> dict:
         notes.append(f"{out['kv_equal']} of {len(counted)} exact-mode runs that rebuilt K/V bit-equal, "
                      f"{out['tokens_equal']} with every token equal ({', '.join(models)}; {', '.join(dtypes)}; "
                      f"{sum(1 for r in counted if r['load'])} under busy processes)")
+    real = [r for r in rows if "bytes_match" in r]
+    if real:
+        notes.append(f"{len(real)} of them at real size with random weights ({', '.join(sorted({r['model'] for r in real}))}"
+                     f"): allocator bytes equal to the formula in {sum(1 for r in real if r['bytes_match'])} of "
+                     f"{len(real)}")
     if idle:
         notes.append(f"{len(idle)} runs rebuilt nothing and are listed apart: a single turn with rebuild=turn keeps "
                      "full K/V within the turn, and layers that all slide keep their window as the full cache does")
@@ -251,17 +312,67 @@ def _exactness(results: dict) -> dict:
                      f"{len(equal)} of {len(fast)} bit-equal to the forwards' K/V")
     if unrecorded:
         notes.append(f"{len(unrecorded)} runs not counted: {UNRECORDED} in their JSON")
-    devices = sorted({(c.get("env") or {}).get("device", "not recorded") for c in _cells(results, "exactness")})
-    if not any(d.startswith("cuda") for d in devices):
-        notes.append(f"devices: {', '.join(devices)}; accelerators not measured here")
+    if accelerator and not rows:
+        out.update(basis="not measured", measured_on="devices: no accelerator ran in this report")
+        notes.append("no exactness run on an accelerator in this report: nothing holds on accelerators until one "
+                     "measured it (scripts/device_check.py runs them where a GPU is lent)")
     return {**out, "notes": notes}
 
 
-BUILDERS = {"bytes": _bytes, "turns20": _turns20, "agreement": _agreement, "recompute": _recompute,
-            "replay": _replay, "parked": _parked, "exactness": _exactness}
+def _patching(results: dict) -> dict:
+    """Claim 8: KL and max |dlogit| per layer, counted only for models whose control (the last position patched
+    alone) moved the distribution at every layer: there the measurement could fail."""
+    runs = [c["json"] for c in _cells(results, "patching")]
+    rows = [{"model": j["model"], "dtype": j["dtype"], "tokens": j["tokens"], "layers": j["layers"],
+             "max_kl": j["max_kl"], "max_abs_dlogit": j["max_abs_dlogit"], "min_control_kl": j["min_control_kl"],
+             "zero_layers": sum(1 for r in j["rows"] if r["kl"] == 0 and r["max_abs_dlogit"] == 0)}
+            for j in runs]
+    counted = [r for r in rows if r["min_control_kl"] > 0]
+    out = {"rows": rows, "runs": runs, "basis": "measured", "counted": len(counted),
+           "ours": {"kl": None, "dlogit": None}}
+    notes = []
+    if counted:
+        out["ours"] = {"kl": max(r["max_kl"] for r in counted), "dlogit": max(r["max_abs_dlogit"] for r in counted)}
+        zero = sum(1 for r in counted if r["zero_layers"] == r["layers"])
+        notes.append(f"{zero} of {len(counted)} models with KL 0 and equal logits at every layer "
+                     f"({', '.join(r['model'] for r in counted)}); donor and recipient prompts of different tasks, "
+                     f"cut to the same length ({', '.join(sorted({str(r['tokens']) for r in counted}))} tokens)")
+        notes.append("control, the donor's residual at the last position only: smallest KL over layers "
+                     + ", ".join(f"{r['model']} {number(r['min_control_kl'])}" for r in counted)
+                     + " (above 0: the measurement can fail)")
+    uncounted = [r for r in rows if r not in counted]
+    if uncounted:
+        notes.append(f"not counted, the control left the distribution unchanged at some layer (the measurement could "
+                     f"not fail there): {', '.join(r['model'] for r in uncounted)}")
+    if not rows:
+        notes.append("no residual-patching cell in this report")
+    return {**out, "notes": notes}
+
+
+BUILDERS = {"bytes": _bytes, "turns20": _turns20, "turns20_anchorkv": _turns20_anchorkv, "agreement": _agreement,
+            "recompute": _recompute, "replay": _replay, "parked": _parked, "exactness": _exactness,
+            "exactness_accelerator": _exactness_accelerator, "patching": _patching}
 
 
 # --- the verdicts ------------------------------------------------------------------------------------------------
+def _kernels(cell: dict) -> str:
+    """The kernels a cell's numbers came from, as its JSON records them."""
+    k = cell["json"].get("kernels")
+    if isinstance(k, dict):
+        return k.get("mode", UNRECORDED)
+    if isinstance(k, str):
+        return k
+    return "none (arithmetic)" if not (cell.get("env") or {}).get("threads") else "not recorded"
+
+
+def measured_on(results: dict, section: str, cells: list[dict] | None = None) -> str:
+    """Devices and kernels of a section's cells (or of `cells`), in words: what a verdict's scope is."""
+    cells = _cells(results, section) if cells is None else cells
+    devices = sorted({str((c.get("env") or {}).get("device", "not recorded")) for c in cells})
+    kernels = sorted({_kernels(c) for c in cells})
+    return f"devices: {', '.join(devices) or 'none'}; kernels: {', '.join(kernels) or 'none'}"
+
+
 def environments(results: dict, section: str) -> list[dict]:
     """The distinct environments the section's cells ran in (recorded in the worker that ran each)."""
     seen = []
@@ -275,7 +386,7 @@ def environments(results: dict, section: str) -> list[dict]:
 def assess(results: dict) -> tuple[dict, dict]:
     """(claims, sections) from `results["cells"]` and the papers' figures alone."""
     claims, sections = {}, {}
-    for name in SECTIONS:
+    for name in NAMES:
         claim = CLAIMS[name]
         try:
             section = BUILDERS[name](results)
@@ -295,6 +406,7 @@ def assess(results: dict) -> tuple[dict, dict]:
         reason = "; ".join([p["words"] for p in parts] + notes + [f"the paper's model: {', '.join(models)}"])
         claims[name] = {**claim.as_dict(), "parts": parts, "basis": section.pop("basis"),
                         "model": section.pop("model", results["model"]), "verdict": verdict,
+                        "measured_on": section.pop("measured_on", None) or measured_on(results, section_of(name)),
                         "reason": reason[0].upper() + reason[1:] + "."}
-        sections[name] = {**section, "ran_on": environments(results, name)}
+        sections[name] = {**section, "ran_on": environments(results, section_of(name))}
     return claims, sections

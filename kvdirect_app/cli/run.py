@@ -34,7 +34,8 @@ from ..metrics import token_match
 from ..recording import Recorder, save
 from ..scenarios import scenarios
 from ..units import fmt, fmt_bytes, table
-from .common import CliError, add_conversation_options, checked_run, engine_options, turns_from_args, write_json
+from ..benchmarks import RunConfig, check, consume, first_turn_events, run
+from .common import CliError, add_conversation_options, write_json
 
 
 def output_table(result: dict) -> str:
@@ -66,8 +67,12 @@ def cost_table(result: dict) -> str:
 
 def notes(result: dict) -> list[str]:
     """What a reader must know to read the tables right."""
-    out = [f"bytes: {result['memory_instrument']}; 'peak in turn' is the highest the allocator saw during a forward "
-           "(state + transient buffers + activations); the formula's peak counts the strategy's buffers only"]
+    instrument = result["memory_instrument"]
+    peak = ("the highest the allocator saw during a forward (state + transient buffers + activations)"
+            if instrument.startswith("allocator") else
+            "the held tensors' storages plus the transient buffers the strategy counts (no activations)"
+            if instrument.startswith("tensor storages") else "by formula (no instrument ran)")
+    out = [f"bytes: {instrument}; 'peak in turn' is {peak}; the formula's peak counts the strategy's buffers only"]
     if result["batched"]:
         shared = result["shared_pass_ms_mean"]
         out.append("lanes batched: 'ms/token' is a lane's own work (its cache, its attention) plus 1/N of the pass's "
@@ -125,68 +130,52 @@ def cmd_run(args) -> int:
         raise CliError("give --alone or --solo, not both")
     if getattr(args, "record", None) and (args.alone or args.solo):
         raise CliError("--record: records a lockstep run (with the full cache); not with --alone or --solo")
-    turns, raw = turns_from_args(args)
+    config = RunConfig.from_args(args, strategies=args.solo or args.strategies)
+    turns, raw = config.turns()
     if args.alone and not args.dry_run:
         # The parent loads no model (its load would be the largest RSS of the tree): each child checks and runs.
         from .. import validate
 
         req = validate.request(args.model, args.device, args.dtype, args.strategies, args.max_new_tokens, turns, raw)
         return run_alone(args, list(req.strategies))
-    req, loaded, est, ids = checked_run(args, args.solo or args.strategies, turns, raw, compare=not args.solo)
     if args.dry_run:
+        check(config, config.strategies, turns, raw, compare=not args.solo, dry_run=True)
         print("dry run: every setting checked, the run fits; nothing was run")
         return 0
-    engine = Engine(loaded, list(req.strategies), raw=raw, compare=not args.solo, **engine_options(args))
-    if args.solo:
-        load_peak = peak_rss()
-        touch_weights(loaded.model)
-        before = reset_peak_rss()
-    recorder = None
-    if getattr(args, "record", None):
-        if args.solo:
-            raise CliError("--record: a recording needs the full cache to compare with; not with --solo")
-        recorder = Recorder(recording_meta(args, [s.label for s in req.strategies], turns, raw))
+    if not args.solo:
+        recorder = Recorder(recording_meta(args, turns, raw)) if getattr(args, "record", None) else None
+        result = run(config, recorder)
+        if recorder is not None:
+            save(recorder.finish(result.engine.token_maps(), result.engine.attention_maps()), args.record)
+            print(f"wrote the recording {args.record}", file=sys.stderr)
+        print_result(result.data)
+        write_json(args.json, result.data, "run")
+        return 0
+    # --solo: one strategy alone in this process, its peak RSS from a high-water mark started after the load.
+    req, loaded, est, ids = check(config, config.strategies, turns, raw, compare=False)
+    engine = Engine(loaded, list(req.strategies), raw=raw, compare=False, **config.engine_options())
+    load_peak = peak_rss()
+    touch_weights(loaded.model)
+    before = reset_peak_rss()
     events = engine.run(turns, park=args.park) if ids is None else first_turn_events(engine, turns[0], ids)
-    result = consume(events, recorder)
-    if recorder is not None:
-        save(recorder.finish(engine.token_maps(), engine.attention_maps()), args.record)
-        print(f"wrote the recording {args.record}", file=sys.stderr)
+    result = consume(events)
     result["memory_estimate"] = {"total_bytes": est.total, "lanes": est.lanes, "tokens": est.tokens}
-    if args.solo:
-        result["process"] = {"load_peak_rss_bytes": load_peak, "rss_before_run_bytes": before,
-                             "peak_rss_bytes": peak_rss()}
+    result["process"] = {"load_peak_rss_bytes": load_peak, "rss_before_run_bytes": before, "peak_rss_bytes": peak_rss()}
     print_result(result)
     write_json(args.json, result, "run")
     return 0
 
 
-def first_turn_events(engine, text: str, ids: list[int]):
-    """A one-turn run given its token ids (`--context`), as events ending in "done" like `Engine.run`."""
-    yield from engine.turn(text, ids=ids)
-    yield {"type": "done", "result": engine.results()}
-
-
-def consume(events, recorder=None) -> dict:
-    """Every event (each into the recording, if any); the "done" event's results.  A line per prompt piece read."""
-    result = None
-    for event in events:
-        if recorder is not None:
-            recorder.add(event)
-        if event["type"] == "done":
-            result = event["result"]
-        elif event["type"] == "prefill":
-            print(f"turn {event['turn'] + 1}: read {event['done']:,} of {event['total']:,} prompt tokens",
-                  file=sys.stderr)
-    return result
-
-
-def recording_meta(args, specs: list[str], turns: list[str], raw: bool) -> dict:
+def recording_meta(args, turns: list[str], raw: bool) -> dict:
     """What a recording made by the CLI says about its run (the engine's start and done events add the rest)."""
+    from ..strategies import parse_specs
+
     scenario = scenarios().get(args.scenario or "", {})
     expect = [len(turns) - 1, scenario["expect"]] if scenario.get("expect") else None
     return {"source": "bench " + ("record" if getattr(args, "command", "") == "record" else "run"),
             "command": " ".join(["python -m kvdirect_app.bench", *sys.argv[1:]]) if sys.argv[1:] else None,
-            "model": args.model, "dtype": args.dtype, "specs": specs, "max_new_tokens": args.max_new_tokens,
+            "model": args.model, "dtype": args.dtype, "specs": [s.label for s in parse_specs(args.strategies)],
+            "max_new_tokens": args.max_new_tokens,
             "raw": raw, "twins": not args.no_twins, "kernels_mode": args.kernels, "memory": args.memory,
             "turns": turns, "scenario": args.scenario, "expect": expect}
 

@@ -40,105 +40,15 @@ different strategies, so the table never shows one without the other.
 from __future__ import annotations
 
 import argparse
-import sys
 
-import torch
-
+from ..benchmarks import SweepConfig, sweep
+from ..executors import EXECUTORS
 from ..frontier import frontier_figure, points_from_rows, write_frontier
-from .. import validate
-from ..executors import EXECUTORS, check_executor, run_cells
-from ..models import load_model
-from ..prompts import InputError
-from ..strategies import StrategyError, parse_spec, registry
-from ..sweeps import Sweep
 from ..units import fmt, fmt_bytes, table
-from .common import CliError, add_conversation_options, engine_options, turns_from_args, write_json
+from .common import add_conversation_options, write_json
 
-# AnchorKV with only the token-id anchor (the deepest spacing of any model) and rebuild=step first: the exact
-# strategy that saves memory, and so --equal-memory's default target.
-DEFAULT_STRATEGIES = "anchorkv:anchors=0:rebuild=step,kvdirect,window,streaming_llm,h2o,snapkv,tova"
-DEFAULT_BUDGETS = "16,32,64,128"
-GRID = [1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256, 362, 512, 724, 1024, 1448, 2048, 2896, 4096]
-
-
-def parse_budgets(text: str) -> list[int]:
-    budgets = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part.isdigit() or int(part) < 1:
-            raise InputError(f"--budgets: {part!r} is not a positive integer; give e.g. 16,32,64,128")
-        if int(part) in budgets:
-            raise InputError(f"--budgets: {part} is listed twice")
-        budgets.append(int(part))
-    return budgets
-
-
-def check_names(names: list[str], allow_missing: bool) -> tuple[list[str], list[dict]]:
-    """The names that can be swept, and notes for those skipped."""
-    known = registry()
-    keep, skipped = [], []
-    for name in names:
-        base = name.split(":")[0]
-        cls = known.get(base)
-        if cls is None:
-            if not allow_missing:
-                raise StrategyError(f"--strategies: {base!r} is not a registered strategy (known: "
-                                    f"{', '.join(sorted(known))}); pass --allow-missing to skip it")
-            skipped.append({"strategy": name, "budget": None, "reason": f"{base!r} is not a registered strategy"})
-            continue
-        if "budget" not in cls.settings():
-            raise StrategyError(f"--strategies: {base!r} has no budget setting to sweep (the full cache is always "
-                                "the reference)")
-        if any(pair.partition("=")[0] == "budget" for pair in name.split(":")[1:]):
-            raise StrategyError(f"--strategies: {name!r} sets budget itself; the sweep sets it, remove budget=")
-        keep.append(name)
-    return keep, skipped
-
-
-def plan(names: list[str], budgets: list[int], allow_missing: bool) -> tuple[dict, list[dict]]:
-    """{budget: [(name, Strategy)]} to run, and the notes of what is skipped."""
-    names, skipped = check_names(names, allow_missing)
-    runs: dict[int, list] = {b: [] for b in budgets}
-    for name in names:
-        errors = []
-        for budget in budgets:
-            try:
-                runs[budget].append((name, parse_spec(f"{name}:budget={budget}")))
-            except StrategyError as e:
-                errors.append((budget, str(e)))
-        if len(errors) == len(budgets):
-            raise StrategyError(f"--strategies: {name!r} fits none of the budgets: {errors[0][1]}")
-        skipped += [{"strategy": name, "budget": b, "reason": reason} for b, reason in errors]
-    return runs, skipped
-
-
-def sweep_cell(cell: dict) -> dict:
-    """One budget's lockstep run in a worker: the model loaded by name, every strategy at `cell["budget"]` against
-    the full cache.  Returns {"rows", "head", "reference"} (the last two as `Sweep` keeps them)."""
-    loaded = load_model(cell["model"], dtype=cell["dtype"], device=cell["device"], progress=lambda msg: None)
-    sweep = Sweep(loaded, list(cell["turns"]), cell["raw"], dict(cell["options"]))
-    budget = cell["budget"]
-    rows = sweep.run([(name, parse_spec(f"{name}:budget={budget}"), budget) for name in cell["strategies"]])
-    return {"rows": rows, "head": sweep.head, "reference": sweep.reference}
-
-
-def budget_cells(runs: dict, req, loaded, turns: list[str], raw: bool, options: dict) -> list[dict]:
-    """The cells of a fixed-budget sweep, one per budget that has strategies, in the budgets' order.  The thread
-    count is resolved here (torch's count in this process when --threads is not given), so a worker runs with the
-    count an in-process run would have used."""
-    threads = options.get("threads") or torch.get_num_threads()
-    return [{"name": f"{req.model} budget={budget}", "model": req.model, "dtype": req.dtype,
-             "device": loaded.device.type, "threads": threads, "turns": list(turns), "raw": raw,
-             "options": {**options, "threads": threads}, "budget": budget, "strategies": [n for n, _ in entries]}
-            for budget, entries in runs.items() if entries]
-
-
-class Runner(Sweep):
-    """The sweep, saying on stderr what each run holds."""
-
-    def run(self, entries, note: str = "") -> list[dict]:
-        print(f"{note}: {', '.join(s.label for _, s, _ in entries)}", file=sys.stderr)
-        return super().run(entries)
+DEFAULT_STRATEGIES = SweepConfig.strategies
+DEFAULT_BUDGETS = SweepConfig.budgets
 
 
 def rows_table(rows: list[dict], target: int | None = None) -> str:
@@ -166,134 +76,17 @@ def match_matrix(rows: list[dict], names: list[str], budgets: list[int]) -> str:
     return table(cols, [[n] + [cells(by.get((n, b))) for b in budgets] for n in names])
 
 
-# --- equal memory -----------------------------------------------------------------------------------------------
-def target_spec(names: list[str], budgets: list[int], given: str | None) -> tuple[str | None, int | None]:
-    """(spec to run and measure, or None) and (bytes, or None)."""
-    if given is not None:
-        if given.isdigit():
-            return None, int(given)
-        parse_spec(given)
-        return given, None
-    for name in names:
-        strategy = parse_spec(f"{name}:budget={budgets[0]}")
-        if strategy.claims_exact:
-            return strategy.label, None
-    raise CliError("--equal-memory: no strategy in --strategies promises exact K/V to take the target from; "
-                   "give --target SPEC or --target BYTES")
-
-
-def equal_memory(runner: Runner, names: list[str], budgets: list[int], given: str | None) -> tuple[int, list, list]:
-    """Bisection on GRID per strategy for the measured peak closest to the target; returns (target, chosen, probes)."""
-    spec, target = target_spec(names, budgets, given)
-    probes = []
-    if spec is not None:
-        row = runner.run([(spec, parse_spec(spec), None)], "target")[0]
-        target = row["state_bytes"]["peak"]
-        if target is None:
-            raise CliError("--equal-memory needs measured peaks: use --memory storage or trace")
-        probes.append(row)
-    grid = [b for b in GRID if b < runner.loaded.max_context]
-    bounds = {name: [0, len(grid) - 1] for name in names}
-    seen: dict[str, dict[int, dict]] = {name: {} for name in names}
-
-    def narrow(name: str, row: dict):
-        lo, hi = bounds[name]
-        mid = grid.index(row["budget"])
-        bounds[name] = [mid + 1, hi] if row["state_bytes"]["peak"] < target else [lo, mid - 1]
-
-    while any(lo <= hi for lo, hi in bounds.values()):
-        entries = []
-        for name, (lo, hi) in bounds.items():
-            if lo > hi:
-                continue
-            budget = grid[(lo + hi) // 2]
-            try:
-                entries.append((name, parse_spec(f"{name}:budget={budget}"), budget))
-            except StrategyError:  # this budget does not fit the spec: search above it
-                bounds[name][0] = (lo + hi) // 2 + 1
-        if entries:
-            for row in runner.run(entries, f"equal memory, probing {len(entries)} strategies"):
-                probes.append(row)
-                seen[row["strategy"]][row["budget"]] = row
-                narrow(row["strategy"], row)
-    chosen = []
-    for name in names:
-        if seen[name]:
-            chosen.append(min(seen[name].values(), key=lambda r: abs(r["state_bytes"]["peak"] - target)))
-    return target, chosen, probes
-
-
 def cmd_sweep(args) -> int:
-    names = [n.strip() for n in args.strategies.split(",") if n.strip()]
-    if not names:
-        raise StrategyError("--strategies: empty list")
-    if len(set(names)) != len(names):
-        raise StrategyError("--strategies: a name is listed twice")
-    budgets = parse_budgets(args.budgets)
-    if args.target is not None and not args.equal_memory:
-        raise CliError("--target: only with --equal-memory")
-    if args.equal_memory and (args.memory == "none" or args.no_instruments):
-        raise CliError("--equal-memory compares measured peaks: it needs --memory storage (the default) or trace, "
-                       "and the instruments on")
-    if args.context is not None:
-        raise CliError("--context: not for sweep; give --prompt, --prompt-file or --scenario")
-    if args.executor is not None:
-        check_executor(args.executor)
-        if args.equal_memory:
-            raise CliError("--executor: not with --equal-memory (its bisection rounds depend on each other; it runs "
-                           "in this process)")
-    if args.workers is not None:
-        if args.executor != "local":
-            raise CliError("--workers: only with --executor local (Ray places cells by their resources)")
-        validate.integer("workers", args.workers, 1, 4096)
-    turns, raw = turns_from_args(args)
-    if args.equal_memory:
-        names, skipped = check_names(names, args.allow_missing)
-        runs = {}
-    else:
-        runs, skipped = plan(names, budgets, args.allow_missing)
-        if not any(runs.values()):
-            raise StrategyError("--strategies: nothing left to run")
-    for note in skipped:
+    out = sweep(SweepConfig.from_args(args))
+    names, budgets, rows, reference = out["strategies"], out.get("budgets"), out["rows"], out["reference"]
+    for note in out["skipped"]:
         at = "" if note["budget"] is None else f" at budget {note['budget']}"
         print(f"note: skipping {note['strategy']}{at}: {note['reason']}")
-    known = [n for n in names if n.split(":")[0] in registry()]  # the rest were skipped (or refused) above
-    req = validate.request(args.model, args.device, args.dtype, ",".join(known) or "full", args.max_new_tokens, turns,
-                           raw)
-    loaded = load_model(req.model, dtype=req.dtype, device=req.device)
-    validate.against_model(req, loaded)
-    for budget in budgets:
-        validate.integer("budgets", budget, 1, loaded.max_context, "the model's context")
-    runner = Runner(loaded, turns, raw, engine_options(args))
-    out = {"turns": turns, "strategies": names, "skipped": skipped}
-    if args.equal_memory:
-        target, rows, probes = equal_memory(runner, names, budgets, args.target)
-        out.update(equal_memory=True, target_bytes=target, rows=rows, probes=probes)
-        plotted = probes
-        head, reference = runner.head, runner.reference
-    elif args.executor is None:
-        rows = []
-        for budget in budgets:
-            if runs[budget]:
-                rows += runner.run([(n, s, budget) for n, s in runs[budget]], f"budget {budget}")
-        out.update(budgets=budgets, rows=rows)
-        plotted = rows
-        head, reference = runner.head, runner.reference
-    else:
-        cells = budget_cells(runs, req, loaded, turns, raw, engine_options(args))
-        for i, cell in enumerate(cells):
-            labels = ", ".join(s.label for _, s in runs[cell["budget"]])
-            print(f"budget {cell['budget']} (cell {i + 1} of {len(cells)}, {args.executor}): {labels}", file=sys.stderr)
-        results = run_cells(sweep_cell, cells, args.executor, args.workers)
-        rows = [row for result in results for row in result["rows"]]
-        out.update(budgets=budgets, rows=rows)
-        plotted = rows
-        head, reference = results[0]["head"], results[0]["reference"]
-    print(f"model {head['model']} ({head['model_source']}), device {head['device']}, dtype {head['dtype']}, "
-          f"threads {head['threads']}, {len(turns)} turns, max {args.max_new_tokens} new tokens per turn; "
+    print(f"model {out['model']} ({out['model_source']}), device {out['device']}, dtype {out['dtype']}, "
+          f"threads {out['threads']}, {len(out['turns'])} turns, max {args.max_new_tokens} new tokens per turn; "
           f"reference: full cache, {len(reference['token_ids'])} tokens generated, peak in turn "
           f"{fmt_bytes(reference['state_bytes']['peak'])}, between turns "
-          f"{fmt_bytes(reference['state_bytes']['between_turns_peak'])}; bytes: {head['memory_instrument']}")
+          f"{fmt_bytes(reference['state_bytes']['between_turns_peak'])}; bytes: {out['memory_instrument']}")
     if args.equal_memory:
         print(f"\nat equal memory: every strategy at the budget whose measured peak is closest to "
               f"{fmt_bytes(out['target_bytes'])} ({len(out['probes'])} runs probed)")
@@ -305,17 +98,18 @@ def cmd_sweep(args) -> int:
     print(f"\nlast turn, full: {reference['turn_texts'][-1][:100]!r}")
     for r in rows:
         print(f"last turn, {r['spec']}: {r['turn_texts'][-1][:100]!r}")
+    plotted = out.pop("plotted")
     if args.plot:
-        title = f"{head['model']}, {args.scenario or 'one prompt'}: memory against agreement"
+        title = f"{out['model']}, {args.scenario or 'one prompt'}: memory against agreement"
         fig = frontier_figure(points_from_rows(plotted), title=title,
-                              subtitle=f"{head['device']}, {head['dtype']}; reference peak "
+                              subtitle=f"{out['device']}, {out['dtype']}; reference peak "
                                        f"{fmt_bytes(reference['state_bytes']['peak'])}")
         html, png, problem = write_frontier(fig, args.plot)
         print(f"\nwrote {html}" + (f" and {png}" if png else ""))
         if problem:
             print(f"note: {problem}")
         out["plot"] = {"html": html, "png": png}
-    write_json(args.json, {**head, **out, "reference": reference}, "sweep")
+    write_json(args.json, out, "sweep")
     return 0
 
 

@@ -1,7 +1,8 @@
-"""The Claims tab's cards: one per claim of the papers, drawn from the committed `results.json` alone.
+"""The Claims tab's cards: one per claim of the papers, from a `bench reproduce` results.json whose verdicts
+were computed from its numbers on loading (`claims.reproduce.load`, the function `--render` uses).
 
-Each card has the paper's figure, ours, the verdict large and one sentence why; the full table and every
-measured row stay below, in the report's own words.
+Each card has the paper's figure, ours, where and with which kernels ours was measured, the verdict large and
+one sentence why; the full table and every measured row stay below, in the report's own words.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ def cards_html(results: dict) -> str:
             f'<div class="kvd-card-verdict kvd-{kind}">{e(claim["verdict"])}</div>'
             f'<table class="kvd-card-figures"><tr><th>paper</th><td>{e(paper)}</td></tr>'
             f'<tr><th>ours</th><td>{e(ours)} <span class="kvd-note">({e(claim["basis"])}; {e(claim["model"])})</span>'
-            f'</td></tr></table>'
+            f'</td></tr><tr><th>on</th><td class="kvd-note">{e(claim["measured_on"])}</td></tr></table>'
             f'<div class="kvd-card-why" title="{html.escape(claim["reason"])}">{e(first_sentence(claim["reason"]))}</div>'
             f'</div>')
     where = f'{e(results.get("device_name") or results.get("device", "?"))}, {e(results.get("date", "?"))}'
     return (f'<div class="kvd-cards-head">Measured on {where} with <code>python -m kvdirect_app.bench reproduce '
             f'{"--quick " if results.get("quick") else ""}--out DIR</code>; every number is a value of its '
-            f'results.json.</div><div class="kvd-cards">{"".join(cards)}</div>')
+            f'results.json, every verdict computed from those numbers as the page opened.</div>'
+            f'<div class="kvd-cards">{"".join(cards)}</div>')

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import gradio as gr
 
 from .. import service
 from ..catalog import DTYPE_NAMES
+from ..claims import render, reproduce
 from ..frontier import frontier_figure
 from ..hosted import hosted
 from ..limits import limits
@@ -87,20 +87,19 @@ CLAIMS = data("docs/claims")
 
 
 def _claims_tab():
-    """The committed `bench reproduce` report (docs/claims): each claim, our measurement, a verdict in words."""
-    report = CLAIMS / "report.md"
-    if not report.is_file():
-        gr.Markdown("No report yet: run `python -m kvdirect_app.bench reproduce --quick --out docs/claims`.")
+    """The committed `bench reproduce` run (docs/claims/results.json): each claim, our measurement, a verdict in
+    words.  Every verdict, reason and table is computed here from the run's numbers, by the functions
+    `reproduce --render` uses; no stored verdict or report text is shown."""
+    try:
+        results = reproduce.load(CLAIMS)
+    except reproduce.ResultsError as e:
+        gr.Markdown(f"No report to show ({e}): run `python -m kvdirect_app.bench reproduce --quick --out "
+                    "docs/claims`.")
         return
-    text = report.read_text(encoding="utf-8")
-    head, _, details = text.partition("## Details")
-    results = CLAIMS / "results.json"
-    if results.is_file():
-        import json
-
-        gr.HTML(cards_html(json.loads(results.read_text(encoding="utf-8"))), elem_id="kvd-claims-cards")
+    head, _, details = render.render(results).partition(render.DETAILS)
+    gr.HTML(cards_html(results), elem_id="kvd-claims-cards")
     with gr.Row():
-        for name in ("agreement", "recompute"):
+        for name in ("agreement", "recompute", "patching"):
             if (CLAIMS / f"{name}.png").is_file():
                 gr.Image(str(CLAIMS / f"{name}.png"), show_label=False, interactive=False)
     with gr.Accordion("The table: every claim's figures and the whole reason", open=False):

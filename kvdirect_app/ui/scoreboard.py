@@ -11,9 +11,9 @@ from __future__ import annotations
 import html
 
 from ..palette import colours
-from ..units import fmt_bytes
 from .session import Session
 from .settings import REFERENCE, title
+from .views import BYTE_SOURCES, byte_figure, memory_instrument, source_legend
 
 
 def verdict(session: Session, label: str) -> tuple[str, str]:
@@ -42,7 +42,9 @@ def scoreboard_html(session: Session) -> str:
         return ('<div class="kvd-board kvd-board-empty">Send a message, or press <b>Recall demo</b>: one row per '
                 'strategy will show whether it kept every token, what it held and how fast it ran.</div>')
     palette = colours(session.shown)
+    instrument = memory_instrument(session)
     rows = []
+    sources = {"between": set(), "peak": set()}  # the instruments behind each byte column's figures
     for label in session.shown:
         lane = session.lanes.get(label)
         f = lane.turn_figures() if lane is not None and lane.memory else {}
@@ -52,8 +54,12 @@ def scoreboard_html(session: Session) -> str:
             words += f' <span class="kvd-note" title="{html.escape(" ".join(notes))}">· settings adapted: ' \
                      f'{html.escape(notes[0].split(";")[-1].strip())}</span>'
         tps = lane.tokens_per_s() if lane is not None else None
-        between = f.get("between") if f.get("between") is not None else f.get("formula_between")
-        peak = f.get("peak") if f.get("peak") is not None else f.get("formula_peak")
+        between, source = byte_figure(f.get("between"), f.get("formula_between"), "held after the last finished turn",
+                                      instrument)
+        sources["between"].add(source)
+        peak, source = byte_figure(f.get("peak"), f.get("formula_peak"), "highest during a forward of this turn",
+                                   instrument)
+        sources["peak"].add(source)
         name, _, settings = label.partition(":")
         ms = "—" if f.get("ms_per_token") is None else f"{f['ms_per_token']:.0f}"
         says = session.says_expected(label)
@@ -65,8 +71,8 @@ def scoreboard_html(session: Session) -> str:
             f'<b>{html.escape(title(name))}</b> <code title="{html.escape(label)}">'
             f'{html.escape(settings.replace(":", " "))}</code></td>'
             f'<td class="kvd-{kind}">{words}</td>{answer}'
-            f'<td class="kvd-num">{fmt_bytes(between) if between is not None else "—"}</td>'
-            f'<td class="kvd-num">{fmt_bytes(peak) if peak is not None else "—"}</td>'
+            f'<td class="kvd-num">{between}</td>'
+            f'<td class="kvd-num">{peak}</td>'
             f'<td class="kvd-num">{ms}</td>'
             f'<td class="kvd-num">{"—" if tps is None else f"{tps:.1f}"}</td></tr>')
     asked = ("" if session.expect is None else
@@ -74,15 +80,41 @@ def scoreboard_html(session: Session) -> str:
              f'says {html.escape(session.expect[1])}?</th>')
     recorded = (f' <span class="kvd-recorded-label" title="every figure on this page is the recorded one">· '
                 f'{html.escape(session.recorded_label)}</span>' if session.recording else "")
-    memory = (session.result or {}).get("memory_instrument") or session.memory_instrument or "the run's instrument"
-    head = (f'<tr><th>strategy</th><th>verdict against the full cache{recorded}</th>' + asked +
-            f'<th title="bytes held after the last finished turn ({html.escape(memory)})">between turns</th>'
-            f'<th title="highest bytes during a forward of this turn ({html.escape(memory)})">peak in turn</th>'
+    head = (f'<tr><th>strategy{_legend(sources["between"] | sources["peak"], instrument)}</th>'
+            f'<th>verdict against the full cache{recorded}</th>' + asked +
+            _bytes_head("between turns", "bytes held after the last finished turn", sources["between"], instrument) +
+            _bytes_head("peak in turn", "highest bytes during a forward of this turn", sources["peak"], instrument) +
             '<th title="mean ms of this strategy\'s own work per decode step this turn: its attention, its cache\'s '
             'work, and the batched pass\'s shared linears charged by rows (1/N to each of N rows)">own ms/token</th>'
             '<th title="tokens per second of its own work alone; every pane shows a token per step, at the step\'s '
             'speed (the last row)">own tok/s</th></tr>')
     return f'<table class="kvd-board">{head}{"".join(rows)}{_step_rows(session, bool(session.expect))}</table>'
+
+
+def _named(sources: set, instrument: str) -> list[str]:
+    """Each source's mark and name, in `BYTE_SOURCES`' order; a measured one in the run's own words."""
+    measured = lambda s: s not in ("formula", "unnamed") and instrument
+    return [f"{BYTE_SOURCES[s][0]} {instrument if measured(s) else BYTE_SOURCES[s][1]}"
+            for s in BYTE_SOURCES if s in sources]
+
+
+def _bytes_head(name: str, what: str, sources: set, instrument: str) -> str:
+    """A byte column's head: its tooltip names the instruments whose figures are in the column, as the marks
+    after each figure (`views.BYTE_SOURCES`), and no other: a formula figure is never under a measured
+    instrument's name alone."""
+    named = _named(sources - {None}, instrument)
+    title = f"{what}; each figure is marked with what produced it: {', '.join(named)}" if named else what
+    return f'<th title="{html.escape(title)}">{name}</th>'
+
+
+def _legend(sources: set, instrument: str) -> str:
+    """The byte figures' marks, named, under the head's first cell (which has room to spare: the board's rows
+    must fit the first screen, and a line more under the byte columns' narrow heads would push them down)."""
+    present = sources - {None}
+    if not present:
+        return ""
+    return (f'<br><span class="kvd-note kvd-src-legend" title="{html.escape("; ".join(_named(present, instrument)))}">'
+            f'bytes: {html.escape(source_legend(present))}</span>')
 
 
 def _step_rows(session: Session, asked: bool) -> str:

@@ -91,15 +91,59 @@ def _summary(session: Session, label: str) -> dict:
     return session.result.get("strategies", {}).get(label, {})
 
 
-def _bytes_cell(measured, formula, what: str, instrument: str = "") -> str:
-    """A byte figure: measured by the run's instrument (named), the formula beside it in the tooltip (or alone,
-    labelled)."""
-    if measured is None and formula is None:
-        return "—"
+# Which instrument produced a byte figure: a mark after every figure (the panes' and the scoreboard's), named in
+# its tooltip and in the scoreboard's column heads.  The formula stands in wherever nothing measured the figure.
+# Modifier letters, not <sup>: a raised box would make every scoreboard row taller (the first screen is 720 px).
+BYTE_SOURCES = {  # source -> (mark, name)
+    "allocator": ("ᵃ", "allocator"),
+    "storages": ("ˢ", "storages"),
+    "formula": ("*", "formula"),
+    "unnamed": ("?", "unnamed instrument"),
+}
+
+
+def memory_instrument(session: Session) -> str:
+    """What measured the run's bytes (the engine's words, e.g. "allocator trace (cpu)"), "" where not recorded."""
+    return (session.result or {}).get("memory_instrument") or session.memory_instrument or ""
+
+
+def byte_source(measured, instrument: str) -> str:
+    """The source of a byte figure: "formula" where nothing measured it, else the run's memory instrument."""
     if measured is None:
-        return f'<span title="{what}: by formula (no memory instrument ran)">{fmt_bytes(formula)}*</span>'
-    by = _esc(instrument or "the run's memory instrument")
-    return f'<span title="{what}: measured by {by}; formula {fmt_bytes(formula)}">{fmt_bytes(measured)}</span>'
+        return "formula"
+    name = (instrument or "").lower()
+    if name.startswith(("allocator", "trace")):
+        return "allocator"
+    if name.startswith(("tensor storages", "storage")):
+        return "storages"
+    return "unnamed"
+
+
+def byte_figure(measured, formula, what: str, instrument: str = "") -> tuple[str, str | None]:
+    """(html, source) of a byte figure: the measured value where there is one, else the formula's, followed by
+    its source's mark (`BYTE_SOURCES`), the instrument named in its tooltip with the formula beside it;
+    ("—", None) where there is neither."""
+    if measured is None and formula is None:
+        return "—", None
+    source = byte_source(measured, instrument)
+    mark, name = BYTE_SOURCES[source]
+    if source == "formula":
+        value, tip = formula, f"{what}: by formula ({mark}), nothing measured it"
+    else:
+        by = instrument or name
+        value, tip = measured, f"{what}: measured by {by} ({mark})" + (
+            f"; formula {fmt_bytes(formula)}" if formula is not None else "")
+    return (f'<span class="kvd-bytes" data-source="{source}" title="{html.escape(tip)}">{fmt_bytes(value)}'
+            f'<span class="kvd-note kvd-src">{mark}</span></span>', source)
+
+
+def source_legend(sources) -> str:
+    """The marks of `sources`, each named, in `BYTE_SOURCES`' order: "ᵃ allocator · * formula"."""
+    return " · ".join(f"{mark} {name}" for source, (mark, name) in BYTE_SOURCES.items() if source in sources)
+
+
+def _bytes_cell(measured, formula, what: str, instrument: str = "") -> str:
+    return byte_figure(measured, formula, what, instrument)[0]
 
 
 def pane_header(session: Session, label: str) -> str:
@@ -110,7 +154,7 @@ def pane_header(session: Session, label: str) -> str:
     stats = []
     if lane is not None and lane.memory:
         f = lane.turn_figures()
-        by = session.memory_instrument
+        by = memory_instrument(session)
         stats.append(f"between turns <b>{_bytes_cell(f['between'], f['formula_between'], 'held after the last turn', by)}"
                      "</b>")
         stats.append(f"peak in turn <b>{_bytes_cell(f['peak'], f['formula_peak'], 'highest during a forward of this turn', by)}"
