@@ -98,7 +98,7 @@ def test_a_space_installs_requirements_txt_and_serves_gemma_without_the_hub(spac
         client_code = (
             "import json, sys\n"
             "from gradio_client import Client\n"
-            f"c = Client('{url}', verbose=False)\n"
+            f"c = Client('{url}', verbose=False, httpx_kwargs={{'timeout': 600}})\n"  # a busy machine answers late
             "r = c.predict('The sky is', '', 'full,kvdirect:budget=4', 8, 0, 3, api_name='/compare')\n"
             "print(json.dumps({'model': r['model'], 'match': r['strategies']['kvdirect:budget=4']['token_match'],"
             " 'source': r['model_source']}))\n"
