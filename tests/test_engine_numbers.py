@@ -9,7 +9,6 @@
 * a teacher-forced twin copies the cache's state, never the model.
 """
 
-import time
 
 import pytest
 import torch
@@ -60,54 +59,45 @@ def test_a_step_adds_up_lanes_charged_by_rows_twins_and_instruments_apart():
       lanes' pass;
     * each fed lane is charged the pass's shared rest divided by the rows the model actually ran (twins
       included);
-    * the shared rest leaves out what the rows did alone inside the pass (their attention, their cache's work):
-      it is below the model call's own duration, as the hooks timed it;
-    * the step's wall time lies between the model call and the advance of the run that contained it, and the
-      lanes' own time and the instruments' time leave a rest that is not negative.
+    * the step's parts (the lanes' own, the instruments', the unattributed rest) add up to its wall time, and
+      the rest is not negative: parts of one interval on one clock, nested, cannot exceed it unless something
+      is counted twice (bookkeeping, not a speed: no figure is compared with a threshold or another clock).
 
     Mutations that fail it: forwards.py's shared rest without the rows' own work taken out (`shared = wall`
     instead of `max(0.0, wall - inside)`: that work counted twice; the arithmetic this test used to restate
-    passed it) leaves a negative rest, and breaks the shared-rest bound; the shared rest divided among the lanes
+    passed it) leaves a negative rest; the shared rest divided among the lanes
     only (`shared / max(1, sum(not i.twin for i in items))`) leaves a negative rest, and breaks the per-row
     charge."""
     loaded = tiny("tiny-llama")
     engine = Engine(loaded, parse_specs("full,window:budget=4,tova:budget=4,kvdirect:budget=4"), max_new_tokens=8,
                     threads=1)
-    calls = []  # every call of the model: rows, tokens per row, and when it began and ended (the test's clock)
+    calls = []  # every call of the model: rows and tokens per row
 
     def before(module, args, kwargs):
-        calls.append({"rows": kwargs["input_ids"].shape[0], "q": kwargs["input_ids"].shape[1],
-                      "start": time.perf_counter()})
+        calls.append({"rows": kwargs["input_ids"].shape[0], "q": kwargs["input_ids"].shape[1]})
 
-    def after(module, args, kwargs, out):
-        calls[-1]["end"] = time.perf_counter()
-
-    hooks = [loaded.model.register_forward_pre_hook(before, with_kwargs=True),
-             loaded.model.register_forward_hook(after, with_kwargs=True)]
+    hook = loaded.model.register_forward_pre_hook(before, with_kwargs=True)
     steps = []
     try:
         run = engine.run(TURNS[:1])
         while True:
-            began, first_call, first_pass = time.perf_counter(), len(calls), len(engine.forwards.shared_ms)
+            first_call, first_pass = len(calls), len(engine.forwards.shared_ms)
             event = next(run, None)
             if event is None:
                 break
             if event["type"] == "step":
-                steps.append((event, 1e3 * (time.perf_counter() - began), calls[first_call:],
-                              engine.forwards.shared_ms[first_pass:]))
+                steps.append((event, calls[first_call:], engine.forwards.shared_ms[first_pass:]))
     finally:
-        for hook in hooks:
-            hook.remove()
+        hook.remove()
     result = engine.results()
     assert result["steps"]["measurement_by_instrument_ms_mean"]["twins"] > 0
     ref_tokens, diverged, checked = [], set(), 0
-    for event, advance_ms, step_calls, shared_ms in steps:
+    for event, step_calls, shared_ms in steps:
         lanes = event["lanes"]
         ref_tokens.append(lanes["full"]["token_id"])
         # A lane whose token differs from the reference's at this index or before has left its history: a twin.
         diverged |= {label for label, ev in lanes.items() if ev["token_id"] != ref_tokens[event["index"]]}
         fed = [label for label, ev in lanes.items() if ev["fed"]]
-        assert event["step_ms"] <= advance_ms, event["index"]
         assert event["unattributed_ms"] >= -1e-6, (event["index"], event["unattributed_ms"])
         assert sum(event["lanes_ms"].values()) + sum(event["measurement_ms"].values()) + event["unattributed_ms"] \
             == pytest.approx(event["step_ms"])
@@ -119,9 +109,7 @@ def test_a_step_adds_up_lanes_charged_by_rows_twins_and_instruments_apart():
         call, shared = decode[0], shared_ms[0]
         twins = len(diverged) if lanes["full"]["fed"] else 0
         assert call["rows"] == len(fed) + twins, (event["index"], fed, diverged)
-        call_ms = 1e3 * (call["end"] - call["start"])
-        assert call_ms <= event["step_ms"], event["index"]
-        assert 0 < shared < call_ms, (event["index"], shared, call_ms)
+        assert shared > 0, event["index"]
         for label in fed:
             assert lanes[label]["latency_ms"]["shared"] == pytest.approx(shared / call["rows"]), (event["index"], label)
         checked += bool(twins)
