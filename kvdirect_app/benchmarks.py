@@ -12,6 +12,8 @@ its allowed values).
 * `run(RunConfig) -> RunResult`: strategies in lockstep against the full cache (`bench run`).
 * `sweep(SweepConfig) -> dict`: every strategy at every budget, or at equal measured memory (`bench sweep`;
   the work itself is `sweeps.py`'s).
+* `tasks(TasksConfig) -> dict`: retrieval and QA scores per strategy x budget x context x depth (`bench tasks`;
+  the work itself is `tasks/scores.py`'s).
 * `breakeven(BreakevenConfig) -> dict`, `replay(ReplayConfig) -> dict`, `capacity(CapacityConfig) -> dict`:
   AnchorKV's arithmetic, its cascade against naive replay, and parked sessions (`bench breakeven/replay/capacity`).
 """
@@ -195,7 +197,7 @@ def run(config: RunConfig, recorder=None, say: Callable[[str], None] = _stderr) 
 class SweepConfig(Conversation):
     # AnchorKV with only the token-id anchor (the deepest spacing of any model) and rebuild=step first: the exact
     # strategy that saves memory, and so equal_memory's default target.
-    strategies: str = "anchorkv:anchors=0:rebuild=step,kvdirect,window,streaming_llm,h2o,snapkv,tova"
+    strategies: str = "anchorkv:anchors=0:rebuild=step,kvdirect,window,streaming_llm,h2o,snapkv,tova,knorm,pyramidkv"
     budgets: str = "16,32,64,128"
     equal_memory: bool = False
     target: str | None = None  # with equal_memory: a spec whose measured peak is the target, or bytes
@@ -211,6 +213,39 @@ def sweep(config: SweepConfig, say: Callable[[str], None] = _stderr) -> dict:
     from . import sweeps
 
     return sweeps.run_sweep(config, say)
+
+
+# --- tasks ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TasksConfig(_Config):
+    """Retrieval and QA scores for every strategy (`bench tasks`; `tasks/scores.py`).  Unset grid settings take
+    the default grid, or with `quick` the quick one (two contexts, three depths, two tasks, one budget)."""
+
+    model: str = "smollm2-135m"
+    strategies: str = "kvdirect,anchorkv,window,streaming_llm,h2o,snapkv,tova,knorm,pyramidkv"
+    budgets: str | None = None  # unset: the grid's (tasks/scores.py DEFAULT, QUICK)
+    contexts: str | None = None
+    depths: str | None = None
+    tasks: str | None = None
+    samples: int = 1  # seeds per (task, context, depth)
+    seed: int = 0
+    haystack: str = "noise"
+    quick: bool = False
+    dtype: str = "float32"
+    device: str = "auto"
+    threads: int | None = None
+    kernels: str = "invariant"
+    prefill_chunk: int = PREFILL_CHUNK
+    executor: str | None = None
+    workers: int | None = None
+
+
+def tasks(config: TasksConfig, say: Callable[[str], None] = _stderr) -> dict:
+    """Every strategy at every budget on generated retrieval tasks, scored against their references, the exact
+    strategies' answers checked against the full cache's (`bench tasks`).  Returns the tasks JSON's fields."""
+    from .tasks.scores import run_tasks
+
+    return run_tasks(config, say)
 
 
 # --- AnchorKV: breakeven, replay, capacity ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ class Point:
     teacher_forced: float | None = None
     between_bytes: int | None = None
     instrument: str = "allocator trace"  # what measured the peak (`state_bytes.instrument`)
+    axis: str = "peak"  # which bytes: the peak during a turn, or those held after it (`HELD`)
 
 
 def points_from_rows(rows: list[dict]) -> list[Point]:
@@ -71,8 +72,15 @@ def _size(ms: float | None, lo: float, hi: float) -> float:
     return 10 + 26 * (ms - lo) / (hi - lo)
 
 
+AGREEMENT = "token match with the full cache"
+HELD = "held"  # a point's bytes are what its cache holds after the turn (the task-score frontier)
+TASK_SCORE = "task score"  # `bench tasks`: the share of references found in the answers
+
+
 def frontier_figure(points: list[Point], title: str = "Memory against agreement: the trade-off frontier",
-                    subtitle: str = "") -> go.Figure:
+                    subtitle: str = "", axis: str = AGREEMENT, reference: float | None = None) -> go.Figure:
+    """`axis`: what a point's `agreement` is (token match, or a task score); `reference`: the full cache's value
+    on that axis, drawn as a line (a task's ceiling)."""
     fig = go.Figure()
     if not points:
         fig.add_annotation(text="Run a sweep: each strategy and setting becomes a point here", showarrow=False,
@@ -93,19 +101,24 @@ def frontier_figure(points: list[Point], title: str = "Memory against agreement:
             customdata=[[p.spec, fmt_bytes(p.peak_bytes), "-" if p.ms_per_token is None else f"{p.ms_per_token:.1f}",
                          "-" if p.teacher_forced is None else f"{100 * p.teacher_forced:.1f}",
                          fmt_bytes(p.between_bytes)] for p in mine],
-            hovertemplate="%{customdata[0]}<br>peak %{customdata[1]} · between turns %{customdata[4]}"
-                          "<br>token match %{y:.1f}% · teacher-forced %{customdata[3]}%"
+            hovertemplate=("%{customdata[0]}<br>held after the turn %{customdata[1]}" if mine[0].axis == HELD else
+                           "%{customdata[0]}<br>peak %{customdata[1]} · between turns %{customdata[4]}")
+                          + f"<br>{axis} %{{y:.1f}}% · teacher-forced %{{customdata[3]}}%"
                           "<br>%{customdata[2]} ms per token<extra></extra>"))
     ticks = _byte_ticks([p.peak_bytes for p in points])
     by = "; ".join(dict.fromkeys(p.instrument.split(" (")[0] for p in points)) or "allocator trace"
-    fig.update_xaxes(type="log", title_text=f"measured peak bytes during a turn (log scale; {by})",
+    what = "bytes held after the turn" if points and all(p.axis == HELD for p in points) else "peak bytes during a turn"
+    fig.update_xaxes(type="log", title_text=f"measured {what} (log scale; {by})",
                      tickvals=ticks, ticktext=[fmt_bytes(t) for t in ticks])
-    fig.update_yaxes(title_text="token match with the full cache (%)", range=[-3, 103])
+    fig.update_yaxes(title_text=f"{axis} (%)", range=[-3, 103])
+    if reference is not None:
+        fig.add_hline(y=100 * reference, line=dict(color="#333", dash="dash", width=1.5),
+                      annotation_text=f"full cache {100 * reference:.0f}%", annotation_position="bottom right")
     text = title + (f"<br><sup>{subtitle}</sup>" if subtitle else "")
     fig.update_layout(template="plotly_white", font=FONT, height=560, title=dict(text=text, x=0.01, font=dict(size=20)),
                       margin=dict(l=80, r=30, t=90, b=70), legend=dict(orientation="h", y=-0.18, x=0),
                       hoverlabel=dict(font_size=14))
-    fig.add_annotation(text="marker size: ms per token (bigger is slower) · outlined: on the Pareto front",
+    fig.add_annotation(text=("marker size: ms per token (bigger is slower) · " if speeds else "") + "outlined: on the Pareto front",
                        xref="paper", yref="paper", x=1, y=1.02, xanchor="right", showarrow=False,
                        font=dict(size=13, color="#555"))
     return fig

@@ -8,6 +8,7 @@ import torch
 
 from . import compat
 from .strategies import StrategyCache
+from .strategies.scored import fit_mask
 
 
 _MODEL_LOCKS: dict[int, threading.Lock] = {}
@@ -73,6 +74,11 @@ class InputTap:
                 return
             x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             self._each(self.wants, index, x, lambda cache, x: cache.layers[index].capture(x))
+            if self.batch is None and kwargs.get("attention_mask") is not None:
+                # One cache's own forward (`strategy_cache`, the model's own attention): the mask is sized by the
+                # layer type's first layer; a layer holding fewer tokens takes its rightmost columns.
+                keys = self.caches[0].layers[index].get_mask_sizes(x.shape[1])[0]
+                return args, {**kwargs, "attention_mask": fit_mask(kwargs["attention_mask"], keys)}
 
         return hook
 

@@ -20,7 +20,9 @@ exactly what it would be alone:
 * attention is each row's own call, timed as that row's, with the row's
   K/V: the model's own attention function with the mask the model builds for
   that row's cache (native; the layer's config points at a registered
-  function, `kvdirect_lanes`, for the pass, under the model's lock), or the
+  function, `kvdirect_lanes`, for the pass, under the model's lock; a layer
+  holding fewer tokens than its type's first takes the mask's rightmost
+  columns, `fit_mask`), or the
   block attention (invariant), whose bits for a query do not depend on the
   call it is in;
 * norms, RoPE (positions are per row), activations and residual adds work
@@ -55,7 +57,7 @@ from .memory import AllocationTracer, harness
 from .metrics import clock
 from .replay import linear_rows
 from .strategies import StrategyCache
-from .strategies.scored import attention_probs
+from .strategies.scored import attention_probs, fit_mask
 
 LANES_IMPLEMENTATION = "kvdirect_lanes"
 _LOCAL = threading.local()  # .batch: the Batch in progress on this thread
@@ -161,7 +163,7 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
     block = batch.kernels.invariant
     for i, row in enumerate(batch.rows):
         k, v = row.kv.pop(j)
-        mask = None if block else row.masks[layer_type]
+        mask = None if block else fit_mask(row.masks[layer_type], k.shape[-2])
         t0 = time.perf_counter()
         out = None
         if q > 1:

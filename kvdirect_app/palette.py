@@ -16,6 +16,8 @@ COLOURS = {
     "streaming_llm": "#CC79A7",
     "snapkv": "#E69F00",
     "tova": "#56B4E9",
+    "knorm": "#882255",
+    "pyramidkv": "#999933",
     "window": "#8B4513",
 }
 SPARE = ["#7F3C8D", "#3D9970", "#B8860B", "#1F3A93", "#A0522D"]
@@ -28,6 +30,8 @@ SYMBOLS = {
     "streaming_llm": "triangle-down-open",
     "snapkv": "star-open",
     "tova": "x-open",
+    "knorm": "cross-open",
+    "pyramidkv": "pentagon-open",
     "window": "hexagon-open",
 }
 SPARE_SYMBOLS = ["pentagon-open", "cross-open", "hourglass-open", "bowtie-open", "star-square-open"]

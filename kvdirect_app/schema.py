@@ -25,10 +25,11 @@ VERSIONS = {
     "run": 1,  # bench run --json, the compare endpoint
     "run-alone": 1,  # bench run --alone --json: each strategy in a process of its own
     "sweep": 1,  # bench sweep --json
-    "reproduce": 3,  # bench reproduce: results.json (3: residual patching cells, claims 2b and 7b, measured_on)
+    "reproduce": 4,  # bench reproduce: results.json (3: patching, claims 2b, 7b, measured_on; 4: claim 9, tasks)
     "breakeven": 1,  # bench breakeven --json
     "replay": 1,  # bench replay --json
     "capacity": 1,  # bench capacity --json
+    "tasks": 1,  # bench tasks --json, presets/tasks/*.json (the Tasks tab)
 }
 
 

@@ -13,7 +13,9 @@ What it does, each step timed and written as it finishes (a step that fails is r
 5. the strategies inside transformers' `generate` (`strategy_cache`): exact ones give DynamicCache's tokens;
 6. recordings of the shipped scenarios on the device (OUT/recordings/*.json.gz, `bench record`);
 7. the claims report's exactness and residual-patching cells on the device (a tiny-model `reproduce --quick`:
-   OUT/claims/, whose row 7b, exactness on accelerators, is measured there and nowhere else).
+   OUT/claims/, whose row 7b, exactness on accelerators, is measured there and nowhere else);
+8. task scores (`bench tasks --quick`, on SmolLM2; a tiny model with --quick): every lane's answers, the exact
+   lanes' checked against the full cache's on the device (OUT/tasks.json).
 Results: OUT/device_check.json and OUT/device_check.md (the table docs/perf.md takes).
 """
 
@@ -183,6 +185,18 @@ def claims(device: str, out: dict, quick: bool, dest: Path):
                                                                           "patching")}
 
 
+def tasks(device: str, out: dict, quick: bool, dest: Path):
+    """`bench tasks --quick` on the device: scores per strategy beside the full cache's, exact answers checked."""
+    from kvdirect_app import benchmarks
+    from kvdirect_app.schema import stamp
+
+    small = dict(model="tiny-llama", contexts="512", tasks="niah_single_number") if quick else {}
+    result = benchmarks.tasks(benchmarks.TasksConfig(quick=True, device=device, **small), say=lambda line: None)
+    (dest / "tasks.json").write_text(json.dumps(stamp("tasks", result)))
+    out["tasks"] = {"exact_answers_equal_full": result["exact_answers_equal_full"], "seconds": result["seconds"],
+                    "rows": {r["spec"]: [r["score"], r["full_score"]] for r in result["rows"]}}
+
+
 def markdown(out: dict) -> str:
     lines = [f"# Device check: {out['device']} ({out.get('name', '')})", ""]
     for section, rows in out.items():
@@ -201,12 +215,12 @@ def main():
     dest.mkdir(parents=True, exist_ok=True)
     out = {"device": args.device, "torch": torch.__version__,
            "name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "timings_s": {}}
-    for step in (probe, exactness, seven, replay4k, generate, recordings, claims):
+    for step in (probe, exactness, seven, replay4k, generate, recordings, claims, tasks):
         t0 = time.monotonic()
         try:
             if step is probe:
                 step(args.device, out)
-            elif step in (recordings, claims):
+            elif step in (recordings, claims, tasks):
                 step(args.device, out, args.quick, dest)
             else:
                 step(args.device, out, args.quick)

@@ -22,7 +22,7 @@ from kvdirect_app.strategies import parse_specs
 TINY_FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-olmo2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3"]
 TINY_TURNS = ("Tell me about caches.", "Why do keys need positions?")
 TINY_NEW_TOKENS = 8
-EVICTION = ("window", "streaming_llm", "h2o", "snapkv", "tova")
+EVICTION = ("window", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "pyramidkv")
 
 # KV-Direct: 1 and 5 < prompt < sliding window 12 < 16 < the whole conversation < 500.
 KVDIRECT_BUDGETS = (1, 5, 16, 500)
@@ -32,7 +32,7 @@ ANCHORKV_EXTRA = ("anchorkv:spacing=2:budget=3:token_id_anchor=false:replay=naiv
 # Every strategy once, exact and lossy: the lanes compared batched against one by one.
 LOCKSTEP = ("full", "kvdirect:budget=4", "kvdirect:budget=3:mode=fast", "anchorkv:spacing=2:budget=3:rebuild=step",
             "anchorkv:spacing=2:budget=3", "h2o:budget=8", "snapkv:budget=16", "tova:budget=6", "streaming_llm:budget=8",
-            "window:budget=6")
+            "window:budget=6", "knorm:budget=6", "pyramidkv:budget=8:window=2")
 ATTENTION = ("full", "kvdirect:budget=4", "anchorkv:spacing=2:budget=3", "h2o:budget=8", "snapkv:budget=16",
              "window:budget=6")
 LARGE_BUDGET = tuple(f"{name}:budget=400" for name in EVICTION)

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (requirements-dev.txt)")
 
 from kvdirect_app.claims import reproduce  # noqa: E402
-from kvdirect_app.ui import build_demo  # noqa: E402
+from kvdirect_app.ui import build_demo, tasks_view  # noqa: E402
 
 from .conftest import launch_local  # noqa: E402
 from kvdirect_app.ui.settings import default_names, title  # noqa: E402
@@ -151,7 +151,7 @@ def test_a_prompt_fills_every_pane_the_first_screen_and_the_plots(url, browser, 
         assert page.locator(f"{plot} .js-plotly-plot").count() == 1, plot
         assert page.locator(f"{plot} .scatterlayer .trace, {plot} .barlayer .trace").count() > 0, plot
     assert page.locator("#kvd-token-map .kvd-tok").count() > 0
-    page.get_by_role("tab", name="Geometry: bytes per token").click()
+    page.get_by_role("tab", name="Geometry").click()
     assert "full KV, all layers" in page.inner_text("#kvd-geometry")
 
     shot = tmp_path / "studio.png"
@@ -233,6 +233,49 @@ def test_the_claims_tab_shows_the_committed_report(url, browser, tmp_path):
     shot = Path(os.environ.get("STUDIO_CLAIMS_SHOT") or tmp_path / "claims.png")
     page.screenshot(path=str(shot))
     assert shot.stat().st_size > 30_000
+    page.context.close()
+
+
+TABS = ["Token map", "Frontier", "Geometry", "Export", "Tasks", "Claims", "What am I looking at?"]
+
+
+def test_every_tab_fits_and_the_tasks_tab_shows_the_shipped_result_at_once(url, browser, tmp_path):
+    """At 1280x720 every tab is in the tab row (none behind the overflow menu); the Tasks tab shows the shipped
+    result's heatmaps (the full cache's first) without a run; a budget and a task redraw it; a file of another
+    kind is refused with one line and the shown result stays."""
+    page = open_page(browser, 1280, 720)
+    page.goto(url)
+    page.wait_for_selector("#kvd-send", timeout=60_000)
+    tabs = page.locator("[role=tablist]").last
+    assert [t.strip() for t in tabs.get_by_role("tab").all_inner_texts()] == TABS
+    for name in TABS:
+        assert tabs.get_by_role("tab", name=name, exact=True).is_visible(), name
+    page.get_by_role("tab", name="Tasks").click()
+    page.wait_for_selector("#kvd-tasks-heatmap .heatmaplayer", timeout=10_000)
+    shipped = tasks_view.load(tasks_view.shipped())
+    titles = page.locator("#kvd-tasks-heatmap .annotation-text").all_text_contents()
+    assert titles[0].startswith(title("full")) and len(titles) == len(tasks_view.specs_at(shipped, shipped["budgets"][0]))
+    assert shipped["measured_at"] in page.inner_text("#kvd-tasks-head")
+    assert page.locator("#kvd-tasks-frontier .scatterlayer .trace").count() > 0
+    shot = Path(os.environ.get("STUDIO_TASKS_SHOT") or tmp_path / "tasks.png")
+    page.evaluate("document.querySelector('#kvd-tasks-head').scrollIntoView({block: 'start'})")
+    page.screenshot(path=str(shot))
+    choose(page, "#kvd-tasks-task", shipped["tasks"][-1])
+    page.wait_for_function(f"document.querySelector('#kvd-tasks-heatmap .gtitle').textContent.includes("
+                           f"'{shipped['tasks'][-1]}')", timeout=10_000)
+    if len(shipped["budgets"]) > 1:
+        choose(page, "#kvd-tasks-budget", str(shipped["budgets"][1]))
+        page.wait_for_function(f"document.querySelector('#kvd-tasks-heatmap .gtitle').textContent.includes("
+                               f"'budget {shipped['budgets'][1]}')", timeout=10_000)
+    other = tmp_path / "sweep.json"
+    other.write_text('{"schema": "kvdirect-studio/sweep", "schema_version": 1}')
+    page.locator("#kvd-tasks-upload input[type=file]").set_input_files(str(other))
+    page.wait_for_function("document.querySelector('#kvd-tasks-head').innerText.includes('Not opened')",
+                           timeout=10_000)
+    head = page.inner_text("#kvd-tasks-head")
+    assert "expected 'kvdirect-studio/tasks'" in head and shipped["measured_at"] in head
+    assert page.locator("#kvd-tasks-heatmap .heatmaplayer").count() > 0
+    assert not page.console_errors, page.console_errors
     page.context.close()
 
 
@@ -361,7 +404,7 @@ def test_the_frontier_tab_draws_on_a_tiny_model(visitor):
                            timeout=120_000)
     send(page, "Hello there.")
     assert "Done: 1 turn(s)" in ended(page, 300), status(page)
-    page.get_by_role("tab", name="Frontier: memory vs agreement").click()
+    page.get_by_role("tab", name="Frontier").click()
     page.click("#kvd-draw")
     page.wait_for_function("document.querySelector('#kvd-frontier-status').innerText.match(/points from|failed|error/)",
                            timeout=600_000)

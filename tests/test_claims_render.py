@@ -200,6 +200,33 @@ def test_patching_holds_only_at_zero_and_only_where_the_control_can_fail(committ
     assert out["verdict"] == NOT_MEASURED and "the measurement could not fail" in out["reason"]
 
 
+def test_task_scores_follow_the_answers(committed):
+    """Claim 9 from the answers alone.  Mutations: an exact lane's answer that differs from the full cache's (fails),
+    every lossy lane scoring as the full cache (no method changed a score: fails), no task cell (not measured)."""
+    out = reproduce.reassess(committed)
+    runs = [c["json"] for c in cells(committed, "tasks")]
+    exact = [(lane["score"] == c["lanes"]["full"]["score"] and lane["equal_full"]) for j in runs for c in j["cells"]
+             for spec, lane in c["lanes"].items() if spec != "full" and lane["exact"]]
+    assert exact and out["claims"]["tasks"]["parts"][0]["ours"] == sum(exact) / len(exact)
+    methods = {lane["strategy"] for j in runs for c in j["cells"] for lane in c["lanes"].values() if not lane["exact"]}
+    assert methods == set(reproduce.EVICTION)  # the seven external methods
+    differs = copy.deepcopy(committed)
+    lane = next(lane for c in cells(differs, "tasks")[0]["json"]["cells"] for lane in c["lanes"].values()
+                if lane["exact"] and lane["strategy"] != "full")
+    lane["equal_full"] = False
+    assert verdicts(differs)["tasks"] == FAILS
+    unchanged = copy.deepcopy(committed)
+    for c in cells(unchanged, "tasks")[0]["json"]["cells"]:
+        for lane in c["lanes"].values():
+            lane["score"] = c["lanes"]["full"]["score"]
+    assert reproduce.reassess(unchanged)["claims"]["tasks"]["parts"][1]["ours"] == 0
+    assert verdicts(unchanged)["tasks"] == FAILS
+    gone = copy.deepcopy(committed)
+    for c in cells(gone, "tasks"):
+        c["json"]["cells"] = []
+    assert verdicts(gone)["tasks"] == NOT_MEASURED
+
+
 def test_accelerator_exactness_is_not_measured_until_an_accelerator_ran(committed):
     """7b reads only cells that ran on CUDA: none here.  Mutation: one CPU cell relabelled as CUDA makes it
     measured (and moves that cell out of claim 7's count)."""
@@ -297,7 +324,7 @@ def test_bad_render_input_is_one_line(committed, tmp_path, capsys):
     assert "not valid JSON" in error(tmp_path)
     (tmp_path / "results.json").write_text(json.dumps({"model": "smollm2-135m", "quick": True, "cells": 3}))
     assert "no schema field" in error(tmp_path)
-    stamped = {"schema": "kvdirect-studio/reproduce", "schema_version": 3}
+    stamped = {"schema": "kvdirect-studio/reproduce", "schema_version": 4}
     (tmp_path / "results.json").write_text(json.dumps({**stamped, "model": "smollm2-135m", "quick": True, "cells": 3}))
     assert "'cells' missing or not a list" in error(tmp_path)
     partial = {**committed, "cells": [c for c in committed["cells"] if c["section"] != "replay"]}

@@ -23,7 +23,8 @@ from .conftest import tiny
 
 TURNS = ["Tell me about caches.", "Why do keys need positions?"]
 EVERY = ("full,kvdirect:budget=4,anchorkv:spacing=2:budget=4:rebuild=step,anchorkv:spacing=3:budget=4,"
-         "window:budget=6,streaming_llm:budget=8,h2o:budget=8,snapkv:budget=16:window=4,tova:budget=6")
+         "window:budget=6,streaming_llm:budget=8,h2o:budget=8,snapkv:budget=16:window=4,tova:budget=6,knorm:budget=6,"
+         "pyramidkv:budget=16:window=4")
 
 
 def _events(loaded, specs, **options):

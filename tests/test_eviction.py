@@ -1,4 +1,4 @@
-"""Eviction baselines: window, StreamingLLM, H2O, SnapKV, TOVA.
+"""Eviction baselines: window, StreamingLLM, H2O, SnapKV, TOVA (KNorm and PyramidKV: test_knorm_pyramidkv.py).
 
 Four layers of checks: a budget larger than the conversation changes nothing
 (tiny models of several families); a small budget is never exceeded and the
@@ -24,7 +24,7 @@ from .conftest import bad_spec_error
 from .runs import LARGE_BUDGET, tiny, tiny_union
 
 TURNS = ["Tell me about caches.", "Why do keys need positions?", "Summarise."]
-EVICTION = ("window", "streaming_llm", "h2o", "snapkv", "tova")
+EVICTION = ("window", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "pyramidkv")
 
 
 THREADS = 1  # tiny matrices: a second thread only adds overhead (and stalls on a busy machine)
@@ -62,7 +62,7 @@ def test_a_budget_larger_than_the_conversation_gives_the_full_caches_tokens(fami
 
 SMALL = ["window:budget=6", "streaming_llm:budget=6:sinks=2", "h2o:budget=6", "h2o:budget=6:recent=0",
          "snapkv:budget=6:window=2:kernel=3:decode=hold", "snapkv:budget=6:window=3:kernel=1:pooling=max:decode=hold",
-         "tova:budget=6"]
+         "tova:budget=6", "knorm:budget=6", "knorm:budget=6:skip=0"]
 
 
 @pytest.mark.parametrize("family, dtype", [("tiny-llama", "float32"), ("tiny-qwen3", "bfloat16"),
@@ -191,15 +191,16 @@ class Queries:
         return x.view(1, x.shape[1], HEADS, D_H).transpose(1, 2)
 
 
-def _drive(spec, chunks, projector=None, seed=0):
-    """Feed turns of new tokens (a list of turns, each a list of step sizes: the prefill chunk then 1s).
+def _drive(spec, chunks, projector=None, seed=0, rank=0, count=1):
+    """Feed turns of new tokens (a list of turns, each a list of step sizes: the prefill chunk then 1s) to one
+    global layer (`rank` of `count`, for strategies whose budget differs per layer).
 
     Yields after every step: (layer, seen, keys_by_position (n_kv, seen, d_h), queries (HEADS, seen, d_h), step q,
     prefill flag).
     """
     gen = torch.Generator().manual_seed(seed)
     strategy = parse_spec(spec)
-    layer = strategy.global_layer(projector or Queries())
+    layer = strategy.global_layer(projector or Queries(), rank, count)
     all_k = torch.randn(N_KV, 200, D_H, generator=gen)
     all_q = torch.randn(HEADS, 200, D_H, generator=gen) * 2.0
     seen = 0
@@ -372,6 +373,14 @@ def test_snapkv_shrinks_a_window_that_does_not_fit_the_budget_and_says_so():
     ("snapkv:window=0", "snapkv: window=0 must be >= 1"),
     ("snapkv:pooling=median", "snapkv: pooling='median' is not allowed; allowed: avg, max"),
     ("snapkv:decode=forever", "snapkv: decode='forever' is not allowed; allowed: grow, hold"),
+    ("knorm:budget=0", "knorm: budget=0 must be >= 1"),
+    ("knorm:skip=-1", "knorm: skip=-1 must be >= 0"),
+    ("knorm:decode=forever", "knorm: decode='forever' is not allowed; allowed: grow, hold"),
+    ("knorm:window=4", "knorm: unknown setting 'window'; allowed: budget, skip, decode"),
+    ("pyramidkv:beta=0", "pyramidkv: beta=0 must be >= 1"),
+    ("pyramidkv:beta=2.5", "pyramidkv: setting beta='2.5' is not a valid int"),
+    ("pyramidkv:kernel=4", "pyramidkv: kernel=4 must be an odd integer >= 1"),
+    ("pyramidkv:pooling=median", "pyramidkv: pooling='median' is not allowed; allowed: avg, max"),
 ])
 def test_bad_settings_name_the_setting_and_its_allowed_values(text, words):
     assert words in bad_spec_error(text)
@@ -382,6 +391,10 @@ def test_defaults_are_the_papers():
     assert h2o.recent_tokens == 5 and parse_spec("h2o:budget=10:recent=2").recent_tokens == 2
     assert (snap.budget, snap.window, snap.kernel, snap.pooling, snap.decode) == (64, 32, 5, "avg", "grow")
     assert sink.sinks == 4
+    knorm, pyramid = parse_spec("knorm"), parse_spec("pyramidkv")
+    assert (knorm.budget, knorm.skip, knorm.decode) == (64, 2, "hold")  # layers 0 and 1 whole, every step compressed
+    assert (pyramid.budget, pyramid.window, pyramid.kernel, pyramid.pooling, pyramid.decode, pyramid.beta) == (
+        64, 32, 5, "avg", "grow", 20)
 
 
 def test_sweep_runs_every_strategy_at_every_budget_and_writes_every_row(tmp_path, capsys):

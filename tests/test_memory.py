@@ -203,7 +203,8 @@ def test_the_cache_lists_every_tensor_it_holds_as_the_formula_counts_them():
     """What the CUDA comparison rounds: the cache's own storages add up to the formula (CPU, every family)."""
     for family in ("tiny-llama", "tiny-gemma2"):
         loaded = tiny(family)
-        specs = "full,kvdirect:budget=4,anchorkv:spacing=2:budget=3,h2o:budget=6,snapkv:budget=8:window=4"
+        specs = ("full,kvdirect:budget=4,anchorkv:spacing=2:budget=3,h2o:budget=6,snapkv:budget=8:window=4,"
+                 "knorm:budget=6,pyramidkv:budget=8:window=2")
         engine = Engine(loaded, parse_specs(specs), memory="trace", max_new_tokens=5, threads=1)
         run_to_end(engine, TURNS)
         for lane in engine.all_lanes:
@@ -239,7 +240,7 @@ def test_the_storage_count_alone_matches_the_formula_and_its_peak_bounds_the_dec
     loaded = tiny(family)
     specs = ("full,kvdirect:budget=4,kvdirect:budget=3:rebuild=turn,anchorkv:spacing=2:budget=3:rebuild=step,"
              "anchorkv:spacing=2:budget=3,window:budget=6,streaming_llm:budget=8,h2o:budget=8,snapkv:budget=16,"
-             "tova:budget=6")
+             "tova:budget=6,knorm:budget=6,pyramidkv:budget=8:window=2")
     result = run_to_end(Engine(loaded, parse_specs(specs), max_new_tokens=6, threads=1), TURNS)
     assert result["memory_instrument"].startswith("tensor storages")
     for spec, r in result["strategies"].items():

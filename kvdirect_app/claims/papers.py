@@ -101,6 +101,14 @@ CLAIMS = {
                "the donor's residual stream patched in at every position", 0.0, "", EQUAL, EXACT_TOLERANCE),
         Figure("dlogit", "max |dlogit|", "the largest |logit difference| over the same", 0.0, "", EQUAL,
                EXACT_TOLERANCE))),
+    "tasks": Claim("9. Task scores", ANCHOR, "compared with seven external cache methods on a common model, AnchorKV "
+                                             "preserves full-cache retrieval and question-answering scores, whereas "
+                                             "lossy methods change output fidelity and task scores", (
+        Figure("exact", "exact = full", "cells (sample x exact lane: AnchorKV, KV-Direct) whose task score and answer "
+               "equal the full cache's, computed from the answers (fraction)", 1.0, "", EQUAL, EXACT_TOLERANCE),
+        Figure("lossy", "lossy changed", "external lossy methods (H2O, StreamingLLM, SnapKV, TOVA, a window, KNorm, "
+               "PyramidKV) whose score differs from the full cache's in some cell (fraction)", 1.0, "", EQUAL,
+               EXACT_TOLERANCE))),
 }
 NAMES = list(CLAIMS)
 SECTIONS = list(dict.fromkeys(claim.section or name for name, claim in CLAIMS.items()))  # the cells' sections

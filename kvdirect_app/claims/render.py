@@ -143,6 +143,15 @@ def _details(results: dict) -> list[str]:
                   [[r["model"], r["dtype"], r["tokens"], r["layers"], r["zero_layers"], number(r["max_kl"]),
                     number(r["max_abs_dlogit"]), number(r["min_control_kl"])] for r in g["rows"]])
     out += ["", "![patching](patching.png)"]
+    t = sec["tasks"]
+    out += ["", *title("tasks"), "Each strategy's mean task score over the samples beside the full cache's (the "
+            "ceiling); an exact lane's answers are compared with the full cache's token for token.", ""]
+    out += _table(["strategy", "budget", "kind", "score", "full cache", "cells below full", "answers = full",
+                   "compression"],
+                  [[r["strategy"], r["budget"] if r["budget"] is not None else "-", r["kind"], number(r["score"]),
+                    number(r["full_score"]), f"{r['cells_below_full']}/{r['cells']}",
+                    f"{r['answers_equal_full']}/{r['cells']}", number(r["compression_ratio"])]
+                   for r in t["rows"] if r["spec"] != "full"])
     return out
 
 

@@ -41,7 +41,7 @@ FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-olmo2", "tiny-mistra
 # A model without grouped-query attention: a residual is half a layer's K/V (r = 0.5), where KV-Direct's own
 # lane can hold claim 2 (on SmolLM2, r = 1.5, it cannot).
 MHA = "tiny-llama-mha"
-EVICTION = ["window", "streaming_llm", "h2o", "snapkv", "tova"]
+EVICTION = ["window", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "pyramidkv"]
 # The twenty-turn run's lanes by name: {s} the break-even spacing s*, {L} the number of layers, {b} the budget.
 LANES = {"full": "full", "kvdirect": "kvdirect:budget={b}",
          "anchorkv:spacing=s*:rebuild=step": "anchorkv:spacing={s}:budget={b}:rebuild=step",
@@ -65,22 +65,26 @@ class Knobs:
     park_context: int  # tokens at which sessions are parked and measured by the allocator
     model_bf16: bool  # the model's own exactness run in bf16 as well (the tiny families always run both)
     real_size: bool  # the public configs built at full size with random weights (claims/realsize.py)
+    task_contexts: tuple[int, ...]  # claim 9's samples: prompt lengths (tokens) ...
+    task_names: tuple[str, ...]  # ... and tasks (`bench tasks`), at depths 0, 50 and 100 %
 
 
 FULL = Knobs(new_tokens=24, turns_new_tokens=24, turns_lanes=tuple(LANES), equal_memory=True, budgets=(16, 32, 64, 128),
              recompute_batches=(1, 4, 16, 64), recompute_contexts=(256, 1024, 4096), replay_context=1024,
-             park_context=1024, model_bf16=True, real_size=True)
+             park_context=1024, model_bf16=True, real_size=True, task_contexts=(512, 1024, 2048),
+             task_names=("niah_single_number", "niah_multikey", "niah_multivalue", "variable_tracking", "qa"))
 # --quick: SmolLM2 within 10 minutes on 2 CPU cores.  The twenty-turn run dominates (its rebuild=step lanes
 # replay every old token at every step, so their work grows with turns x tokens): four new tokens per turn
-# instead of eight, and six of the ten lanes (the exact lane with the lowest peak, KV-Direct's own, three
+# instead of eight, and six of the twelve lanes (the exact lane with the lowest peak, KV-Direct's own, three
 # baselines) cut it to about a quarter of the earlier quick run's.
 QUICK = Knobs(new_tokens=8, turns_new_tokens=4,
               turns_lanes=("full", "kvdirect", "anchorkv:spacing=L:rebuild=step", "streaming_llm", "h2o", "tova"),
               equal_memory=False, budgets=(16, 64), recompute_batches=(1, 8), recompute_contexts=(256, 1024),
-              replay_context=512, park_context=256, model_bf16=False, real_size=False)
+              replay_context=512, park_context=256, model_bf16=False, real_size=False, task_contexts=(1024,),
+              task_names=("niah_single_number", "qa"))
 # The byte-level tiny models (tests) hold 1,024 tokens: short turns, small budgets and contexts.
 TINY = dict(new_tokens=4, turns_new_tokens=4, budgets=(4, 8), replay_context=128, park_context=64, model_bf16=True,
-            real_size=False)
+            real_size=False, task_contexts=(512,), task_names=("niah_single_number",))
 LABELS = {"turns_new_tokens": "new tokens per turn in the twenty-turn run",
           "turns_lanes": "lanes of the twenty-turn run",
           "equal_memory": "the twenty-turn sweep of the baselines at equal measured peak",
@@ -89,6 +93,7 @@ LABELS = {"turns_new_tokens": "new tokens per turn in the twenty-turn run",
           "recompute_contexts": "contexts of recompute vs read", "replay_context": "tokens of the replay benchmark",
           "park_context": "tokens at which sessions are parked and measured",
           "model_bf16": "the model's own exactness run in bf16",
+          "task_contexts": "contexts of the task samples (tokens)", "task_names": "tasks of the task samples",
           "real_size": "exactness at the public configs' real size, random weights (Qwen2.5-0.5B, Llama 3.2-1B, "
                        "Qwen3-4B, Gemma 3-4B)"}
 
@@ -137,11 +142,11 @@ def bench_cell(cell: dict) -> dict:
     from .. import benchmarks
 
     configs = {"run": benchmarks.RunConfig, "sweep": benchmarks.SweepConfig, "breakeven": benchmarks.BreakevenConfig,
-               "replay": benchmarks.ReplayConfig, "capacity": benchmarks.CapacityConfig}
+               "replay": benchmarks.ReplayConfig, "capacity": benchmarks.CapacityConfig, "tasks": benchmarks.TasksConfig}
     quiet = dict(say=lambda line: None)
     calls = {"run": lambda c: benchmarks.run(c, **quiet).data, "sweep": lambda c: benchmarks.sweep(c, **quiet),
              "breakeven": benchmarks.breakeven, "replay": benchmarks.replay,
-             "capacity": lambda c: benchmarks.capacity(c, **quiet)}
+             "capacity": lambda c: benchmarks.capacity(c, **quiet), "tasks": lambda c: benchmarks.tasks(c, **quiet)}
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cell.get("load", 0))]
     try:
         t0 = time.perf_counter()
@@ -244,6 +249,10 @@ def plan(model: str, quick: bool, device: str = "auto", threads: int = 1) -> lis
                   "config": {**common, "context": 32768, "measure": 2, "measure_context": k.park_context,
                              "budget": budget}})
     cells += _exactness_cells(model, k, L, device, threads)
+    cells.append({"kind": "tasks", "section": "tasks", "name": "task scores",
+                  "config": {**common, "contexts": ",".join(map(str, k.task_contexts)), "depths": "0,50,100",
+                             "tasks": ",".join(k.task_names), "budgets": "8" if tiny else "64",
+                             "strategies": ",".join(["anchorkv", "kvdirect", *EVICTION])}})
     if k.real_size:  # the full run: the four public configs with random weights (fp32 where it fits in time)
         cells.append({"kind": "realsize", "section": "exactness", "name": "random weights at the real configs",
                       "configs": [["qwen2.5-0.5b", "float32"], ["llama-3.2-1b", "float32"], ["qwen3-4b", "bfloat16"],

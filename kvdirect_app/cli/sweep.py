@@ -1,7 +1,7 @@
 """`bench sweep`: every strategy at every budget against the full cache, on one conversation.
 
     python -m kvdirect_app.bench sweep --model smollm2-135m --scenario recall \\
-        --strategies window,streaming_llm,h2o,snapkv,tova,kvdirect,anchorkv --budgets 16,32,64,128 \\
+        --strategies window,streaming_llm,h2o,snapkv,tova,knorm,pyramidkv,kvdirect,anchorkv --budgets 16,32,64,128 \\
         [--equal-memory [--target SPEC|BYTES]] [--plot docs/frontier] [--json out.json]
 
 For each budget, one lockstep run of the engine (the full cache is the

@@ -24,10 +24,17 @@ them:
   lands before every query and the chunk's own keys line up with its queries,
   so the causal mask inside a prefill chunk stays right after eviction (an
   offset of 0 would let a chunk's queries see up to `seen - stored` of its
-  future tokens).  The mask is built once per layer type from the first global
-  layer; every global layer keeps the same number of tokens (the strategy's
-  `limit`: the budget, or for SnapKV while decoding, everything), so all of
-  them report the same sizes.
+  future tokens).
+* Budgets per layer: a strategy may give each global layer its own budget
+  (`layer_budgets`: PyramidKV's shrink with depth) or leave the first layers
+  whole (`compresses`: KNorm skips layers 0 and 1, kept as the full cache keeps
+  them).  The mask is built once per layer type, sized by the first global
+  layer; budgets never grow with depth and skipped layers come first, so that
+  layer holds the most tokens, and a layer holding fewer takes the mask's
+  rightmost columns (`fit_mask`, in `lockstep.lanes_attention`): its stored
+  keys, all before the queries, visible, the chunk's own keys causal.  The
+  invariant kernels' block attention reads each layer's own keys as positions
+  end-T..end-1, which is the same rule.
 * Selection is per KV head (`per_head = True`: each KV head keeps its own
   `budget` tokens, as H2O and SnapKV do) or per layer (`per_head = False`: all
   heads keep the same tokens).  Grouped-query heads: the attention of the
@@ -44,7 +51,8 @@ them:
   cache keeps them.
 
 Bytes (persistent, per global layer): the kept tokens' K/V (`min(seen, budget)`
-for a strategy that holds its budget at every step), plus
+for a strategy that holds its budget at every step; the layer's own budget where
+they differ; every token's K/V on a skipped layer, as the full cache), plus
 per kept token and per selection row (a KV head, or the layer) its int32
 position and each fp32 score buffer of the strategy (H2O's accumulated
 attention).  Transient: when a step evicts, the candidate K/V, positions and
@@ -70,13 +78,14 @@ from ..compat import CacheLayerMixin
 from ..geometry import ModelGeometry
 from ..memory import harness
 from ..replay import HeadProjection
-from .base import (Forward, MeasuredLayer, SlidingLayer, Strategy, StrategyCache, storage_bytes,
+from .base import (Forward, FullLayer, MeasuredLayer, SlidingLayer, Strategy, StrategyCache, storage_bytes,
                    window_layer_bytes, window_layer_transient)
 
 POSITION_DTYPE = torch.int32
 POSITION_BYTES = 4
 BUFFER_DTYPE = torch.float32
 BUFFER_BYTES = 4
+DECODES = ("grow", "hold")  # while decoding: keep every new token until the next prompt, or hold the budget
 
 
 class QueryProjector:
@@ -119,6 +128,18 @@ def attention_probs(queries: torch.Tensor, keys: torch.Tensor, query_positions: 
     return torch.softmax(logits, dim=-1)
 
 
+def fit_mask(mask: torch.Tensor | None, keys: int) -> torch.Tensor | None:
+    """The mask of a layer type (sized by its first layer, which holds the most keys) for a layer handing attention
+    `keys` keys: its rightmost columns.  Every cache hands attention its stored keys, all before the queries, then
+    the step's own, so those columns say: stored keys visible, the chunk's own keys causal."""
+    return mask if mask is None or mask.shape[-1] == keys else mask[..., -keys:]
+
+
+def per_layer(values: tuple | list, rank: int):
+    """The entry of evicting global layer `rank` in per-layer values; a single entry stands for every layer."""
+    return values[rank if len(values) > 1 else 0]
+
+
 def keep_top(scores: torch.Tensor, budget: int) -> torch.Tensor:
     """Indices (1, G, budget), ascending, of the `budget` highest scores per row; ties keep the newer token.
 
@@ -134,6 +155,7 @@ class Step:
     """What `score()` sees of one forward on one layer.
 
     positions : (1, G, T) original positions of the candidates (stored, then new), oldest first.
+    keys : (1, n_kv, T, d_h) the candidates' keys, as the model produced them (post-RoPE), in the same order.
     seen : tokens seen after this step; the step's queries sit at positions seen - q .. seen - 1.
     q : new tokens in this step (a prefill chunk, or 1 when decoding).
     prefill : whether this forward belongs to a turn's prompt (then `evicts` only at its last piece).
@@ -145,9 +167,9 @@ class Step:
     """
 
     positions: torch.Tensor
+    keys: torch.Tensor
     seen: int
     q: int
-    budget: int
     prefill: bool
     evicts: bool
     prompt_tokens: int
@@ -170,17 +192,25 @@ class UncomparedSlidingLayer(SlidingLayer):
         return
 
 
-class ScoredLayer(MeasuredLayer, CacheLayerMixin):
-    """A global-attention layer holding at most `budget` tokens, chosen by the strategy's `score()`.
+class UncomparedFullLayer(FullLayer):
+    """A global layer a strategy leaves whole (KNorm's first layers), in a cache that is not comparable."""
 
+    def compare(self, keys, values):
+        return
+
+
+class ScoredLayer(MeasuredLayer, CacheLayerMixin):
+    """A global-attention layer holding at most its budget of tokens, chosen by the strategy's `score()`.
+
+    `rank` of `count`: its place among the strategy's evicting global layers (what a per-layer budget reads).
     Without `capture`, the engine hands it no attention input: the strategy scores without attention.
     """
 
     is_sliding = False
 
-    def __init__(self, strategy: "Scored", projector: QueryProjector | None):
+    def __init__(self, strategy: "Scored", projector: QueryProjector | None, rank: int = 0, count: int = 1):
         super().__init__()
-        self.strategy = strategy
+        self.strategy, self.rank, self.count = strategy, rank, count
         self.projector = projector  # shared with the model, never copied (see StrategyCache.fork)
         self.positions: torch.Tensor | None = None  # (1, G, stored) int32
         self.buffers: dict[str, torch.Tensor] = {}  # name -> (1, G, stored) fp32
@@ -237,11 +267,12 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
         buffers = {name: torch.cat([buf, buf.new_zeros(1, rows, q)], dim=-1) for name, buf in self.buffers.items()}
         self.seen += q
         self.prompt_tokens = self.prompt_tokens + q if self.prefill else 0
-        limit = self.strategy.limit(self.prefill)
-        evicts = limit is not None and keys.shape[-2] > limit and not self.prompt_open
+        limits = self.strategy.limits(Forward(q, self.prefill, self.prompt_open), self.seen, self.count)
+        limit = None if limits is None else per_layer(limits, self.rank)
+        evicts = limit is not None and keys.shape[-2] > limit
         earlier = self.prompt_tail
-        step = Step(positions, self.seen, q, self.strategy.budget, self.prefill, evicts, self.prompt_tokens, buffers,
-                    self.state, self._attend(keys, positions, x, earlier) if self.projector is not None else None)
+        step = Step(positions, keys, self.seen, q, self.prefill, evicts, self.prompt_tokens, buffers, self.state,
+                    self._attend(keys, positions, x, earlier) if self.projector is not None else None)
         t1 = time.perf_counter()
         scores = self.strategy.score(step)
         scoring_s = time.perf_counter() - t1
@@ -317,7 +348,9 @@ class Scored(Strategy):
     """Base of the eviction strategies: `budget` tokens kept per global layer, chosen by `score()`.
 
     Subclasses set `name`, `per_head`, `needs_attention`, `token_buffers` and
-    write `score(step) -> (1, G, T)` scores (higher is kept; `inf` protects).
+    write `score(step) -> (1, G, T)` scores (higher is kept; `inf` protects);
+    `holds`, `compresses` and `layer_budgets` say when and where a budget holds
+    and how large it is per layer.
     """
 
     budget: int = 64
@@ -339,27 +372,56 @@ class Scored(Strategy):
     def __post_init__(self):
         self.check_min(self.name, "budget", self.budget, 1)
 
-    def limit(self, prefill: bool) -> int | None:
-        """Tokens a global layer keeps after a forward (the first of a turn when `prefill`); None keeps all."""
-        return self.budget
+    def holds(self, prefill: bool) -> bool:
+        """Whether a finished forward (the first of a turn when `prefill`) holds the layer to its budget; False
+        keeps every candidate (SnapKV while decoding)."""
+        return True
+
+    def compresses(self, index: int) -> bool:
+        """Whether the global layer at decoder index `index` evicts; False keeps it whole, as the full cache."""
+        return True
+
+    def layer_budgets(self, count: int, seen: int) -> tuple[int, ...]:
+        """Tokens each of the `count` evicting global layers (shallowest first) keeps after a forward that ends at
+        `seen` tokens, or a single entry for all of them (`per_layer`).  Never larger for a deeper layer: the first
+        global layer sizes the mask (module docstring)."""
+        return (self.budget,)
+
+    def limits(self, forward: Forward, seen: int, count: int = 1) -> tuple[int, ...] | None:
+        """`layer_budgets` after `forward`, which ends at `seen` tokens; None keeps every candidate (a prompt piece
+        that more pieces follow, or a forward the strategy does not hold)."""
+        if forward.open or not self.holds(forward.prompt):
+            return None
+        return self.layer_budgets(count, seen)
 
     def score(self, step: Step) -> torch.Tensor | None:
         """Scores (1, G, T) of the candidates, higher kept; may return None when `step.evicts` is False."""
         raise NotImplementedError
 
     # --- the cache -----------------------------------------------------------
-    def global_layer(self, projector: QueryProjector | None = None) -> ScoredLayer:
+    def global_layer(self, projector: QueryProjector | None = None, rank: int = 0, count: int = 1) -> ScoredLayer:
         if self.needs_attention:
-            return AttentionScoredLayer(self, projector)
-        return ScoredLayer(self, None)
+            return AttentionScoredLayer(self, projector, rank, count)
+        return ScoredLayer(self, None, rank, count)
+
+    def slots(self, layers) -> dict[int, tuple[int, int]]:
+        """Decoder index -> (rank, count) of each evicting global layer, from specs or geometry layers (`index`,
+        `is_sliding`); the other global layers are kept whole."""
+        evicting = [layer.index for layer in layers if not layer.is_sliding and self.compresses(layer.index)]
+        return {index: (rank, len(evicting)) for rank, index in enumerate(evicting)}
 
     def build_cache(self, model) -> StrategyCache:
+        specs = compat.layer_specs(model.config)
+        slots = self.slots(specs)
         layers = []
-        for spec in compat.layer_specs(model.config):
+        for spec in specs:
             if spec.is_sliding:
                 layers.append(UncomparedSlidingLayer(spec.sliding_window))
+            elif spec.index not in slots:
+                layers.append(UncomparedFullLayer())
             else:
-                layers.append(self.global_layer(QueryProjector(model, spec) if self.needs_attention else None))
+                projector = QueryProjector(model, spec) if self.needs_attention else None
+                layers.append(self.global_layer(projector, *slots[spec.index]))
         return StrategyCache(self, layers)
 
     # --- bytes ---------------------------------------------------------------
@@ -368,16 +430,20 @@ class Scored(Strategy):
         rows = layer.num_kv_heads if self.per_head else 1
         return layer.kv_bytes_per_token + rows * (POSITION_BYTES + BUFFER_BYTES * len(self.token_buffers))
 
-    def stored(self, seen: int, forwards: list | None) -> int:
-        """Tokens a global layer holds after `forwards` (`base.Forward` each: a prompt's pieces are held until
-        its last one); without them, the budget-holding rule."""
+    def stored(self, seen: int, forwards: list | None, count: int = 1) -> list[int]:
+        """Tokens each of the `count` evicting global layers holds after `forwards` (`base.Forward` each: a
+        prompt's pieces are held until its last one), as `layer_budgets` gives them (`per_layer`); without
+        `forwards`, the budget-holding rule."""
         if forwards is None:
-            return min(seen, self.budget)
-        held = 0
+            return [min(seen, budget) for budget in self.layer_budgets(count, seen)]
+        held, grown, total = [0] * len(self.layer_budgets(count, seen)), 0, 0
         for f in forwards:
-            limit = None if f.open else self.limit(f.prompt)
-            held = held + f.q if limit is None else min(held + f.q, limit)
-        return held
+            total += f.q
+            limits = self.limits(f, total, count)
+            grown += f.q  # added to every layer at the next limit (decoding steps that keep everything: at the end)
+            if limits is not None:
+                held, grown = [min(h + grown, b) for h, b in zip(held, limits)], 0
+        return [h + grown for h in held]
 
     def _tail(self, forwards: list | None) -> int:
         """Attention inputs held for the end of an open prompt (`prompt_window`) after `forwards`."""
@@ -391,30 +457,35 @@ class Scored(Strategy):
         return min(tokens, self.prompt_window)
 
     def formula_persistent(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
-        total = 0
-        held, tail = self.stored(seen, forwards), self._tail(forwards)
+        total, tail, slots = 0, self._tail(forwards), self.slots(geom.layers)
+        held = self.stored(seen, forwards, len(slots))
         for layer in geom.layers:
             if layer.is_sliding:
                 total += window_layer_bytes(geom, layer.index, seen)
+            elif layer.index not in slots:
+                total += seen * layer.kv_bytes_per_token
             else:
-                total += held * self._token_bytes(layer) + tail * geom.residual_bytes
+                held_here = per_layer(held, slots[layer.index][0])
+                total += held_here * self._token_bytes(layer) + tail * geom.residual_bytes
         return total
 
     def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False,
                           forwards: list | None = None) -> int:
-        held = self.stored(seen_before, forwards[:-1] if forwards else forwards)
+        before = forwards[:-1] if forwards else forwards
         this = forwards[-1] if forwards else Forward(q, prompt=turn_start)
-        limit = None if this.open else self.limit(this.prompt)
-        worst = 0
+        worst, slots = 0, self.slots(geom.layers)
+        held, limits = self.stored(seen_before, before, len(slots)), self.limits(this, seen_before + q, len(slots))
         for layer in geom.layers:
             if layer.is_sliding:
                 worst = max(worst, window_layer_transient(geom, layer.index, seen_before, q))
                 continue
+            if layer.index not in slots:  # kept whole: the full cache's layer, no buffer beyond its state
+                continue
+            rank = slots[layer.index][0]
             # While the candidates are concatenated, the held tensors are still alive beside them; when the step
             # evicts, the kept ones are gathered while both are.
-            candidates = held + q
-            if limit is not None and candidates > limit:
-                worst = max(worst, (held + candidates) * self._token_bytes(layer))
-            else:
-                worst = max(worst, held * self._token_bytes(layer))
+            held_here = per_layer(held, rank)
+            candidates = held_here + q
+            evicts = limits is not None and candidates > per_layer(limits, rank)
+            worst = max(worst, (held_here + (candidates if evicts else 0)) * self._token_bytes(layer))
         return worst

@@ -18,10 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from .base import StrategyError
-from .scored import Scored, Step
+from .scored import DECODES, Scored, Step
 
 POOLINGS = ("avg", "max")
-DECODES = ("grow", "hold")
 
 
 @dataclass
@@ -99,8 +98,8 @@ class SnapKV(Scored):
     def prompt_window(self) -> int:
         return self.observed
 
-    def limit(self, prefill: bool) -> int | None:
-        return self.budget if prefill or self.decode == "hold" else None
+    def holds(self, prefill: bool) -> bool:
+        return prefill or self.decode == "hold"
 
     def scored_queries(self, q: int) -> int:
         return self.observed

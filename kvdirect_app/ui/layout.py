@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 
 import gradio as gr
@@ -14,9 +15,10 @@ from ..hosted import hosted
 from ..limits import limits
 from ..paths import data
 from ..scenarios import scenarios
+from ..schema import SchemaError
 from . import runner
 from ..recording import RecordingError
-from . import playback, views
+from . import playback, tasks_view, views
 from .claims_cards import cards_html
 from .components import Actions, Controls, FrontierTab, Pane, Recordings, Studio, Views
 from .handlers import FRONTIER_CURRENT, RECALL, Handlers, session_ttl_s
@@ -108,6 +110,57 @@ def _claims_tab():
                     elem_id="kvd-claims-table")
     with gr.Accordion("Details: every measured row", open=False):
         gr.Markdown(re.sub(r"!\[[^\]]*\]\([^)]*\)", "", details))
+
+
+def _tasks_tab():
+    """The shipped `bench tasks` result (presets/tasks/): needle heatmaps, the task-score frontier, the table; a
+    budget and a task to look at, or a results file of one's own.  Drawn from the file alone, no model."""
+    path = tasks_view.shipped()
+    try:
+        result = tasks_view.load(path) if path else None
+    except SchemaError as e:
+        result, problem = None, str(e)
+    else:
+        problem = "no result is shipped in presets/tasks/"
+    gr.Markdown(asset("tasks.md"))
+    if result is None:
+        gr.Markdown(f"Nothing to show ({problem}): run `python -m kvdirect_app.bench tasks --json "
+                    "presets/tasks/smollm2-135m.json`.")
+        return
+    budgets = result["budgets"]
+    state = gr.State(result)
+    with gr.Row():
+        budget = gr.Dropdown(budgets, value=budgets[0], label="Budget (tokens per layer)", scale=1,
+                             elem_id="kvd-tasks-budget")
+        task = gr.Dropdown([tasks_view.ALL, *result["tasks"]], value=tasks_view.ALL, label="Task", scale=2,
+                           elem_id="kvd-tasks-task")
+        upload = gr.File(label="…or open a results file (bench tasks --json)", file_types=[".json"], scale=2,
+                         type="filepath", height=90, elem_id="kvd-tasks-upload")
+    head = gr.HTML(tasks_view.head_html(result), elem_id="kvd-tasks-head")
+    heat = gr.Plot(tasks_view.heatmap_figure(result, budgets[0]), show_label=False, elem_id="kvd-tasks-heatmap")
+    summary = gr.HTML(tasks_view.table_html(result, budgets[0]), elem_id="kvd-tasks-summary")
+    front = gr.Plot(tasks_view.frontier(result), show_label=False, elem_id="kvd-tasks-frontier")
+
+    def draw(result, budget, task):
+        return (tasks_view.table_html(result, budget, task), tasks_view.heatmap_figure(result, budget, task),
+                tasks_view.frontier(result, task))
+
+    def opened(path, budget, task, current):
+        if not path:
+            return gr.skip()
+        try:
+            mine = tasks_view.load(path)
+        except SchemaError as e:
+            return (gr.skip(), gr.skip(), gr.skip(), f"<p class='kvd-error'>Not opened: {html.escape(str(e))}</p>"
+                    + tasks_view.head_html(current), gr.skip(), gr.skip(), gr.skip())
+        b = budget if budget in mine["budgets"] else mine["budgets"][0]
+        return (mine, gr.update(choices=mine["budgets"], value=b),
+                gr.update(choices=[tasks_view.ALL, *mine["tasks"]], value=tasks_view.ALL), tasks_view.head_html(mine),
+                *draw(mine, b, tasks_view.ALL))
+
+    for control in (budget, task):
+        control.change(draw, [state, budget, task], [summary, heat, front], queue=False, show_progress="hidden")
+    upload.upload(opened, [upload, budget, task, state], [state, budget, task, head, summary, heat, front], queue=False)
 
 
 def _panes(first: Session) -> list[Pane]:
@@ -215,7 +268,7 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
                         token_map = gr.HTML(runner.map_pair_html(empty, label0, layer0, other0), elem_id="kvd-token-map")
                         attention = gr.Plot(runner.attention_plot(empty, label0, layer0), show_label=False,
                                             elem_id="kvd-attention")
-                    with gr.Tab("Frontier: memory vs agreement"):
+                    with gr.Tab("Frontier"):
                         gr.Markdown(asset("frontier.md"))
                         with gr.Row():
                             source = gr.Dropdown([FRONTIER_CURRENT, *table], value=FRONTIER_CURRENT, scale=3,
@@ -223,7 +276,7 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
                             draw = gr.Button("Draw the frontier", variant="secondary", scale=1, elem_id="kvd-draw")
                         frontier_status = gr.HTML("", elem_id="kvd-frontier-status")
                         frontier_plot = gr.Plot(frontier_figure([]), show_label=False, elem_id="kvd-frontier")
-                    with gr.Tab("Geometry: bytes per token"):
+                    with gr.Tab("Geometry"):
                         geometry = gr.HTML(elem_id="kvd-geometry")
                     with gr.Tab("Export"):
                         gr.Markdown("Downloads hold the last finished (or stopped) turn's run.")
@@ -232,6 +285,8 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
                                          for text in ("Run (JSON)", "Steps (CSV)", "Summary (CSV)", "Plots (HTML)")]
                             record = gr.DownloadButton("Recording (.json.gz)", interactive=False, variant="secondary",
                                                        elem_id="kvd-download-recording")
+                    with gr.Tab("Tasks", elem_id="kvd-tasks"):
+                        _tasks_tab()
                     with gr.Tab("Claims", elem_id="kvd-claims"):
                         _claims_tab()
                     with gr.Tab("What am I looking at?", elem_id="kvd-about"):

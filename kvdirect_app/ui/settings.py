@@ -27,9 +27,11 @@ TITLES = {
     "streaming_llm": "StreamingLLM",
     "snapkv": "SnapKV",
     "tova": "TOVA",
+    "knorm": "KNorm",
+    "pyramidkv": "PyramidKV",
     "window": "Sliding window",
 }
-BASELINES = ("h2o", "streaming_llm", "snapkv", "tova", "window")
+BASELINES = ("h2o", "streaming_llm", "snapkv", "tova", "knorm", "pyramidkv", "window")
 DEFAULT_PANES = ("full", "kvdirect", "anchorkv", "h2o", "streaming_llm", "snapkv", "tova")
 SHARED = ("budget", "spacing", "mode", "rebuild")
 EXTRA_PANES = 3  # panes beyond one per registered strategy, for extra specs

@@ -1,0 +1,94 @@
+"""`bench tasks`: retrieval and QA scores for every strategy, RULER-style tasks generated here with a seed.
+
+    python -m kvdirect_app.bench tasks --quick --json out.json
+    python -m kvdirect_app.bench tasks --json presets/tasks/smollm2-135m.json   # the shipped result (the default grid)
+
+Every strategy at every budget answers each generated sample in lockstep with the full cache (whose score is
+the ceiling); prints the score per strategy and budget beside the full cache's, the compression ratio (kvpress's
+convention), the measured bytes held after the answer and the peak during it, then the needle map (context x
+depth) per strategy; says whether every exact strategy's answers equalled the full cache's in every cell (checked
+token for token; the exit status is 1 if one did not).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..benchmarks import TasksConfig, tasks
+from ..executors import EXECUTORS
+from ..tasks import generate
+from ..tasks.scores import DEFAULT, QUICK
+from ..units import fmt, fmt_bytes, table
+from .common import write_json
+
+HERE = "here"  # --executor here: the cells in this process
+
+
+def scores_table(rows: list[dict]) -> str:
+    cols = ["strategy", "budget", "kind", "score", "full cache", "below full", "= full answers", "compression",
+            "held after", "peak during"]
+    body = [[r["strategy"], fmt(r["budget"], "d"), r["kind"], f"{r['score']:.3f}", f"{r['full_score']:.3f}",
+             f"{r['cells_below_full']}/{r['cells']}", f"{r['answers_equal_full']}/{r['cells']}",
+             f"{r['compression_ratio']:.2f}", fmt_bytes(r["held_bytes_mean"]), fmt_bytes(r["peak_bytes_mean"])]
+            for r in rows]
+    return table(cols, body, left=2)
+
+
+def heat_table(out: dict, spec: str) -> str:
+    cells = {(h["context"], h["depth"]): h["score"] for h in out["heatmap"][spec]}
+    depths = sorted({d for _, d in cells}, key=lambda d: -1 if d is None else d)
+    contexts = sorted({c for c, _ in cells})
+    cols = [f"{spec}: context"] + ["-" if d is None else f"{d:g}%" for d in depths]
+    return table(cols, [[str(c)] + [fmt(cells.get((c, d)), ".2f") for d in depths] for c in contexts])
+
+
+def cmd_tasks(args) -> int:
+    out = tasks(TasksConfig.from_args(args, executor=None if args.executor == HERE else args.executor))
+    print(f"model {out['model']} ({out['model_source']}), device {out['device']}, dtype {out['dtype']}, threads "
+          f"{out['threads']}, kernels {out['kernels']}; {len(out['cells'])} cells in {out['seconds']:.0f} s "
+          f"({out['executor']}); haystack {out['haystack']}")
+    print(scores_table(out["rows"]))
+    for spec in out["heatmap"]:
+        print()
+        print(heat_table(out, spec))
+    if out["exact_answers_equal_full"]:
+        print("\nexact strategies: every answer equals the full cache's, token for token, in every cell")
+    else:
+        print(f"\nexact strategies: {len(out['exact_mismatches'])} answers differ from the full cache's: "
+              f"{out['exact_mismatches'][:5]}")
+    write_json(args.json, out, "tasks")
+    return 0 if out["exact_answers_equal_full"] else 1
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("tasks", help="retrieval and QA scores for every strategy (RULER-style, generated)")
+    p.add_argument("--model", default="smollm2-135m", help="preset name, Hub id or local path")
+    p.add_argument("--strategies", default=TasksConfig.strategies,
+                   help="comma-separated name[:key=value]...; :budget=B is appended to each that has a budget; the "
+                        "full cache always runs as the reference")
+    p.add_argument("--budgets", help=f"comma-separated token budgets (default {DEFAULT['budgets']}; --quick "
+                                     f"{QUICK['budgets']})")
+    p.add_argument("--contexts", help=f"comma-separated prompt lengths in tokens (default {DEFAULT['contexts']}; "
+                                      f"--quick {QUICK['contexts']}); at most the model's context")
+    p.add_argument("--depths", help=f"comma-separated needle depths, percent 0..100 (default {DEFAULT['depths']})")
+    p.add_argument("--tasks", help=f"comma-separated, from {', '.join(generate.TASKS)} (default "
+                                   f"{DEFAULT['tasks']}; --quick {QUICK['tasks']})")
+    p.add_argument("--samples", type=int, default=1, help="seeds per task x context x depth")
+    p.add_argument("--seed", type=int, default=0, help="the first seed")
+    p.add_argument("--haystack", default="noise", help=f"one of {', '.join(generate.HAYSTACKS)}")
+    p.add_argument("--quick", action="store_true", help="the quick grid (" + "; ".join(
+        f"{k} {v}" for k, v in QUICK.items()) + ")")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per cell (default: 1 with --executor local, else torch's)")
+    p.add_argument("--kernels", default="invariant", help="invariant (exact answers hold by construction) or native")
+    p.add_argument("--prefill-chunk", type=int, default=TasksConfig.prefill_chunk)
+    p.add_argument("--executor", default="local",
+                   help=f"one of {', '.join(EXECUTORS)}, {HERE}: each sample a cell on a process pool here (local, the "
+                        "default: the block attention runs on one thread, so one-thread workers fill the cores), a "
+                        f"Ray task, or one after another in this process with a line per sample ({HERE})")
+    p.add_argument("--workers", type=int, default=None, help="with --executor local: processes at most")
+    p.add_argument("--json", help="write every cell, answer and score here (the Tasks tab reads such a file)")
+    p.set_defaults(func=cmd_tasks)
+    return p

@@ -1,0 +1,258 @@
+"""Task scores: what a cache strategy costs in answers (`bench tasks`, the Tasks tab, claim 9).
+
+A cell is one generated sample (`generate.sample`: a task, a context length, a needle depth, a seed): its
+prompt is fed once to every strategy in lockstep with the full cache (`Engine`; lanes that have not diverged
+share the prompt's forward, `lockstep.py`), each lane answers greedily, and each answer is scored against the
+sample's references (`generate.score`: RULER's string_match_all, containment for the QA set).  Every strategy
+runs at every budget (`:budget=B` appended, as `bench sweep` does); an exact strategy's answer is compared with
+the full cache's token for token in every cell (`equal_full`), never assumed.  Cells are independent: in this
+process, or on the local pool or Ray (`executors.run_cells`).
+
+The result (`tasks` results file, docs/schema/tasks.json) keeps every cell's answers, scores and measured bytes,
+and the summary: per strategy and budget the mean score beside the full cache's (the ceiling: a 135M model
+misses some needles with every token kept), the compression ratio by kvpress's convention (the share of the
+prompt's K/V tokens a layer drops: 1 - budget / prompt tokens, for an evicting strategy) and the measured bytes
+held after the answer (what the budget buys; the frontier's axis) and peak during it (for an evicting strategy,
+the whole prompt's K/V before it is trimmed); per strategy and budget, the score by context and depth (the needle heatmap).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+from dataclasses import dataclass, replace
+
+from ..errors import UserError
+from ..strategies import parse_spec
+from . import generate
+
+ANSWER_TOKENS = 64  # the memory guard's bound on an answer (every task's max_new_tokens is below it)
+# The grids (`bench tasks` without, and with, --quick); a setting given on the command line replaces its entry.
+# The default: the tasks SmolLM2-135M's full cache answers at least half the time (variable tracking, 0.04, and
+# multi-query at 2k, 0.25, leave no ceiling to fall from), within 30 minutes on the local pool of 2 cores.
+DEFAULT = {"contexts": "512,1024,2048", "depths": "0,50,100", "budgets": "64,256",
+           "tasks": "niah_single_number,niah_multikey,niah_multivalue,qa"}
+QUICK = {"contexts": "512,2048", "depths": "0,50,100", "tasks": "niah_single_number,qa", "budgets": "64"}
+
+
+class TaskError(UserError):
+    """A task setting out of range; one line naming the setting and its allowed values."""
+
+
+def _ints(setting: str, text: str, lo: int, hi: int, what: str) -> list[int]:
+    out = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part.lstrip("-").isdigit() or not lo <= int(part) <= hi:
+            raise TaskError(f"{setting}: {part!r} is not allowed; allowed: whole numbers {lo}..{hi} ({what}), "
+                            "comma-separated")
+        if int(part) in out:
+            raise TaskError(f"{setting}: {part} is listed twice")
+        out.append(int(part))
+    return out
+
+
+def _names(setting: str, text: str, allowed) -> list[str]:
+    out = [t.strip() for t in str(text).split(",") if t.strip()]
+    for name in out:
+        if name not in allowed:
+            raise TaskError(f"{setting}: {name!r} is not allowed; allowed: {', '.join(allowed)}")
+    if not out or len(set(out)) != len(out):
+        raise TaskError(f"{setting}: give each of {', '.join(allowed)} at most once, at least one")
+    return out
+
+
+@dataclass
+class Plan:
+    tasks: list[str]
+    contexts: list[int]
+    depths: list[int]
+    seeds: list[int]
+    budgets: list[int]
+    names: list[str]
+    lanes: list[tuple[str, int | None, str]]
+
+    def depths_for(self, task: str) -> list[int | None]:
+        return [None] if task in generate.DEPTHLESS else self.depths
+
+
+def plan(config) -> Plan:
+    """The grid a `TasksConfig` asks for, every setting checked (one line each); `quick` fills the unset ones."""
+    from ..strategies import StrategyError
+
+    q = QUICK if config.quick else DEFAULT
+    tasks = _names("tasks", config.tasks or q["tasks"], generate.TASKS)
+    contexts = _ints("contexts", config.contexts or q["contexts"], generate.MIN_CONTEXT, 1 << 20, "tokens of prompt")
+    depths = _ints("depths", config.depths or q["depths"], 0, 100, "percent of the context before the needle")
+    budgets = _ints("budgets", config.budgets or q["budgets"], 1, 1 << 20, "tokens per layer")
+    if config.samples < 1 or config.samples > 1000:
+        raise TaskError(f"samples: {config.samples} is not allowed; allowed: 1..1000 per cell")
+    if config.haystack not in generate.HAYSTACKS:
+        raise TaskError(f"haystack: {config.haystack!r} is not allowed; allowed: {', '.join(generate.HAYSTACKS)}")
+    names = [n.strip() for n in config.strategies.split(",") if n.strip() and n.strip() != "full"]
+    if len(set(names)) != len(names):
+        raise TaskError("strategies: a name is listed twice")
+    try:
+        for name in names:
+            if any(pair.partition("=")[0] == "budget" for pair in name.split(":")[1:]):
+                raise TaskError(f"strategies: {name!r} sets budget itself; --budgets sets it, remove budget=")
+        lanes = lane_specs(names, budgets)
+    except StrategyError as e:
+        raise TaskError(str(e)) from None
+    seeds = [config.seed + i for i in range(config.samples)]
+    return Plan(tasks, contexts, depths, seeds, budgets, names, lanes)
+
+
+def lane_specs(names: list[str], budgets: list[int]) -> list[tuple[str, int | None, str]]:
+    """(strategy name, budget, spec) of every lane: each strategy at each budget (a strategy without a budget
+    setting once, budget None)."""
+    out = []
+    for name in names:
+        cls_settings = parse_spec(name).settings()
+        if "budget" not in cls_settings:
+            out.append((name, None, parse_spec(name).label))
+            continue
+        for b in budgets:
+            out.append((name, b, parse_spec(f"{name}:budget={b}").label))
+    return out
+
+
+def task_cell(cell: dict) -> dict:
+    """One sample through every lane (in a worker or here): the answers, their scores, the lanes' bytes."""
+    from ..engine import Engine
+    from ..models import load_model
+
+    loaded = load_model(cell["model"], dtype=cell["dtype"], device=cell["device"], progress=lambda msg: None)
+    s = generate.sample(cell["task"], loaded.tokenizer, cell["context"], cell["depth"], cell["seed"],
+                        haystack=cell["haystack"], chat=loaded.chat)
+    ids = generate.prompt_ids(s, loaded.tokenizer)
+    lanes = cell["lanes"]
+    engine = Engine(loaded, [parse_spec("full")] + [parse_spec(spec) for _, _, spec in lanes], max_new_tokens=s.max_new_tokens,
+                    threads=cell["threads"], twins=False, kernels=cell["kernels"],
+                    prefill_chunk=cell["prefill_chunk"])
+    t0 = time.perf_counter()
+    for _ in engine.turn(s.user, ids=ids):
+        pass
+    seconds = time.perf_counter() - t0
+    result = engine.results()
+    full = result["strategies"]["full"]
+    answers = {}
+    for name, budget, spec in [("full", None, "full")] + [tuple(x) for x in lanes]:
+        r = result["strategies"][spec]
+        reply = r["turn_texts"][0]
+        answers[spec] = {"strategy": name, "budget": budget, "reply": reply, "score": generate.score(s, reply),
+                         "exact": bool(parse_spec(spec).claims_exact),
+                         "equal_full": r["token_ids"] == full["token_ids"],
+                         "kv_exact": r["kv_exact"], "held_bytes": r["state_bytes"]["between_turns_peak"],
+                         "peak_bytes": r["state_bytes"]["peak"], "formula_peak_bytes": r["state_bytes"]["formula_peak"]}
+    return {"task": s.task, "context": s.context, "depth": s.depth, "seed": s.seed, "haystack": s.haystack,
+            "prompt_tokens": len(ids), "needle_depth": s.needle_depth, "references": list(s.answers),
+            "seconds": seconds, "kernels": result["kernels"]["mode"], "device": result["device"],
+            "lanes": answers}
+
+
+def compression_ratio(budget: int | None, prompt_tokens: int, exact: bool) -> float:
+    """kvpress's convention: the share of a prompt's K/V tokens a layer drops (0 for a strategy that keeps or
+    rebuilds them all)."""
+    if exact or budget is None:
+        return 0.0
+    return max(0.0, 1.0 - budget / prompt_tokens)
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def summarise(cells: list[dict]) -> dict:
+    """Per lane (spec): mean score, the full cache's mean on the same cells, compression ratio, peak bytes,
+    whether an exact lane equalled the full cache everywhere; and the heatmap (context x depth) per lane."""
+    specs = list(cells[0]["lanes"]) if cells else []
+    rows, heat = [], {}
+    full_mean = statistics.fmean(c["lanes"]["full"]["score"] for c in cells) if cells else None
+    for spec in specs:
+        lanes = [c["lanes"][spec] for c in cells]
+        first = lanes[0]
+        rows.append({"spec": spec, "strategy": first["strategy"], "budget": first["budget"],
+                     "kind": "exact" if first["exact"] else "lossy",
+                     "score": statistics.fmean(a["score"] for a in lanes), "full_score": full_mean,
+                     "cells": len(lanes), "cells_below_full": sum(a["score"] < c["lanes"]["full"]["score"]
+                                                                  for a, c in zip(lanes, cells)),
+                     "cells_above_full": sum(a["score"] > c["lanes"]["full"]["score"] for a, c in zip(lanes, cells)),
+                     "answers_equal_full": sum(a["equal_full"] for a in lanes),
+                     "compression_ratio": statistics.fmean(
+                         compression_ratio(first["budget"], c["prompt_tokens"], first["exact"]) for c in cells),
+                     "held_bytes_mean": _mean(a["held_bytes"] for a in lanes),
+                     "peak_bytes_mean": _mean(a["peak_bytes"] for a in lanes),
+                     "full_peak_bytes_mean": _mean(c["lanes"]["full"]["peak_bytes"] for c in cells)})
+        grid: dict[tuple, list[float]] = {}
+        for c in cells:
+            grid.setdefault((c["context"], c["depth"]), []).append(c["lanes"][spec]["score"])
+        heat[spec] = [{"context": k[0], "depth": k[1], "score": statistics.fmean(v), "n": len(v)}
+                      for k, v in sorted(grid.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1]))]
+    return {"rows": rows, "heatmap": heat}
+
+
+def run_tasks(config, say: Callable[[str], None]) -> dict:
+    """`benchmarks.tasks`'s work: `config` is a `benchmarks.TasksConfig`."""
+    import torch
+
+    from .. import guard, validate
+    from ..executors import check_executor, run_cells
+    from ..limits import limits
+    from ..models import load_model
+    p = plan(config)
+    if config.executor is not None:
+        check_executor(config.executor)
+    # Every strategy at every budget is a lane of one lockstep run (they share the prompt's forward): more lanes
+    # than a page's cap, bounded by the memory guard below.
+    cap = replace(limits(), max_strategies=max(limits().max_strategies, len(p.lanes)))
+    req = validate.request(config.model, config.device, config.dtype, ",".join(s for _, _, s in p.lanes), 1,
+                           ["task"], False, cap)
+    loaded = load_model(req.model, dtype=req.dtype, device=req.device)
+    top = max(p.contexts)
+    if top + ANSWER_TOKENS >= loaded.max_context:
+        raise TaskError(f"contexts: {top} tokens plus the answer pass {config.model}'s context of "
+                                 f"{loaded.max_context}; allowed: up to {loaded.max_context - 1 - ANSWER_TOKENS}")
+    validate.against_model(req, loaded, prompt_tokens=top)
+    est = guard.estimate(loaded.config, loaded.dtype, list(req.strategies), top, top + ANSWER_TOKENS,
+                         config.prefill_chunk, twins=False, compare=True, turns=1, kernels=config.kernels)
+    guard.check(est, loaded.device)
+    for task in p.tasks:  # a context too small for a task's needles and question: one line before any cell runs
+        generate.sample(task, loaded.tokenizer, min(p.contexts), p.depths_for(task)[0], p.seeds[0], config.haystack,
+                        chat=loaded.chat)
+    threads = config.threads or (1 if config.executor == "local" else torch.get_num_threads())
+    cells = [{"name": f"{task} {context} tokens depth {depth} seed {seed}", "model": req.model, "dtype": req.dtype,
+              "device": loaded.device.type, "threads": threads, "kernels": config.kernels,
+              "prefill_chunk": config.prefill_chunk, "task": task, "context": context, "depth": depth, "seed": seed,
+              "haystack": config.haystack, "lanes": [list(x) for x in p.lanes]}
+             for task in p.tasks for context in p.contexts for depth in p.depths_for(task) for seed in p.seeds]
+    say(f"{len(cells)} cells ({len(p.tasks)} tasks x {len(p.contexts)} contexts x depths x {len(p.seeds)} seeds), "
+        f"{len(p.lanes) + 1} lanes each: {', '.join(['full'] + [s for _, _, s in p.lanes])}")
+    t0 = time.perf_counter()
+    if config.executor is None:
+        results = []
+        for i, cell in enumerate(cells):
+            results.append(task_cell(cell))
+            full = results[-1]["lanes"]["full"]
+            say(f"cell {i + 1} of {len(cells)} ({cell['name']}): full cache {full['score']:.2f} "
+                f"{full['reply'][:40]!r}, {results[-1]['seconds']:.1f} s")
+    else:
+        results = run_cells(task_cell, cells, config.executor, config.workers)
+    seconds = time.perf_counter() - t0
+    mismatched = [(c["task"], c["context"], c["depth"], spec) for c in results for spec, a in c["lanes"].items()
+                  if a["exact"] and not a["equal_full"]]
+    from ..probes import environment
+    from ..recording import commit, today
+
+    env = environment(loaded.device)
+    return {"measured_at": today(), "commit": commit(), "processor": env["cpu"], "torch": env["torch"],
+            "model": loaded.name, "model_source": loaded.source, "device": str(loaded.device),
+            "dtype": str(loaded.dtype).removeprefix("torch."), "threads": threads, "kernels": config.kernels,
+            "executor": config.executor or "in-process", "quick": config.quick, "tasks": p.tasks,
+            "contexts": p.contexts, "depths": p.depths, "seeds": p.seeds, "haystack": config.haystack,
+            "budgets": p.budgets, "strategies": p.names, "seconds": seconds,
+            "exact_answers_equal_full": not mismatched,
+            "exact_mismatches": [list(m) for m in mismatched], "cells": results, **summarise(results)}

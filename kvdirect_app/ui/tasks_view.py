@@ -1,0 +1,156 @@
+"""The Tasks tab: a `bench tasks` result (the shipped one in presets/tasks/, or a file of one's own) as a needle
+heatmap per strategy (context x depth, the full cache's first: the ceiling) and the task-score frontier (score
+against measured peak bytes).  Plain data in, figures out: no model, no torch."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .. import schema
+from ..frontier import HELD, TASK_SCORE, Point, frontier_figure
+from ..paths import data
+from ..units import fmt_bytes
+from .settings import REFERENCE, title
+
+SHIPPED = data("presets") / "tasks"
+ALL = "every task"
+FONT = dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", size=14, color="#111")
+COLUMNS = 5  # heatmaps per row
+
+
+def shipped() -> Path | None:
+    files = sorted(SHIPPED.glob("*.json")) if SHIPPED.is_dir() else []
+    return files[0] if files else None
+
+
+def load(path: str | Path) -> dict:
+    """A tasks results file, checked to be one this build reads (one line naming what it is, else)."""
+    path = Path(path)
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise schema.SchemaError(f"{path.name}: not a readable JSON file ({type(e).__name__})") from None
+    return schema.check(document, "tasks", path.name)
+
+
+def _cells(result: dict, task: str) -> list[dict]:
+    return [c for c in result["cells"] if task == ALL or c["task"] == task]
+
+
+def specs_at(result: dict, budget: int | None) -> list[str]:
+    """The lanes shown at a budget: the full cache first, then every strategy at that budget (one without a budget
+    setting always), in the run's order."""
+    lanes = result["cells"][0]["lanes"] if result["cells"] else {}
+    return [REFERENCE] + [s for s, a in lanes.items() if s != REFERENCE and a["budget"] in (None, budget)]
+
+
+def _score(cells: list[dict], spec: str) -> float | None:
+    values = [c["lanes"][spec]["score"] for c in cells]
+    return sum(values) / len(values) if values else None
+
+
+def heatmap_figure(result: dict, budget: int | None, task: str = ALL) -> go.Figure:
+    """One small map per lane (contexts down, depths across), its mean score in the title beside the full cache's."""
+    cells = _cells(result, task)
+    specs = specs_at(result, budget)
+    contexts = sorted({c["context"] for c in cells})
+    depths = sorted({c["depth"] for c in cells}, key=lambda d: -1 if d is None else d)
+    rows = -(-len(specs) // COLUMNS)
+    full = _score(cells, REFERENCE)
+    names = []
+    for spec in specs:
+        name, s = title(spec.split(":")[0]), _score(cells, spec)
+        names.append(name if s is None else f"<b>{name}</b><br>{s:.2f}" if spec == REFERENCE else
+                     f"<b>{name}</b><br>{s:.2f} (full {full:.2f})")
+    fig = make_subplots(rows=rows, cols=COLUMNS, subplot_titles=names, horizontal_spacing=0.02, shared_yaxes=True,
+                        vertical_spacing=0.14 if rows > 1 else 0.1)
+    xs = ["any" if d is None else f"{d:g}%" for d in depths]
+    ys = [f"{c:,}" for c in contexts]
+    for i, spec in enumerate(specs):
+        z, text = [], []
+        for ctx in contexts:
+            row, words = [], []
+            for d in depths:
+                v = [c["lanes"][spec]["score"] for c in cells if c["context"] == ctx and c["depth"] == d]
+                row.append(sum(v) / len(v) if v else None)
+                words.append("" if not v else f"{row[-1]:.2f}")
+            z.append(row)
+            text.append(words)
+        fig.add_trace(go.Heatmap(z=z, x=xs, y=ys, text=text, texttemplate="%{text}", zmin=0, zmax=1,
+                                 colorscale="Cividis", showscale=i == 0, xgap=2, ygap=2,
+                                 colorbar=dict(title="score", len=0.8, thickness=12),
+                                 hovertemplate=f"{html.escape(spec)}<br>context %{{y}} tokens, depth %{{x}}"
+                                               "<br>score %{z:.2f}<extra></extra>"),
+                      row=i // COLUMNS + 1, col=i % COLUMNS + 1)
+    fig.update_xaxes(title_text="", tickfont=dict(size=11))
+    fig.update_yaxes(tickfont=dict(size=11))
+    fig.update_yaxes(title_text="context (tokens)", col=1)
+    where = "every task" if task == ALL else task
+    fig.update_layout(template="plotly_white", font=FONT, height=190 + 230 * rows,
+                      margin=dict(l=70, r=20, t=80, b=40),
+                      title=dict(text=f"Needle found, by context and depth ({where}; budget {budget}): 1 = every "
+                                      "reference in the answer", x=0.01, font=dict(size=17)))
+    fig.update_annotations(font_size=13)
+    return fig
+
+
+def frontier_points(result: dict, task: str = ALL) -> tuple[list[Point], float | None]:
+    """Every lane (strategy x budget) as a point: the bytes its cache holds after the answer (measured, mean over
+    the samples: what its budget buys) and its mean score; the full cache's score."""
+    cells = _cells(result, task)
+    if not cells:
+        return [], None
+    points = []
+    for spec in cells[0]["lanes"]:
+        held = [c["lanes"][spec]["held_bytes"] for c in cells if c["lanes"][spec]["held_bytes"] is not None]
+        if held:
+            points.append(Point(spec, int(sum(held) / len(held)), _score(cells, spec), None,
+                                instrument="tensor storages", axis=HELD))
+    return points, _score(cells, REFERENCE)
+
+
+def frontier(result: dict, task: str = ALL) -> go.Figure:
+    points, full = frontier_points(result, task)
+    return frontier_figure(points, title="Task score against memory", axis=TASK_SCORE, reference=full,
+                           subtitle=f"{'every task' if task == ALL else task}, {result['model']}; bytes held after the "
+                                    f"answer, mean over the samples; measured {result['measured_at']} on {result['device']}")
+
+
+def provenance(result: dict) -> str:
+    return (f"measured {result['measured_at']} on {result['device']} ({result.get('processor', '?')}), "
+            f"{result['threads']} thread{'' if result['threads'] == 1 else 's'}, {result['kernels']} kernels, {result['model']}, "
+            f"commit {result.get('commit') or '?'}")
+
+
+def head_html(result: dict) -> str:
+    """Where and when the result was measured, what it holds, and the exactness check."""
+    exact = ("every exact strategy's answer equals the full cache's, token for token, in every cell"
+             if result["exact_answers_equal_full"] else
+             f"<b>{len(result['exact_mismatches'])} exact answers differ from the full cache's</b>")
+    return (f"<p class='kvd-tasks-head'>{html.escape(provenance(result))}: {len(result['cells'])} samples "
+            f"({', '.join(result['tasks'])}), contexts {', '.join(map(str, result['contexts']))} tokens, haystack "
+            f"{html.escape(result['haystack'])}; {exact}.</p>")
+
+
+def table_html(result: dict, budget: int | None, task: str = ALL) -> str:
+    """A row per lane at the budget: its score beside the full cache's, its compression ratio and measured peak."""
+    cells = _cells(result, task)
+    full = _score(cells, REFERENCE)
+    rows = []
+    by_spec = {r["spec"]: r for r in result["rows"]}
+    for spec in specs_at(result, budget):
+        s, r = _score(cells, spec), by_spec.get(spec, {})
+        below = sum(c["lanes"][spec]["score"] < c["lanes"][REFERENCE]["score"] for c in cells)
+        same = sum(c["lanes"][spec]["equal_full"] for c in cells)
+        rows.append(f"<tr><td>{html.escape(title(spec.split(':')[0]))}</td><td>{html.escape(r.get('kind', ''))}</td>"
+                    f"<td><b>{s:.2f}</b></td><td>{full:.2f}</td><td>{below}/{len(cells)}</td>"
+                    f"<td>{same}/{len(cells)}</td><td>{r.get('compression_ratio', 0):.2f}</td>"
+                    f"<td>{fmt_bytes(r.get('held_bytes_mean'))}</td><td>{fmt_bytes(r.get('peak_bytes_mean'))}</td></tr>")
+    return ("<table class='kvd-tasks-table'><tr><th>strategy</th><th>kind</th><th>score</th><th>full cache</th>"
+            "<th>below full</th><th>= full answer</th><th>compression</th><th>held after</th><th>peak during</th></tr>"
+            + "".join(rows) + "</table>")

@@ -1,0 +1,222 @@
+"""The RULER-style task generators (kvdirect_app/tasks/generate.py) and the long document's QA set (tasks/qa.py),
+on SmolLM2's tokenizer alone (no model): determinism, needle depth, prompt length, the QA set against the file,
+the scores, the one-line errors."""
+
+import random
+import re
+
+import pytest
+
+from kvdirect_app.tasks import generate as g
+from kvdirect_app.tasks import qa
+from kvdirect_app.tasks.tokenizer import tokenizer_for
+
+pytestmark = pytest.mark.check  # the inner loop (`make check`)
+
+NIAH = [t for t in g.TASKS if t != "qa"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer_for("smollm2-135m")
+
+
+def _context(s: g.Sample) -> str:
+    """The haystack with its needles: the user message without the instruction and the question."""
+    if s.task == "variable_tracking":
+        return s.user.split("\n\n", 1)[1].rsplit("\nQuestion:", 1)[0]
+    if s.task == "qa":
+        return s.user.split("The following are given documents.\n\n", 1)[1].split("\n\nAnswer the question", 1)[0]
+    return s.user.split("\n", 1)[1].rsplit("\n", 1)[0]
+
+
+def _needles(s: g.Sample) -> list[str]:
+    if s.task == "qa":
+        return [qa.paragraphs()[qa.fact_paragraph(qa.question_for(s.seed))]]
+    marker = "VAR " if s.task == "variable_tracking" else "One of the special magic"
+    return [line for line in _context(s).split("\n") if line.startswith(marker)]
+
+
+def _placed(s: g.Sample) -> str:
+    """The needle that `depth` places: the asked one (single, multi-key), else the first in the text."""
+    needles = _needles(s)
+    if s.task in ("qa", "niah_multivalue", "niah_multiquery", "variable_tracking"):
+        return needles[0]
+    return next(n for n in needles if s.answers[0] in n)
+
+
+def _depth_by_text(s: g.Sample, tok) -> float:
+    """An independent measure: tokens of the haystack (needle lines removed) before the needle, in percent."""
+    ctx = _context(s)
+    at = ctx.index(_placed(s))
+    strip = lambda text: re.sub(r"\n+", "\n", "\n".join(x for x in text.split("\n") if x not in _needles(s)))
+    count = lambda text: len(tok(strip(text), add_special_tokens=False)["input_ids"]) if text.strip() else 0
+    return 100.0 * count(ctx[:at]) / count(ctx)
+
+
+def test_same_settings_give_the_same_sample_whatever_ran_before(tok):
+    for task in g.TASKS:
+        for haystack in g.HAYSTACKS:
+            random.seed(1)
+            a = g.sample(task, tok, 512, 50, 7, haystack)
+            random.seed(2)  # the global generator is not used
+            random.random()
+            b = g.sample(task, tok, 512, 50.0, 7, haystack)
+            assert a == b, (task, haystack)
+    assert g.sample("niah_single_number", tok, 512, None, 3) == g.sample("niah_single_number", tok, 512, None, 3)
+
+
+def test_another_seed_gives_other_needles(tok):
+    for task in NIAH:
+        a, b = (g.sample(task, tok, 512, 50, seed) for seed in (0, 1))
+        assert set(a.answers).isdisjoint(b.answers), task
+        assert a.user != b.user
+    # QA: the seed walks the question set
+    questions = {g.sample("qa", tok, 512, 50, seed, "document").user.rsplit("Question: ", 1)[1]
+                 for seed in range(len(qa.QUESTIONS))}
+    assert len(questions) == len(qa.QUESTIONS)
+
+
+@pytest.mark.parametrize("context", [512, 2048])
+@pytest.mark.parametrize("haystack", g.HAYSTACKS)
+def test_needle_at_the_asked_depth(tok, context, haystack):
+    # Noise: a boundary every few tokens.  The report: the needle goes between sentences of ~20-40 tokens, so at
+    # 512 tokens (~350 of haystack) the nearest boundary can be ~6 points away.
+    tol = 2.0 if haystack == "noise" else {512: 6.0, 2048: 2.0}[context]
+    for task in NIAH:
+        for depth in (0, 50, 100):
+            for seed in (0, 1):
+                s = g.sample(task, tok, context, depth, seed, haystack)
+                assert abs(s.needle_depth - depth) <= tol, (task, depth, seed, s.needle_depth)
+                assert abs(_depth_by_text(s, tok) - s.needle_depth) <= 1.5, (task, depth, seed)
+                lines = _context(s).split("\n")
+                if depth == 0:
+                    assert lines[0] == _placed(s)
+                if depth == 100 and task not in ("niah_multikey",):  # all needles at the end
+                    assert lines[-len(_needles(s)):] == _needles(s)
+                if task == "variable_tracking":  # each name in its chain lines only
+                    assert [_context(s).count(n) for n in s.answers] == [2, 2, 2, 2, 1]
+                else:
+                    assert all(s.user.count(a) == 1 for a in s.answers), task  # a value is in its needle only
+
+
+@pytest.mark.parametrize("context", [512, 2048])
+def test_qa_fact_at_the_asked_depth(tok, context):
+    # The report's window starts at a sentence: the fact's paragraph is as near the depth as a sentence allows.
+    tol = {512: 15.0, 2048: 4.0}[context]
+    for seed in range(0, len(qa.QUESTIONS), 6):
+        for depth in (0, 50, 100):
+            for haystack in g.HAYSTACKS:
+                s = g.sample("qa", tok, context, depth, seed, haystack)
+                assert abs(s.needle_depth - depth) <= (tol if haystack == "document" else 2.0), (seed, depth)
+                assert abs(_depth_by_text(s, tok) - s.needle_depth) <= 1.5
+
+
+def test_prompt_is_as_long_as_asked_never_longer(tok):
+    for task in g.TASKS:
+        for haystack in g.HAYSTACKS:
+            for context, chat in ((512, True), (777, False), (2048, True)):
+                s = g.sample(task, tok, context, 30, 5, haystack, chat=chat)
+                n = len(g.prompt_ids(s, tok))
+                assert context - 6 <= n <= context, (task, haystack, context, n)
+    s = g.sample("niah_single_number", tok, 600, 50, 0)
+    chat = tok.apply_chat_template([{"role": "user", "content": s.user}], tokenize=False, add_generation_prompt=True)
+    assert g.prompt_ids(s, tok) == (tok(chat, add_special_tokens=False)["input_ids"]
+                                    + tok(s.answer_prefix, add_special_tokens=False)["input_ids"])
+    assert g.prompt_text(s, tok) == chat + s.answer_prefix
+
+
+def test_a_byte_level_tokenizer_too():
+    byte = tokenizer_for("tiny-llama")
+    for haystack, tol in (("noise", 3.0), ("document", 10.0)):  # a sentence of the report is ~200 bytes
+        s = g.sample("niah_multikey", byte, 2048, 50, 0, haystack)
+        assert 2044 <= len(g.prompt_ids(s, byte)) <= 2048 and abs(s.needle_depth - 50) <= tol, haystack
+
+
+def test_every_task_fits_above_min_context(tok):
+    for task in g.TASKS:
+        for chat in (True, False):
+            with pytest.raises(g.SampleError, match=r"allowed: at least (\d+)") as info:
+                g.sample(task, tok, g.MIN_CONTEXT, 50, 0, chat=chat)
+            least = int(re.search(r"at least (\d+)", str(info.value)).group(1))
+            s = g.sample(task, tok, least, 50, 0, chat=chat)
+            assert len(g.prompt_ids(s, tok)) == least
+    assert set(g.DEPTHLESS) <= set(g.TASKS)
+
+
+def test_the_qa_set_against_the_document():
+    text = qa.DOCUMENT.read_text(encoding="utf-8")
+    assert len(qa.QUESTIONS) >= 20 and len({q.question for q in qa.QUESTIONS}) == len(qa.QUESTIONS)
+    for q in qa.QUESTIONS:
+        k = qa.fact_paragraph(q)
+        paragraph = qa.paragraphs()[k]
+        assert qa.occurrences(text, q.answers[0]) == 1, q.answers[0]  # stated once in the file
+        assert q.clue in paragraph, q.clue  # the question's key fact is in the same paragraph
+        for form in q.answers[1:]:  # an accepted form is in that paragraph or nowhere
+            assert qa.occurrences(text, form) == qa.occurrences(paragraph, form) <= 1, form
+        others = "\n".join(p for i, p in enumerate(qa.paragraphs()) if i != k)
+        assert not qa.contains(others, q.answers), q.question
+
+
+def test_each_qa_answer_is_in_its_context_once(tok):
+    for seed, q in enumerate(qa.QUESTIONS):
+        for context, depth, haystack in ((512, 0, "document"), (512, 50, "document"), (512, 100, "document"),
+                                         (512, 50, "noise")) + (((2048, 50, "document"),) if seed % 3 == 0 else ()):
+            s = g.sample("qa", tok, context, depth, seed, haystack)
+            assert s.answers == q.answers
+            assert qa.occurrences(_context(s), q.answers[0]) == 1, (seed, context, depth, haystack)
+            assert q.clue in _context(s) and q.question in s.user
+
+
+def test_answers_fit_the_generation_length(tok):
+    for task in g.TASKS:
+        s = g.sample(task, tok, 512, 50, 0)
+        longest = ", ".join(s.answers) if task != "qa" else max(s.answers, key=len)
+        assert len(tok(" " + longest + ".", add_special_tokens=False)["input_ids"]) <= s.max_new_tokens - 2, task
+    assert max(g.MAX_NEW_TOKENS.values()) <= 64
+
+
+def test_scores(tok):
+    one = g.sample("niah_single_uuid", tok, 512, 50, 0)
+    assert g.score(one, f" {one.answers[0].upper()}.") == 1.0
+    assert g.score(one, " 123e4567-e89b-12d3-a456-426614174000") == 0.0
+    many = g.sample("niah_multivalue", tok, 512, 50, 0)
+    assert g.score(many, " " + ", ".join(many.answers)) == 1.0
+    assert g.score(many, f" {many.answers[0]} and {many.answers[2]}") == 0.5
+    assert g.score(many, " none") == 0.0
+    vt = g.sample("variable_tracking", tok, 512, 50, 0)
+    assert g.score(vt, " " + " ".join(vt.answers[:3])) == pytest.approx(0.6)
+    q = g.sample("qa", tok, 512, 50, 6, "document")  # "How tall was Brenn's tower?"
+    assert q.answers[0] == "twenty-two metres"
+    assert g.score(q, " It was 22 metres tall.") == 1.0
+    assert g.score(q, " Twenty-two metres") == 1.0
+    assert g.score(q, " 122 metres") == 0.0 and g.score(q, " fourteen nautical miles") == 0.0
+
+
+@pytest.mark.parametrize("args,setting", [
+    (("niah_single_number", 512, -1, 0), "depth"), (("niah_single_number", 512, 100.5, 0), "depth"),
+    (("niah_single_number", 512, float("nan"), 0), "depth"), (("niah_single_number", 512, True, 0), "depth"),
+    (("niah", 512, 50, 0), "task"), (("niah_single_number", 0, 50, 0), "context"),
+    (("niah_single_number", "512", 50, 0), "context"), (("qa", 200, 50, 0), "context"),
+    (("niah_single_number", 512, 50, 1.5), "seed"),
+])
+def test_bad_settings_are_one_line(tok, args, setting):
+    task, context, depth, seed = args
+    with pytest.raises(ValueError) as info:
+        g.sample(task, tok, context, depth, seed)
+    message = str(info.value)
+    assert isinstance(info.value, g.SampleError) and "\n" not in message
+    assert message.startswith(f"{setting}: ") and "allowed: " in message
+    for call, name in ((lambda: g.sample("qa", tok, 512, 50, 0, haystack="essay"), "haystack"),
+                       (lambda: g.sample("qa", tok, 512, 50, 0, chat="yes"), "chat"),
+                       (lambda: tokenizer_for("nope"), "preset")):
+        with pytest.raises(g.SampleError, match=f"^{name}: .*allowed: "):
+            call()
+
+
+def test_too_small_names_the_minimum(tok):
+    with pytest.raises(g.SampleError) as info:
+        g.sample("niah_multiquery", tok, 150, 50, 0)
+    least = int(re.search(r"allowed: at least (\d+)$", str(info.value)).group(1))
+    assert least > 150
+    g.sample("niah_multiquery", tok, least, 50, 0)

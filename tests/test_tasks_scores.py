@@ -1,0 +1,129 @@
+"""`bench tasks`: every lane answers each generated sample, scored; exact lanes checked against the full cache's
+answers (a check that can fail); the results file validated; bad settings refused with one line; the Tasks tab's
+views drawn from a file alone."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from kvdirect_app import benchmarks
+from kvdirect_app.cli import main
+from kvdirect_app.schema import SchemaError, validate
+from kvdirect_app.strategies.window import Window
+from kvdirect_app.tasks import scores
+from kvdirect_app.ui import tasks_view
+
+TINY = benchmarks.TasksConfig(model="tiny-llama", contexts="512", depths="0,100", tasks="niah_single_number",
+                              budgets="8,64", strategies="kvdirect,anchorkv,window,h2o", threads=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_result():
+    return benchmarks.tasks(TINY, say=lambda line: None)
+
+
+@pytest.mark.check
+def test_every_lane_answers_every_sample_and_exact_lanes_equal_the_full_cache(tiny_result):
+    out = tiny_result
+    assert [(c["task"], c["context"], c["depth"]) for c in out["cells"]] == [("niah_single_number", 512, 0),
+                                                                          ("niah_single_number", 512, 100)]
+    specs = ["full", "kvdirect:budget=8", "kvdirect:budget=64", "anchorkv:budget=8", "anchorkv:budget=64",
+             "window:budget=8", "window:budget=64", "h2o:budget=8", "h2o:budget=64"]
+    for cell in out["cells"]:
+        assert list(cell["lanes"]) == specs and cell["prompt_tokens"] <= 512
+        for spec, lane in cell["lanes"].items():
+            assert lane["exact"] == (spec.split(":")[0] in ("full", "kvdirect", "anchorkv"))
+            assert not lane["equal_full"] or lane["reply"] == cell["lanes"]["full"]["reply"]
+            if lane["exact"]:
+                assert lane["equal_full"] and lane["score"] == cell["lanes"]["full"]["score"]
+            else:
+                assert lane["peak_bytes"] < cell["lanes"]["full"]["peak_bytes"]  # the budget holds: fewer bytes
+    assert out["exact_answers_equal_full"] and out["exact_mismatches"] == []
+    rows = {r["spec"]: r for r in out["rows"]}
+    for spec in specs:
+        mean = sum(c["lanes"][spec]["score"] for c in out["cells"]) / 2
+        assert rows[spec]["score"] == mean and rows[spec]["cells"] == 2
+    assert rows["window:budget=8"]["compression_ratio"] == pytest.approx(
+        sum(1 - 8 / c["prompt_tokens"] for c in out["cells"]) / 2)
+    assert rows["kvdirect:budget=8"]["compression_ratio"] == 0  # keeps (or rebuilds) every token's K/V
+    assert [h["depth"] for h in out["heatmap"]["full"]] == [0, 100]
+    validate({"schema": "kvdirect-studio/tasks", "schema_version": 1, **out})
+
+
+@pytest.mark.check
+def test_the_exactness_check_fails_when_a_lossy_lane_claims_to_be_exact(monkeypatch):
+    """Mutation: the window at budget 8 said exact: its answers differ from the full cache's, and the run says so."""
+    monkeypatch.setattr(Window, "claims_exact", True)
+    out = benchmarks.tasks(replace(TINY, depths="50", budgets="8", strategies="window"), say=lambda line: None)
+    assert not out["exact_answers_equal_full"]
+    assert out["exact_mismatches"] == [["niah_single_number", 512, 50, "window:budget=8"]]
+
+
+@pytest.mark.check
+@pytest.mark.parametrize("args, words", [
+    (["--depths", "101"], ["depths", "0..100"]),
+    (["--depths", "50,50"], ["depths", "twice"]),
+    (["--contexts", "900000"], ["contexts", "context of 1024"]),
+    (["--contexts", "100"], ["context", "too small", "at least"]),
+    (["--tasks", "needle"], ["tasks", "niah_single_number", "qa"]),
+    (["--haystack", "hay"], ["haystack", "noise", "document"]),
+    (["--budgets", "0"], ["budgets", "1.."]),
+    (["--strategies", "window:budget=4"], ["budget", "remove budget="]),
+    (["--strategies", "nothing"], ["nothing"]),
+    (["--samples", "0"], ["samples", "1..1000"]),
+])
+def test_bad_settings_get_one_line_naming_the_setting(args, words, capsys):
+    code = main(["tasks", "--model", "tiny-llama", "--contexts", "512", "--tasks", "niah_single_number", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert all(w in err for w in words), err
+
+
+@pytest.mark.check
+def test_the_tasks_tab_draws_from_a_file_and_refuses_another_kind(tiny_result, tmp_path):
+    path = tmp_path / "tasks.json"
+    path.write_text(json.dumps({"schema": "kvdirect-studio/tasks", "schema_version": 1, **tiny_result}))
+    result = tasks_view.load(path)
+    fig = tasks_view.heatmap_figure(result, 8)
+    names = [t.hovertemplate.split("<br>")[0] for t in fig.data]
+    assert names == ["full", "kvdirect:budget=8", "anchorkv:budget=8", "window:budget=8", "h2o:budget=8"]
+    assert [list(row) for row in fig.data[0].z] == [[h["score"] for h in result["heatmap"]["full"]]]
+    points, full = tasks_view.frontier_points(result)
+    assert len(points) == 9 and full == next(r["score"] for r in result["rows"] if r["spec"] == "full")
+    table = tasks_view.table_html(result, 64)
+    assert "window" not in table.lower() or "Sliding window" in table
+    assert table.count("<tr>") == 1 + 5  # the header, the full cache, four lanes at budget 64
+    assert result["measured_at"] in tasks_view.head_html(result)
+    (tmp_path / "sweep.json").write_text(json.dumps({"schema": "kvdirect-studio/sweep", "schema_version": 1}))
+    with pytest.raises(SchemaError, match="expected 'kvdirect-studio/tasks'"):
+        tasks_view.load(tmp_path / "sweep.json")
+    (tmp_path / "old.json").write_text(json.dumps({"schema": "kvdirect-studio/tasks", "schema_version": 0}))
+    with pytest.raises(SchemaError, match="version 0 is not supported"):
+        tasks_view.load(tmp_path / "old.json")
+
+
+def test_the_shipped_result_is_a_valid_tasks_file_whose_exact_answers_equal_the_full_caches():
+    path = tasks_view.shipped()
+    assert path is not None, "presets/tasks/ ships no result"
+    result = tasks_view.load(path)
+    validate(result)
+    assert result["exact_answers_equal_full"]
+    for cell in result["cells"]:
+        for lane in cell["lanes"].values():
+            assert not lane["exact"] or lane["equal_full"]
+    assert {r["strategy"] for r in result["rows"]} >= {"full", "kvdirect", "anchorkv", "h2o", "streaming_llm", "snapkv",
+                                                       "tova", "window", "knorm", "pyramidkv"}
+    assert scores.summarise(result["cells"]) == {"rows": result["rows"], "heatmap": result["heatmap"]}
+
+
+def test_smollm2_a_window_of_64_cannot_see_a_needle_in_the_middle_and_exact_lanes_answer_as_the_full_cache():
+    """The real model, one 512-token sample: the full cache finds the needle; a window of the last 64 tokens
+    cannot hold it (it sits ~250 tokens back) and so cannot answer; KV-Direct answers as the full cache."""
+    out = benchmarks.tasks(benchmarks.TasksConfig(contexts="512", depths="50", tasks="niah_single_number",
+                                                  budgets="64", strategies="kvdirect,window"), say=lambda line: None)
+    lanes = out["cells"][0]["lanes"]
+    assert lanes["full"]["score"] == 1.0, lanes["full"]["reply"]
+    assert lanes["window:budget=64"]["score"] == 0.0 and lanes["kvdirect:budget=64"]["equal_full"]
