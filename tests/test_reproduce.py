@@ -120,8 +120,18 @@ def test_reasons_and_verdicts_follow_from_the_cells(report):
                                                    rule("patching", "dlogit", max(j["max_abs_dlogit"] for j in patched))])
     assert claims["exactness_accelerator"]["verdict"] == "not measured"  # no accelerator in this run
 
+    tasks = cell(results, "tasks")["json"]
+    lanes = [(spec, lane, c["lanes"]["full"]) for c in tasks["cells"] for spec, lane in c["lanes"].items()
+             if spec != "full"]
+    exact = [lane["equal_full"] and lane["score"] == full["score"] for _, lane, full in lanes if lane["exact"]]
+    changed = {lane["strategy"] for _, lane, full in lanes if not lane["exact"] and lane["score"] != full["score"]}
+    assert claims["tasks"]["verdict"] == worst([rule("tasks", "exact", sum(exact) / len(exact)),
+                                                rule("tasks", "lossy", len(changed) / len(reproduce.EVICTION))])
+
     rows = cell(results, "agreement")["json"]["rows"]
-    baselines = [r["token_match"] for r in rows if r["mode"] is None]
+    named = ("h2o", "streaming_llm", "snapkv", "tova", "window")  # the five baselines claim 3's quote names
+    baselines = [r["token_match"] for r in rows if r["mode"] is None and r["strategy"] in named]
+    assert {r["strategy"] for r in rows if r["mode"] is None} == set(reproduce.EVICTION)  # all seven ran
     assert f"{render.number(min(baselines))}-{render.number(max(baselines))} here" in claims["agreement"]["reason"]
     exact = min(r["token_match"] for r in rows if r["mode"] == "exact")
     assert claims["agreement"]["verdict"] == worst([rule("agreement", "exact", exact),

@@ -386,7 +386,7 @@ def _tasks(results: dict) -> dict:
                      " (the ceiling)")
     if lossy:
         notes.append("lossy methods, cells changed and mean score change against the full cache: " + ", ".join(
-            f"{m} {v['changed']}/{v['cells']} ({v['mean_delta']:+.2f})" for m, v in out["methods"].items()))
+            f"{m} {v['changed']}/{v['cells']} ({number(v['mean_delta'])})" for m, v in out["methods"].items()))
         if len(lossy) != 7:
             notes.append(f"{len(lossy)} lossy methods ran, not the claim's seven")
     if not exact and not lossy:
