@@ -128,7 +128,7 @@ def _tasks_tab():
                     "presets/tasks/smollm2-135m.json`.")
         return
     budgets = result["budgets"]
-    state = gr.State(result)
+    state = gr.State(result, time_to_live=session_ttl_s())  # expires with the visitor's session, as its page does
     with gr.Row():
         budget = gr.Dropdown(budgets, value=budgets[0], label="Budget (tokens per layer)", scale=1,
                              elem_id="kvd-tasks-budget")
