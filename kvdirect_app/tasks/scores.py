@@ -110,9 +110,9 @@ def lane_specs(names: list[str], budgets: list[int]) -> list[tuple[str, int | No
     setting once, budget None)."""
     out = []
     for name in names:
-        cls_settings = parse_spec(name).settings()
-        if "budget" not in cls_settings:
-            out.append((name, None, parse_spec(name).label))
+        strategy = parse_spec(name)
+        if "budget" not in strategy.settings():
+            out.append((name, None, strategy.label))
             continue
         for b in budgets:
             out.append((name, b, parse_spec(f"{name}:budget={b}").label))
