@@ -63,7 +63,7 @@ class Conversation(_Config):
     dtype: str = "float32"
     device: str = "auto"
     threads: int | None = None
-    memory: str = "storage"
+    memory: str = "auto"
     no_instruments: bool = False
     sequential: bool = False
     no_twins: bool = False

@@ -6,14 +6,16 @@ by default they go through the model together, one layer at a time, each
 with its own cache, bit for bit as if run one after another (`forwards.py`,
 `lockstep.py`), and the reference's cache is updated first at every layer,
 so a strategy can compare what it hands to attention with what the
-reference holds for the same step.  Instruments (`instruments.py`) observe
-the lanes at fixed points of a step and a turn, and their time is their own:
-each step reports its wall time, every lane's own time, the instruments'
-time and the unattributed rest, which add up to the wall time.  Each lane's
-bytes are measured (the storages its cache holds by default, the allocator
-with ``memory="trace"``) and kept beside the formula (`lanes.ByteBook`); a prompt longer
-than `prefill_chunk` tokens is fed in pieces, with a progress event per
-piece.  Sessions can be parked between turns and resumed.
+reference holds for the same step.  Every piece of a step runs in a region
+of the engine's observer (`observe.py`): a lane's own work, the shared pass,
+an instrument's work (`instruments.py`), the engine's own (choosing tokens,
+detokenising, events); each step reports its wall time and every part as
+its clock read it, and what no clock covered as unattributed.  Each lane's
+bytes are measured by the allocator the tensors live in (`meters.py`: the
+allocator's ledger on the CPU) and kept beside what the strategy lists and
+the formula (`lanes.ByteBook`); a prompt longer than `prefill_chunk` tokens
+is fed in pieces, with a progress event per piece.  Sessions can be parked
+between turns and resumed.
 
 The engine yields plain dict events and never imports gradio.
 """
@@ -21,23 +23,25 @@ The engine yields plain dict events and never imports gradio.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
+import weakref
+from collections import defaultdict
 from typing import Callable, Iterator
 
 import torch
 
-from .forwards import Forwards, Item, storage_held
+from . import ledger, meters
+from .forwards import Forwards, Item
 from .geometry import ModelGeometry
 from .hooks import InputTap, model_lock
-from .instruments import COUNTS, MEMORY_MODES, Instruments
+from .instruments import MEMORY_MODES, Instruments
 from .kernels import Kernels
 from .kernels import brief as kernels_brief
 from .lockstep import batch_linears
 from .lanes import ByteBook, Lane, TurnBytes
 from .memory import AllocationTracer
-from .metrics import clock, token_match
+from .metrics import token_match
 from .models import LoadedModel
+from .observe import ENGINE, Observer, Owner, instrument, storage_sizes, watch
 from .prompts import InputError, Prompter
 from .strategies import Strategy
 from .strategies.full import Full
@@ -56,8 +60,10 @@ class Engine:
     Parameters
     ----------
     threads : pinned for every forward, on whichever thread runs it (default: torch's count now).
-    memory : "storage" (the tensors' storages each cache holds, and the transients each strategy counts), "trace"
-        (the allocator's every allocation, auditing the storage count) or "none" (formula only).
+    memory : "allocator" (the allocator the tensors live in: held bytes and peaks measured per lane), "trace" (the
+        allocator's every allocation, auditing the meter), "storage" (the tensors each strategy lists: declared,
+        not measured), "none" (formula only), or "auto" (the default: "allocator" where it can be read, else
+        "storage", and the instrument's name says why).
     instruments : False turns every instrument off (no memory, comparison, twins, agreement, snapshot, digest or
         RSS work at all): the engine then only runs the lanes.
     compare : False runs one strategy alone, as deployed, with no reference (`bench run --solo`).
@@ -67,15 +73,13 @@ class Engine:
     """
 
     def __init__(self, loaded: LoadedModel, strategies: list[Strategy], max_new_tokens: int = 64,
-                 raw: bool = False, threads: int | None = None, memory: str = "storage", compare: bool = True,
+                 raw: bool = False, threads: int | None = None, memory: str = "auto", compare: bool = True,
                  batch: bool = True, twins: bool = True, prefill_chunk: int = PREFILL_CHUNK, kernels: str = "invariant",
                  instruments: bool = True):
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens: {max_new_tokens} must be >= 1")
         if threads is not None and threads < 1:
             raise InputError(f"--threads: {threads} must be >= 1")
-        if memory not in MEMORY_MODES:
-            raise InputError(f"--memory: {memory!r} is not allowed; allowed: {', '.join(MEMORY_MODES)}")
         if prefill_chunk < 1:
             raise InputError(f"--prefill-chunk: {prefill_chunk} must be >= 1")
         self.loaded = loaded
@@ -84,17 +88,21 @@ class Engine:
         self.threads = threads or torch.get_num_threads()
         self.prompter = Prompter(loaded, raw)
         self.geometry = ModelGeometry.from_config(loaded.config, loaded.dtype)
+        if memory not in MEMORY_MODES:
+            raise InputError(f"--memory: {memory!r} is not allowed; allowed: {', '.join(MEMORY_MODES)}")
         self.instruments = Instruments(memory=memory, twins=twins) if instruments else Instruments.off()
-        memory = self.instruments.memory
-        self.tracer = AllocationTracer(loaded.device, enabled=memory == "trace")
-        self.instrument = {"trace": f"allocator trace ({loaded.device.type})",
-                           "storage": f"tensor storages ({loaded.device.type})", "none": "none (formula only)"}[memory]
+        self.memory, self.instrument, meter = memory_instrument(self.instruments.memory, loaded.device)
+        self.tracer = AllocationTracer(loaded.device, enabled=self.memory == "trace")
+        self.observer = Observer(loaded.device, meter, self.tracer)
+        weakref.finalize(self, self.observer.close)
+        self.peak_source = {"allocator": "measured" if meter is not None and meter.has_peak else "formula",
+                            "trace": "trace", "storage": "formula", "none": None}[self.memory]
         self.twins, self.prefill_chunk = self.instruments.twins, prefill_chunk
-        self.steps: list[dict] = []  # per decode step: wall, lanes', instruments' and unattributed ms
-        # Probed now, outside every timed and traced step (the verdicts stay with the loaded model).
+        self.steps: list[dict] = []  # per decode step: its wall time and each part's
+        # Probed now, outside every timed step (the verdicts stay with the loaded model).
         self.kernels = Kernels.for_model(loaded, kernels, self.threads)
-        self.forwards = Forwards(self.model, loaded.device, self.geometry, self.tracer, self.threads, batch,
-                                 self.kernels, self.instruments)
+        self.forwards = Forwards(self.model, loaded.device, self.geometry, self.observer, self.tracer, self.threads,
+                                 batch, self.kernels, self.memory, self.instruments.rss, self.instruments.snapshots)
         self.solo = not compare
         if self.solo:  # one strategy as deployed alone: it drives the conversation, nothing is compared
             if len(strategies) != 1:
@@ -122,13 +130,24 @@ class Engine:
         return out
 
     def _lane(self, strategy: Strategy) -> Lane:
-        lane = Lane(strategy, None, strategy.label, ByteBook(measured=self.instruments.memory != "none"))
-        with self.tracer.trace(lane.label):
-            lane.cache = strategy.build_cache(self.model)
+        lane = Lane(strategy, None, strategy.label, ByteBook(measured=self.memory != "none",
+                                                             peak_source=self.peak_source))
+        self.observer.register(lane.owner)
+        with self._work(lane.owner, "build"):
+            lane.cache = watch(strategy.build_cache(self.model))
         lane.cache.use_kernels(self.kernels)
-        if self.loaded.device.type == "cuda" and self.tracer.enabled:  # the allocator rounds blocks: like for like
-            lane.book.held_sizes = lane.cache.storage_sizes
+        if self.loaded.device.type == "cuda" and self.memory in ("allocator", "trace"):
+            # The caching allocator rounds blocks: measured and formula compared like for like.
+            lane.book.held_sizes = lambda: list(storage_sizes(*lane.cache.state_tensors()).values())
         return lane
+
+    @contextlib.contextmanager
+    def _work(self, owner: Owner, op: str):
+        """`owner`'s work outside a pass (building, forking, ending a turn, parking, resuming): a region of the
+        observer, traced in a session of its own with ``--memory trace``."""
+        session = self.tracer.session(shared=owner.label) if self.tracer.enabled else contextlib.nullcontext()
+        with session, self.observer.region(owner, op):
+            yield
 
     @property
     def all_lanes(self) -> list[Lane]:
@@ -165,7 +184,8 @@ class Engine:
             try:
                 if k == 0 and self.instruments.compare:
                     for lane in self.lanes:
-                        lane.cache.compare_with(self.reference.cache)
+                        if lane.strategy.kv_comparable:
+                            self.observer.compare_with(lane.owner, self.reference.cache)
                     yield {"type": "start", "strategies": self.show, "reference": self.reference.label,
                            "prompt_ids": self.prompt_ids, "threads": self.threads, "memory": self.instrument,
                            "determinism": self.determinism, "about": self.about(),
@@ -182,31 +202,29 @@ class Engine:
                         self._end_turn(lane)
                 pin(previous_threads)
 
-    def _traced(self, lane: Lane, action, twin: bool = False):
-        """Run `action(cache)` on the lane's cache (or its twin) as that owner's traced work."""
-        cache = lane.tf_cache if twin else lane.cache
-        if cache is None:
-            return None
-        with self.tracer.trace(lane.twin_owner if twin else lane.label) as window:
-            action(cache)
-        return window
+    def _caches(self, lane: Lane) -> list[tuple[Owner, object]]:
+        """The lane's cache and its twin's (if any), with their owners."""
+        return [(owner, cache) for owner, cache in ((lane.owner, lane.cache), (lane.twin, lane.tf_cache))
+                if cache is not None]
 
     def _end_turn(self, lane: Lane):
         """The turn is over for this lane: drop what only the turn needed, then count what stays."""
-        self._traced(lane, lambda cache: cache.end_turn())
-        self._traced(lane, lambda cache: cache.end_turn(), twin=True)
+        for owner, cache in self._caches(lane):
+            with self._work(owner, "end_turn"):
+                cache.end_turn()
         if lane.replies:
             lane.texts[-1] = lane.replies[-1].final()
         seen = lane.cache.get_seq_length()
         held = self._held(lane)
-        if self.tracer.enabled:  # the storage count beside the allocator's, between turns too
-            with self.instruments.timed("storage"):
-                storage = storage_held(lane.cache)
-                lane.book.audit("between turns", seen, storage, storage, held, None)
-        lane.book.between_turns(seen, held, lane.strategy.formula_between_turns(self.geometry, seen, lane.forwards))
+        formula = lane.strategy.formula_between_turns(self.geometry, seen, lane.forwards)
+        obs = self.observer
+        if self.memory != "none":
+            lane.book.declared(formula, obs.declared(lane.cache))
+        if self.memory == "trace" and obs.meter is not None:  # the meter beside the trace, between turns too
+            lane.book.audit("between turns", seen, obs.held(lane.owner), None, held, None)
+        lane.book.between_turns(seen, held, formula)
         if self.instruments.digests:
-            with self.instruments.timed("digest"):
-                lane.kv_digest = state_digest(lane.cache)
+            lane.kv_digest = obs.digest(lane.cache)
 
     def park(self) -> dict:
         """Between turns: every cache keeps only its persistent state (full KV, inputs, anchors or token ids).
@@ -218,8 +236,9 @@ class Engine:
             raise InputError("park: a turn is still running")
         event = {"type": "park", "lanes": {}}
         for lane in self.all_lanes:
-            self._traced(lane, lambda cache: cache.park())
-            self._traced(lane, lambda cache: cache.park(), twin=True)
+            for owner, cache in self._caches(lane):
+                with self._work(owner, "park"):
+                    cache.park()
             seen = lane.cache.get_seq_length()
             record = {"seen": seen, "bytes": self._held(lane),
                       "formula_bytes": lane.strategy.formula_parked(self.geometry, seen, lane.forwards),
@@ -269,19 +288,20 @@ class Engine:
         self.parked = False
 
     def _resume_lanes(self, tap: InputTap):
+        obs = self.observer
         for lane in self.all_lanes:
-            for twin in (False, True):
-                cache = lane.tf_cache if twin else lane.cache
-                if cache is None:
-                    continue
+            for owner, cache in self._caches(lane):
                 tap.target(cache)
-                t0 = clock(self.loaded.device)
-                window = self._traced(lane, lambda c: c.resume(), twin=twin)
-                elapsed = clock(self.loaded.device) - t0
-                cache.take_timers()
-                if not twin:
-                    lane.parks[-1]["resume_ms"] = 1e3 * elapsed
-                    lane.parks[-1]["resume_peak_bytes"] = window.peak if self.tracer.enabled else None
+                obs.reset_peaks([owner])
+                mark = obs.mark()
+                with self._work(owner, "resume"):
+                    cache.resume()
+                if owner is lane.owner:
+                    spent = obs.since(mark)
+                    lane.parks[-1]["resume_ms"] = 1e3 * sum(s for (o, _), s in spent.items() if o == owner)
+                    lane.parks[-1]["resume_peak_bytes"] = (self.tracer.windows[owner.label].peak if self.tracer.enabled
+                                                           else obs.peak(owner) if self.peak_source == "measured"
+                                                           else None)
 
     def run(self, turns: list[str], park: bool = False) -> Iterator[dict]:
         """Every turn in order (parking every session between turns when `park`), then "done" with `results()`."""
@@ -314,7 +334,8 @@ class Engine:
         yield {"type": "turn", "turn": k, "user": text, "chunk_ids": ref_chunk}
         for lane in self.all_lanes:
             lane.book.turns.append(TurnBytes(k))
-        started = clock(self.loaded.device)
+        obs = self.observer
+        started = obs.now()
         items = [Item(ref, ref_chunk)]
         for lane in lanes:
             items.append(Item(lane, chunk(lane)))
@@ -326,22 +347,23 @@ class Engine:
             lane.texts.append("")
             lane.replies.append(ReplyText(self.loaded.tokenizer))
             lane.active, lane.pending = True, None
-        self.instruments.take()  # the prompt's measurement is the turn's, not its first step's
         index = 0
         inst = self.instruments
+        fork = self._fork if self.twins and inst.agreement else None
         while ref.active or any(lane.active for lane in lanes):
-            step_started = clock(self.loaded.device)
+            step_started, mark = obs.now(), obs.mark()
             ref_token = self._choose(ref, index) if ref.active else None
             ref_logits = ref.logits if ref_token is not None else None
             event = {"type": "step", "turn": k, "index": index, "lanes": {}}
             # Agreement for every lane in one pass over the stacked logits, on one thread: per lane, a few small
             # ops on a vocabulary's logits each woke the second thread and waited for the GIL behind the page's
             # handler (113 ms a step in the app, 3 ms in the CLI).
-            with inst.timed("agreement") if inst.agreement else contextlib.nullcontext(), one_thread():
-                compared = [(lane, observe(lane, ref_token, ref_logits, ref.cache, self.tracer, self.twins,
-                                           inst.agreement)) for lane in lanes]
+            with obs.region(instrument("agreement"), "agree") if inst.agreement else contextlib.nullcontext(), \
+                    one_thread():
+                compared = [(lane, observe(lane, ref_token, ref_logits, obs, fork, inst.agreement)) for lane in lanes]
                 compared = [(lane, logits) for lane, logits in compared if logits is not None]
                 if compared:
+                    obs.counts["agreement"] += len(compared)
                     agree([lane for lane, _ in compared], [logits for _, logits in compared], ref_token, ref_logits)
             for lane in lanes:
                 if lane.active:
@@ -357,35 +379,60 @@ class Engine:
                     items.append(Item(lane, [ref_token], twin=True))
             fed = {item.lane.label for item in items if not item.twin}
             self.forwards.run(items, tap, turn_start=False)
-            for lane in self.all_lanes:
-                if len(lane.tokens[k]) == index + 1:
-                    event["lanes"][lane.label] = self._lane_event(lane, k)
-            event.update(self._step_figures(step_started, fed))
+            with obs.region(ENGINE, "events"):
+                for lane in self.all_lanes:
+                    if len(lane.tokens[k]) == index + 1:
+                        event["lanes"][lane.label] = self._lane_event(lane, k)
+            event.update(self._step_figures(step_started, mark, fed))
             yield event
             index += 1
-        self.turn_seconds.append(clock(self.loaded.device) - started)
+        self.turn_seconds.append(obs.now() - started)
         for lane in self.all_lanes:
             self._end_turn(lane)
         yield {"type": "turn_end", "turn": k, "texts": {lane.label: lane.texts[k] for lane in self.all_lanes},
                "seconds": self.turn_seconds[-1],
                "bytes": {lane.label: lane.book.turns[-1].summary() for lane in self.all_lanes}}
 
-    def _step_figures(self, started: float, fed: set[str]) -> dict:
-        """The step as a visitor sees it: its wall time, each fed lane's own time, the instruments' time (each
-        apart) and the rest nobody's (choosing tokens, the engine's bookkeeping); they add up to the wall."""
-        wall = 1e3 * (clock(self.loaded.device) - started)
-        own = {lane.label: 1e3 * lane.times.decode[-1]["total"] for lane in self.all_lanes if lane.label in fed}
-        measured = self.instruments.take()
-        figures = {"step_ms": wall, "lanes_ms": own, "measurement_ms": measured,
-                   "unattributed_ms": wall - sum(own.values()) - sum(measured.values())}
+    def _fork(self, lane: Lane):
+        """The lane's teacher-forced twin, forked from its cache at its first divergence (the twins' work)."""
+        self.observer.register(lane.twin)
+        with self._work(lane.twin, "fork"):
+            lane.tf_cache = lane.cache.fork()
+        if self.instruments.compare and lane.strategy.kv_comparable:
+            self.observer.compare_with(lane.twin, self.reference.cache)
+
+    def _step_figures(self, started: float, mark: dict, fed: set[str]) -> dict:
+        """The step as a visitor sees it, every part as its clock read it: each fed lane's own time (its regions
+        and its share of the shared pass), the instruments' (the twins' rows among them), the engine's own
+        (choosing tokens, detokenising, events), and the rest no clock covered; `shared_ms` is the shared pass
+        before it was charged to the rows."""
+        wall = 1e3 * (self.observer.now() - started)
+        lanes, measured, engine = {label: 0.0 for label in fed}, defaultdict(float), defaultdict(float)
+        for (owner, op), s in self.observer.since(mark).items():
+            if owner.kind == "lane":
+                lanes[owner.label] = lanes.get(owner.label, 0.0) + 1e3 * s
+            elif owner.kind == "twin":
+                measured["twins"] += 1e3 * s
+            elif owner.kind == "instrument":
+                measured[owner.label] += 1e3 * s
+            elif owner.kind == "engine":
+                engine[op] += 1e3 * s
+            # (the shared pass's time was charged to its rows: none of it is left here)
+        measured = {name: ms for name, ms in measured.items() if ms}
+        engine = {op: ms for op, ms in engine.items() if ms}
+        figures = {"step_ms": wall, "lanes_ms": lanes, "measurement_ms": measured, "engine_ms": engine,
+                   "shared_ms": self.forwards.step_shared_ms,
+                   "unattributed_ms": wall - sum(lanes.values()) - sum(measured.values()) - sum(engine.values())}
         self.steps.append(figures)
         return figures
 
     def _choose(self, lane: Lane, index: int) -> int:
         """Greedy token at `index` of the current turn; ends the lane's turn on EOS, the token limit or the context."""
-        token = int(torch.argmax(lane.logits))
-        lane.tokens[-1].append(token)
-        lane.texts[-1] = lane.replies[-1].add(token)
+        with self.observer.region(ENGINE, "choose"):
+            token = int(torch.argmax(lane.logits))
+            lane.tokens[-1].append(token)
+        with self.observer.region(ENGINE, "detokenize"):
+            lane.texts[-1] = lane.replies[-1].add(token)
         seen = lane.cache.get_seq_length()
         if token in self.loaded.eos_ids:
             lane.active = False
@@ -396,9 +443,11 @@ class Engine:
     def _lane_event(self, lane: Lane, k: int) -> dict:
         last = (lane.times.decode or lane.times.prefill)[-1]
         token = lane.tokens[k][-1]
+        with self.observer.region(ENGINE, "detokenize"):
+            piece = self.loaded.tokenizer.decode([token])
         return {
             "token_id": token,
-            "piece": self.loaded.tokenizer.decode([token]),
+            "piece": piece,
             "text": lane.texts[k],
             "active": lane.active,
             "fed": lane.active,  # the last token of a turn is not fed; its latency is the previous step's
@@ -472,7 +521,7 @@ class Engine:
             kv = {"kv_exact": True, "max_abs_dk": 0.0, "max_abs_dv": 0.0, "layers_compared": len(lane.cache.layers),
                   "rebuilt_token_layers": 0, "shape_mismatches": 0}
         else:
-            kv = kv_summary(lane)
+            kv = kv_summary(lane, self.observer)
         decode_s = sum(step["total"] for step in lane.times.decode)
         return {
             "token_ids": [t for turn in lane.tokens for t in turn],
@@ -540,21 +589,26 @@ class Engine:
         return out
 
 
-def state_digest(cache) -> str:
-    """A hash of the bits of every tensor a cache holds (its K/V, inputs, anchors, token ids, scores, positions),
-    taken at the end of a turn: equal in two runs when they hold the same bits (the K/V a step rebuilds are
-    compared with the full cache's as they are handed to attention: `MeasuredLayer.compare`)."""
-    COUNTS["digest"] += 1
-    h = hashlib.sha256()
-    for t in cache.state_tensors():
-        if t is None:
-            h.update(b"-")
-            continue
-        t = t.detach().contiguous().reshape(-1)
-        h.update(f"{t.dtype}{t.numel()}".encode())
-        if t.numel():  # the tensor's own bytes, read in place (no copy of a store that may be 100 MiB)
-            h.update(t.view(torch.uint8).cpu().numpy())
-    return h.hexdigest()[:16]
+def memory_instrument(requested: str, device: torch.device) -> tuple[str, str, object]:
+    """The memory mode a run asked for, resolved here: (mode, the instrument's name, the meter or None).
+    "auto" is the allocator where its meter can be read (`meters.for_device`), else the declared storage count,
+    whose name says why; an explicit "allocator" that cannot be read is one error line."""
+    if requested == "none":
+        return "none", "none (formula only)", None
+    if requested == "storage":
+        return "storage", f"tensor storages the strategies list ({device.type}; declared, not measured)", None
+    try:
+        meter = meters.for_device(device)
+    except ledger.Unavailable as e:
+        if requested == "allocator":
+            raise InputError(f"--memory: allocator cannot be read here ({e}); allowed: auto, trace, storage, "
+                             "none") from None
+        if requested == "trace":
+            return "trace", f"allocator trace ({device.type})", None
+        return "storage", f"tensor storages the strategies list (declared, not measured: {e})", None
+    if requested == "trace":
+        return "trace", f"allocator trace ({device.type}), auditing the {meter.name}", meter
+    return "allocator", meter.name, meter
 
 
 def step_summary(steps: list[dict]) -> dict | None:
@@ -563,12 +617,16 @@ def step_summary(steps: list[dict]) -> dict | None:
         return None
     n = len(steps)
     names = sorted({name for step in steps for name in step["measurement_ms"]})
+    ops = sorted({op for step in steps for op in step["engine_ms"]})
     return {"steps": n,
             "wall_ms_mean": sum(s["step_ms"] for s in steps) / n,
             "lanes_ms_mean": sum(sum(s["lanes_ms"].values()) for s in steps) / n,
+            "shared_ms_mean": sum(s["shared_ms"] for s in steps) / n,
             "measurement_ms_mean": sum(sum(s["measurement_ms"].values()) for s in steps) / n,
             "measurement_by_instrument_ms_mean": {name: sum(s["measurement_ms"].get(name, 0.0) for s in steps) / n
                                                   for name in names},
+            "engine_ms_mean": sum(sum(s["engine_ms"].values()) for s in steps) / n,
+            "engine_by_op_ms_mean": {op: sum(s["engine_ms"].get(op, 0.0) for s in steps) / n for op in ops},
             "unattributed_ms_mean": sum(s["unattributed_ms"] for s in steps) / n,
             "measurement_ms_per_step": [round(sum(s["measurement_ms"].values()), 3) for s in steps]}
 

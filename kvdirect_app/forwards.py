@@ -5,27 +5,27 @@ cache (or its teacher-forced twin's).  Every forward goes through
 `lockstep.run_batch`: the rows of a step with the same number of tokens in
 one pass (`batch=True`), or each in a pass of its own (`batch=False`, the
 reference for tests); either way each lane gets the same bits, the same ops
-in its timings and the same byte accounting (its own allocations; a pass's
-activations attributed 1/N to each of its N rows).
+in its timings and the same byte accounting.
+
+Times are the observer's regions (`observe.py`), read where they ran: a
+lane's cache work (``cache_update``, and inside it ``recompute``,
+``replay``, ``scoring``), its ``attention`` (its own call), its setup
+(``other``: begin and end of its step, its masks), and ``shared``: the
+pass's own region (projections, MLP, norms, embedding and head of all N
+rows), charged by rows: 1/N to each (a lane's forward or a twin's).  Every
+latency row has the same ops (`metrics.OPS`, zero where an op did not run).
 
 Teacher-forced twins are the measurement's own device, not a lane: their rows
 ride in the lanes' pass (one read of the weights for all), and everything
-their rows cost (their attention, their cache's work, their 1/N shares of the
-pass) is the `twins` instrument's time, never a lane's.
+their rows cost is the `twins` instrument's time, never a lane's.
 
-Every latency row has the same ops (`metrics.OPS`, zero where an op did not
-run): a lane's cache work (recompute, replay, cache update, scoring), its
-attention (its own call of the attention function), `shared` (the rest of
-the pass: projections, MLP, norms, embedding and head of all N rows, charged
-by rows: 1/N to each), and `other` (the lane's own work outside the model's
-pass: its masks, the begin and end of its step).  The instruments' work
-(`instruments.py`: comparisons, snapshots, the allocator trace's sessions,
-the storage count, RSS) is timed apart, as theirs.
+Bytes: after each forward of a lane, its held bytes and its peak during the
+forward by the run's meter (the allocator's ledger on CPU); the storage count
+of what it lists beside them (declared); the formula's figures (`lanes.ByteBook`).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import psutil
@@ -34,16 +34,16 @@ import torch
 from . import rss
 from .geometry import ModelGeometry
 from .hooks import InputTap
-from .instruments import COUNTS, Instruments
 from .kernels import Kernels
 from .lanes import Lane
 from .lockstep import Row, run_batch
 from .memory import AllocationTracer
-from .strategies.base import Forward, storage_sizes
+from .metrics import OPS
+from .observe import SHARED, Observer, instrument
 from .replay import check_rows_kernels
+from .strategies.base import Forward
 from .threads import pin
 
-SHARED = "shared pass"
 
 
 @dataclass
@@ -58,21 +58,26 @@ class Item:
         return self.lane.tf_cache if self.twin else self.lane.cache
 
     @property
-    def owner(self) -> str:
-        return self.lane.twin_owner if self.twin else self.lane.label
+    def owner(self):
+        return self.lane.twin if self.twin else self.lane.owner
 
 
 class Forwards:
-    def __init__(self, model: torch.nn.Module, device: torch.device, geometry: ModelGeometry, tracer: AllocationTracer,
-                 threads: int, batch: bool, kernels: Kernels, instruments: Instruments):
-        self.model, self.device, self.geometry, self.tracer = model, device, geometry, tracer
+    """The passes of a run.  `memory`: the run's memory mode ("allocator", "trace", "storage" or "none", as the
+    engine resolved it); the observer carries the meter and the trace."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, geometry: ModelGeometry, observer: Observer,
+                 tracer: AllocationTracer, threads: int, batch: bool, kernels: Kernels, memory: str, rss_on: bool,
+                 snapshots: bool):
+        self.model, self.device, self.geometry, self.observer, self.tracer = model, device, geometry, observer, tracer
         self.threads, self.batch, self.kernels = threads, batch, kernels
-        self.instruments = instruments
+        self.memory, self.rss_on, self.snapshots = memory, rss_on, snapshots
         self.process = psutil.Process()
         self.rss = self.rss_peak = None
-        self.shared_ms: list[float] = []  # per decode pass of several rows: the work no row did alone
-        if not kernels.invariant:  # now, not inside the first traced, timed step; at the run's thread count, which
-            previous = torch.get_num_threads()  # is the process's (torch's count is global): given back after
+        self.shared_ms: list[float] = []  # per decode pass of several rows: the pass's own work
+        self.step_shared_ms = 0.0  # the shared pass's time in the passes since `run` was last called
+        if not kernels.invariant:  # now, not inside the first timed step; at the run's thread count, which is the
+            previous = torch.get_num_threads()  # process's (torch's count is global): given back after
             pin(threads)
             try:
                 check_rows_kernels(model)
@@ -86,6 +91,7 @@ class Forwards:
         """Feed every item, the rows with the same token count in one pass (the reference first, the twins after
         the lanes); `piece` > 0 continues a prompt fed in pieces."""
         pin(self.threads)
+        self.step_shared_ms = 0.0
         groups: dict[int, list[Item]] = {}
         for item in items:
             groups.setdefault(len(item.ids), []).append(item)
@@ -100,59 +106,56 @@ class Forwards:
 
     def _pass(self, items: list[Item], tap: InputTap, turn_start: bool, piece: int):
         """One pass of the model over `items` (same token count)."""
-        inst = self.instruments
+        obs = self.observer
         rows = [Row(item.owner, item.cache, item.ids, item.cache.get_seq_length(), item.more_prompt) for item in items]
         for row, item in zip(rows, items):
             # The last query of a turn's prompt (what reads the question): its attention at every layer, kept as
-            # the lane's attention snapshot; measurement work, outside every timer and every lane's bytes.
-            row.snapshot = inst.snapshots and turn_start and not item.twin and not item.more_prompt
-        t0 = time.perf_counter()
-        with self.tracer.session(shared=SHARED, share_among=len(rows)):
-            t1 = time.perf_counter()
-            wall = run_batch(self.model, rows, self.tracer, tap, self.device, self.kernels)
-            t2 = time.perf_counter()
-        if self.tracer.enabled:  # the profiler's start, and its stop and fold (its recording runs inside the pass)
-            inst.add("trace", (t1 - t0) + (time.perf_counter() - t2), 1)
-        ops = [item.cache.take_timers() for item in items]
-        # Inside the pass: each row's attention and cache work, the measurement's comparisons, AnchorKV's heap release
-        # (nobody's: it falls in the step's unattributed rest), and the shared rest.
-        inside = sum(row.attention_s + o["recompute"] + o["cache_update"] + o["scoring"] + o["replay"] + o["compare"]
-                     + o.get("release", 0.0) + row.snapshot_s for row, o in zip(rows, ops))
-        shared = max(0.0, wall - inside)
+            # the lane's attention snapshot.
+            row.snapshot = self.snapshots and turn_start and not item.twin and not item.more_prompt
+        obs.reset_peaks(item.owner for item in items)
+        mark = obs.mark()
+        if self.tracer.enabled:
+            with obs.region(instrument("trace"), "session"):
+                self.tracer.start(SHARED.label, len(rows))
+        try:
+            run_batch(self.model, rows, obs, tap, self.device, self.kernels)
+        finally:
+            if self.tracer.enabled:
+                with obs.region(instrument("trace"), "session"):
+                    self.tracer.stop()
+        spent = obs.since(mark)
+        shared = spent.get((SHARED, "pass"), 0.0)
+        self.step_shared_ms += 1e3 * shared
         if not turn_start and len(rows) > 1:
             self.shared_ms.append(1e3 * shared)
-        for item, row, o in zip(items, rows, ops):
-            times = {"recompute": o["recompute"], "replay": o["replay"], "cache_update": o["cache_update"],
-                     "scoring": o["scoring"], "attention": row.attention_s, "shared": shared / len(rows),
-                     "other": row.setup_s}
+        for item, row in zip(items, rows):
+            obs.charge((SHARED, "pass"), (item.owner, "shared"), shared / len(rows))
+            times = {op: spent.get((item.owner, op), 0.0) for op in OPS}
+            times["shared"] = shared / len(rows)
             times["total"] = sum(times.values())
             if item.twin:
                 item.lane.tf_logits = row.logits
-                inst.add("twins", times["total"] + o["compare"] + row.snapshot_s, 1)
                 continue
-            inst.add("compare", o["compare"])
-            inst.add("snapshot", row.snapshot_s)
             item.lane.logits = row.logits
             if row.snapshot:
                 item.lane.attention = {"position": row.seen + len(item.ids) - 1, "turn": len(item.lane.texts) + 1,
                                        "layers": row.attention}
-            self._record(item, times, row.window, row.seen, turn_start, piece)
+            self._record(item, times, row.seen, turn_start, piece)
 
     def held(self, lane: Lane) -> int | None:
-        """The lane's held bytes by the run's memory instrument: the allocator's ledger (trace), the distinct
-        storages of its cache's tensors (storage), none."""
-        if self.instruments.memory == "trace":
+        """The lane's held bytes by the run's memory mode: the meter's, the trace's, the storages it lists
+        (declared), none."""
+        if self.memory == "allocator":
+            return self.observer.held(lane.owner)
+        if self.memory == "trace":
             return self.tracer.live(lane.label)
-        if self.instruments.memory == "storage":
-            t0 = time.perf_counter()
-            held = storage_held(lane.cache)
-            self.instruments.add("storage", time.perf_counter() - t0)
-            return held
+        if self.memory == "storage":
+            return self.observer.declared(lane.cache)
         return None
 
-    def _record(self, item: Item, times: dict, window, seen_before: int, turn_start: bool, piece: int):
+    def _record(self, item: Item, times: dict, seen_before: int, turn_start: bool, piece: int):
         lane, q = item.lane, len(item.ids)
-        inst = self.instruments
+        obs = self.observer
         lane.history.extend(item.ids)
         lane.forwards.append(Forward(q, prompt=turn_start, open=item.more_prompt))
         lane.times.add(times, prefill=turn_start, piece=piece)
@@ -160,28 +163,24 @@ class Forwards:
             lane.book.turns[-1].decode_ms.append(1e3 * times["total"])
         strategy, geom = lane.strategy, self.geometry
         seen = seen_before + q
+        formula = strategy.formula_persistent(geom, seen, lane.forwards)
+        transient = strategy.formula_transient(geom, seen_before, q, turn_start and piece == 0, lane.forwards)
         state = peak = None
-        if inst.memory == "trace":
-            state, peak = self.tracer.live(lane.label), window.peak
-            t0 = time.perf_counter()  # the storage count beside it: the trace audits it
-            held = storage_held(lane.cache)
-            lane.book.audit("step", seen, held, held + lane.cache.transient_bytes(), state, peak)
-            inst.add("storage", time.perf_counter() - t0)
-        elif inst.memory == "storage":
-            t0 = time.perf_counter()
-            state = storage_held(lane.cache)
-            peak = state + lane.cache.transient_bytes()
-            inst.add("storage", time.perf_counter() - t0)
-        lane.book.step(seen, state, peak, strategy.formula_persistent(geom, seen, lane.forwards),
-                       strategy.formula_transient(geom, seen_before, q, turn_start and piece == 0, lane.forwards))
-        if inst.rss:
-            t0 = time.perf_counter()
-            self.rss = self.process.memory_info().rss
-            self.rss_peak = max(self.rss_peak or 0, self.rss)
-            inst.add("rss", time.perf_counter() - t0, 1)
-
-
-def storage_held(cache) -> int:
-    """Bytes of the distinct storages behind every tensor the cache holds (a view counts its whole buffer, once)."""
-    COUNTS["storage"] += 1
-    return sum(storage_sizes(*cache.state_tensors()).values())
+        if self.memory != "none":
+            declared = obs.declared(lane.cache)
+            lane.book.declared(formula, declared)
+            state = self.held(lane)
+            if self.memory == "allocator":
+                peak = obs.peak(lane.owner)
+            elif self.memory == "trace":
+                peak = self.tracer.windows[lane.label].peak
+                if obs.meter is not None:
+                    lane.book.audit("step", seen, obs.held(lane.owner), obs.peak(lane.owner), state, peak)
+            if peak is None:  # no peak to read here: the held bytes and the formula's buffers, labelled so
+                peak = state + transient
+        lane.book.step(seen, state, peak, formula, transient)
+        if self.rss_on:
+            with obs.region(instrument("rss"), "read"):
+                obs.counts["rss"] += 1
+                self.rss = self.process.memory_info().rss
+                self.rss_peak = max(self.rss_peak or 0, self.rss)

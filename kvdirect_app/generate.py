@@ -25,8 +25,12 @@ block forward hooks on the model
   this cache's forwards only: a forward of the same model with another cache
   (or none) inside the block leaves this one untouched;
 
-and count what the cache holds after every forward.  Leaving the block removes
-every hook; the model's modules and config are as they were.
+and measure, from outside the strategy's code as the engine does
+(`observe.py`): every piece of the cache's work runs in a region of the
+cache's owner, so the allocator (the CPU allocator's ledger, CUDA's caching
+allocator) counts what it holds after every forward and the highest it went
+during it, and the clocks time each op.  Leaving the block removes every
+hook; the model's modules and config are as they were.
 
 Never silently something else: what the cache cannot serve exactly raises
 `UnsupportedCall` (a `UserError`, one line saying what to do) before the
@@ -67,16 +71,18 @@ from typing import Iterator
 
 import torch
 
-from . import compat
+from . import compat, ledger, meters
 from .errors import UserError
 from .geometry import ModelGeometry
 from .hooks import InputTap, model_lock
 from .memory import harness
+from .metrics import OPS
+from .observe import Observer, Owner, watch
 from .replay import check_rows_kernels
 from .strategies import StrategyCache, parse_spec
 from .strategies.base import Forward
 
-OPS = ("recompute", "replay", "cache_update", "scoring", "compare")
+CACHE = Owner("strategy_cache", "lane")  # the cache's work, in its observer's regions
 
 
 class CacheInUse(UserError):
@@ -92,10 +98,10 @@ class Ledger:
     """What the context manager counts of one cache, forward by forward."""
 
     forwards: list[Forward] = field(default_factory=list)
-    held: list[int] = field(default_factory=list)  # bytes the cache's tensors hold after each forward
+    held: list[int | None] = field(default_factory=list)  # bytes the allocator holds for the cache after each forward
+    peak: list[int | None] = field(default_factory=list)  # ... the highest during each forward
+    declared: list[int] = field(default_factory=list)  # bytes of the tensors the cache lists after each forward
     formula: list[int] = field(default_factory=list)  # the same from the config alone
-    transient: list[int] = field(default_factory=list)  # largest buffer of a layer beyond the state, per forward
-    ops_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPS, 0.0))
     forward_s: list[float] = field(default_factory=list)  # wall time of each forward (the model's whole pass)
     turns: int = 0
     tokens: int = 0  # tokens the cache's forwards have fed so far
@@ -199,6 +205,8 @@ class GenerateCache:
     strategy = None
     ledger: Ledger
     geometry: ModelGeometry
+    observer: Observer
+    instrument: str = ""
     verifier: Verifier | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -216,13 +224,14 @@ class GenerateCache:
                                   "for new tokens")
         led.step.add(layer_idx)
         if self.verifier is None:
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            with self.observer.region(CACHE, "cache_update"):
+                return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         expected = self.verifier.expect(key_states, value_states, layer_idx)
-        layer = self.layers[layer_idx]
-        before = getattr(layer, "rebuilt_total", 0)
-        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        before = self.observer.rebuilt[CACHE.label]
+        with self.observer.region(CACHE, "cache_update"):
+            keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         self.verifier.check(len(led.forwards), layer_idx, keys, values, expected,
-                            getattr(layer, "rebuilt_total", 0) - before, led.tokens + led.q)
+                            self.observer.rebuilt[CACHE.label] - before, led.tokens + led.q)
         return keys, values
 
     is_croppable = False  # assisted decoding asks after its first forward, and transformers refuses it then
@@ -249,29 +258,38 @@ class GenerateCache:
 
     def end_turn(self):
         """A turn ended: the next forward starts a new one (called for you when a prompt follows decode steps)."""
-        super().end_turn()
+        with self.observer.region(CACHE, "other"):
+            super().end_turn()
         self.ledger.decoding = False
 
     def report(self) -> dict:
         """What the cache held and did in this block.
 
-        Bytes (int) of the cache's tensors after each forward, measured from their storages (`held`, what the
-        allocator holds for them but its rounding) and by the strategy's formula from the config (`formula`):
-        the last, the peak, and the peak with the largest transient buffer of a step (a lower bound of the
-        step's peak; activations are not counted); `formula_between_turns`: what it keeps once the turn ends.
-        The allocator itself is traced by `kvdirect-bench run` (`--memory trace`), not here.
+        Bytes (int) after each forward, measured by the allocator the tensors live in (`instrument`: the CPU
+        allocator's ledger, CUDA's caching allocator; None where none can be read, and `instrument` says why):
+        what it holds for the cache's work (`held`) and the highest that went during each forward (`peak`: the
+        cache's state and its own buffers, not the model's activations); beside them, what the cache's tensors
+        list (`declared`) and the strategy's formula from the config (`formula`): the last, the peak;
+        `formula_matches_held`: measured and formula equal after every forward (a copy the strategy keeps and
+        does not count makes it False); `formula_between_turns`: what it keeps once the turn ends.
         `rebuilt_token_layers`: K/V rebuilt (KV-Direct) or replayed (AnchorKV), in token x layer;
-        `evicted_token_layers`: tokens a layer no longer holds in any form (the lossy strategies); `ms`: seconds
-        per op inside the cache, and the forwards' wall time, in milliseconds.  `claims_exact`: whether the
-        strategy promises the full cache's bits (its class's promise, not a check); `verified`: what
-        `verify=True` checked (`Verifier.report`), None when nothing was checked.
+        `evicted_token_layers`: tokens a layer no longer holds in any form (the lossy strategies); `ms`: the
+        cache's time per op (`metrics.OPS`: its update, rebuild, replay, scoring, setup), and the forwards' wall
+        time, in milliseconds.  `claims_exact`: whether the strategy promises the full cache's bits (its class's
+        promise, not a check); `verified`: what `verify=True` checked (`Verifier.report`), None when nothing was
+        checked.
         """
         led = self.ledger
         states = [layer.token_states() for layer in self.layers]
-        peak_step = max((h + t for h, t in zip(led.held, led.transient)), default=0)
-        ms = {**{op: 1e3 * s for op, s in led.ops_s.items()}, "forwards": 1e3 * sum(led.forward_s)}
+        ops = {op: 0.0 for op in OPS if op not in ("attention", "shared")}
+        for (owner, op), sec in self.observer.parts.items():
+            if owner == CACHE:
+                ops[op] = ops.get(op, 0.0) + sec
+        ms = {**{op: 1e3 * sec for op, sec in ops.items()}, "forwards": 1e3 * sum(led.forward_s)}
         if self.verifier is not None:
             ms["verify"] = 1e3 * self.verifier.seconds
+        measured = [h for h in led.held if h is not None]
+        peaks = [p for p in led.peak if p is not None]
         return {
             "strategy": self.strategy.spec(),
             "claims_exact": bool(self.strategy.claims_exact),
@@ -281,18 +299,21 @@ class GenerateCache:
             "forwards": len(led.forwards),
             "turns": led.turns,
             "bytes": {
-                "held_last": led.held[-1] if led.held else 0,
-                "held_peak": max(led.held, default=0),
+                "instrument": self.instrument,
+                "held_last": led.held[-1] if led.held else None,
+                "held_peak": max(measured) if measured else None,
+                "peak": max(peaks) if peaks else None,
+                "declared_last": led.declared[-1] if led.declared else 0,
                 "formula_last": led.formula[-1] if led.formula else 0,
                 "formula_peak": max(led.formula, default=0),
-                "formula_matches_held": led.formula == led.held,
+                "formula_matches_held": bool(measured) and led.formula == led.held,
+                "declared_matches_formula": led.formula == led.declared,
                 # What it keeps once the turn ends (AnchorKV's and KV-Direct's rebuild=turn drop to their anchors or
                 # inputs then): by formula, for the tokens seen so far.
                 "formula_between_turns": self.strategy.formula_between_turns(self.geometry, self.get_seq_length(),
                                                                              led.forwards),
-                "peak_with_transient": peak_step,
             },
-            "rebuilt_token_layers": sum(getattr(layer, "rebuilt_total", 0) for layer in self.layers),
+            "rebuilt_token_layers": self.observer.rebuilt[CACHE.label],
             "evicted_token_layers": sum(s.count("evicted") for s in states),
             "ms": ms,
         }
@@ -372,11 +393,20 @@ def strategy_cache(model: torch.nn.Module, spec: str, verify: bool = False) -> I
         raise CacheInUse(f"strategy_cache({spec!r}): this model already has a strategy cache (or an engine turn) "
                          "on it; leave that `with` block first (the input hooks are per model), or load a second "
                          "copy of the model")
-    handles, tap, verifier = [], None, None
+    handles, tap, verifier, observer = [], None, None, None
     try:
         device = next(model.parameters()).device
         check_rows_kernels(model)  # the row kernels a rebuild uses, picked (and checked) now
-        cache = _reporting(strategy.build_cache(model))
+        try:
+            meter, instrument = meters.for_device(device), None
+            instrument = meter.name
+        except ledger.Unavailable as e:
+            meter, instrument = None, f"none: {e}"
+        observer = Observer(device, meter)
+        observer.register(CACHE)
+        with observer.region(CACHE, "other"):
+            cache = _reporting(watch(strategy.build_cache(model)))
+        cache.observer, cache.instrument = observer, instrument
         cache.ledger = led = Ledger()
         cache.geometry = geom = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
         cache.verifier = verifier = Verifier(model) if verify else None
@@ -407,8 +437,10 @@ def strategy_cache(model: torch.nn.Module, spec: str, verify: bool = False) -> I
             led.turns += led.starts_turn
             led.q, led.step = q, set()
             led.started = time.perf_counter()
-            tap.target(cache)
-            cache.begin_step(ids[0].tolist(), False)
+            tap.target(cache, region=lambda: observer.region(CACHE, "cache_update"))
+            observer.reset_peaks([CACHE])
+            with observer.region(CACHE, "other"):
+                cache.begin_step(ids[0].tolist(), False)
 
         def after(module, args, kwargs, output):
             if led.step is None or not _carries(cache, args, kwargs):
@@ -424,17 +456,17 @@ def strategy_cache(model: torch.nn.Module, spec: str, verify: bool = False) -> I
                 raise UnsupportedCall(f"strategy_cache: a forward left layers {missed} of the cache out (a model "
                                       "that skips layers); run every decoder layer, and open a new strategy_cache")
             q = led.q
-            cache.end_step()
+            with observer.region(CACHE, "other"):
+                cache.end_step()
             led.tokens += q
             led.forward_s.append(time.perf_counter() - led.started)
             led.forwards.append(Forward(q, prompt=led.starts_turn))
             led.decoding = q == 1
             seen = cache.get_seq_length()
-            led.held.append(cache.persistent_bytes())
+            led.held.append(observer.held(CACHE))
+            led.peak.append(observer.peak(CACHE))
+            led.declared.append(observer.declared(cache))
             led.formula.append(strategy.formula_persistent(geom, seen, led.forwards))
-            led.transient.append(cache.transient_bytes())
-            for op, s in cache.take_timers().items():
-                led.ops_s[op] = led.ops_s.get(op, 0.0) + s
 
         handles.append(model.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(model.register_forward_hook(after, with_kwargs=True, always_call=True))
@@ -446,4 +478,6 @@ def strategy_cache(model: torch.nn.Module, spec: str, verify: bool = False) -> I
             tap.close()
         if verifier is not None:
             verifier.close()
+        if observer is not None:
+            observer.close()
         lock.release()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -31,13 +32,15 @@ class InputTap:
     residual) to caches that replay from it, and the attention input to cache layers that keep it.  Installed
     for one turn and removed after it; they stand aside while a cache replays layers of the model for itself.
 
-    Targets the rows of a pass (`target_rows`: each row's slice, copied, goes to that row's cache, as that
-    row's owner's work), or one cache outside any pass (`target`: a parked cache resuming).
+    Targets the rows of a pass (`target_rows`: each row's slice, copied, goes to that row's cache, in that
+    row's owner's region), or one cache outside any pass (`target`: `strategy_cache`'s own forwards, whose
+    deliveries run in `region()` when one is given).
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.caches: list[StrategyCache] = []
         self.batch = None
+        self.region = None
         self.wants: list[set[int]] = []
         self.layers: list[set[int]] = []
         self.device = device
@@ -53,11 +56,12 @@ class InputTap:
     def _each(self, wanted: list[set[int]], index: int, x: torch.Tensor, give):
         if self.batch is None:
             if index in wanted[0]:
-                give(self.caches[0], x)
+                with self.region() if self.region is not None else contextlib.nullcontext():
+                    give(self.caches[0], x)
             return
         for i, cache in enumerate(self.caches):
             if index in wanted[i]:
-                with self.batch.owned(i):
+                with self.batch.owned(i, "cache_update"):
                     give(cache, x[i:i + 1].clone())
 
     def _residual(self, index: int):
@@ -82,8 +86,9 @@ class InputTap:
 
         return hook
 
-    def target(self, cache: StrategyCache):
+    def target(self, cache: StrategyCache, region=None):
         self._target([cache], None)
+        self.region = region
 
     def target_rows(self, batch):
         self._target([row.cache for row in batch.rows], batch)
@@ -93,7 +98,7 @@ class InputTap:
         self._target([], None)
 
     def _target(self, caches: list[StrategyCache], batch):
-        self.caches, self.batch = caches, batch
+        self.caches, self.batch, self.region = caches, batch, None
         self.wants = [set(cache.wants_inputs()) for cache in caches]
         self.layers = [set(cache.wants_layers()) for cache in caches]
 

@@ -1,53 +1,48 @@
-"""The engine's measuring instruments: what each one observes, when, and what it costs, apart from the lanes.
+"""The engine's measuring instruments: which ones run in a run (`Instruments`), and what each observes.
 
 The engine runs lanes; the instruments observe them at fixed points of a step
-and a turn, and their own time is never a lane's (nor the shared pass's):
+and a turn, in regions of their own (`observe.py`), so their time is never a
+lane's (nor the shared pass's) and their allocations nobody's:
 
 * ``compare``: each K/V an exact strategy hands attention against what the
-  full cache holds for the same step (`MeasuredLayer.compare`: this is what
+  full cache holds for the same step (`Observer.compare`: this is what
   decides "bit-exact");
 * ``twins``: a strategy's teacher-forced twin after its first divergence (its
-  rows ride in the lanes' pass; their attention, cache work and 1/N share of
-  the pass are the twins');
+  rows ride in the lanes' pass; their attention, cache work, fork and 1/N
+  share of the pass are the twins');
 * ``agreement``: teacher-forced agreement, KL and max |dlogit| per step;
 * ``snapshot``: the last prompt query's attention at every layer (a turn's);
 * ``digest``: a hash of the bits each lane holds at the end of a turn;
-* ``storage`` (the default memory instrument): after every forward, the
-  distinct storages of the tensors each lane's cache holds, plus the
-  transient buffers the strategy counts where it allocates them;
-* ``trace`` (``--memory trace``): the allocator's every allocation and free,
-  folded by owner (`memory.AllocationTracer`): the auditor of ``storage``
-  (both are kept in that mode and held to each other);
+* memory (``memory``: the meter and its reads, "allocator"; the declared storage
+  count, "storage"; ``--memory trace``'s sessions and scopes, "trace"):
+  ``allocator`` (the default; `meters.py`) measures each lane's held bytes and
+  peak by the allocator the tensors live in; ``trace`` traces every allocation
+  and audits the meter; ``storage`` counts only what the strategy lists
+  (declared, where no allocator can be read); beside each, the storage count
+  is the formula's cross-check;
 * ``rss``: the process's resident bytes after each forward.
 
 ``Instruments.off()`` turns every one of them off: the engine then does no
-measurement work at all (`COUNTS` says what ran; a test holds it to zero).
+measurement work at all (the observer's `counts` say what ran; a test holds
+them to zero).
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-MEMORY_MODES = ("storage", "trace", "none")
-NAMES = ("compare", "twins", "agreement", "snapshot", "digest", "storage", "trace", "rss")
-
-# Measurement work done in this process, by instrument (calls): what a test counts.
-COUNTS: Counter = Counter()
+MEMORY_MODES = ("auto", "allocator", "trace", "storage", "none")
 
 
 @dataclass
 class Instruments:
-    memory: str = "storage"
+    memory: str = "auto"
     compare: bool = True
     twins: bool = True
     agreement: bool = True
     snapshots: bool = True
     digests: bool = True
     rss: bool = True
-    seconds: dict = field(default_factory=lambda: dict.fromkeys(NAMES, 0.0))  # since the last `take()`
 
     @classmethod
     def off(cls) -> "Instruments":
@@ -57,26 +52,6 @@ class Instruments:
     @property
     def any(self) -> bool:
         return self.memory != "none" or self.compare or self.twins or self.snapshots or self.digests or self.rss
-
-    def add(self, name: str, seconds: float, calls: int = 0):
-        """`name`'s work took `seconds` (timed where it ran); `calls`: pieces of work to count, where the work
-        itself does not count them."""
-        self.seconds[name] += seconds
-        COUNTS[name] += calls
-
-    @contextlib.contextmanager
-    def timed(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(name, time.perf_counter() - t0)
-
-    def take(self) -> dict[str, float]:
-        """Milliseconds per instrument since the last call (then reset); only instruments that ran."""
-        out = {name: 1e3 * s for name, s in self.seconds.items() if s}
-        self.seconds = dict.fromkeys(NAMES, 0.0)
-        return out
 
     def describe(self) -> dict:
         """For the run's JSON: which instruments ran."""

@@ -2,21 +2,24 @@
 
 Bytes come from independent sources, kept side by side:
 
-* measured, by the run's memory instrument (`instruments.py`): ``storage``
-  (the default) counts the distinct storages of the tensors the lane's cache
-  holds after each forward, and its peak adds the transient buffers the
-  strategy counts where it allocates them (no activations); ``trace`` is the
-  allocator's ledger (`memory.AllocationTracer`): what the lane's own forwards
-  (and its fork, park, resume) allocated and still hold, and the highest that
-  went during each forward (state + transient buffers + its share of the
-  activations).  In ``trace`` mode the storage count runs beside it and the
-  book audits the two against each other (`audit`).
+* measured, by the run's memory meter (`meters.py`, through the engine's
+  observer): the allocator's ledger on the CPU (the default), the device
+  allocator's counters on CUDA and MPS: what the allocator handed out for the
+  lane's own work (its cache updates, rebuilds, replays, scoring, attention,
+  setup; its fork, park and resume) and has not taken back, and the highest
+  that went during each forward (state + its own buffers; the pass's shared
+  activations are nobody's).  With ``--memory trace`` the allocation trace
+  (`memory.AllocationTracer`) is the measurement and audits the meter beside it
+  (`audit`);
+* declared: the distinct storages of the tensors the strategy lists
+  (`state_tensors`): what it says it holds (``--memory storage`` shows it
+  where no allocator can be read; it is never called measured);
 * formula: the strategy's own arithmetic from the config alone (persistent
-  state; transient = the strategy's buffers, no activations, so it is a lower
-  bound of the measured peak).
+  state; transient = the strategy's buffers, no activations, so a lower bound
+  of the measured peak).
 
-Where measured state and formula disagree, the book records it; the tables
-show both.
+Where measured state and formula disagree (a hidden copy, a wrong formula), or
+declared and formula (a wrong list), the book records it; the tables show all.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 from .memory import cuda_block_range
 from .metrics import StepTimes
+from .observe import Owner
 from .strategies import Strategy, StrategyCache
 
 MISMATCHES_KEPT = 20
@@ -55,7 +59,8 @@ class TurnBytes:
 class ByteBook:
     """Measured and formula bytes of one lane over a run."""
 
-    measured: bool  # a memory instrument runs (storage or trace); False: the formula only
+    measured: bool  # a memory instrument runs (allocator, trace or storage); False: the formula only
+    peak_source: str | None = None  # "measured", "trace" or "formula" (held + the formula's transient)
     persistent_peak: int | None = None
     peak: int | None = None
     between_turns_peak: int | None = None
@@ -64,17 +69,18 @@ class ByteBook:
     formula_between_turns_peak: int = 0
     mismatches: list = field(default_factory=list)  # (where, seen, measured, formula), the first few
     mismatch_count: int = 0
+    declared_mismatch_count: int = 0  # forwards where the tensors the strategy lists disagreed with its formula
     peak_below_formula: int = 0  # steps whose measured peak was below the formula's lower bound
     last: dict = field(default_factory=dict)
     turns: list[TurnBytes] = field(default_factory=list)
     # On CUDA: the exact sizes of the tensors the lane's cache holds (see memory.py: block rounding).
     held_sizes: Callable[[], list[int]] | None = None
-    # The trace's audit of the storage count: (where, seen, storage, traced), the first few, and peaks where the
-    # storage count (state + declared transient) went above the allocator's.
+    # ``--memory trace``: the trace's audit of the meter: (where, seen, meter, traced), the first few, and peaks
+    # where the meter's went above the trace's.
     audits: list = field(default_factory=list)
     audit_count: int = 0
     audit_steps: int = 0
-    storage_peak_above_trace: int = 0
+    meter_peak_above_trace: int = 0
 
     def agrees(self, measured: int, formula: int) -> bool:
         """Measurement and formula, like for like: equal on the CPU; on CUDA the formula equal to the exact bytes
@@ -95,21 +101,22 @@ class ByteBook:
             if len(self.mismatches) < MISMATCHES_KEPT:
                 self.mismatches.append((where, seen, measured, formula))
 
-    def audit(self, where, seen: int, storage: int, storage_peak: int, traced: int, traced_peak: int | None):
-        """The allocator's figures against the storage count's (``--memory trace``): held bytes agree (like for
-        like, as `agrees` compares with the formula), and the storage count's peak is not above the allocator's
-        by more than the step's growth.  (The storage peak is held-after-the-step + the largest layer's
-        transient; while an early layer's transient was alive, later layers had not grown yet: the allocator's
-        peak can be lower by at most what the step added.  It leaves out the activations, which the allocator
-        sees.)"""
-        grown = max(0, storage - (self.last.get("persistent_bytes") or 0)) if self.last else storage
+    def audit(self, where, seen: int, held: int, peak: int | None, traced: int, traced_peak: int | None):
+        """The trace's figures against the meter's (``--memory trace``): held bytes agree, like for like, and the
+        meter's peak (the lane's own buffers) is not above the trace's (which also charges the lane its share
+        of the pass's activations)."""
         self.audit_steps += 1
-        if not self.agrees(traced, storage):
+        if not self.agrees(traced, held):
             self.audit_count += 1
             if len(self.audits) < MISMATCHES_KEPT:
-                self.audits.append((where, seen, storage, traced))
-        if traced_peak is not None and self.held_sizes is None and storage_peak > traced_peak + grown:
-            self.storage_peak_above_trace += 1
+                self.audits.append((where, seen, held, traced))
+        if peak is not None and traced_peak is not None and self.held_sizes is None and peak > traced_peak:
+            self.meter_peak_above_trace += 1
+
+    def declared(self, formula: int, declared: int | None):
+        """What the strategy lists against its formula (the storage count: exact bytes on every device)."""
+        if declared is not None and declared != formula:
+            self.declared_mismatch_count += 1
 
     def step(self, seen: int, state: int | None, peak: int | None, formula_state: int, formula_transient: int):
         """After one forward of the lane (not its teacher-forced twin): its held bytes and peak as measured."""
@@ -125,7 +132,8 @@ class ByteBook:
         turn.peak = self._max(turn.peak, peak)
         turn.formula_peak = max(turn.formula_peak, formula_peak)
         self.last = {"persistent_bytes": state, "peak_bytes": peak, "formula_bytes": formula_state,
-                     "formula_peak_bytes": formula_peak}
+                     "formula_peak_bytes": formula_peak, "peak_source": self.peak_source,
+                     "formula_agrees": None if state is None else self.agrees(state, formula_state)}
 
     def between_turns(self, seen: int, state: int | None, formula: int):
         self.check("between turns", seen, state, formula)
@@ -147,10 +155,12 @@ class ByteBook:
             "mismatch_count": self.mismatch_count,
             "mismatches": [list(m) for m in self.mismatches],
             "peak_below_formula_steps": self.peak_below_formula,
-            # ``--memory trace`` only: the storage count audited by the allocator.
-            "storage_audit": {"steps": self.audit_steps, "held_mismatches": self.audit_count,
-                              "first_mismatches": [list(m) for m in self.audits],
-                              "storage_peak_above_trace_steps": self.storage_peak_above_trace}
+            "peak_source": self.peak_source,
+            "declared_mismatch_count": self.declared_mismatch_count,
+            # ``--memory trace`` only: the meter audited by the allocation trace.
+            "meter_audit": {"steps": self.audit_steps, "held_mismatches": self.audit_count,
+                            "first_mismatches": [list(m) for m in self.audits],
+                            "meter_peak_above_trace_steps": self.meter_peak_above_trace}
             if self.audit_steps else None,
         }
 
@@ -163,6 +173,7 @@ class Lane:
     cache: StrategyCache
     label: str
     book: ByteBook
+    owner: Owner = None  # whose work the lane's regions are (`observe.Owner`, kind "lane")
     tokens: list[list[int]] = field(default_factory=list)  # generated ids per turn (free run)
     texts: list[str] = field(default_factory=list)
     replies: list = field(default_factory=list)  # per turn: its ReplyText (incremental detokenization)
@@ -186,7 +197,11 @@ class Lane:
     # (p+1,) fp32)}} (lockstep.last_query_attention), None before the first turn.
     attention: dict | None = None
 
+    def __post_init__(self):
+        if self.owner is None:
+            self.owner = Owner(self.label, "lane")
+
     @property
-    def twin_owner(self) -> str:
+    def twin(self) -> Owner:
         """The teacher-forced twin is the engine's measuring device, not the strategy's state."""
-        return f"{self.label} (teacher-forced twin)"
+        return Owner(f"{self.label} (teacher-forced twin)", "twin")

@@ -28,13 +28,13 @@ exactly what it would be alone:
 * norms, RoPE (positions are per row), activations and residual adds work
   row by row.
 
-Timing: what a row does alone (its cache's work, its attention) is timed per
-row, in its own call; the rest of the pass (the linears, norms, embedding and
-head over all rows) is shared and charged by rows: 1/N to each of the N rows
-(a row is one forward, and every row of a pass has the same token count).
-Memory: each row's work runs in its own owner scope (of a traced session, or
-the storage instrument's count); the pass's activations are shared, 1/N
-charged to each.
+Timing and memory: what a row does alone (its cache's work, its attention,
+its setup) runs in a region of its owner (`observe.Observer.region`), timed
+there and allocating as that owner's; the rest of the pass (the linears,
+norms, embedding and head over all rows) is the shared pass's region, whose
+time the caller charges by rows: 1/N to each of the N rows (a row is one
+forward, and every row of a pass has the same token count).  The comparison
+with the full cache and the attention snapshot are instruments' regions.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -51,10 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from . import compat
-from .instruments import COUNTS
 from .kernels import Kernels, native_now
-from .memory import AllocationTracer, harness
-from .metrics import clock
+from .observe import ENGINE, SHARED, Observer, Owner, instrument
 from .replay import linear_rows
 from .strategies import StrategyCache
 from .strategies.scored import attention_probs, fit_mask
@@ -68,37 +65,30 @@ _LINEARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> it
 class Row:
     """One forward of the batch: a lane's cache (or its twin's) and the tokens it is fed."""
 
-    owner: str
+    owner: Owner
     cache: StrategyCache
     ids: list[int]
     seen: int = 0
     more_prompt: bool = False  # a piece of a turn's prompt, more pieces follow
     masks: dict = field(default_factory=dict)  # layer type -> the mask the model builds for this cache alone
     kv: dict = field(default_factory=dict)  # layer -> the K/V this cache handed attention
-    attention_s: float = 0.0  # this row's attention function calls, inside the pass
-    setup_s: float = 0.0  # this row's own work outside the pass: its masks, the begin and end of its step
     logits: torch.Tensor | None = None
-    window: object = None  # its owner's memory window in the pass's traced session
-    snapshot: bool = False  # keep the last query's attention at every layer (`attention`), outside the timers
+    snapshot: bool = False  # keep the last query's attention at every layer (`attention`): an instrument's work
     handed: dict = field(default_factory=dict)  # layer -> (1, G, T) positions of the K/V handed attention
     attention: dict = field(default_factory=dict)  # layer -> (handed (end,) bool, probs (end,) fp32)
-    snapshot_s: float = 0.0
 
 
 @dataclass
 class Batch:
     rows: list[Row]
-    tracer: AllocationTracer
+    observer: Observer
     attention: Callable  # the model's own attention function
     layer_types: list[str]
     kernels: Kernels
 
-    @contextlib.contextmanager
-    def owned(self, i: int):
-        """Row i's own work: its owner's scope in the traced session."""
-        with self.tracer.owner(self.rows[i].owner) as window:
-            self.rows[i].window = window
-            yield window
+    def owned(self, i: int, op: str):
+        """Row i's own work, op `op`: a region of its owner."""
+        return self.observer.region(self.rows[i].owner, op)
 
 
 class _LaneLayer(compat.CacheLayerMixin):
@@ -113,15 +103,15 @@ class _LaneLayer(compat.CacheLayerMixin):
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
+        observer, j = self.batch.observer, self.j
         for i, row in enumerate(self.batch.rows):
-            with self.batch.owned(i):
+            layer = row.cache.layers[j]
+            with self.batch.owned(i, "cache_update"):
                 # A copy: each cache gets a tensor of its own, as its own forward would have given it.
-                row.kv[self.j] = row.cache.layers[self.j].update(key_states[i:i + 1].clone(),
-                                                                 value_states[i:i + 1].clone())
+                row.kv[j] = layer.update(key_states[i:i + 1].clone(), value_states[i:i + 1].clone())
+            observer.compare(row.owner, j, layer, *row.kv[j])
             if row.snapshot:
-                with harness():
-                    row.handed[self.j] = row.cache.layers[self.j].handed_positions(
-                        row.kv[self.j][0].shape[-2], row.seen + key_states.shape[-2], key_states.device)
+                row.handed[j] = observer.handed.pop(id(layer), None)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -149,7 +139,7 @@ def _same(a, b) -> bool:
 
 def lanes_attention(module, query, key, value, attention_mask, **kwargs):
     """The registered attention function: each row's attention in a call of its own, with that row's K/V (and,
-    native, its mask), timed as that row's: no lane waits in another lane's call or is padded to its keys.
+    native, its mask), in that row's region: no lane waits in another lane's call or is padded to its keys.
 
     Invariant kernels: the block attention (a query's bits depend only on it and the keys it sees, so a lane's
     call gives what it would alone); native: the model's own function.  With several tokens per row (a
@@ -162,15 +152,14 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
     q = query.shape[2]
     block = batch.kernels.invariant
     for i, row in enumerate(batch.rows):
-        k, v = row.kv.pop(j)
-        mask = None if block else fit_mask(row.masks[layer_type], k.shape[-2])
-        t0 = time.perf_counter()
-        out = None
-        if q > 1:
-            out = next((o for (qr, kr, vr, mr, o) in done if torch.equal(qr, query[i]) and _same(kr, k)
-                        and _same(vr, v) and _same(mr, mask)), None)
-        if out is None:
-            with batch.owned(i):
+        with batch.owned(i, "attention"):
+            k, v = row.kv.pop(j)
+            mask = None if block else fit_mask(row.masks[layer_type], k.shape[-2])
+            out = None
+            if q > 1:
+                out = next((o for (qr, kr, vr, mr, o) in done if torch.equal(qr, query[i]) and _same(kr, k)
+                            and _same(vr, v) and _same(mr, mask)), None)
+            if out is None:
                 # Every cache hands attention its keys in position order, the queries the last q of them and every
                 # earlier key before them (an eviction cache's kept keys too: the mask the model would build says
                 # the same), so the block attention reads them as positions end-T .. end-1.
@@ -179,12 +168,12 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
                                                   kwargs.get("softcap"), kwargs.get("sliding_window")).unsqueeze(0)
                 else:
                     out, weights = batch.attention(module, query[i:i + 1], k, v, mask, **kwargs)
-            if q > 1:
-                done.append((query[i], k, v, mask, out))
-        row.attention_s += time.perf_counter() - t0
-        outputs.append(out)
+                if q > 1:
+                    done.append((query[i], k, v, mask, out))
+            outputs.append(out)
         if row.snapshot:
-            _snapshot(row, j, query[i:i + 1], k, module, kwargs)
+            _snapshot(batch.observer, row, j, query[i:i + 1], k, module, kwargs)
+        del k, v
     return torch.cat(outputs, dim=0), weights
 
 
@@ -210,15 +199,18 @@ def last_query_attention(query: torch.Tensor, keys: torch.Tensor, positions: tor
     return handed, out
 
 
-def _snapshot(row: Row, j: int, query: torch.Tensor, k: torch.Tensor, module, kwargs):
-    """Row's last query's attention at layer j (measurement work: no lane's bytes, no lane's time)."""
-    t0 = time.perf_counter()
-    COUNTS["snapshot"] += 1
-    with harness():
-        row.attention[j] = last_query_attention(query, k, row.handed.pop(j), row.seen + query.shape[2],
-                                                kwargs.get("scaling", module.scaling), kwargs.get("softcap"),
-                                                kwargs.get("sliding_window"))
-    row.snapshot_s += time.perf_counter() - t0
+def _snapshot(observer: Observer, row: Row, j: int, query: torch.Tensor, k: torch.Tensor, module, kwargs):
+    """Row's last query's attention at layer j (an instrument's work: no lane's bytes, no lane's time).  The
+    positions of the keys handed to attention: the candidates' for an eviction layer (kept by the observer's
+    scoring seam), else the last `T` positions."""
+    with observer.region(instrument("snapshot"), "snapshot"):
+        observer.counts["snapshot"] += 1
+        end = row.seen + query.shape[2]
+        handed = row.handed.pop(j, None)
+        if handed is None:
+            handed = torch.arange(end - k.shape[-2], end, device=k.device).view(1, 1, -1)
+        row.attention[j] = last_query_attention(query, k, handed, end, kwargs.get("scaling", module.scaling),
+                                                kwargs.get("softcap"), kwargs.get("sliding_window"))
 
 
 def _unique_rows(x: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -283,48 +275,38 @@ def batch_linears(model: torch.nn.Module, n: int, kernels: Kernels):
             del m.forward
 
 
-def run_batch(model: torch.nn.Module, rows: list[Row], tracer: AllocationTracer, tap, device,
-              kernels: Kernels) -> float:
-    """One pass of the model over every row (all with the same number of tokens); sets each row's logits (V,)
-    and returns the pass's wall time.  The caller holds the model's lock and has pinned the threads."""
+def run_batch(model: torch.nn.Module, rows: list[Row], observer: Observer, tap, device, kernels: Kernels):
+    """One pass of the model over every row (all with the same number of tokens); sets each row's logits (V,).
+    The pass's own work is the shared pass's region (`observe.SHARED`); each row's setup, cache work and attention
+    are regions of its owner.  The caller holds the model's lock and has pinned the threads."""
     q = len(rows[0].ids)
     config = compat.text_config(model.config)
     attn = compat.attention_module(compat.decoder_layers(model)[0])
-    batch = Batch(rows, tracer, compat.attention_function(attn), [s.layer_type for s in compat.layer_specs(config)],
+    batch = Batch(rows, observer, compat.attention_function(attn), [s.layer_type for s in compat.layer_specs(config)],
                   kernels)
     ids = torch.tensor([row.ids for row in rows], device=device)
     positions = torch.stack([torch.arange(row.seen, row.seen + q, device=device) for row in rows])
     like = torch.zeros(1, q, 1, device=device, dtype=next(model.parameters()).dtype)
+    observer.keep_handed = {id(layer) for row in rows if row.snapshot for layer in row.cache.layers}
     for i, row in enumerate(rows):
-        for layer in row.cache.layers if row.snapshot else ():
-            layer.keep_handed = True
-        with batch.owned(i):
-            t0 = time.perf_counter()
+        with batch.owned(i, "other"):
             row.cache.begin_step(row.ids, row.more_prompt)
             for t in () if kernels.invariant else set(batch.layer_types):  # the block attention needs no mask
                 row.masks[t] = compat.mask_function(t)(config=config, inputs_embeds=like, attention_mask=None,
                                                        cache=row.cache, position_ids=positions[i:i + 1])
-            row.setup_s += time.perf_counter() - t0
     compat.register_attention(LANES_IMPLEMENTATION, lanes_attention)
     tap.target_rows(batch)
     _LOCAL.batch = batch
-    t0 = clock(device)
     try:
-        with compat.attention_implementation(attn.config, LANES_IMPLEMENTATION), \
+        with observer.region(SHARED, "pass"), compat.attention_implementation(attn.config, LANES_IMPLEMENTATION), \
                 batch_linears(model, len(rows), kernels), kernels.applied():
             logits = compat.forward_rows(model, ids, LaneCache(batch), positions)
     finally:
         _LOCAL.batch = None
-        for row in rows:
-            for layer in row.cache.layers if row.snapshot else ():
-                layer.keep_handed = False
-    wall = clock(device) - t0
+        observer.keep_handed, observer.handed = set(), {}
     for i, row in enumerate(rows):
-        with batch.owned(i):
-            t0 = time.perf_counter()
+        with batch.owned(i, "other"):
             row.cache.end_step()
-            row.setup_s += time.perf_counter() - t0
-            row.masks = {}  # freed inside the traced session, like every other part of the row's forward
-            with harness():  # the engine's copy of the row's logits
-                row.logits = logits[i].clone()
-    return wall
+            row.masks = {}  # freed inside the row's region, like every other part of its forward
+        with observer.region(ENGINE, "logits"):  # the engine's copy of the row's logits: nobody's bytes
+            row.logits = logits[i].clone()

@@ -7,10 +7,12 @@ size and time.  Nothing a strategy does can hide from it: a tensor kept in a
 layer attribute, on a model module or in a closure was allocated by the
 allocator like any other.
 
-A `session()` runs a block (one lane's forward, or one batched forward of
-several lanes) under the profiler on the calling thread; inside it,
-`owner(name)` scopes say whose work runs (a lane's cache update, its
-attention, its replay...).  When the session ends, its allocation events
+This is the auditor of the default instrument (the allocator's ledger,
+`ledger.py`): slower (a profiler session per pass), it sees the same
+allocations another way.  A `session()` runs a block (one lane's forward, or
+one batched forward of several lanes) under the profiler on the calling
+thread; inside it, `owner(name)` scopes say whose work runs (the engine's
+observer opens them for each region: `scope`).  When the session ends, its allocation events
 are folded, in time order, into a ledger of live blocks, each attributed to
 the owner whose scope allocated it; allocations outside every owner scope
 (the activations of a batched forward) belong to the session's `shared`
@@ -58,7 +60,7 @@ from torch.autograd import ProfilerConfig, ProfilerState, _disable_profiler, _en
 from torch._C._autograd import _enable_record_function
 from torch._C._profiler import ProfilerActivity, _ExperimentalConfig, _ExtraFields_Allocation
 
-from . import rss
+from . import ledger, rss
 
 HARNESS = "kvdirect::harness"
 OWNER = "kvdirect::owner::"
@@ -116,9 +118,12 @@ def _marked(name: str):
             _enable_record_function(False)
 
 
+@contextlib.contextmanager
 def harness():
-    """Marks work the measurement does inside a lane's forward; its allocations belong to no lane."""
-    return _marked(HARNESS)
+    """Marks work the measurement does inside a lane's forward (or a one-time check): its allocations belong to no
+    lane, for the trace and for the allocator's ledger."""
+    with _marked(HARNESS), ledger.nobody():
+        yield
 
 
 _START = operator.attrgetter("start_time_ns")
@@ -142,6 +147,7 @@ class AllocationTracer:
         if self.device.type == "cuda":
             self._activities.add(ProfilerActivity.CUDA)
         self._windows: dict[str, Window] | None = None
+        self.windows: dict[str, Window] = {}  # the last session's, by owner
 
     # --- reading -----------------------------------------------------------
     def live(self, owner: str) -> int | None:
@@ -153,32 +159,52 @@ class AllocationTracer:
     def session(self, shared: str = "shared", share_among: int = 1):
         """One profiler session on this thread; owner scopes inside; folded when it ends.  Allocations outside
         every owner scope belong to `shared`, whose live bytes count 1/`share_among` in each owner's peak."""
+        self.start(shared, share_among)
+        try:
+            yield self
+        finally:
+            self.stop()
+
+    def start(self, shared: str = "shared", share_among: int = 1):
+        """Begin a session (`session`); `stop` ends and folds it."""
+        self._shared = (shared, max(1, share_among))
+        self._windows = {}
         if not self.enabled:
-            self._windows = {}
-            try:
-                yield self
-            finally:
-                self._windows = None
             return
-        with _SESSION:
-            self._windows = {}
-            _prepare_profiler(_config(), self._activities)
-            _enable_profiler(_config(), self._activities)
-            # Ops are not recorded (it is allocations we want, and recording every op would cost more than the
-            # block): the allocator's reports still arrive, as roots of the event tree or children of a scope.
-            _enable_record_function(False)
-            _LOCAL.tracing = True
-            try:
-                yield self
-            finally:
-                _LOCAL.tracing = False
-                _enable_record_function(True)
-                result = _disable_profiler()
-                events = self._fold(result, shared, max(1, share_among))
-                self._windows = None
-                del result
-                if events >= RELEASE_EVENTS:
-                    rss.release()
+        _SESSION.acquire()
+        _prepare_profiler(_config(), self._activities)
+        _enable_profiler(_config(), self._activities)
+        # Ops are not recorded (it is allocations we want, and recording every op would cost more than the
+        # block): the allocator's reports still arrive, as roots of the event tree or children of a scope.
+        _enable_record_function(False)
+        _LOCAL.tracing = True
+
+    def stop(self):
+        windows, self._windows = self._windows, None
+        if not self.enabled:
+            return
+        try:
+            _LOCAL.tracing = False
+            _enable_record_function(True)
+            result = _disable_profiler()
+            self._windows = windows
+            events = self._fold(result, *self._shared)
+            del result
+        finally:
+            self._windows = None
+            _SESSION.release()
+        self.windows = windows
+        if events >= RELEASE_EVENTS:
+            rss.release()
+
+    def scope(self, owner):
+        """The scope of a region of `owner` (an `observe.Owner`): a lane's or a twin's own, the session's shared
+        work as it is, anyone else's (an instrument's, the engine's) nobody's."""
+        if owner.kind in ("lane", "twin"):
+            return self.owner(owner.label)
+        if owner.kind == "shared":
+            return contextlib.nullcontext()
+        return harness()
 
     @contextlib.contextmanager
     def owner(self, name: str):

@@ -22,7 +22,7 @@ from .paths import data
 PREFIX = "kvdirect-studio/"
 # kind -> the version this build writes and reads
 VERSIONS = {
-    "run": 1,  # bench run --json, the compare endpoint
+    "run": 2,  # bench run --json, the compare endpoint (2: the allocator's figures, meter_audit, engine_ms)
     "run-alone": 1,  # bench run --alone --json: each strategy in a process of its own
     "sweep": 1,  # bench sweep --json
     "reproduce": 4,  # bench reproduce: results.json (3: patching, claims 2b, 7b, measured_on; 4: claim 9, tasks)

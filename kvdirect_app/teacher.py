@@ -12,32 +12,31 @@ they cover.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from .instruments import COUNTS
 from .lanes import Lane
-from .memory import AllocationTracer
-from .strategies import StrategyCache
+from .observe import Observer
 
 
-def observe(lane: Lane, ref_token: int | None, ref_logits: torch.Tensor | None, reference: StrategyCache,
-            tracer: AllocationTracer, twins: bool, agreement: bool = True) -> torch.Tensor | None:
-    """Fork the twin at the first divergence; returns the logits this step's agreement compares with the
-    reference's (the free run's before the divergence, the twin's after it), or None when there is nothing to
-    compare.  Without `agreement` (the instruments off) only the divergence is noted: no twin, no K/V report."""
+def observe(lane: Lane, ref_token: int | None, ref_logits: torch.Tensor | None, observer: Observer,
+            fork: Callable[[Lane], None] | None, agreement: bool = True) -> torch.Tensor | None:
+    """Fork the twin at the first divergence (`fork(lane)`; None: no twins); returns the logits this step's
+    agreement compares with the reference's (the free run's before the divergence, the twin's after it), or
+    None when there is nothing to compare.  Without `agreement` (the instruments off) only the divergence is
+    noted: no twin, no K/V report."""
     if not lane.diverged:
         lane_done, ref_done = not lane.active, ref_token is None
         if lane_done and ref_done:
             return None
         if lane_done != ref_done or int(torch.argmax(lane.logits)) != ref_token:
             lane.diverged = True
-            lane.kv = lane.cache.kv_report()
-            lane.cache.compare_with(None)
-            if twins and agreement:
+            lane.kv = observer.kv_report(lane.owner)
+            observer.compare_with(lane.owner, None)
+            if fork is not None and agreement:
                 # The free run leaves the reference's history here: keep measuring on a twin fed its tokens.
-                with tracer.trace(lane.twin_owner):
-                    lane.tf_cache = lane.cache.fork()
-                lane.tf_cache.compare_with(reference)
+                fork(lane)
                 lane.tf_logits = lane.logits
     if not agreement or ref_token is None or (lane.diverged and lane.tf_cache is None):
         return None
@@ -49,7 +48,6 @@ def agree(lanes: list[Lane], logits: list[torch.Tensor], ref_token: int, ref_log
     stacked logits (the reference's first row: identical logits give identical rows, KL and |dlogit| exactly 0)."""
     if not lanes:
         return
-    COUNTS["agreement"] += len(lanes)
     rows = torch.stack([ref_logits, *logits]).float()
     logp = torch.log_softmax(rows, dim=-1)
     kl = (logp[0].exp() * (logp[0] - logp[1:])).sum(dim=-1).clamp_min(0.0)
@@ -62,10 +60,10 @@ def agree(lanes: list[Lane], logits: list[torch.Tensor], ref_token: int, ref_log
         lane.max_dlogit = max(lane.max_dlogit, dlogit)
 
 
-def kv_summary(lane: Lane) -> dict:
+def kv_summary(lane: Lane, observer: Observer) -> dict:
     """K/V against the full cache over the identical-history path: the free run before the divergence, the
     twin after it."""
-    live = (lane.tf_cache if lane.tf_cache is not None else lane.cache).kv_report()
+    live = observer.kv_report(lane.twin if lane.tf_cache is not None else lane.owner)
     if not lane.diverged:
         return live
     before = lane.kv

@@ -17,9 +17,10 @@ from kvdirect_app.engine import Engine
 from kvdirect_app.hooks import InputTap
 from kvdirect_app.kernels import Kernels
 from kvdirect_app.lockstep import Row, run_batch
-from kvdirect_app.memory import AllocationTracer
+from kvdirect_app.observe import Observer, Owner
 from kvdirect_app.strategies import parse_spec, parse_specs
-from kvdirect_app.strategies.scored import ScoredLayer, UncomparedFullLayer, fit_mask, per_layer
+from kvdirect_app.strategies.base import FullLayer
+from kvdirect_app.strategies.scored import ScoredLayer, fit_mask, per_layer
 from kvdirect_app.threads import threads_set
 
 from .runs import tiny
@@ -51,7 +52,7 @@ def test_knorm_keeps_the_keys_of_lowest_l2_norm_per_kv_head(decode):
 def test_knorm_leaves_the_global_layers_before_skip_whole(family, spec, whole):
     """`skip` counts decoder layers (the paper's layers 0 and 1); tiny-gemma3's global layers are 2 and 5."""
     cache = parse_spec(spec).build_cache(tiny(family).model)
-    assert {i for i, layer in enumerate(cache.layers) if isinstance(layer, UncomparedFullLayer)} == whole
+    assert {i for i, layer in enumerate(cache.layers) if isinstance(layer, FullLayer)} == whole
     scored = [layer for layer in cache.layers if isinstance(layer, ScoredLayer)]
     assert [(layer.rank, layer.count) for layer in scored] == [(r, len(scored)) for r in range(len(scored))]
 
@@ -189,11 +190,12 @@ def test_after_eviction_a_prefill_chunk_sees_every_stored_token_of_its_layer_and
     model = loaded.model
     run = Kernels.for_model(loaded, kernels, threads=1)
     assert run.mode == kernels
-    tap, tracer = InputTap(model, CPU), AllocationTracer(CPU, enabled=False)
+    tap, observer = InputTap(model, CPU), Observer(CPU)
     caches = [parse_spec(spec).build_cache(model) for spec in CAUSAL]
     try:
         with torch.inference_mode(), threads_set(1):
-            run_batch(model, [Row(spec, cache, FIRST) for spec, cache in zip(CAUSAL, caches)], tracer, tap, CPU, run)
+            run_batch(model, [Row(Owner(spec, "lane"), cache, FIRST) for spec, cache in zip(CAUSAL, caches)], observer,
+                      tap, CPU, run)
             for cache in caches:
                 cache.end_turn()  # the chunk is the next turn's prompt
             stored = [_stored(cache) for cache in caches]
@@ -207,11 +209,11 @@ def test_after_eviction_a_prefill_chunk_sees_every_stored_token_of_its_layer_and
                     expected[:, t - 4:] = torch.tril(torch.ones(4, 4, dtype=torch.bool))
                     assert torch.equal(fit_mask(mask, t)[0, 0].bool(), expected)
             alone = [cache.fork() for cache in caches]
-            rows = [Row(spec, cache, CHUNK, len(FIRST)) for spec, cache in zip(CAUSAL, caches)]
-            run_batch(model, rows, tracer, tap, CPU, run)
-            singles = [Row(spec, cache, CHUNK, len(FIRST)) for spec, cache in zip(CAUSAL, alone)]
+            rows = [Row(Owner(spec, "lane"), cache, CHUNK, len(FIRST)) for spec, cache in zip(CAUSAL, caches)]
+            run_batch(model, rows, observer, tap, CPU, run)
+            singles = [Row(Owner(spec, "lane"), cache, CHUNK, len(FIRST)) for spec, cache in zip(CAUSAL, alone)]
             for row in singles:
-                run_batch(model, [row], tracer, tap, CPU, run)
+                run_batch(model, [row], observer, tap, CPU, run)
             tap.clear()  # the reference's forwards feed none of the caches
             for spec, layers, row, single in zip(CAUSAL, stored, rows, singles):
                 want = _expected_logits(model, layers)

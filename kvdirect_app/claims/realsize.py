@@ -186,7 +186,7 @@ def lane_verdict(r: dict, reference: dict, is_reference: bool) -> dict:
     """One lane of the engine's results, reduced to the four checks and their figures."""
     sb = r["state_bytes"]
     last = r["turns"][-1]
-    audit = sb.get("storage_audit") or {}
+    audit = sb.get("meter_audit") or {}
     bytes_match = (sb["formula_matches_measurement"] is True and last["between_turns"] is not None
                    and last["between_turns"] == last["formula_between_turns"])
     out = {
@@ -205,7 +205,7 @@ def lane_verdict(r: dict, reference: dict, is_reference: bool) -> dict:
         "byte_mismatches": sb["mismatch_count"],
         "peak_bytes": sb["peak"],
         "formula_peak_bytes": sb["formula_peak"],
-        "storage_audit_mismatches": audit.get("held_mismatches"),
+        "meter_audit_mismatches": audit.get("held_mismatches"),
         "claims_exact": r["claims_exact"],
         "exact_unavailable": r["exact_unavailable"],
         "mode": r["mode"],

@@ -29,9 +29,11 @@ def add_conversation_options(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICES)}")
     p.add_argument("--threads", type=int, default=None, help="torch threads, pinned for every forward (default: torch's)")
-    p.add_argument("--memory", default="storage", help=f"one of {', '.join(MEMORY_MODES)}: bytes counted from the "
-                   "storages of each cache's tensors (the default, cheap), measured by the allocator (every forward "
-                   "traced; it audits the storage count), or the formula only")
+    p.add_argument("--memory", default="auto", help=f"one of {', '.join(MEMORY_MODES)}: auto (the default) is "
+                   "allocator where it can be read, else storage, and says why; allocator: each lane's held bytes and "
+                   "peak measured by the allocator its tensors live in (the CPU allocator's ledger, CUDA's caching "
+                   "allocator); trace: every allocation traced (slow; it audits the allocator's figures); storage: "
+                   "the tensors each strategy lists (declared, not measured); none: the formula only")
     p.add_argument("--no-instruments", action="store_true",
                    help="every instrument off (memory, K/V comparison, twins, agreement, snapshots, digests, RSS): "
                         "the lanes alone, for timing what the strategies cost")

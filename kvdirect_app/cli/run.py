@@ -68,17 +68,19 @@ def cost_table(result: dict) -> str:
 def notes(result: dict) -> list[str]:
     """What a reader must know to read the tables right."""
     instrument = result["memory_instrument"]
-    peak = ("the highest the allocator saw during a forward (state + transient buffers + activations)"
-            if instrument.startswith("allocator") else
-            "the held tensors' storages plus the transient buffers the strategy counts (no activations)"
-            if instrument.startswith("tensor storages") else "by formula (no instrument ran)")
+    source = next((r["state_bytes"]["peak_source"] for r in result["strategies"].values()), None)
+    peak = {"measured": "the highest the lane's own allocations went during a forward (its state and buffers; the "
+                        "pass's shared activations are nobody's)",
+            "trace": "the highest the allocation trace saw during a forward (state + buffers + 1/N of the "
+                     "activations)",
+            "formula": "the held bytes plus the formula's buffers (not measured: no peak can be read here)"}.get(
+                source, "by formula (no instrument ran)")
     out = [f"bytes: {instrument}; 'peak in turn' is {peak}; the formula's peak counts the strategy's buffers only"]
     if result["batched"]:
         shared = result["shared_pass_ms_mean"]
         out.append("lanes batched: 'ms/token' is a lane's own work (its cache, its attention) plus 1/N of the pass's "
-                   f"shared work (projections and MLP of all N rows, {fmt(shared, '.1f')} ms per decode pass), and "
-                   "'peak in turn' charges it 1/N of the pass's activations; `run --alone` gives each strategy as "
-                   "deployed alone")
+                   f"shared work (projections and MLP of all N rows, {fmt(shared, '.1f')} ms per decode pass); "
+                   "`run --alone` gives each strategy as deployed alone")
     if not result["teacher_forced_twins"]:
         out.append("no teacher-forced twins: agreement and KL cover the steps before each strategy's first divergence")
     determinism = result["determinism"]
@@ -93,8 +95,12 @@ def notes(result: dict) -> list[str]:
         sb = r["state_bytes"]
         if sb["formula_matches_measurement"] is False:
             where, seen, measured, formula = sb["mismatches"][0]
-            out.append(f"{spec}: measured state differs from the formula at {sb['mismatch_count']} points, first "
-                       f"({where}, {seen} tokens): {measured} B measured, {formula} B by formula")
+            out.append(f"{spec}: MEASURED STATE DIFFERS FROM THE FORMULA at {sb['mismatch_count']} points, first "
+                       f"({where}, {seen} tokens): {measured} B measured, {formula} B by formula"
+                       + ("" if sb["declared_mismatch_count"] else "; the tensors it lists agree with the formula, "
+                          "so it holds something it does not list"))
+        if sb["declared_mismatch_count"]:
+            out.append(f"{spec}: the tensors it lists differ from its formula at {sb['declared_mismatch_count']} points")
     return out
 
 
@@ -110,9 +116,11 @@ def print_result(result: dict):
     steps = result.get("steps")
     if steps:
         parts = ", ".join(f"{name} {ms:.1f}" for name, ms in steps["measurement_by_instrument_ms_mean"].items())
+        ops = ", ".join(f"{op} {ms:.1f}" for op, ms in steps["engine_by_op_ms_mean"].items())
         print(f"per decode step (mean of {steps['steps']}): wall {steps['wall_ms_mean']:.1f} ms = lanes' own "
-              f"{steps['lanes_ms_mean']:.1f} + measurement {steps['measurement_ms_mean']:.1f} ({parts or 'none'}) + "
-              f"unattributed {steps['unattributed_ms_mean']:.1f}")
+              f"{steps['lanes_ms_mean']:.1f} (the shared pass {steps['shared_ms_mean']:.1f} charged to them by rows) + "
+              f"measurement {steps['measurement_ms_mean']:.1f} ({parts or 'none'}) + engine "
+              f"{steps['engine_ms_mean']:.1f} ({ops or 'none'}) + unattributed {steps['unattributed_ms_mean']:.1f}")
     print("\nwhat it changes (against the full cache):")
     print(output_table(result))
     print("\nwhat it costs (between turns, peak during a turn and ms per token: measured; then the formula):")
@@ -260,7 +268,8 @@ def run_alone(args, strategies) -> int:
             print(f"running {spec} in its own process…", file=sys.stderr)
             runs[spec] = run_child(spec, args, Path(folder))
     reference = runs["full"]["strategies"]["full"]
-    measured = {"trace": "allocator", "storage": "storage"}.get(args.memory, "formula")  # what the peak column is
+    measured = {"auto": "allocator", "allocator": "allocator", "trace": "trace", "storage": "declared"}.get(
+        args.memory, "formula")  # what the peak column is
     cols = ["strategy", "tokens", "match", "1st div", "load peak RSS", "peak RSS (/usr/bin/time)", "RSS before run",
             "RSS growth", f"{measured} peak", f"growth - {measured}", "between turns", "ms/token", "tok/s"]
     rows, summary = [], {}
@@ -289,9 +298,10 @@ def run_alone(args, strategies) -> int:
           "the heap's free pages back and starts the kernel's high-water mark afresh; 'peak RSS' is then the run's "
           "own, as /usr/bin/time -v reports it for that process; RSS growth = that peak minus the RSS before the "
           f"run; the {measured} peak is the same process's in-process figure: "
-          + {"allocator": "the strategy's state, transient buffers and activations, traced",
-             "storage": "the strategy's held tensors and the transient buffers it counts (no activations; "
-                        "--memory trace adds them)",
+          + {"allocator": "the strategy's state and its own buffers, by the allocator (its peak where one can be "
+                          "read, else the held bytes plus the formula's buffers)",
+             "trace": "the strategy's state, buffers and activations, traced",
+             "declared": "the tensors the strategy lists plus the formula's buffers (declared, not measured)",
              "formula": "the strategy's formula (no instrument ran)"}[measured])
     if any(r["process"]["time_peak_rss_bytes"] is None for r in summary.values()):
         print(f"note: {GNU_TIME} is not installed: the peak RSS is wait4's for the child, which also counts the "

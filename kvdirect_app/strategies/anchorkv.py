@@ -34,15 +34,15 @@ cache.
   window, one layer's K/V and the carried hidden states), and a replay of all
   old tokens per generated token.
 
-Everything the replay allocates is seen by the allocation tracer
-(`memory.py`) and counted in the step's measured peak; the formula's
-transient bytes are the carried hidden states plus one layer's K/V buffer.
+Everything the replay allocates is the lane's, by the allocator's ledger, and
+counted in the step's measured peak; the formula's transient bytes are the
+carried hidden states plus one layer's K/V buffer.  `carry` and `rebuild_all`
+are the seams the engine's observer times as replay.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +51,7 @@ from .. import compat, rss
 from ..geometry import ModelGeometry
 from ..kernels import native
 from ..replay import LayerReplayer
-from .base import SlidingLayer, Strategy, StrategyCache, StrategyError, storage_bytes, window_layer_bytes, window_layer_transient
+from .base import SlidingLayer, Strategy, StrategyCache, StrategyError, window_layer_bytes, window_layer_transient
 from .rebuild import (MODES, REBUILDS, REPLAY_ROWS, RebuildingLayer, chunks_of, covered, record_run, rebuilding_persistent,
                       rebuilding_transient)
 
@@ -94,9 +94,6 @@ class AnchorStore:
         # Layers a cascade step runs the old tokens through: from each anchor up to its segment's last global layer.
         self.carried = {j for j, a in enumerate(self.anchor_of) if a in self.last_target and j <= self.last_target[a]}
         self.replaying = False
-        self.replay_s = 0.0
-        self.release_s = 0.0  # handing the heap's free pages back after replayed layers (`rss.release`)
-        self.transient = 0  # this step's largest carried hidden states plus a layer's replayed K/V (bytes)
         # Per step: the span to rebuild, the carried hidden states and the K/V waiting for their layer.
         self.span: tuple[int, int] = (0, 0)
         self.hidden: torch.Tensor | None = None
@@ -124,7 +121,6 @@ class AnchorStore:
             new = torch.tensor([ids], dtype=torch.int32, device=device)
             self.token_ids = new if self.token_ids is None else torch.cat([self.token_ids, new], dim=1)
         self.span = span
-        self.transient = 0
         self.chunks = self._chunks(span[0])
         self.cover = covered(self.chunks)
         record_run(self.runs, self.seen, len(ids))
@@ -138,16 +134,15 @@ class AnchorStore:
         """Decoder layer `j` of this session's forward is about to run on `x` (1, q, d), its new tokens' input."""
         end, total = self.span
         if end and self.replay_kind == "cascade" and j in self.carried:
-            self._carry(j, end, total)
+            self.carry(j, end, total)
         if j in self.residuals:
             held = self.residuals[j]
             self.residuals[j] = x if held is None else torch.cat([held, x], dim=1)
-            if held is not None:  # the shorter store, alive beside the longer one until it is dropped here
-                self.transient = max(self.transient, storage_bytes(held))
 
-    def _carry(self, j: int, end: int, total: int):
+    def carry(self, j: int, end: int, total: int):
+        """The old tokens' hidden states through decoder layer `j` (cascade replay), its K/V kept for its
+        attention."""
         a = self.anchor_of[j]
-        t0 = time.perf_counter()
         self.replaying = True
         try:
             if j == a:
@@ -158,16 +153,12 @@ class AnchorStore:
                                                 carry=j < last)
             if j in self.segment_of:
                 self.ready[j] = kv
-            self.transient = max(self.transient, storage_bytes(self.hidden, *(kv or ())))
             if j == last:
                 self.hidden = None
         finally:
             self.replaying = False
-            self.replay_s += time.perf_counter() - t0
-        if end >= RELEASE_FROM:  # not the replay's time: the heap's hygiene, nobody's (`release_s`)
-            t1 = time.perf_counter()
+        if end >= RELEASE_FROM:
             rss.release()
-            self.release_s += time.perf_counter() - t1
 
     def start_hidden(self, anchor: int, end: int) -> torch.Tensor:
         """Hidden states (1, end, d) entering layer `anchor` for tokens 0..end-1, a fresh tensor (the replay
@@ -178,9 +169,6 @@ class AnchorStore:
 
     def tensors(self) -> tuple:
         return self.token_ids, *self.residuals.values()
-
-    def bytes(self) -> int:
-        return storage_bytes(*self.tensors())
 
     def old_kv(self, layer: int, end: int, capacity: int):
         """K/V buffers of global `layer`, tokens 0..end-1 filled: carried up this step, or replayed now."""
@@ -218,6 +206,8 @@ class AnchorStore:
 
 class AnchoredLayer(RebuildingLayer):
     """A global layer whose old K/V come from the anchor store."""
+
+    rebuild_op = "replay"
 
     def __init__(self, store: AnchorStore, index: int, budget: int, rebuild: str):
         super().__init__(budget, rebuild)
@@ -264,31 +254,13 @@ class AnchorCache(StrategyCache):
     def state_tensors(self) -> tuple:
         return (*super().state_tensors(), *self.store.tensors())
 
-    def persistent_bytes(self) -> int:
-        return super().persistent_bytes() + self.store.bytes()
-
-    def transient_bytes(self) -> int:
-        """A layer's transient, or the carried hidden states with the K/V a replayed layer built, whichever is
-        larger."""
-        return max(super().transient_bytes(), self.store.transient)
-
-    def take_timers(self) -> dict[str, float]:
-        out = super().take_timers()
-        out["replay"] = self.store.replay_s
-        out["release"] = self.store.release_s
-        self.store.replay_s = self.store.release_s = 0.0
-        return out
-
     def resume(self):
         """``rebuild=turn``: every global layer's K/V, replayed once from the anchors, held for the turn."""
         if self.strategy.rebuild != "turn" or self.store.seen == 0 or not self.globals:
             return
-        t0 = time.perf_counter()
         kv = self.store.rebuild_all(self.store.seen)
         for layer in self.globals:
             layer.active = kv.pop(layer.index)
-            layer.count_rebuilt(layer.seen)
-        self.store.replay_s += time.perf_counter() - t0
 
     def replay_counts(self) -> dict:
         return {"layer_passes": self.store.replayer.passes, "layer_calls": self.store.replayer.calls}
@@ -325,6 +297,7 @@ class AnchorKV(Strategy):
     rebuild: str = "turn"
 
     name = "anchorkv"
+    kv_comparable = True
 
     def __post_init__(self):
         self.check_min(self.name, "spacing", self.spacing, 1)

@@ -1,28 +1,20 @@
-"""What every strategy shares: the registry, spec parsing, and a measured Cache.
+"""What every strategy shares: the registry, spec parsing, the cache and its reference layers.
 
 A strategy is a small dataclass (its settings, checked in `__post_init__`)
 that builds a transformers `Cache` made of custom layers.  Subclasses register
 themselves by their `name`, so a new strategy is one new file in this package.
 
-Byte accounting (DESIGN.md, "Metrics"):
-
-* persistent bytes: the storage of every tensor a cache layer holds between
-  steps, measured as distinct `untyped_storage()` sizes, so a view that pins a
-  larger buffer is counted at the buffer's size;
-* transient bytes: buffers a layer builds during a step and drops after it
-  (rebuilt K/V, and the K/V handed to attention when that is not a stored
-  tensor); a step's peak is persistent after the step plus the largest
-  layer's transient;
-* each strategy also gives both numbers by formula from the config alone, and
-  tests check that formula and measurement agree exactly.
+A strategy only caches.  What it holds is measured from outside (`observe.py`:
+the allocator's ledger, the clocks, the comparison with the full cache); what
+it *lists* (`state_tensors`) and its formulas from the config alone
+(`formula_persistent`, `formula_transient`...) are the cross-checks the
+measurement is held to.
 """
 
 from __future__ import annotations
 
-from ..errors import UserError
 import copy
 import dataclasses
-import time
 import typing
 from dataclasses import dataclass
 from typing import ClassVar
@@ -31,9 +23,8 @@ import torch
 
 from .. import compat
 from ..compat import Cache, DynamicLayer
+from ..errors import UserError
 from ..geometry import ModelGeometry
-from ..instruments import COUNTS
-from ..memory import harness
 
 
 class Forward(typing.NamedTuple):
@@ -49,111 +40,24 @@ class StrategyError(UserError):
     """A strategy spec that cannot be built; the message names the setting and its allowed values."""
 
 
-def storage_sizes(*tensors: torch.Tensor | None) -> dict[int, int]:
-    """Address -> bytes of the distinct storages behind `tensors` (a view counts its whole buffer, once)."""
-    out = {}
-    for t in tensors:
-        if t is not None and t.numel():
-            s = t.untyped_storage()
-            out.setdefault(s.data_ptr(), s.nbytes())
-    return out
+class FullLayer(DynamicLayer):
+    """transformers' `DynamicLayer`: every token's K/V."""
 
-
-def storage_bytes(*tensors: torch.Tensor | None) -> int:
-    """Bytes of the distinct storages behind `tensors` (a view counts its whole buffer, once)."""
-    return sum(storage_sizes(*tensors).values())
-
-
-class MeasuredLayer:
-    """Mixin for cache layers: bytes held, transient bytes of the last update, optional comparison.
-
-    When `reference` is set (a layer of the full cache that has already processed
-    the same step on the same history), every update compares what this layer
-    hands to attention with what the reference holds.
-    """
-
-    reference = None
-    keep_handed = False  # set for one pass: keep the positions of what this layer hands attention (a snapshot)
-
-    def handed_positions(self, count: int, end: int, device) -> torch.Tensor:
-        """(1, 1, count) original positions of the `count` keys this layer handed attention in the pass that ended
-        at position `end` (exclusive): the last `count` positions, for a layer that keeps every token or a window."""
-        return torch.arange(end - count, end, device=device).view(1, 1, count)
-
-    def init_measures(self):
-        self.transient = 0
-        self.rebuilt_compared = 0  # token-layers rebuilt while a reference was compared
-        self.shape_mismatches = 0
-        self.compare_s = 0.0
-        self.cache_update_s = 0.0
-        self.scoring_s = 0.0
-        self.max_dk = 0.0
-        self.max_dv = 0.0
-        self.kv_equal = True
-        self.compared = 0
+    def token_states(self) -> list[str]:
+        return ["kv"] * self.get_seq_length()
 
     def state_tensors(self) -> tuple:
         """Every tensor the layer holds between steps."""
         return self.keys, self.values
 
-    def state_bytes(self) -> int:
-        return storage_bytes(*self.state_tensors())
 
-    def compare(self, keys: torch.Tensor, values: torch.Tensor):
-        """What this layer hands attention against what the reference layer holds after the same step.
-
-        Shapes must match: a global layer that hands attention fewer (or more) tokens than the full cache
-        holds is not equal, whatever its values.  Runs as measurement work (`memory.harness`): what it
-        allocates is nobody's state.
-        """
-        ref = self.reference
-        if ref is None or ref.keys is None:
-            return
-        t0 = time.perf_counter()
-        COUNTS["compare"] += 1
-        with harness():
-            rk, rv = ref.keys, ref.values
-            self.compared += 1
-            if rk.shape != keys.shape or rv.shape != values.shape:
-                self.kv_equal = False
-                self.shape_mismatches += 1
-            elif not (torch.equal(keys, rk) and torch.equal(values, rv)):
-                self.kv_equal = False
-                self.max_dk = max(self.max_dk, float((keys.float() - rk.float()).abs().max()))
-                self.max_dv = max(self.max_dv, float((values.float() - rv.float()).abs().max()))
-        self.compare_s += time.perf_counter() - t0
-
-
-class FullLayer(MeasuredLayer, DynamicLayer):
-    """transformers' `DynamicLayer`, measured."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.init_measures()
-
-    def token_states(self) -> list[str]:
-        return ["kv"] * self.get_seq_length()
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        t0 = time.perf_counter()
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
-        self.transient = 0
-        self.cache_update_s += time.perf_counter() - t0
-        self.compare(keys, values)
-        return keys, values
-
-
-class SlidingLayer(MeasuredLayer, compat.DynamicSlidingWindowLayer):
-    """transformers' `DynamicSlidingWindowLayer`, measured, with the kept window compacted.
+class SlidingLayer(compat.DynamicSlidingWindowLayer):
+    """transformers' `DynamicSlidingWindowLayer`, with the kept window compacted.
 
     The base class keeps a view of the last `window - 1` tokens into the
     concatenated buffer; copying it makes the held bytes exactly the window.
     The tensors handed to attention are those of the base class.
     """
-
-    def __init__(self, sliding_window: int, **kwargs):
-        super().__init__(sliding_window=sliding_window, **kwargs)
-        self.init_measures()
 
     def state_tensors(self) -> tuple:
         return self.keys, self.values, getattr(self, "_sliding_window_tensor", None)
@@ -163,15 +67,9 @@ class SlidingLayer(MeasuredLayer, compat.DynamicSlidingWindowLayer):
         return ["evicted"] * (self.cumulative_length - kept) + ["kv"] * kept
 
     def update(self, key_states, value_states, *args, **kwargs):
-        t0 = time.perf_counter()
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         if self.keys.untyped_storage().nbytes() > self.keys.numel() * self.keys.element_size():
             self.keys, self.values = self.keys.clone(), self.values.clone()
-        # What attention reads here is a fresh concatenation of window and new tokens.
-        fresh = keys.untyped_storage().data_ptr() != self.keys.untyped_storage().data_ptr()
-        self.transient = storage_bytes(keys, values) if fresh else 0
-        self.cache_update_s += time.perf_counter() - t0
-        self.compare(self.keys, self.values)
         return keys, values
 
 
@@ -194,56 +92,15 @@ def window_layer_transient(geom: ModelGeometry, index: int, seen_before: int, q:
 
 
 class StrategyCache(Cache):
-    """A transformers Cache whose layers are measured; built by `Strategy.build_cache`."""
+    """A transformers Cache of a strategy's layers; built by `Strategy.build_cache`."""
 
     def __init__(self, strategy: "Strategy", layers: list):
         super().__init__(layers=layers)
         self.strategy = strategy
 
-    # --- measurement -------------------------------------------------------
     def state_tensors(self) -> tuple:
         """Every tensor the cache holds between steps (its layers', and a shared store's)."""
         return tuple(t for layer in self.layers for t in layer.state_tensors())
-
-    def persistent_bytes(self) -> int:
-        return sum(layer.state_bytes() for layer in self.layers)
-
-    def storage_sizes(self) -> list[int]:
-        """Bytes of each distinct storage the cache holds (what a per-tensor allocator rounds)."""
-        return list(storage_sizes(*self.state_tensors()).values())
-
-    def transient_bytes(self) -> int:
-        """Largest transient buffer of any layer during the last step."""
-        return max((layer.transient for layer in self.layers), default=0)
-
-    def take_timers(self) -> dict[str, float]:
-        """Seconds spent per op inside the cache during the last step (then reset)."""
-        out = {"recompute": 0.0, "replay": 0.0, "cache_update": 0.0, "scoring": 0.0, "compare": 0.0}
-        for layer in self.layers:
-            for key in out:
-                attr = key + "_s"
-                if hasattr(layer, attr):
-                    out[key] += getattr(layer, attr)
-                    setattr(layer, attr, 0.0)
-        return out
-
-    def compare_with(self, reference: Cache | None):
-        for i, layer in enumerate(self.layers):
-            layer.reference = None if reference is None else reference.layers[i]
-
-    def kv_report(self) -> dict:
-        compared = [layer for layer in self.layers if layer.compared]
-        if not compared:
-            return {"kv_exact": None, "max_abs_dk": None, "max_abs_dv": None, "layers_compared": 0,
-                    "rebuilt_token_layers": 0, "shape_mismatches": 0}
-        return {
-            "layers_compared": len(compared),
-            "kv_exact": all(layer.kv_equal for layer in compared),
-            "max_abs_dk": max(layer.max_dk for layer in compared),
-            "max_abs_dv": max(layer.max_dv for layer in compared),
-            "rebuilt_token_layers": sum(layer.rebuilt_compared for layer in compared),
-            "shape_mismatches": sum(layer.shape_mismatches for layer in compared),
-        }
 
     kernels = None  # the run's `kernels.Kernels`; None: the model's own (native) kernels
 
@@ -296,22 +153,14 @@ class StrategyCache(Cache):
                 layer.end_turn()
 
     def fork(self) -> "StrategyCache":
-        """An independent copy of the state.  Shared, not copied: the strategy, the reference's layers, and
-        every model-side object the cache reaches, however deep (modules with their parameters and buffers,
-        configs: an AnchorKV store reaches the whole model through its replayer)."""
+        """An independent copy of the state, the strategy's object included (whatever a strategy keeps on itself
+        is the copy's own).  Shared, not copied: every model-side object the cache reaches, however deep (modules
+        with their parameters and buffers, configs: an AnchorKV store reaches the whole model through its
+        replayer), and the run's kernels."""
         memo = model_side(self)
-        for layer in self.layers:
-            reference = getattr(layer, "reference", None)
-            if reference is not None:
-                memo[id(reference)] = reference
-        memo[id(self.strategy)] = self.strategy
         if self.kernels is not None:
             memo[id(self.kernels)] = self.kernels
-        twin = copy.deepcopy(self, memo)
-        for layer in twin.layers:
-            layer.reference = None
-            layer.init_measures()
-        return twin
+        return copy.deepcopy(self, memo)
 
 
 def model_side(root) -> dict[int, object]:
@@ -361,6 +210,9 @@ class Strategy:
 
     name: ClassVar[str] = ""
     exact: ClassVar[bool] = False  # claims K/V bit-equal to the full cache (tests hold it to that)
+    # Hands attention every token's K/V (kept or rebuilt), so they can be compared with the full cache's; an
+    # eviction strategy hands fewer and is not compared.
+    kv_comparable: ClassVar[bool] = False
     registry: ClassVar[dict[str, type["Strategy"]]] = {}
 
     def __init_subclass__(cls, **kwargs):

@@ -26,6 +26,7 @@ class Full(Strategy):
 
     name = "full"
     exact = True
+    kv_comparable = True
 
     def build_cache(self, model) -> StrategyCache:
         return StrategyCache(self, reference_layers(model))

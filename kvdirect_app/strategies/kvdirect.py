@@ -110,6 +110,7 @@ class KVDirect(Strategy):
     rebuild: str = "step"
 
     name = "kvdirect"
+    kv_comparable = True
 
     def __post_init__(self):
         self.check_min(self.name, "budget", self.budget, 1)

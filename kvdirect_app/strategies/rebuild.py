@@ -20,18 +20,15 @@ accounting.
 
 Forward chunks are recorded as runs `[start, length, is_rows]` (a prefill
 chunk, or a run of one-token decode steps) so a rebuild can repeat the
-original GEMM shapes.  `rebuilt_compared` counts rebuilt token-layers while a
-reference was compared, so an exactness claim can show it was exercised.
+original GEMM shapes.  `rebuild_old` is the seam the engine's observer times
+(as `rebuild_op`) and counts tokens of.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..compat import CacheLayerMixin
-from .base import MeasuredLayer, storage_bytes, storage_sizes
 
 MODES = ("exact", "fast")
 REBUILDS = ("step", "turn")
@@ -77,10 +74,11 @@ def covered(chunks: list[tuple[int, int]]) -> int:
     return chunks[-1][0] + chunks[-1][1] if chunks else 0
 
 
-class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
+class RebuildingLayer(CacheLayerMixin):
     """K/V of the last `budget` tokens kept; older ones rebuilt by `rebuild_old`."""
 
     is_sliding = False
+    rebuild_op = "recompute"  # what a rebuild is, in the latency rows: "recompute" or "replay"
 
     def __init__(self, budget: int, rebuild: str):
         super().__init__()
@@ -88,8 +86,6 @@ class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
         self.rebuild = rebuild
         self.seen = 0
         self.active: tuple[torch.Tensor, torch.Tensor] | None = None  # every token's K/V during a turn
-        self.recompute_s = 0.0
-        self.init_measures()
 
     # --- what subclasses provide ---------------------------------------------
     def rebuild_old(self, end: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,17 +117,11 @@ class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        t0 = time.perf_counter()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        stored = storage_sizes(*self.held_tensors())
         q = key_states.shape[-2]
         self.before_update(q)
-        # The stored inputs extended: the shorter copy is freed before the K/V work begins.
-        extended = sum(n for ptr, n in stored.items() if ptr not in storage_sizes(*self.held_tensors()))
-        before = storage_bytes(self.keys, self.values, *(self.active or ()))  # replaced by this step, whatever path
         end, total = self.rebuild_span(q)
-        rebuild_s = 0.0
         if self.active is not None:
             keys = torch.cat([self.active[0], key_states], dim=-2)
             values = torch.cat([self.active[1], value_states], dim=-2)
@@ -139,10 +129,7 @@ class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
             keys = key_states if self.keys is None else torch.cat([self.keys, key_states], dim=-2)
             values = value_states if self.values is None else torch.cat([self.values, value_states], dim=-2)
         else:
-            t1 = time.perf_counter()
             keys, values = self.rebuild_old(end, total)
-            rebuild_s = time.perf_counter() - t1
-            self.count_rebuilt(end)
             if self.keys is not None:
                 keys[..., end:self.seen, :] = self.keys
                 values[..., end:self.seen, :] = self.values
@@ -156,22 +143,7 @@ class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
             # A copy, so the hot window never pins the step's larger buffer.
             self.keys = keys[..., -self.budget:, :].clone()
             self.values = values[..., -self.budget:, :].clone()
-        # Transient: the K/V the layer held before the step (a hot window or a turn's K/V, replaced by a new copy)
-        # and the K/V attention read when the layer does not keep them (a rebuilt buffer), or the inputs' shorter
-        # copy.  By the tensors, not by their addresses: a freed block's address is reused within the step.
-        handed = 0 if self.active is not None and self.active[0] is keys else storage_bytes(keys, values)
-        self.transient = max(extended, before + handed)
-        self.recompute_s += rebuild_s
-        self.cache_update_s += time.perf_counter() - t0 - rebuild_s
-        self.compare(keys, values)
         return keys, values
-
-    rebuilt_total = 0  # token-layers rebuilt, compared or not
-
-    def count_rebuilt(self, tokens: int):
-        self.rebuilt_total += tokens
-        if self.reference is not None:
-            self.rebuilt_compared += tokens
 
     def end_turn(self):
         if self.active is not None:
@@ -188,10 +160,7 @@ class RebuildingLayer(MeasuredLayer, CacheLayerMixin):
         follows; ``rebuild=step`` waits for the next step, which rebuilds every token."""
         if self.rebuild != "turn" or self.active is not None or self.seen == 0:
             return
-        t0 = time.perf_counter()
         self.active = self.rebuild_old(self.seen, self.seen)
-        self.count_rebuilt(self.seen)
-        self.recompute_s += time.perf_counter() - t0
 
     def token_states(self, old_state: str = "residual") -> list[str]:
         held = self.seen if self.active is not None else self.hot

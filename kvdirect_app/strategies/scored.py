@@ -60,13 +60,14 @@ buffers handed over and dropped after it.  The scoring scratch (rebuilt
 queries and their fp32 attention probabilities) is not counted, like the
 attention's own workspace.
 
-Eviction layers are not comparable with the full cache in K/V, so they and
-the sliding layers of an eviction cache do not compare (`kv_exact` is None).
+Eviction layers hand attention fewer tokens than the full cache, so an
+eviction cache is not compared with it (`kv_comparable` is False: `kv_exact`
+is None).  `ScoredLayer.score` is the seam the engine's observer times as
+scoring.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
@@ -76,10 +77,9 @@ from torch import nn
 from .. import compat
 from ..compat import CacheLayerMixin
 from ..geometry import ModelGeometry
-from ..memory import harness
 from ..replay import HeadProjection
-from .base import (Forward, FullLayer, MeasuredLayer, SlidingLayer, Strategy, StrategyCache, storage_bytes,
-                   window_layer_bytes, window_layer_transient)
+from .base import (Forward, FullLayer, SlidingLayer, Strategy, StrategyCache, window_layer_bytes,
+                   window_layer_transient)
 
 POSITION_DTYPE = torch.int32
 POSITION_BYTES = 4
@@ -185,21 +185,7 @@ class Step:
         return self._attend(n)
 
 
-class UncomparedSlidingLayer(SlidingLayer):
-    """A sliding-window layer kept exactly as the full cache keeps it, in a cache that is not comparable."""
-
-    def compare(self, keys, values):
-        return
-
-
-class UncomparedFullLayer(FullLayer):
-    """A global layer a strategy leaves whole (KNorm's first layers), in a cache that is not comparable."""
-
-    def compare(self, keys, values):
-        return
-
-
-class ScoredLayer(MeasuredLayer, CacheLayerMixin):
+class ScoredLayer(CacheLayerMixin):
     """A global-attention layer holding at most its budget of tokens, chosen by the strategy's `score()`.
 
     `rank` of `count`: its place among the strategy's evicting global layers (what a per-layer budget reads).
@@ -221,8 +207,6 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
         self.prompt_tokens = 0
         self.prompt_tail: torch.Tensor | None = None  # (1, <= prompt_window, d): the open prompt's last inputs
         self.pending: torch.Tensor | None = None
-        self.handed: torch.Tensor | None = None  # (1, G, T) positions handed attention, kept for a snapshot only
-        self.init_measures()
 
     def lazy_initialization(self, key_states, value_states):
         self.device = key_states.device
@@ -252,12 +236,14 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
 
         return attend
 
+    def score(self, step: Step) -> torch.Tensor | None:
+        """The strategy's scores of this step's candidates (`Scored.score`)."""
+        return self.strategy.score(step)
+
     def update(self, key_states, value_states, *args, **kwargs):
-        t0 = time.perf_counter()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         x, self.pending = self.pending, None
-        before = storage_bytes(*self.state_tensors())  # replaced by this step
         q = key_states.shape[-2]
         rows = self.positions.shape[1]
         keys = torch.cat([self.keys, key_states], dim=-2)
@@ -273,9 +259,7 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
         earlier = self.prompt_tail
         step = Step(positions, keys, self.seen, q, self.prefill, evicts, self.prompt_tokens, buffers, self.state,
                     self._attend(keys, positions, x, earlier) if self.projector is not None else None)
-        t1 = time.perf_counter()
-        scores = self.strategy.score(step)
-        scoring_s = time.perf_counter() - t1
+        scores = self.score(step)
         window = self.strategy.prompt_window
         if self.prompt_open and window and x is not None:  # the end of this prompt may need these queries
             inputs = x if earlier is None else torch.cat([earlier, x], dim=1)
@@ -291,27 +275,7 @@ class ScoredLayer(MeasuredLayer, CacheLayerMixin):
             self.buffers = {name: buf.gather(2, keep) for name, buf in step.buffers.items()}
         else:
             self.keys, self.values, self.positions, self.buffers = keys, values, positions, step.buffers
-        # Transient: the held tensors beside the candidates while they are concatenated, and the candidates while
-        # the kept ones are gathered (when the step evicts).  By the tensors, not by their addresses: a freed
-        # block's address is reused within the step.
-        candidates = 0 if self.keys is keys else storage_bytes(keys, values, positions, *step.buffers.values())
-        self.transient = before + candidates
-        self.scoring_s += scoring_s
-        self.cache_update_s += time.perf_counter() - t0 - scoring_s
-        if self.keep_handed:
-            with harness():  # the attention snapshot's (a few bytes, outside the timers), not the cache's
-                self.handed = positions.clone()
         return keys, values
-
-    def compare(self, keys, values):
-        return
-
-    def handed_positions(self, count: int, end: int, device) -> torch.Tensor:
-        """(1, G, count) original positions of the candidates handed to attention (before this step's eviction)."""
-        handed, self.handed = self.handed, None
-        if handed is None or handed.shape[-1] != count:
-            raise RuntimeError("handed_positions: set keep_handed before the pass")
-        return handed
 
     def end_turn(self):
         self.prefill, self.prompt_open, self.prompt_tokens, self.prompt_tail = True, False, 0, None
@@ -416,9 +380,9 @@ class Scored(Strategy):
         layers = []
         for spec in specs:
             if spec.is_sliding:
-                layers.append(UncomparedSlidingLayer(spec.sliding_window))
+                layers.append(SlidingLayer(spec.sliding_window))
             elif spec.index not in slots:
-                layers.append(UncomparedFullLayer())
+                layers.append(FullLayer())
             else:
                 projector = QueryProjector(model, spec) if self.needs_attention else None
                 layers.append(self.global_layer(projector, *slots[spec.index]))

@@ -185,7 +185,7 @@ def memory_figure(session: Session) -> go.Figure:
                                  name="process RSS (right)", line=dict(color="#888", width=2, dash="longdashdot"),
                                  mode="lines", hovertemplate=f"process RSS %{{y:.3g}} {rss_name}<extra></extra>"),
                       secondary_y=True)
-    by = "allocator" if session.memory_instrument.startswith("allocator") else "tensor storages"
+    by = "declared" if "declared" in session.memory_instrument else "allocator"
     styles = (((f"state ({by})", "solid", 3), (f"peak in a step ({by})", "dot", 1.5),
                ("state by formula", "dash", 1.2)) if measured else
               (("state by formula (no instrument)", "solid", 3),))
@@ -225,11 +225,16 @@ def latency_figure(session: Session) -> go.Figure:
                                  textposition="inside", insidetextanchor="middle", textangle=0,
                                  textfont=dict(color="white"),
                                  hovertemplate=f"instrument {name} %{{x:.2f}} ms per step<extra></extra>"))
+        fig.add_trace(go.Bar(y=["unattributed"], x=[steps.get("engine", 0.0)], name="engine", orientation="h",
+                             showlegend=False, marker_color="#BBBBBB",
+                             hovertemplate="the engine's own (choosing tokens, detokenising, events) %{x:.2f} ms"
+                                           "<extra></extra>"))
         fig.add_trace(go.Bar(y=["unattributed"], x=[steps["unattributed"]], name="unattributed", orientation="h",
                              showlegend=False, marker_color="#DDDDDD",
-                             hovertemplate="nobody's (choosing tokens, bookkeeping) %{x:.2f} ms<extra></extra>"))
+                             hovertemplate="no clock covered it %{x:.2f} ms<extra></extra>"))
         measured = sum(steps["measurement"].values())
-        fig.add_trace(go.Scatter(y=["measurement", "unattributed"], x=[measured, max(0.0, steps["unattributed"])],
+        fig.add_trace(go.Scatter(y=["measurement", "unattributed"],
+                                 x=[measured, steps.get("engine", 0.0) + max(0.0, steps["unattributed"])],
                                  mode="text", showlegend=False, textposition="middle right", hoverinfo="skip",
                                  text=[f"  {measured:.0f} ms", f"  step {steps['wall']:.0f} ms = "
                                        f"{1e3 / steps['wall']:.1f} tok/s seen" if steps["wall"] > 0 else ""],

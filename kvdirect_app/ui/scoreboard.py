@@ -53,12 +53,17 @@ def scoreboard_html(session: Session) -> str:
         if notes:
             words += f' <span class="kvd-note" title="{html.escape(" ".join(notes))}">· settings adapted: ' \
                      f'{html.escape(notes[0].split(";")[-1].strip())}</span>'
+        off = lane.disagreements() if lane is not None else 0
+        if off:  # the allocator saw other bytes than the strategy's formula: a hidden copy, or a wrong formula
+            words += (f' <span class="kvd-bad kvd-bytes-off" title="the allocator measured other held bytes than this '
+                      f'strategy\'s formula at {off} step(s): it holds something its formula does not count">· '
+                      f'holds ≠ its formula ({off} steps)</span>')
         tps = lane.tokens_per_s() if lane is not None else None
         between, source = byte_figure(f.get("between"), f.get("formula_between"), "held after the last finished turn",
                                       instrument)
         sources["between"].add(source)
         peak, source = byte_figure(f.get("peak"), f.get("formula_peak"), "highest during a forward of this turn",
-                                   instrument)
+                                   instrument, f.get("peak_source"))
         sources["peak"].add(source)
         name, _, settings = label.partition(":")
         ms = "—" if f.get("ms_per_token") is None else f"{f['ms_per_token']:.0f}"
@@ -93,7 +98,7 @@ def scoreboard_html(session: Session) -> str:
 
 def _named(sources: set, instrument: str) -> list[str]:
     """Each source's mark and name, in `BYTE_SOURCES`' order; a measured one in the run's own words."""
-    measured = lambda s: s not in ("formula", "unnamed") and instrument
+    measured = lambda s: s in ("allocator", "declared") and instrument
     return [f"{BYTE_SOURCES[s][0]} {instrument if measured(s) else BYTE_SOURCES[s][1]}"
             for s in BYTE_SOURCES if s in sources]
 
@@ -129,10 +134,11 @@ def _step_rows(session: Session, asked: bool) -> str:
                       if ms >= 0.5)
     wall = means["wall"]
     words = (f"= panes' own {means['lanes']:.0f} + measurement {measured:.0f}{f' ({parts})' if parts else ''} + "
-             f"unattributed {means['unattributed']:.0f} ms · mean of {means['steps']} steps this turn")
+             f"engine {means['engine']:.0f} + unattributed {means['unattributed']:.0f} ms · mean of {means['steps']} "
+             "steps this turn")
     title = ("a decode step's wall time: every pane gets one token per step, so this is the speed each pane is seen "
              "at; its parts are the panes' own ms/token (the column above), the instruments' time (measurement: "
-             "never inside a pane's) and what is nobody's (choosing tokens, bookkeeping)")
+             "never inside a pane's), the engine's own (choosing tokens, detokenising, events) and what no clock covered")
     return (f'<tr class="kvd-step-row" title="{html.escape(title)}"><td><b>step, as seen</b></td>'
             f'<td colspan="{4 if asked else 3}" class="kvd-note">{html.escape(words)}</td>'
             f'<td class="kvd-num"><b>{wall:.0f}</b></td>'

@@ -79,7 +79,13 @@ class LaneView:
                 "formula_between": self.turns[-1]["formula_between_turns"] if self.turns else None,
                 "peak": max(peaks) if peaks else None,
                 "formula_peak": max(formula_peaks) if formula_peaks else None,
+                "peak_source": current[-1].get("peak_source") if current else None,
                 "ms_per_token": sum(ms) / len(ms) if ms else None}
+
+    def disagreements(self) -> int:
+        """Steps so far where the measured held bytes differed from the strategy's formula (a hidden copy, or a
+        formula that is wrong)."""
+        return sum(row.get("agrees") is False for row in self.memory)
 
     def op_means(self) -> dict[str, float]:
         """Mean ms per decode step of each op the engine reports (every row has the same ops; a row without one,
@@ -208,7 +214,9 @@ class Session:
                 lane.memory.append({"step": self.steps, "position": self.position, "turn": turn, "index": index,
                                     "seen": ev["seen"],
                                     "persistent": ev["persistent_bytes"], "peak": ev["peak_bytes"],
-                                    "formula": ev["formula_bytes"], "formula_peak": ev["formula_peak_bytes"]})
+                                    "formula": ev["formula_bytes"], "formula_peak": ev["formula_peak_bytes"],
+                                    # (recordings made before the allocator's figures have neither)
+                                    "peak_source": ev.get("peak_source"), "agrees": ev.get("formula_agrees")})
                 if ev["active"]:  # the token was fed: the step's timings are of this token's forward
                     lane.latency.append({"step": self.steps, "turn": turn, **ev["latency_ms"]})
             else:
@@ -229,11 +237,13 @@ class Session:
         if "step_ms" in event:  # (a recording made before step times has none)
             self.step_times.append({"step": self.steps, "turn": turn, "step_ms": event["step_ms"],
                                     "lanes_ms": event["lanes_ms"], "measurement_ms": event["measurement_ms"],
+                                    "engine_ms": event.get("engine_ms", {}),
                                     "unattributed_ms": event["unattributed_ms"]})
 
     def step_means(self) -> dict | None:
         """The current (or last) turn's decode steps, means in ms: the wall time (what every pane's speed is, as
-        seen), the lanes' own time together, each instrument's, and the unattributed rest; they add up to the wall."""
+        seen), the lanes' own time together, each instrument's, the engine's own (choosing tokens, detokenising,
+        events) and the rest no clock covered; they add up to the wall."""
         if not self.step_times:
             return None
         turn = self.step_times[-1]["turn"]
@@ -243,7 +253,8 @@ class Session:
         measured = {name: sum(r["measurement_ms"].get(name, 0.0) for r in rows) / n for name in names}
         return {"steps": n, "wall": sum(r["step_ms"] for r in rows) / n,
                 "lanes": sum(sum(r["lanes_ms"].values()) for r in rows) / n,
-                "measurement": measured, "unattributed": sum(r["unattributed_ms"] for r in rows) / n}
+                "measurement": measured, "engine": sum(sum(r["engine_ms"].values()) for r in rows) / n,
+                "unattributed": sum(r["unattributed_ms"] for r in rows) / n}
 
     def step_rows(self) -> list[dict]:
         """One row per strategy and step: what the CSV export holds."""

@@ -96,7 +96,8 @@ def _summary(session: Session, label: str) -> dict:
 # Modifier letters, not <sup>: a raised box would make every scoreboard row taller (the first screen is 720 px).
 BYTE_SOURCES = {  # source -> (mark, name)
     "allocator": ("ᵃ", "allocator"),
-    "storages": ("ˢ", "storages"),
+    "declared": ("ᵈ", "declared by the strategy"),
+    "estimated": ("ᵉ", "held + the formula's buffers (no peak read here)"),
     "formula": ("*", "formula"),
     "unnamed": ("?", "unnamed instrument"),
 }
@@ -107,31 +108,39 @@ def memory_instrument(session: Session) -> str:
     return (session.result or {}).get("memory_instrument") or session.memory_instrument or ""
 
 
-def byte_source(measured, instrument: str) -> str:
-    """The source of a byte figure: "formula" where nothing measured it, else the run's memory instrument."""
+def byte_source(measured, instrument: str, peak_source: str | None = None) -> str:
+    """The source of a byte figure: "formula" where nothing measured it, "estimated" for a peak no instrument could
+    read (held + the formula's buffers), else the run's memory instrument: "allocator" (measured), "declared"
+    (what the strategy lists: never called measured)."""
     if measured is None:
         return "formula"
     name = (instrument or "").lower()
-    if name.startswith(("allocator", "trace")):
+    if "declared" in name or name.startswith(("tensor storages", "storage")):
+        return "declared"
+    if peak_source == "formula":
+        return "estimated"
+    if "allocator" in name or name.startswith("trace"):
         return "allocator"
-    if name.startswith(("tensor storages", "storage")):
-        return "storages"
     return "unnamed"
 
 
-def byte_figure(measured, formula, what: str, instrument: str = "") -> tuple[str, str | None]:
+def byte_figure(measured, formula, what: str, instrument: str = "", peak_source: str | None = None
+                ) -> tuple[str, str | None]:
     """(html, source) of a byte figure: the measured value where there is one, else the formula's, followed by
     its source's mark (`BYTE_SOURCES`), the instrument named in its tooltip with the formula beside it;
     ("—", None) where there is neither."""
     if measured is None and formula is None:
         return "—", None
-    source = byte_source(measured, instrument)
+    source = byte_source(measured, instrument, peak_source)
     mark, name = BYTE_SOURCES[source]
     if source == "formula":
         value, tip = formula, f"{what}: by formula ({mark}), nothing measured it"
     else:
         by = instrument or name
-        value, tip = measured, f"{what}: measured by {by} ({mark})" + (
+        how = {"declared": f"declared by the strategy, not measured ({by})",
+               "estimated": f"held bytes by {by} plus the formula's buffers: no peak could be read"}.get(
+                   source, f"measured by {by}")
+        value, tip = measured, f"{what}: {how} ({mark})" + (
             f"; formula {fmt_bytes(formula)}" if formula is not None else "")
     return (f'<span class="kvd-bytes" data-source="{source}" title="{html.escape(tip)}">{fmt_bytes(value)}'
             f'<span class="kvd-note kvd-src">{mark}</span></span>', source)

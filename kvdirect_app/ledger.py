@@ -1,0 +1,181 @@
+"""The allocator's ledger of CPU tensor memory, by owner: the default memory instrument on the CPU.
+
+`ledger.cpp` is installed as c10's CPU allocator in front of torch's own: every CPU tensor's storage passes
+through it.  The engine names the owner of each piece of work (`Ledger.enter`: a lane's cache update, its
+attention, its replay...); a block allocated inside an owner's work is that owner's until it is freed, on
+whatever thread and whenever that happens.  So a lane's held bytes are what the allocator handed out for its
+work and has not taken back, its peak the highest that went since `reset_peak`: nothing a strategy lists,
+declares or hides changes that (a copy kept in an attribute, a closure or a module global was allocated like
+any other block).  Other threads (the web server's) work for nobody unless they say so, and owner 0 is nobody:
+their blocks are not recorded.
+
+It costs a table insert per block of a named owner and a look-up per free (~0.1 µs); naming an owner is one
+call (~0.5 µs).  glibc's `mallinfo2()` was the other candidate: as cheap, but process-wide, with no peak and no
+owner, so the web server's threads would have counted as the lanes'.
+
+The library is built once per torch build with the machine's C++ compiler (``$CXX``, else ``c++``) against
+the headers torch ships, and kept in the cache folder (``KVDIRECT_LEDGER_CACHE``, default
+``~/.cache/kvdirect-studio/ledger``); `make install` builds it.  Where it cannot be built or installed,
+`unavailable()` says why and the engine says so too (its memory figures are then declared, not measured).
+``python -m kvdirect_app.ledger`` builds it and prints where it lies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from .paths import cache
+
+SOURCE = Path(__file__).with_name("ledger.cpp")
+CACHE_ENV = "KVDIRECT_LEDGER_CACHE"
+NOBODY = 0
+
+
+class Unavailable(RuntimeError):
+    """The ledger cannot be built or installed here; the message says why."""
+
+
+def _compiler() -> str | None:
+    name = os.environ.get("CXX", "").strip() or "c++"
+    return shutil.which(name)
+
+
+def _library_path(compiler: str) -> Path:
+    torch_dir = Path(torch.__file__).parent
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, str(torch.version.git_version),
+                                    compiler, str(torch_dir), sys.platform]).encode()).hexdigest()[:16]
+    folder = cache(CACHE_ENV, "ledger") or Path(tempfile.gettempdir()) / "kvdirect-ledger"
+    return folder / key / "libkvledger.so"
+
+
+def build() -> Path:
+    """The library for this torch build: the kept one, or compiled now (a few seconds)."""
+    if sys.platform not in ("linux", "darwin"):
+        raise Unavailable(f"the allocator ledger is built for Linux and macOS, not {sys.platform}")
+    compiler = _compiler()
+    if compiler is None:
+        raise Unavailable("no C++ compiler (set CXX, or install g++) to build the allocator ledger")
+    path = _library_path(compiler)
+    if path.is_file():
+        return path
+    torch_dir = Path(torch.__file__).parent
+    abi = int(torch.compiled_with_cxx11_abi())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+               f"-I{torch_dir / 'include'}", str(SOURCE), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-lc10",
+               f"-Wl,-rpath,{torch_dir / 'lib'}"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise Unavailable(f"the allocator ledger did not compile ({Path(compiler).name}): {last}")
+    os.replace(tmp, path)
+    return path
+
+
+class Ledger:
+    """The installed ledger: owners, their live bytes, blocks and peaks."""
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        for name in ("kv_live", "kv_peak", "kv_blocks"):
+            getattr(lib, name).restype = ctypes.c_int64
+            getattr(lib, name).argtypes = [ctypes.c_int32]
+        lib.kv_enter.restype = ctypes.c_int32
+        lib.kv_enter.argtypes = [ctypes.c_int32]
+        lib.kv_reset_peak.argtypes = [ctypes.c_int32]
+        status = lib.kv_install()
+        if status:
+            raise Unavailable({1: "torch's CPU allocator hands out blocks the ledger cannot follow",
+                               2: "torch kept another CPU allocator"}.get(status, f"install failed ({status})"))
+        self.path = path
+        self.enter = lib.kv_enter  # enter(owner) -> the owner this thread worked for before
+        self.live = lib.kv_live
+        self.peak = lib.kv_peak
+        self.blocks = lib.kv_blocks
+        self.reset_peak = lib.kv_reset_peak
+        self._free: list[int] = []
+        self._next = 1
+        self._limit = lib.kv_owners()
+        self._lock = threading.Lock()
+
+    def owner(self) -> int:
+        """A fresh owner id (live, blocks and peak 0)."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if self._next >= self._limit:
+                raise Unavailable(f"all {self._limit - 1} ledger owners are in use")
+            self._next += 1
+            return self._next - 1
+
+    def release(self, owner: int):
+        """Give an owner id back; one whose blocks are still alive (a cache that outlived its engine) is never
+        reused, so its count cannot mix with another's."""
+        if owner and self.blocks(owner) == 0:
+            self.reset_peak(owner)
+            with self._lock:
+                self._free.append(owner)
+
+    @contextlib.contextmanager
+    def working_for(self, owner: int):
+        """Inside: this thread's blocks are `owner`'s (NOBODY: recorded for no one)."""
+        before = self.enter(owner)
+        try:
+            yield
+        finally:
+            self.enter(before)
+
+
+_LEDGER: Ledger | None = None
+_FAILED: str | None = None
+_LOAD = threading.Lock()
+
+
+def load() -> Ledger:
+    """The process's ledger, built and installed on first use; `Unavailable` (with the reason) where it cannot be."""
+    global _LEDGER, _FAILED
+    with _LOAD:
+        if _LEDGER is None and _FAILED is None:
+            try:
+                _LEDGER = Ledger(build())
+            except (Unavailable, OSError) as e:
+                _FAILED = str(e)
+        if _LEDGER is None:
+            raise Unavailable(_FAILED)
+        return _LEDGER
+
+
+def unavailable() -> str | None:
+    """None where the ledger works here, else why not (it is then built and installed)."""
+    try:
+        load()
+    except Unavailable as e:
+        return str(e)
+    return None
+
+
+def installed() -> Ledger | None:
+    """The ledger if this process installed it, without building anything."""
+    return _LEDGER
+
+
+def nobody():
+    """Work whose blocks are nobody's (the measurement's own, a one-time check): no-op before the ledger is in."""
+    return _LEDGER.working_for(NOBODY) if _LEDGER is not None else contextlib.nullcontext()
+
+
+if __name__ == "__main__":
+    print(build())
