@@ -15,11 +15,17 @@ block forward hooks on the model
   name before the forward), or a direct `model(ids, cache=cache)`,
   `model(ids, past_key_values=cache)` or the cache as a positional argument;
 * tell the cache where that forward begins and ends (`begin_step` /
-  `end_step`: what a rebuild or a replay needs to know), and that a new turn
-  starts when a forward of several tokens follows one-token steps
-  (`end_turn`: AnchorKV's and KV-Direct's `rebuild=turn` drop to their
-  anchors or inputs, SnapKV compresses the new prompt; call
-  `cache.end_turn()` yourself for any other boundary);
+  `end_step`: what a rebuild or a replay needs to know), and where a turn
+  starts (`end_turn`: AnchorKV's and KV-Direct's `rebuild=turn` drop to their
+  anchors or inputs, SnapKV compresses the new prompt): at each `generate`
+  call whose prompt has several new tokens, and at a direct forward of several
+  tokens after one-token steps (call `cache.end_turn()` yourself for any other
+  boundary);
+* serve a prompt that `generate` feeds in pieces (`prefill_chunk_size`) as
+  one prompt: `generate`'s prefill (`_prefill`, wrapped on the model for the
+  block) says how many prompt tokens it feeds, and every piece but the last
+  is begun with `more_prompt=True`, so the eviction strategies evict nothing
+  until the last piece and keep the tokens and bytes of the unchunked prompt;
 * hand each decoder layer's input (the raw residual) and each attention
   module's input to the cache layers that keep them (`hooks.InputTap`), during
   this cache's forwards only: a forward of the same model with another cache
@@ -40,8 +46,15 @@ positions, `use_cache` left on; the cache's K/V reached outside a forward of
 this model inside the block (its inner model, a layer or `.forward` called
 directly, or after the block), a layer updated twice in one forward or not at
 all, or a forward that raised part-way (the cache is then out of step and
-refuses every later forward); and the Cache API's batch and crop operations
-(beam search, assisted and contrastive decoding).
+refuses every later forward); and the Cache API's batch, crop and
+past-recording operations (beam search, assisted decoding with an assistant
+model, prompt lookup or early exit, contrastive decoding), and
+`cache_implementation="paged"` (continuous batching, which would ignore the
+cache).  `generate`'s other options leave what the cache sees alone (sampling
+and logits processors, stopping criteria, `return_dict_in_generate` and the
+`output_*` flags, streamers, classifier-free guidance, whose unconditional pass
+runs on a cache of its own); `cache_implementation` beside `cache=` is refused
+by transformers itself before any forward.
 
 Exact means bit-exact: with `full`, exact `kvdirect` and exact `anchorkv`,
 every K/V the cache hands attention has the bits the full cache's would have
@@ -105,8 +118,12 @@ class Ledger:
     forward_s: list[float] = field(default_factory=list)  # wall time of each forward (the model's whole pass)
     turns: int = 0
     tokens: int = 0  # tokens the cache's forwards have fed so far
-    decoding: bool = False  # the last forward was a one-token step
-    starts_turn: bool = False  # the forward in progress is a turn's prompt
+    decoding: bool = False  # the last forward (or `generate` prompt) was a one-token step
+    starts_turn: bool = False  # the forward in progress is a turn's prompt (its first piece, when in pieces)
+    prompt: bool = False  # the forward in progress is a turn's prompt or a piece of it
+    more_prompt: bool = False  # more pieces of this prompt follow the forward in progress
+    prompt_total: int = 0  # tokens of the prompt `generate`'s prefill feeds, while it runs (else 0)
+    prompt_left: int = 0  # of those, the tokens not yet fed
     q: int = 0  # tokens of the forward in progress
     step: set[int] | None = None  # layers updated by the forward in progress; None: none of this cache's runs
     broken: bool = False  # a forward raised part-way: the layers are out of step
@@ -252,6 +269,10 @@ class GenerateCache:
     def reorder_cache(self, *args, **kwargs):
         self._refuse("reordering the batch (beam search)")
 
+    def activate_past_recording(self, *args, **kwargs):
+        # Assisted decoding asks for it before its first forward, which would feed the draft tokens into the cache.
+        self._refuse("assisted decoding (assistant_model, prompt_lookup_num_tokens, assistant_early_exit)")
+
     def reset(self, *args, **kwargs):
         raise UnsupportedCall("strategy_cache: reset() is not supported (the strategy's stores and the report "
                               "would keep the old tokens); open a new strategy_cache for a new conversation")
@@ -357,11 +378,29 @@ def _check_call(call: dict, seen: int) -> int:
             raise UnsupportedCall(f"strategy_cache: position_ids must be the next positions {seen}..{seen + q - 1} "
                                   "(the cache has seen "
                                   f"{seen} tokens); leave them out, or feed only the tokens the cache has not seen")
-    mask = call.get("attention_mask")
+    _check_mask(call.get("attention_mask"))
+    return q
+
+
+def _check_mask(mask):
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.all())):
         raise UnsupportedCall("strategy_cache: attention_mask must be all ones (one unpadded conversation, 2-D) or "
                               "left out")
-    return q
+
+
+def _prompt_tokens(input_ids, generation_config, model_kwargs: dict, past: int) -> int:
+    """Tokens `generate`'s prefill (transformers 5.24's `GenerationMixin._prefill`) feeds, in one forward or in pieces
+    of `prefill_chunk_size`: the tokens of `input_ids` after the `past` ones the cache has seen when the attention
+    mask covers exactly `input_ids` (the whole conversation passed), else all of `input_ids` (only the new tokens
+    passed, the mask covering the conversation).  0 when it feeds embeddings (the forward's check refuses them)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or model_kwargs.get("inputs_embeds") is not None:
+        return 0
+    mask = model_kwargs.get("attention_mask")
+    mask_length = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", -1)
+    return input_ids.shape[1] - past if mask_length == input_ids.shape[1] else input_ids.shape[1]
+
+
+_MISSING = object()
 
 
 @contextlib.contextmanager
@@ -379,9 +418,10 @@ def strategy_cache(model: torch.nn.Module, spec: str, verify: bool = False) -> I
 
     Yields the strategy's cache (a transformers `Cache`): pass it as `cache` (transformers 5's name) or
     `past_key_values` (the deprecated alias) to `generate` or to the model's forward, with batch size 1
-    (input_ids (1, T)): `generate` once per turn with the whole conversation so far, or forwards of the new
-    tokens only; call `cache.report()` for what it held.  Leaving the block removes the hooks; the cache keeps
-    its state (report it after) and refuses further forwards.
+    (input_ids (1, T)): `generate` once per turn with the whole conversation so far (its prompt in one forward,
+    or in pieces with `prefill_chunk_size`: the same tokens and bytes), or forwards of the new tokens only; call
+    `cache.report()` for what it held.  Leaving the block removes the hooks (and the model's `_prefill` and
+    `generate_batch` wrappers); the cache keeps its state (report it after) and refuses further forwards.
 
     Raises `StrategyError` for a bad spec (one line naming the setting and its allowed values), `CacheInUse`
     when the model already has a strategy cache (or an engine turn) on it, and `UnsupportedCall` (from a
@@ -393,7 +433,7 @@ def strategy_cache(model: torch.nn.Module, spec: str, verify: bool = False) -> I
         raise CacheInUse(f"strategy_cache({spec!r}): this model already has a strategy cache (or an engine turn) "
                          "on it; leave that `with` block first (the input hooks are per model), or load a second "
                          "copy of the model")
-    handles, tap, verifier, observer = [], None, None, None
+    handles, tap, verifier, wrapped, observer = [], None, None, {}, None
     try:
         device = next(model.parameters()).device
         check_rows_kernels(model)  # the row kernels a rebuild uses, picked (and checked) now
@@ -422,25 +462,37 @@ def strategy_cache(model: torch.nn.Module, spec: str, verify: bool = False) -> I
             if not _carries(cache, args, kwargs):
                 return  # another cache's forward (or none): not ours to count
             if led.broken or led.step is not None:
-                raise UnsupportedCall("strategy_cache: an earlier forward on this cache did not finish (it raised "
-                                      "part-way, or this one runs inside it), so its layers are out of step; open a "
-                                      "new strategy_cache for this conversation")
+                raise UnsupportedCall("strategy_cache: an earlier forward (or generate's prompt fed in pieces) on this "
+                                      "cache did not finish (it raised part-way, or this one runs inside it), so its "
+                                      "layers are out of step; open a new strategy_cache for this conversation")
             try:
                 call = named(args, kwargs)
             except TypeError:
                 return  # arguments the forward itself refuses: it raises before any layer runs
             q = _check_call(call, led.tokens)
             ids = call["input_ids"]
-            led.starts_turn = not led.forwards or (q > 1 and led.decoding)
-            if led.starts_turn and led.forwards:
-                cache.end_turn()  # a prompt after decode steps: a new turn
-            led.turns += led.starts_turn
+            if led.prompt_total:  # a piece of the prompt `generate`'s prefill feeds (the whole of it, unchunked)
+                if q > led.prompt_left:
+                    raise UnsupportedCall(f"strategy_cache: generate's prefill fed a forward of {q} tokens where its "
+                                          f"prompt had {led.prompt_left} of {led.prompt_total} left; pass "
+                                          "prefill_chunk_size=None")
+                first = led.prompt_left == led.prompt_total
+                # Each generate call's prompt of several new tokens is a turn's, however many pieces feed it.
+                starts = first and (not led.forwards or led.prompt_total > 1)
+                prompt, more = starts or not first, q < led.prompt_left
+            else:  # a direct forward: a prompt after decode steps starts a new turn
+                starts = not led.forwards or (q > 1 and led.decoding)
+                prompt, more = starts, False
+            if starts and led.forwards:
+                cache.end_turn()
+            led.starts_turn, led.prompt, led.more_prompt = starts, prompt, more
+            led.turns += starts
             led.q, led.step = q, set()
             led.started = time.perf_counter()
             tap.target(cache, region=lambda: observer.region(CACHE, "cache_update"))
             observer.reset_peaks([CACHE])
             with observer.region(CACHE, "other"):
-                cache.begin_step(ids[0].tolist(), False)
+                cache.begin_step(ids[0].tolist(), more)
 
         def after(module, args, kwargs, output):
             if led.step is None or not _carries(cache, args, kwargs):
@@ -460,18 +512,65 @@ def strategy_cache(model: torch.nn.Module, spec: str, verify: bool = False) -> I
                 cache.end_step()
             led.tokens += q
             led.forward_s.append(time.perf_counter() - led.started)
-            led.forwards.append(Forward(q, prompt=led.starts_turn))
-            led.decoding = q == 1
+            led.forwards.append(Forward(q, prompt=led.prompt, open=led.more_prompt))
+            if led.prompt_total:
+                led.prompt_left -= q
+                led.decoding = led.prompt_total == 1  # as the unchunked prompt would leave it
+            else:
+                led.decoding = q == 1
             seen = cache.get_seq_length()
             led.held.append(observer.held(CACHE))
             led.peak.append(observer.peak(CACHE))
             led.declared.append(observer.declared(cache))
             led.formula.append(strategy.formula_persistent(geom, seen, led.forwards))
 
+        prefill_of_model = getattr(model, "_prefill", None)
+        batch_of_model = getattr(model, "generate_batch", None)
+
+        def prefill(input_ids, generation_config, model_kwargs, *args, **kwargs):
+            """`generate`'s prefill: tells `before` how many prompt tokens it feeds (in pieces, with
+            `prefill_chunk_size`), and checks after it that they were all fed."""
+            if not _carries(cache, (), model_kwargs) or led.step is not None or led.prompt_total:
+                return prefill_of_model(input_ids, generation_config, model_kwargs, *args, **kwargs)
+            _check_mask(model_kwargs.get("attention_mask"))  # the whole prompt's, before a piece changes the cache
+            total = max(0, _prompt_tokens(input_ids, generation_config, model_kwargs, cache.get_seq_length()))
+            led.prompt_total = led.prompt_left = total
+            try:
+                out = prefill_of_model(input_ids, generation_config, model_kwargs, *args, **kwargs)
+            except BaseException:
+                # Refused or raised after some pieces: they wait for a last one that will not come.
+                led.broken |= led.prompt_left < led.prompt_total
+                led.prompt_total = led.prompt_left = 0
+                raise
+            left, led.prompt_total, led.prompt_left = led.prompt_left, 0, 0
+            if left:  # its last piece never came: the layers wait for it
+                led.broken = True
+                raise UnsupportedCall(f"strategy_cache: generate's prefill fed {total - left} of its prompt's {total} "
+                                      "tokens, so the cache's layers are out of step; pass prefill_chunk_size=None "
+                                      "and open a new strategy_cache")
+            return out
+
+        def generate_batch(*args, **kwargs):
+            if _carries(cache, args, kwargs):
+                raise UnsupportedCall("strategy_cache: cache_implementation='paged' (continuous batching) runs a "
+                                      "paged cache of its own and ignores this one; leave cache_implementation unset "
+                                      "to generate with a strategy cache")
+            return batch_of_model(*args, **kwargs)
+
+        for name, wrapper, original in (("_prefill", prefill, prefill_of_model),
+                                        ("generate_batch", generate_batch, batch_of_model)):
+            if original is not None:
+                wrapped[name] = model.__dict__.get(name, _MISSING)
+                object.__setattr__(model, name, wrapper)
         handles.append(model.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(model.register_forward_hook(after, with_kwargs=True, always_call=True))
         yield cache
     finally:
+        for name, previous in wrapped.items():
+            if previous is _MISSING:
+                object.__delattr__(model, name)
+            else:
+                object.__setattr__(model, name, previous)
         for h in handles:
             h.remove()
         if tap is not None:

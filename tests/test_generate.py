@@ -7,7 +7,11 @@ K/V handed to attention bit-equal to a full cache's; direct forwards (`model(ids
 DynamicCache's logits bit for bit; a rebuilt row swapped is reported by `verify`; a lossy strategy runs, reports
 its evictions, and `verify` says what it could check; every way in that cannot be served exactly raises one
 `UnsupportedCall` line and leaves the cache as it was; leaving the block leaves the model as it was; a second
-cache on the same model is refused, caches on two models work independently.
+cache on the same model is refused, caches on two models work independently.  A prompt `generate` feeds in pieces
+(`prefill_chunk_size`) is served as one prompt: every strategy keeps the unchunked run's tokens and bytes (tiny
+models, and SnapKV on SmolLM2 in the reviewer's case), turns fall where the whole prompt puts them, and a prefill
+that feeds other than its prompt is refused; assisted decoding and `cache_implementation="paged"` are refused
+before the cache changes.
 """
 
 import threading
@@ -17,7 +21,7 @@ import torch
 
 from kvdirect_app import compat, strategy_cache
 from kvdirect_app.generate import CacheInUse, UnsupportedCall
-from kvdirect_app.strategies import StrategyError
+from kvdirect_app.strategies import StrategyError, registry
 
 from .conftest import TINY_FAMILIES, all_sliding, tiny
 
@@ -506,3 +510,204 @@ def test_a_forward_with_another_cache_inside_the_block_leaves_the_strategy_cache
                 ids = logits[-1].argmax().view(1, 1)
     assert _same(logits, reference) and cache.report()["verified"]["exact"]
     assert other.get_seq_length() == probe.shape[1] + 2 * (STEPS + 1) - 1
+
+
+# --- a prompt fed in pieces (`prefill_chunk_size`), and generate's options that would change what the cache sees ---
+def _pieces_turns(loaded, spec, chunk, prompts, tokens=8):
+    """Two greedy generate turns on a strategy cache, each prompt fed in pieces of `chunk` tokens (None: whole);
+    the new tokens of each turn, and the cache."""
+    model = loaded.model
+    greedy = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0,
+                  prefill_chunk_size=chunk)
+    with strategy_cache(model, spec, verify=True) as cache:
+        out = model.generate(prompts[0], cache=cache, **greedy)
+        second = torch.cat([out, prompts[1]], dim=1)
+        out2 = model.generate(second, cache=cache, **greedy)
+    return (out[0, prompts[0].shape[1]:].tolist(), out2[0, second.shape[1]:].tolist()), cache
+
+
+def _held(cache) -> tuple:
+    """What the cache holds: its bytes, and per layer what it keeps of each token."""
+    return cache.report()["bytes"]["held_last"], [layer.token_states() for layer in cache.layers]
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma2"])
+def test_every_registered_strategy_serves_a_prompt_fed_in_pieces_as_one_prompt(family):
+    """`generate(..., prefill_chunk_size=8)` over two turns (prompts of 33 and 13 new tokens: pieces 8, 8, 8, 8, 1
+    and 8, 5), every strategy of the registry: the tokens of the unchunked run, the same bytes held and the same
+    tokens kept per layer; the exact ones verified exact, the lossy ones evicted before the end.  Families without
+    a key norm (Llama; Gemma 2: sliding layers, soft-capping): where one normalises every key (Qwen 3, Gemma 3,
+    OLMo 2), KNorm's key norms tie and rounding picks its tokens, and a piece's K/V differ from the whole prompt's
+    in their last bits (DynamicCache's too).
+
+    Mutations (each applied, each fails): `begin_step(..., more)` always passed False (the reviewer's finding:
+    H2O and the others evict at every piece) -> H2O's tokens differ; the `_prefill` wrapper not installed -> the
+    same; every piece counted as a turn's start (`starts` without `first and`) -> `end_turn` between pieces, 7
+    turns reported, not 2; a piece recorded as `Forward(q, prompt=...)` without `open`, or the pieces after the
+    first as no prompt's (`prompt = starts`) -> the formula no longer matches what is held."""
+    loaded = tiny(family)
+    text = ("Keys and values of a layer are projections of its input, so a cache may keep the input. "
+            "Why do keys need positions?")
+    tokens = loaded.tokenizer.encode(text)
+    prompts = (torch.tensor([tokens[:33]]), torch.tensor([tokens[40:52]]))
+    assert [p.shape[1] for p in prompts] == [33, 12]
+    hooks = _hooks(loaded.model)
+    for name, cls in sorted(registry().items()):
+        spec = name if "budget" not in cls.settings() else f"{name}:budget=6"
+        whole, whole_cache = _pieces_turns(loaded, spec, None, prompts)
+        pieces, cache = _pieces_turns(loaded, spec, 8, prompts)
+        assert pieces == whole, spec
+        assert _held(cache) == _held(whole_cache), spec
+        report, whole_report = cache.report(), whole_cache.report()
+        assert report["forwards"] == 5 + 7 + 2 + 7 and whole_report["forwards"] == 16, (spec, report)
+        assert report["turns"] == whole_report["turns"] == 2, (spec, report)
+        assert report["tokens_seen"] == whole_report["tokens_seen"] == 33 + 8 + 12 + 7, (spec, report)
+        assert report["bytes"].get("formula_matches_held", True), (spec, report["bytes"])
+        verified = report["verified"]
+        assert verified["exact"] == report["claims_exact"] and not verified["mismatched_token_layers"], (spec, verified)
+        assert report["claims_exact"] or report["evicted_token_layers"] > 0, spec
+        assert _hooks(loaded.model) == hooks and "_prefill" not in vars(loaded.model), spec
+
+
+def test_on_smollm2_snapkv_serves_the_reviewers_chunked_prompt_as_one_prompt(smollm2):
+    """The reviewer's case: an 87-token prompt, `prefill_chunk_size=16` (pieces 16 x 5 and 7), SnapKV budget 16
+    window 4, 16 new tokens: the unchunked run's tokens, bytes and 31 tokens kept per layer (16 chosen at the
+    prompt's end, then 15 decode steps), not the 102 every token held without the fix.
+
+    Mutation (applied, fails): `begin_step(..., more)` always passed False -> each layer keeps 102 tokens, and
+    the tokens differ."""
+    words = ("The locker code is 4127. Keys and values of a layer are projections of its input, so a cache may keep "
+             "the input and rebuild them when attention needs them again, at their original positions. ") * 3
+    ids = torch.tensor([smollm2.tokenizer.encode(words)[:87]])
+    assert ids.shape[1] == 87
+    runs = []
+    for chunk in (None, 16):
+        with strategy_cache(smollm2.model, "snapkv:budget=16:window=4") as cache:
+            out = smollm2.model.generate(ids, cache=cache, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                         pad_token_id=0, prefill_chunk_size=chunk)
+        kept = [layer.keys.shape[-2] for layer in cache.layers]
+        runs.append((out[0, 87:].tolist(), cache.report()["bytes"]["held_last"], kept))
+    assert runs[1] == runs[0]
+    assert runs[0][2] == [31] * smollm2.model.config.num_hidden_layers
+
+
+def test_a_prompt_fed_in_pieces_leaves_the_turns_as_the_whole_prompt_does():
+    """A 33-token prompt in pieces of 8 (the last one a single token) with no decode step (`max_new_tokens=1`),
+    then a direct forward of several tokens, then a generate call whose prompt has several new tokens: as with the
+    whole prompt, the direct forward continues the turn and the generate call starts the second; SnapKV (which
+    compresses a turn's prompt and grows after it) gives the same tokens and holds the same bytes either way.
+
+    Mutations (each applied, each fails): after the last piece, `led.decoding = q == 1` (that piece's size, not
+    the prompt's) -> the direct forward starts a turn of its own (turns 1, 2, 3); a generate call's prompt a turn
+    only after one-token steps (`starts = first and (not led.forwards or (led.prompt_total > 1 and
+    led.decoding))`, the direct forwards' rule) -> the last prompt continues the first turn, so SnapKV compresses
+    it when fed in pieces (its last piece) and not when whole: the tokens differ."""
+    loaded = tiny("tiny-llama")
+    model = loaded.model
+    tokens = loaded.tokenizer.encode("Keys and values of a layer are projections of its input, so a cache may keep "
+                                     "the input. Why do keys need positions?")
+    first, more, second = (torch.tensor([tokens[a:b]]) for a, b in ((0, 33), (33, 40), (40, 52)))
+    runs = []
+    for chunk in (None, 8):
+        greedy = dict(do_sample=False, pad_token_id=0, prefill_chunk_size=chunk)
+        with torch.no_grad(), strategy_cache(model, "snapkv:budget=6") as cache:
+            out = model.generate(first, cache=cache, max_new_tokens=1, **greedy)
+            turns = [cache.report()["turns"]]
+            token = model(torch.cat([out[:, -1:], more], dim=1), cache=cache).logits[0, -1].argmax().view(1, 1)
+            turns.append(cache.report()["turns"])
+            conversation = torch.cat([out, more, token, second], dim=1)
+            out2 = model.generate(conversation, cache=cache, max_new_tokens=4, min_new_tokens=4, **greedy)
+            turns.append(cache.report()["turns"])
+        runs.append((turns, out2[0, conversation.shape[1]:].tolist(), _held(cache)))
+    assert runs[1] == runs[0]
+    assert runs[0][0] == [1, 1, 2]
+
+
+def test_a_padded_prompt_fed_in_pieces_is_refused_before_its_first_piece():
+    """`generate(..., attention_mask=<a 0 at token 20>, prefill_chunk_size=8)`: refused with the padding line before
+    any piece reaches the cache, as the whole prompt is; the conversation then goes on, DynamicCache's tokens.
+
+    Mutation (applied, fails): no `_check_mask` of the whole prompt in the `_prefill` wrapper -> pieces 0-7 and 8-15
+    go through before the third is refused, and the cache is out of step."""
+    loaded = tiny("tiny-llama")
+    model = loaded.model
+    tokens = loaded.tokenizer.encode("Keys and values of a layer are projections of its input, so a cache may keep.")
+    ids = torch.tensor([tokens[:33]])
+    mask = torch.ones_like(ids)
+    mask[0, 20] = 0
+    greedy = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, prefill_chunk_size=8)
+    reference = model.generate(ids, cache=compat.DynamicCache(config=model.config), **greedy)
+    with strategy_cache(model, "full") as cache:
+        with pytest.raises(UnsupportedCall, match="attention_mask must be all ones") as info:
+            model.generate(ids, attention_mask=mask, cache=cache, **greedy)
+        _one_line(info)
+        assert cache.report()["forwards"] == 0
+        assert torch.equal(model.generate(ids, cache=cache, **greedy), reference)
+
+
+@pytest.mark.parametrize("off", [1, -1])
+def test_a_prefill_that_feeds_other_than_its_prompt_is_refused(off, monkeypatch):
+    """Should transformers' prefill feed other than the prompt tokens `_prompt_tokens` counts (a later release slicing
+    its prompt otherwise; here the count made one too many, or one too few): one line, and the cache, whose layers
+    still wait for a last piece, refuses every later forward.
+
+    Mutations (each applied, each fails): no `if left:` check after the prefill -> one too many: generate returns
+    with the prompt left open; no `q > led.prompt_left` check in `before` -> one too few: the last piece runs on
+    the cache (and the check after the prefill says so instead)."""
+    from kvdirect_app import generate as module
+
+    counted = module._prompt_tokens
+    monkeypatch.setattr(module, "_prompt_tokens", lambda *args: counted(*args) + off)
+    loaded = tiny("tiny-llama")
+    model = loaded.model
+    tokens = loaded.tokenizer.encode("Keys and values of a layer are projections of its input, so a cache may keep.")
+    ids = torch.tensor([tokens[:33]])
+    says = "fed 33 of its prompt's 34 tokens" if off > 0 else "fed a forward of 1 tokens where its prompt had 0 of 32"
+    with torch.no_grad(), strategy_cache(model, "h2o:budget=6") as cache:
+        with pytest.raises(UnsupportedCall, match=says) as info:
+            model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0, prefill_chunk_size=8)
+        _one_line(info)
+        assert cache.report()["forwards"] == (5 if off > 0 else 4)
+        with pytest.raises(UnsupportedCall, match="out of step") as info:
+            model(ids[:, :1], cache=cache)
+        _one_line(info)
+
+
+@pytest.mark.parametrize("option", ["prompt_lookup_num_tokens", "assistant_model", "assistant_early_exit"])
+def test_assisted_decoding_is_refused_before_the_cache_changes(option):
+    """Assisted decoding (an assistant model, prompt lookup, early exit) would feed the draft tokens into the cache
+    and crop the rejected ones: refused with one line before the first forward, and the conversation goes on on the
+    same cache with DynamicCache's tokens.
+
+    Mutation (applied, fails): `GenerateCache.activate_past_recording` not overridden -> the prompt and the draft
+    tokens go through the cache, then transformers raises its own ValueError (not croppable) after the forward."""
+    loaded = tiny("tiny-llama")
+    model = loaded.model
+    first = _ids(loaded, "Tell me about caches. Tell me about caches.")
+    value = {"prompt_lookup_num_tokens": 3, "assistant_model": model, "assistant_early_exit": 1}[option]
+    greedy = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    reference = model.generate(first, **greedy)
+    with strategy_cache(model, "full") as cache:
+        with pytest.raises(UnsupportedCall, match="assisted decoding") as info:
+            model.generate(first, cache=cache, **greedy, **{option: value})
+        _one_line(info)
+        assert cache.report()["forwards"] == 0 and cache.get_seq_length() == 0
+        assert torch.equal(model.generate(first, cache=cache, **greedy), reference)
+
+
+def test_paged_generation_is_refused_instead_of_ignoring_the_cache():
+    """`generate(..., cache=cache, cache_implementation="paged")` switches to continuous batching, which runs a
+    paged cache of its own and would ignore the strategy cache (0 forwards, the full cache's tokens): refused with
+    one line, the cache untouched.
+
+    Mutation (applied, fails): no `generate_batch` wrapper -> generate returns the paged run's tokens and the cache
+    saw nothing."""
+    loaded = tiny("tiny-llama")
+    model = loaded.model
+    with strategy_cache(model, "h2o:budget=6") as cache:
+        with pytest.raises(UnsupportedCall, match="paged") as info:
+            model.generate(_ids(loaded, "Tell me about caches."), cache=cache, cache_implementation="paged",
+                           max_new_tokens=2, do_sample=False, pad_token_id=0)
+        _one_line(info)
+        assert cache.report()["forwards"] == 0
+    assert "generate_batch" not in vars(model)
