@@ -240,13 +240,15 @@ class GenerateCache:
                                   "decoder layer once per forward (the model's own forward), with a new forward "
                                   "for new tokens")
         led.step.add(layer_idx)
+        # A copy, made in the cache's region, as the engine hands each lane its own: what the cache keeps of it is
+        # then the cache's to the allocator (the model's own tensor is the forward's, and freed with it).
         if self.verifier is None:
             with self.observer.region(CACHE, "cache_update"):
-                return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+                return super().update(key_states.clone(), value_states.clone(), layer_idx, *args, **kwargs)
         expected = self.verifier.expect(key_states, value_states, layer_idx)
         before = self.observer.rebuilt[CACHE.label]
         with self.observer.region(CACHE, "cache_update"):
-            keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            keys, values = super().update(key_states.clone(), value_states.clone(), layer_idx, *args, **kwargs)
         self.verifier.check(len(led.forwards), layer_idx, keys, values, expected,
                             self.observer.rebuilt[CACHE.label] - before, led.tokens + led.q)
         return keys, values

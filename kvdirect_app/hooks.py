@@ -57,7 +57,7 @@ class InputTap:
         if self.batch is None:
             if index in wanted[0]:
                 with self.region() if self.region is not None else contextlib.nullcontext():
-                    give(self.caches[0], x)
+                    give(self.caches[0], x.clone())  # a copy of its own, made in its region, as for a pass's rows
             return
         for i, cache in enumerate(self.caches):
             if index in wanted[i]:

@@ -315,8 +315,11 @@ SEAMS = {"rebuild_old": None, "carry": "replay", "rebuild_all": "replay", "score
 _OBSERVED: dict[type, type] = {}
 
 
-def _seam(name: str, method):
+def _seam(name: str, base: type):
+    """`base`'s method `name`, timed as its op inside the current region (looked up at each call, so the class's
+    own method is what runs, whatever replaced it since)."""
     def observed(self, *args, **kwargs):
+        method = getattr(base, name)
         found = current()
         if found is None:
             return method(self, *args, **kwargs)
@@ -332,13 +335,13 @@ def _seam(name: str, method):
         return out
 
     observed.__name__ = name
-    observed.__doc__ = method.__doc__
+    observed.__doc__ = getattr(base, name).__doc__
     return observed
 
 
 def _observed_class(cls: type) -> type:
     if cls not in _OBSERVED:
-        methods = {name: _seam(name, getattr(cls, name)) for name in SEAMS if callable(getattr(cls, name, None))}
+        methods = {name: _seam(name, cls) for name in SEAMS if callable(getattr(cls, name, None))}
         _OBSERVED[cls] = type(cls.__name__, (cls,), {**methods, "__module__": cls.__module__, "__observed__": True})
     return _OBSERVED[cls]
 
