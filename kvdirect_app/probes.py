@@ -18,8 +18,14 @@ A count that was not proven is never used (`Verdict.pad` raises above the larges
 only for the shapes, dtype, device and thread count it was proven for.
 
 Verdicts are kept on disk (`Store`), one file per model, dtype and device in a folder per machine and build
-(CPU model and flags, torch's version and build, `VERSION`).  A later start reads them and re-checks a few
-rows of each (`recheck`) instead of probing again; a re-check that fails probes that verdict afresh.
+(CPU model and flags, torch's version and build, `VERSION`); the file holds the verdicts of every thread count
+run here (a write merges this process's into it).  The file is not trusted: a stored verdict is used only if
+its counts, proven and failed, are the ones the probe tries for its key (`candidates_of`) and the rest of the
+entry is well formed, and if, at the next start, every proven count passes the probe's own comparison again
+(every offset, twice) and the large call still gives the same bits at one thread where the verdict says so
+(`recheck`), on the verdict's device.  Anything else is probed afresh and the file rewritten; a stored verdict
+is never a claim by itself.  The re-check repeats the probe's work for the proven counts: where every count
+passes, it costs about what the probe does.
 `KVDIRECT_PROBE_CACHE` names the folder (default beside the models' cached copies:
 ``~/.cache/kvdirect-studio/probes``); ``off`` keeps verdicts in memory only.
 """
@@ -30,6 +36,7 @@ import bisect
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import tempfile
@@ -87,6 +94,15 @@ def attention_rows_key(head_dim: int, dtype: torch.dtype, device) -> tuple:
     return ("attention rows", head_dim, _name(dtype), str(device), 1)  # the block attention runs on one thread
 
 
+def candidates_of(key: tuple) -> tuple[int, ...]:
+    """The row counts the probe tries for a verdict's key (ValueError: not a key it writes)."""
+    if key[0] == "linear" and len(key) == 6:
+        return ROWS[:1] if math.prod(key[1]) >= HEAD_ELEMENTS else ROWS
+    if key[0] == "attention rows" and len(key) == 5:
+        return ROWS
+    raise ValueError(f"not a verdict's key: {key!r}")
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -99,10 +115,19 @@ def ranges(counts) -> str:
 # --- the probes ------------------------------------------------------------------------------------------------
 def probe_linear(weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Verdict:
     """Counts m of ROWS whose rows of `F.linear` equal those of a large call, at every offset, twice, at `threads`."""
-    head = weight.numel() >= HEAD_ELEMENTS
-    candidates = ROWS[:1] if head else ROWS
+    key = linear_key(weight, bias, threads)
+    candidates = candidates_of(key)
+    passed, across = _linear_rows(weight, bias, threads, candidates)
+    return Verdict(key, passed, across, tuple(m for m in candidates if m not in passed))
+
+
+def _linear_rows(weight: torch.Tensor, bias: torch.Tensor | None, threads: int, counts) -> tuple[tuple[int, ...], bool]:
+    """The probe's comparison: of `counts`, those whose rows of `F.linear` equal those of the probe's large call,
+    at every offset, twice, at `threads`, on the weight's device; and whether the large call gives the same bits
+    at one thread."""
+    top = candidates_of(linear_key(weight, bias, threads))[-1] + OFFSETS[-1] + 8  # the probe's large call
     gen = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randn(candidates[-1] + OFFSETS[-1] + 8, weight.shape[1], generator=gen).to(weight)
+    x = torch.randn(top, weight.shape[1], generator=gen).to(weight)
     call = functools.partial(F.linear, weight=weight, bias=bias)  # the layer's own weight: no copy of a large head
     with torch.inference_mode():
         with threads_set(1):
@@ -110,25 +135,30 @@ def probe_linear(weight: torch.Tensor, bias: torch.Tensor | None, threads: int) 
         with threads_set(threads):
             ref = call(x)
             steady = torch.equal(ref, call(x))
-            passed, failed = [], []
-            for m in candidates:
-                same = steady and all(torch.equal(call(x[o:o + m]), ref[o:o + m]) for o in OFFSETS for _ in range(2))
-                (passed if same else failed).append(m)
-    return Verdict(linear_key(weight, bias, threads), tuple(passed), torch.equal(one, ref), tuple(failed))
+            passed = tuple(m for m in counts if steady and all(torch.equal(call(x[o:o + m]), ref[o:o + m])
+                                                               for o in OFFSETS for _ in range(2)))
+    return passed, torch.equal(one, ref)
 
 
 def probe_attention_rows(head_dim: int, dtype: torch.dtype, device) -> Verdict:
     """Counts m of ROWS whose rows of the block attention's two GEMMs ((m, d) @ (d, 64) per block and
     (m, 64) @ (64, d)) equal those of a large call, over 1 and 7 blocks, at one thread (where they run)."""
+    passed = _attention_rows(head_dim, device, ROWS)
+    return Verdict(attention_rows_key(head_dim, dtype, device), passed, True, tuple(m for m in ROWS if m not in passed))
+
+
+def _attention_rows(head_dim: int, device, counts) -> tuple[int, ...]:
+    """The probe's comparison for the block attention's GEMMs (float32, as the block attention computes): of
+    `counts`, those whose rows equal those of the large call at every offset, over 1 and 7 blocks, on `device`."""
     gen = torch.Generator(device="cpu").manual_seed(3)
     top = ROWS[-1] + OFFSETS[-1] + 8
     x = torch.randn(2, 1, top, head_dim, generator=gen).to(device, torch.float32)
     k = torch.randn(2, 7, BLOCK, head_dim, generator=gen).to(device, torch.float32)
     p = torch.rand(2, 7, top, BLOCK, generator=gen).to(device, torch.float32)
-    passed, failed = [], []
+    passed = []
     with torch.inference_mode(), one_thread():
         ref = torch.matmul(x.expand(2, 7, top, head_dim), k.transpose(2, 3)), torch.matmul(p, k)
-        for m in ROWS:
+        for m in counts:
             same = True
             for blocks in (1, 7):
                 for o in OFFSETS:
@@ -136,8 +166,9 @@ def probe_attention_rows(head_dim: int, dtype: torch.dtype, device) -> Verdict:
                     pv = torch.matmul(p[:, :blocks, o:o + m].contiguous(), k[:, :blocks])
                     same &= (torch.equal(scores, ref[0][:, :blocks, o:o + m])
                              and torch.equal(pv, ref[1][:, :blocks, o:o + m]))
-            (passed if same else failed).append(m)
-    return Verdict(attention_rows_key(head_dim, dtype, device), tuple(passed), True, tuple(failed))
+            if same:
+                passed.append(m)
+    return tuple(passed)
 
 
 def probe_attention(attention, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, threads: int,
@@ -186,27 +217,14 @@ def probe_rows(module: torch.nn.Module, width: int, dtype: torch.dtype, device, 
 
 
 def recheck(verdict: Verdict, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> bool:
-    """A few rows of a stored verdict again (its smallest and largest proven counts, at one offset): a stored
-    verdict is read only after this agrees."""
-    if not verdict.counts:
-        return True  # nothing is used from it
-    gen = torch.Generator(device="cpu").manual_seed(5)
-    with torch.inference_mode():
-        if verdict.key[0] == "linear":
-            w, b = weight, bias
-            x = torch.randn(verdict.largest + OFFSETS[1], weight.shape[1], generator=gen).to(weight)
-            with threads_set(verdict.threads):
-                ref = F.linear(x, w, b)
-                return all(torch.equal(F.linear(x[OFFSETS[1]:OFFSETS[1] + m], w, b), ref[OFFSETS[1]:OFFSETS[1] + m])
-                           for m in dict.fromkeys((verdict.counts[0], verdict.largest)))
-        head_dim = verdict.key[1]
-        x = torch.randn(1, 1, verdict.largest + OFFSETS[1], head_dim, generator=gen)
-        k = torch.randn(1, 1, BLOCK, head_dim, generator=gen)
-        with one_thread():
-            ref = torch.matmul(x, k.transpose(2, 3))
-            return all(torch.equal(torch.matmul(x[:, :, OFFSETS[1]:OFFSETS[1] + m], k.transpose(2, 3)),
-                                   ref[:, :, OFFSETS[1]:OFFSETS[1] + m])
-                       for m in dict.fromkeys((verdict.counts[0], verdict.largest)))
+    """Whether a stored verdict holds here: every proven count by the probe's own comparison (every offset, twice),
+    on the verdict's device (a linear verdict's: its weight's; the attention's: its key's), and the large call's
+    bits at one thread and at the verdict's count where it claims them equal.  A stored verdict is read only after
+    this agrees."""
+    if verdict.key[0] == "linear":
+        passed, across = _linear_rows(weight, bias, verdict.threads, verdict.counts)
+        return passed == verdict.counts and (across or not verdict.across_threads)
+    return _attention_rows(verdict.key[1], verdict.key[3], verdict.counts) == verdict.counts
 
 
 # --- the verdicts kept -----------------------------------------------------------------------------------------
@@ -255,31 +273,28 @@ class Store:
         self.read_from_file = 0  # verdicts taken from the file (and re-checked) in this process
 
     def _read(self) -> dict:
+        """The file's verdicts for this environment, each one the probe could have written (`_stored`)."""
         if self.path is None or not self.path.is_file():
             return {}
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return {}
-        if data.get("environment") != self.environment:
+        if not isinstance(data, dict) or data.get("environment") != self.environment:
             return {}
-        out = {}
-        try:
-            for entry in data.get("verdicts", []):
-                key = _tuple(entry["key"])
-                out[key] = Verdict(key, tuple(entry["proven"]), bool(entry["across_threads"]), tuple(entry["failed"]))
-        except (KeyError, TypeError, AttributeError):
-            return {}  # not a file this version wrote: probed afresh (and written anew)
-        return out
+        entries = data.get("verdicts")
+        verdicts = [_stored(entry) for entry in entries] if isinstance(entries, list) else []
+        return {v.key: v for v in verdicts if v is not None}
 
     def _write(self):
+        """This process's verdicts, merged into the file's (those of other keys, e.g. other thread counts, stay)."""
         if self.path is None:
             return
-        entries = [v.as_dict() for v in self.verdicts.values() if isinstance(v, Verdict)]
+        merged = self._read() | {k: v for k, v in self.verdicts.items() if isinstance(v, Verdict)}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
-                json.dump({"environment": self.environment, "verdicts": entries}, f)
+                json.dump({"environment": self.environment, "verdicts": [v.as_dict() for v in merged.values()]}, f)
             os.replace(f.name, self.path)
         except OSError:
             pass  # a folder that cannot be written: the verdicts stay in memory
@@ -303,6 +318,21 @@ class Store:
     def clear(self):
         self.verdicts.clear()
         self.stored.clear()
+
+
+def _stored(entry) -> Verdict | None:
+    """A file's entry as a Verdict, or None where it is not one the probe could have written: its counts, proven
+    and failed, are the probe's for its key (`candidates_of`), each once, proven ascending; across_threads a bool."""
+    try:
+        key, proven, failed, across = _tuple(entry["key"]), entry["proven"], entry["failed"], entry["across_threads"]
+        counts = proven + failed
+        hash(key)  # TypeError where a JSON object sits in it: not a key the probe writes
+        if (isinstance(across, bool) and all(type(c) is int for c in counts) and proven == sorted(proven)
+                and sorted(counts) == list(candidates_of(key))):
+            return Verdict(key, tuple(proven), across, tuple(failed))
+    except (KeyError, TypeError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _tuple(value):
