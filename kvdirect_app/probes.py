@@ -121,10 +121,11 @@ def probe_linear(weight: torch.Tensor, bias: torch.Tensor | None, threads: int) 
     return Verdict(key, passed, across, tuple(m for m in candidates if m not in passed))
 
 
-def _linear_rows(weight: torch.Tensor, bias: torch.Tensor | None, threads: int, counts) -> tuple[tuple[int, ...], bool]:
+def _linear_rows(weight: torch.Tensor, bias: torch.Tensor | None, threads: int, counts, offsets=OFFSETS,
+                 repeats: int = 2) -> tuple[tuple[int, ...], bool]:
     """The probe's comparison: of `counts`, those whose rows of `F.linear` equal those of the probe's large call,
-    at every offset, twice, at `threads`, on the weight's device; and whether the large call gives the same bits
-    at one thread."""
+    at each of `offsets`, `repeats` times, at `threads`, on the weight's device; and whether the large call gives
+    the same bits at one thread."""
     top = candidates_of(linear_key(weight, bias, threads))[-1] + OFFSETS[-1] + 8  # the probe's large call
     gen = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randn(top, weight.shape[1], generator=gen).to(weight)
@@ -136,7 +137,7 @@ def _linear_rows(weight: torch.Tensor, bias: torch.Tensor | None, threads: int, 
             ref = call(x)
             steady = torch.equal(ref, call(x))
             passed = tuple(m for m in counts if steady and all(torch.equal(call(x[o:o + m]), ref[o:o + m])
-                                                               for o in OFFSETS for _ in range(2)))
+                                                               for o in offsets for _ in range(repeats)))
     return passed, torch.equal(one, ref)
 
 
@@ -217,12 +218,13 @@ def probe_rows(module: torch.nn.Module, width: int, dtype: torch.dtype, device, 
 
 
 def recheck(verdict: Verdict, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> bool:
-    """Whether a stored verdict holds here: every proven count by the probe's own comparison (every offset, twice),
-    on the verdict's device (a linear verdict's: its weight's; the attention's: its key's), and the large call's
-    bits at one thread and at the verdict's count where it claims them equal.  A stored verdict is read only after
-    this agrees."""
+    """Whether a stored verdict holds here: every proven count by the probe's own comparison, at the probe's
+    misaligned offset, once (a start re-checks every linear shape of the model: the probe's every offset, twice,
+    cost as much as probing afresh), on the verdict's device (a linear verdict's: its weight's; the attention's:
+    its key's), and the large call's bits at one thread and at the verdict's count where it claims them equal.  A
+    stored verdict is read only after this agrees."""
     if verdict.key[0] == "linear":
-        passed, across = _linear_rows(weight, bias, verdict.threads, verdict.counts)
+        passed, across = _linear_rows(weight, bias, verdict.threads, verdict.counts, OFFSETS[1:2], 1)
         return passed == verdict.counts and (across or not verdict.across_threads)
     return _attention_rows(verdict.key[1], verdict.key[3], verdict.counts) == verdict.counts
 

@@ -79,19 +79,19 @@ def test_counts_the_probe_never_tried_are_not_accepted(probed, monkeypatch, wher
 
 
 def test_a_proven_count_that_does_not_hold_here_is_probed_afresh(probed, monkeypatch):
-    """A stored count whose rows differ here (simulated: 32-row calls give other bits every sixth call, the probe's
-    last comparison of a count: the large call's last offset, second time) is rejected, and the fresh probe fails it.
-    Mutations: the re-check tries only the smallest and largest proven counts; one offset; each offset once."""
+    """A stored count whose rows differ here (simulated: 32-row calls at the probe's misaligned offset give other
+    bits) is rejected, and the fresh probe fails it.
+    Mutations: the re-check tries only the smallest and largest proven counts; only counts below 32."""
     first = start()
     assert 32 in verdict(first).counts[1:-1]
-    real, calls = F.linear, []
+    real = F.linear
 
-    def sixth_32_row_call_differs(x, weight, bias=None):
+    def misaligned_32_row_calls_differ(x, weight, bias=None):
         out = real(x, weight, bias)
-        calls.append(x.shape[0])
-        return out + 1 if x.shape[0] == 32 and calls.count(32) % 6 == 0 else out
+        row = x.storage_offset() // x.shape[-1]
+        return out + 1 if x.shape[0] == 32 and row == probes.OFFSETS[1] else out
 
-    monkeypatch.setattr(F, "linear", sixth_32_row_call_differs)
+    monkeypatch.setattr(F, "linear", misaligned_32_row_calls_differ)
     second = start()
     fresh = verdict(second)
     probed_afresh(probed, second, fresh)
