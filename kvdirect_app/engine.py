@@ -144,10 +144,19 @@ class Engine:
     @contextlib.contextmanager
     def _work(self, owner: Owner, op: str):
         """`owner`'s work outside a pass (building, forking, ending a turn, parking, resuming): a region of the
-        observer, traced in a session of its own with ``--memory trace``."""
-        session = self.tracer.session(shared=owner.label) if self.tracer.enabled else contextlib.nullcontext()
-        with session, self.observer.region(owner, op):
-            yield
+        observer, traced in a session of its own with ``--memory trace`` (the session's start and fold are the
+        trace's work)."""
+        tracer, observer = self.tracer, self.observer
+        if tracer.enabled:
+            with observer.region(instrument("trace"), "session"):
+                tracer.start(owner.label)
+        try:
+            with observer.region(owner, op):
+                yield
+        finally:
+            if tracer.enabled:
+                with observer.region(instrument("trace"), "session"):
+                    tracer.stop()
 
     @property
     def all_lanes(self) -> list[Lane]:

@@ -119,10 +119,14 @@ class ByteBook:
             self.declared_mismatch_count += 1
 
     def step(self, seen: int, state: int | None, peak: int | None, formula_state: int, formula_transient: int):
-        """After one forward of the lane (not its teacher-forced twin): its held bytes and peak as measured."""
+        """After one forward of the lane (not its teacher-forced twin): its held bytes and peak as measured.
+
+        The formula's peak (the state after the step + the largest buffer of a layer) bounds the measured peak from
+        below up to what the step added: while an early layer's buffer was alive, later layers had not grown yet."""
         formula_peak = formula_state + formula_transient
         self.check("step", seen, state, formula_state)
-        if peak is not None and peak < formula_peak:
+        grown = max(0, formula_state - self.last.get("formula_bytes", 0))
+        if peak is not None and peak < formula_peak - grown:
             self.peak_below_formula += 1
         self.persistent_peak = self._max(self.persistent_peak, state)
         self.peak = self._max(self.peak, peak)

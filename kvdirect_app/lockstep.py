@@ -152,7 +152,9 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
     q = query.shape[2]
     block = batch.kernels.invariant
     for i, row in enumerate(batch.rows):
-        with batch.owned(i, "attention"):
+        # The lane's time; its workspace and output are activations, the shared pass's (a prompt's rows that reuse
+        # an earlier row's output allocate nothing: the lane that computed it would otherwise carry it alone).
+        with batch.observer.region(row.owner, "attention", memory=SHARED):
             k, v = row.kv.pop(j)
             mask = None if block else fit_mask(row.masks[layer_type], k.shape[-2])
             out = None
@@ -173,7 +175,8 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
             outputs.append(out)
         if row.snapshot:
             _snapshot(batch.observer, row, j, query[i:i + 1], k, module, kwargs)
-        del k, v
+        with batch.owned(i, "attention"):  # what it handed attention (a rebuilt buffer) dropped as its own
+            del k, v
     return torch.cat(outputs, dim=0), weights
 
 

@@ -15,8 +15,10 @@ measured here, from outside its code:
   observer puts in place of the cache's own classes (`watch`): the strategy calls its own methods, and the
   observed subclass times each call as that op of whoever's region it runs in, and counts the tokens rebuilt.
 * **Memory.**  A region's allocations are its owner's (`meters.py`: the allocator's ledger on the CPU, the device
-  allocator's counters on CUDA and MPS); with ``--memory trace`` the allocation trace (`memory.py`) sees the
-  same regions as owner scopes.  What a meter costs is the memory instrument's time, not the region's.
+  allocator's counters on CUDA and MPS), or another's where the region says so (a lane's attention: its time is
+  the lane's, its workspace and output are activations, the shared pass's, as the model's other activations
+  are); with ``--memory trace`` the allocation trace (`memory.py`) sees the same regions as owner scopes.  What a
+  meter costs is the memory instrument's time, not the region's.
 * **Comparison.**  What a strategy hands attention at a layer against what the full cache holds there after the
   same step (`compare`), and the tokens it rebuilt while it was compared.
 
@@ -80,13 +82,14 @@ class KVRecord:
                 "shape_mismatches": self.shape_mismatches}
 
 
-def current() -> "tuple[Observer, Owner] | None":
-    """The observer and owner of this thread's innermost open region, if any."""
+def current() -> "tuple[Observer, Owner, str] | None":
+    """The observer, owner and op of this thread's innermost open region, if any."""
     stack = getattr(_ACTIVE, "observers", None)
     if not stack:
         return None
     observer = stack[-1]
-    return observer, observer._stack[-1][0]
+    owner, op = observer._stack[-1][:2]
+    return observer, owner, op
 
 
 class Observer:
@@ -112,7 +115,7 @@ class Observer:
         self.rebuilt: Counter = Counter()  # owner label -> token-layers rebuilt or replayed
         self.keep_handed: set[int] = set()  # ids of layers whose candidates' positions a snapshot needs
         self.handed: dict[int, torch.Tensor] = {}
-        self._stack: list[list] = []  # [owner, op, started, meter token, trace scope]
+        self._stack: list[list] = []  # [owner, op, started, meter token, trace scope, memory owner]
 
     # --- clocks and regions ------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -121,32 +124,34 @@ class Observer:
             self.sync()
         return self.clock()
 
-    def region(self, owner: Owner, op: str) -> "_Region":
-        """`with observer.region(owner, op):` the block is `owner`'s work, op `op`."""
-        return _Region(self, owner, op)
+    def region(self, owner: Owner, op: str, memory: Owner | None = None) -> "_Region":
+        """`with observer.region(owner, op):` the block is `owner`'s work, op `op`; its allocations are `memory`'s
+        (default: `owner`'s)."""
+        return _Region(self, owner, op, memory)
 
     def op(self, op: str) -> "_Region":
         """A nested region of the current owner's work, op `op` (a seam inside a strategy's update)."""
-        owner = self._stack[-1][0] if self._stack else ENGINE
-        return _Region(self, owner, op)
+        top = self._stack[-1] if self._stack else None
+        return _Region(self, top[0] if top else ENGINE, op, top[5] if top else None)
 
-    def _enter(self, owner: Owner, op: str):
+    def _enter(self, owner: Owner, op: str, memory: Owner | None = None):
         now = self.now()
         stack = self._stack
         if stack:
             top = stack[-1]
             self.parts[top[0], top[1]] += now - top[2]
         token = scope = None
+        memory = memory or owner
         if self.meter is not None or self.tracer is not None:
             if self.meter is not None:
-                token = self.meter.enter(owner.label)
+                token = self.meter.enter(memory.label)
             if self.tracer is not None:
-                scope = self.tracer.scope(owner)
+                scope = self.tracer.scope(memory)
                 scope.__enter__()
             start = self.now()
             self.parts[instrument(self._memory_part()), "meter"] += start - now
             now = start
-        stack.append([owner, op, now, token, scope])
+        stack.append([owner, op, now, token, scope, memory])
         observers = getattr(_ACTIVE, "observers", None)
         if observers is None:
             observers = _ACTIVE.observers = []
@@ -154,7 +159,7 @@ class Observer:
 
     def _leave(self):
         now = self.now()
-        owner, op, started, token, scope = self._stack.pop()
+        owner, op, started, token, scope, _ = self._stack.pop()
         self.parts[owner, op] += now - started
         if self.meter is not None or self.tracer is not None:
             if scope is not None:
@@ -283,13 +288,13 @@ class Observer:
 
 
 class _Region:
-    __slots__ = ("observer", "owner", "op")
+    __slots__ = ("observer", "owner", "op", "memory")
 
-    def __init__(self, observer: Observer, owner: Owner, op: str):
-        self.observer, self.owner, self.op = observer, owner, op
+    def __init__(self, observer: Observer, owner: Owner, op: str, memory: Owner | None):
+        self.observer, self.owner, self.op, self.memory = observer, owner, op, memory
 
     def __enter__(self):
-        self.observer._enter(self.owner, self.op)
+        self.observer._enter(self.owner, self.op, self.memory)
         return self
 
     def __exit__(self, *exc):
@@ -323,7 +328,7 @@ def _seam(name: str, base: type):
         found = current()
         if found is None:
             return method(self, *args, **kwargs)
-        observer, owner = found
+        observer, owner, _ = found
         with observer.op(SEAMS[name] or self.rebuild_op):
             out = method(self, *args, **kwargs)
         if name == "rebuild_old":

@@ -75,7 +75,7 @@ def run_once(loaded, specs: str | tuple | list, turns=TINY_TURNS, max_new_tokens
     the attention snapshots off."""
     specs = specs if isinstance(specs, str) else ",".join(dict.fromkeys(specs))
     # The allocator's trace unless a test asks for another instrument: the tests' byte checks are against it, and
-    # every traced run audits the storage count (the default instrument) beside it (`test_memory.py`).
+    # every traced run audits the allocator's ledger (the default instrument) beside it (`test_memory.py`).
     options.setdefault("memory", "trace")
     key = (loaded.name, str(loaded.dtype), str(loaded.device), specs, tuple(turns), max_new_tokens, park, steps,
            snapshots, tuple(sorted(options.items())))
