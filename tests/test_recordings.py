@@ -224,8 +224,8 @@ def test_the_token_map_opens_on_the_most_telling_view(recorded):
 # written here: the twenty-turn recording's turn 7 ("How far apart should I plant the tomatoes?"), where the full
 # cache says "8-10 inches" and two baselines do not; the long document's last question, whose answer in the
 # document is "ten seconds", which no pane of Gemma 3 270M says, the full cache included.
-EXACT = {"step": ("kvdirect:budget=64:mode=exact:rebuild=step", "anchorkv:budget=64:spacing=30:mode=exact:rebuild=step"),
-         "turn": ("kvdirect:budget=64:mode=exact:rebuild=turn", "anchorkv:budget=64:spacing=30:mode=exact:rebuild=turn")}
+EXACT = {rebuild: (f"kvdirect:budget=64:mode=exact:rebuild={rebuild}",
+                   f"anchorkv:budget=64:spacing=30:mode=exact:rebuild={rebuild}") for rebuild in ("step", "turn")}
 EXPECTED = {
     "recall-smollm2-135m": dict(
         ask=(7, "4127"), says={"full", *EXACT["step"]}, meta=[7, "4127"],
