@@ -81,16 +81,42 @@ def test_agreement_is_exact_for_equal_logits_and_matches_the_definition():
     assert other.max_dlogit == 2.0 and other.tf_agree == 0  # b's first maximum is at index 0, not 2
 
 
+def _selection(out_features: int, in_features: int) -> torch.Tensor:
+    """A weight with one nonzero per output row, a power of two: every dot product is one exact product plus exact
+    zeros, so any kernel, in any order of summation, gives the same bits (true by arithmetic, not by this CPU)."""
+    weight = torch.zeros(out_features, in_features)
+    rows = torch.arange(out_features)
+    weight[rows, (rows * 7) % in_features] = torch.tensor([0.5, -1.0, 2.0, -4.0]).repeat(out_features // 4 + 1)[
+        :out_features]
+    return weight
+
+
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_row_kernel_chosen_gives_the_bits_of_one_row_calls(bias):
+def test_the_row_kernel_chosen_gives_the_bits_of_one_row_calls(bias, monkeypatch):
+    """On random weights, whichever kernel the start-up check picks gives the bits of one-row calls.  On a weight
+    whose products are exact (`_selection`), the batched kernel must give those bits too, so the check must pick
+    it: which case is checked is decided by arithmetic, not by the check's own verdict (the old test compared the
+    batched kernel only where `rows_kernel_is_exact` already said it was exact).
+
+    Mutation that fails it: `_rows_batched` dropping the bias (`torch.bmm(x, weight_t)` in both branches): the
+    start-up check then refuses it on every weight with a bias, so the old, gated comparison never ran."""
+    from kvdirect_app import replay
+
+    monkeypatch.setattr(replay, "_KERNELS", {})  # verdicts are kept per shape: these weights get their own
     torch.manual_seed(0)
     lin = nn.Linear(48, 24, bias=bias)
     rows = torch.randn(7, 48)
     loop = _linear_rows_loop(lin, rows)
     assert loop.shape == (7, 24)
-    # The batched kernel is only used where the start-up check holds; where it holds it must be bit-equal.
-    if rows_kernel_is_exact(lin):
-        assert torch.equal(_linear_rows_batched(lin, rows), loop)
+    assert torch.equal(linear_rows(lin.weight, lin.bias, rows), loop)
+    monkeypatch.setattr(replay, "_KERNELS", {})
+    with torch.no_grad():
+        lin.weight.copy_(_selection(24, 48))
+        if bias:
+            lin.bias.copy_(torch.arange(24) / 4 - 3)  # quarters: exact, and one rounding of (product + bias)
+    loop = _linear_rows_loop(lin, rows)
+    assert torch.equal(_linear_rows_batched(lin, rows), loop)
+    assert rows_kernel_is_exact(lin) and replay._kernel(lin.weight, lin.bias) is replay._rows_batched
     assert torch.equal(linear_rows(lin.weight, lin.bias, rows), loop)
 
 
@@ -127,18 +153,32 @@ def test_row_kernels_are_checked_per_thread_count(monkeypatch):
 
 
 @torch.inference_mode()
-def test_a_weight_too_large_for_cache_is_served_in_blocks_with_the_same_bits():
-    # 16,500 x 512 (8.4 M elements) is above BLOCK_FROM: the kernel checked first cuts it into blocks of output
-    # rows, the last one short; whichever kernel the check picks must give the bits of one-row calls.
+def test_a_weight_too_large_for_cache_is_served_in_blocks_with_the_same_bits(monkeypatch):
+    """16,500 x 512 (8.4 M elements) is above BLOCK_FROM: the kernel checked first cuts it into blocks of output
+    rows, the last one short.  On random weights whichever kernel the check picks gives the bits of one-row calls;
+    on a weight whose products are exact (`_selection`) the blocked kernel must give them too, so the check must
+    pick it (the old test compared the blocked kernel only where `rows_are_exact` already said exact).
+
+    Mutations that fail it: `_kernel` never trying the blocked kernel (`candidates = [_rows_batched]`): the batched
+    kernel is picked, `rows_are_exact` still says True and the blocked kernel is still right, so the old test
+    passed; and `_rows_blocked` dropping the last, short block (`range(0, weight.shape[0] - BLOCK_ROWS + 1,
+    BLOCK_ROWS)`), which the old test caught only on a CPU whose batched kernel passed the check."""
+    from kvdirect_app import replay
+
+    monkeypatch.setattr(replay, "_KERNELS", {})
     torch.manual_seed(0)
     weight, bias = torch.randn(16_500, 512), torch.randn(16_500)
     assert weight.numel() >= BLOCK_FROM and weight.shape[0] % BLOCK_ROWS
     rows = torch.randn(7, 512)
     for b in (None, bias):
+        assert torch.equal(linear_rows(weight, b, rows), _rows_loop(weight, b, rows))
+    monkeypatch.setattr(replay, "_KERNELS", {})
+    weight, bias = _selection(16_500, 512), torch.arange(16_500) % 64 / 4 - 8
+    for b in (None, bias):
         loop = _rows_loop(weight, b, rows)
+        assert torch.equal(_rows_blocked(weight, b, rows), loop)
+        assert rows_are_exact(weight, b) and replay._kernel(weight, b) is replay._rows_blocked
         assert torch.equal(linear_rows(weight, b, rows), loop)
-        if rows_are_exact(weight, b):
-            assert torch.equal(_rows_blocked(weight, b, rows), loop)
 
 
 def test_compare_never_trims_a_global_layer_to_the_reference_length():

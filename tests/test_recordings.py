@@ -212,37 +212,78 @@ def test_the_token_map_opens_on_the_most_telling_view(recorded):
     assert html.count("kvd-expect") >= 1 and "“4127”" in html
 
 
-SHIPPED = playback.offered()
+# Every shipped recording's expectation, read by hand from its events (each lane's token ids over the `step` events
+# for the first divergence from the full cache's, each `turn_end` event's texts for the words), written out here so
+# that a recording is checked against what it holds, not against what the code folds it into:
+#   ask: (turn, words) asked of every pane's reply at that turn (0-based), as a scenario's `expect` asks;
+#   says: the panes whose reply at that turn contains the words;
+#   diverge: each pane's first token (an index over the concatenated turns) that differs from the full cache's;
+#     a pane not listed never differs;
+#   meta: the expectation the file itself carries (the page's "says ...?" column), None where it carries none.
+# The recall recording asks its scenario's question; the others carry no expectation of their own, so one is
+# written here: the twenty-turn recording's turn 7 ("How far apart should I plant the tomatoes?"), where the full
+# cache says "8-10 inches" and two baselines do not; the long document's last question, whose answer in the
+# document is "ten seconds", which no pane of Gemma 3 270M says, the full cache included.
+EXACT = {rebuild: (f"kvdirect:budget=64:mode=exact:rebuild={rebuild}",
+                   f"anchorkv:budget=64:spacing=30:mode=exact:rebuild={rebuild}") for rebuild in ("step", "turn")}
+EXPECTED = {
+    "recall-smollm2-135m": dict(
+        ask=(7, "4127"), says={"full", *EXACT["step"]}, meta=[7, "4127"],
+        diverge={"h2o:budget=64": 48, "streaming_llm:budget=64": 51, "snapkv:budget=64": 87, "tova:budget=64": 87}),
+    "twenty-turns-smollm2-135m": dict(
+        ask=(7, "8-10 inches"), says={"full", *EXACT["turn"], "streaming_llm:budget=64", "tova:budget=64"}, meta=None,
+        diverge={"h2o:budget=64": 29, "streaming_llm:budget=64": 35, "snapkv:budget=64": 29, "tova:budget=64": 29}),
+    "long-document-gemma3-270m": dict(
+        ask=(4, "ten seconds"), says=set(), meta=None,
+        diverge={"h2o:budget=64": 7, "streaming_llm:budget=64": 14, "snapkv:budget=64": 14, "tova:budget=64": 1}),
+}
 
 
-@pytest.mark.skipif(not SHIPPED, reason="no recordings shipped in presets/recordings")
-@pytest.mark.parametrize("name", [name for _, name in SHIPPED])
+def test_every_shipped_recording_is_offered_and_has_an_expectation():
+    """A recording added without an expectation, or one the picker drops (`offered` skips files it cannot open),
+    fails here instead of going unchecked."""
+    assert set(recording.shipped()) == {name for _, name in playback.offered()} == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_each_shipped_recording_replays_to_the_figures_it_holds(name):
+    """Every pane's replies, bytes and tokens as the recorded results hold them, and the expectation above.
+
+    Mutations that fail it: `Session.says_expected` reading the last reply instead of the asked turn's
+    (`lane.replies[-1]`): the recall recording asks its last turn, so the old test, which checked only recordings
+    carrying an expectation, passed, while the twenty-turn recording's turn 7 now says otherwise; and
+    `Session._step` recording a divergence one token late (`(turn, index + 1)`), which the old test, checking
+    only that exact panes never diverge, let through."""
+    want = EXPECTED[name]
     rec = playback.open_recording(name)
     meta = rec["meta"]
     for key in ("model", "device", "dtype", "threads", "kernels", "specs", "turns", "recorded_at", "commit", "command"):
         assert meta.get(key) is not None, key
+    assert meta.get("expect") == want["meta"]
     played = playback.fold(rec)
     done = [e for e in rec["events"] if e["type"] == "done"][-1]["result"]
     steps = [e for e in rec["events"] if e["type"] == "step"]
     assert played.steps == len(steps) and played.user_turns == meta["turns"]
     ends = [e for e in rec["events"] if e["type"] == "turn_end"]
     assert len(ends) == len(meta["turns"])
+    assert played.shown == meta["specs"] and {"full", *want["says"], *want["diverge"]} <= set(played.shown)
     for label in played.shown:
         lane = played.lanes[label]
         assert [r.text for r in lane.replies] == done["strategies"][label]["turn_texts"], label
         assert lane.turns == [e["bytes"][label] for e in ends], label
         assert [t for r in lane.replies for t in r.tokens] == done["strategies"][label]["token_ids"], label
-    # What the scoreboard says is what the recorded results say.
+        diverge = want["diverge"].get(label)
+        assert played.first_divergence_index(label) == diverge == done["strategies"][label]["first_divergence"], label
+    # What the scoreboard says is what the recorded results say, asked the expectation's question.
+    turn, words = want["ask"]
+    played.expect = (turn, words)
+    assert {label for label in played.shown if played.says_expected(label)} == want["says"]
+    for label in played.shown:
+        assert played.says_expected(label) == (words in done["strategies"][label]["turn_texts"][turn]), label
     board = scoreboard_html(played)
-    for label, r in done["strategies"].items():
-        if label != "full" and r["first_divergence"] is None and r["kv_exact"] and r["rebuilt_token_layers"]:
-            assert played.lanes[label].divergence is None
-    assert "recorded on" in board
-    if meta.get("expect"):
-        turn, words = meta["expect"]
-        for label in played.shown:
-            assert played.says_expected(label) == (words in done["strategies"][label]["turn_texts"][turn])
+    assert "recorded on" in board and f"says {words}?" in board
+    assert board.count('kvd-good">✓') == len(want["says"])
+    assert board.count('kvd-bad">✗') == len(played.shown) - len(want["says"])
 
 
 # --- the page's handlers: replay, a message after a recording, the hosted time budget ---------------------------
@@ -309,7 +350,6 @@ def test_the_expected_wait_is_the_median_of_the_last_runs_capped_by_the_budget(m
     assert len(line.took) == 4 and line.took[-1] < 1.0  # a run's own duration is what is kept
 
 
-@pytest.mark.skipif(not SHIPPED, reason="no recordings shipped in presets/recordings")
 def test_a_visitor_state_starts_as_a_name_and_unfolds_when_a_handler_needs_it(handlers):
     import copy as _copy
 
