@@ -1,7 +1,8 @@
 // The CPU allocator's own ledger: every block a tensor gets, counted for the owner whose work asked for it.
 //
-// Installed as c10's CPU allocator, in front of the one torch had (every CPU tensor's storage then passes
-// through `Ledger::allocate`).  A thread names the owner of its work with `kv_enter`; a block allocated while
+// Installed in torch's default CPU allocator itself (every CPU tensor's storage then passes through
+// `Ledger::allocate`: the ops' blocks, asked of `GetCPUAllocator()`, and the blocks Python's storage
+// constructors ask of `GetDefaultCPUAllocator()` by name, as `copy.deepcopy` and unpickling do).  A thread names the owner of its work with `kv_enter`; a block allocated while
 // a thread works for owner N is N's until it is freed, on whatever thread and whenever that happens.  Per
 // owner: the bytes live now, the highest they went since `kv_reset_peak`, and the blocks live.  Owner 0 is
 // nobody (nothing is recorded: the shared pass's activations, the measurement's own work, other threads).
@@ -10,6 +11,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 
@@ -32,8 +34,9 @@ struct Block {
 
 std::mutex table_mutex;
 std::unordered_map<void*, Block> table;  // the blocks of owners other than 0
-c10::Allocator* base = nullptr;
+c10::Allocator* base = nullptr;          // torch's default allocator, as it was (a copy of it: see kv_install)
 c10::DeleterFnPtr base_delete = nullptr;
+alignas(alignof(std::max_align_t)) unsigned char base_copy[sizeof(void*)];
 
 void release(void* ptr) {
   Block block{0, 0};
@@ -84,18 +87,27 @@ Ledger ledger;
 
 extern "C" {
 
-// 0: installed (or already); 1: torch's CPU allocator gives blocks this ledger cannot follow; 2: not taken.
+// 0: installed (or already); 1: torch's CPU allocator is not its default, or hands out blocks the ledger cannot
+// follow.
+//
+// torch's default CPU allocator is one object that holds nothing but its virtual table (it keeps no state: a
+// block's size goes to the profiler's reporter, its memory to the C allocator).  So a copy of its pointer to that
+// table is a working copy of it (`base`), and the object itself, given the ledger's table, dispatches to the
+// ledger: everything that asks torch for a CPU block, by either name, now passes through `Ledger::allocate`.
 int kv_install() {
   if (base) return 0;
-  c10::Allocator* now = c10::GetCPUAllocator();
-  c10::DataPtr probe = now->allocate(64);
-  bool simple = now->raw_deleter() && probe.get() == probe.get_context() && probe.get_deleter() == now->raw_deleter();
+  c10::Allocator* standard = c10::GetDefaultCPUAllocator();
+  if (c10::GetCPUAllocator() != standard) return 1;
+  c10::DataPtr probe = standard->allocate(64);
+  bool simple = standard->raw_deleter() && probe.get() == probe.get_context() &&
+                probe.get_deleter() == standard->raw_deleter();
   probe.clear();
   if (!simple) return 1;
-  base = now;
-  base_delete = now->raw_deleter();
-  c10::SetCPUAllocator(&ledger, 255);
-  return c10::GetCPUAllocator() == &ledger ? 0 : 2;
+  std::memcpy(base_copy, static_cast<void*>(standard), sizeof(void*));
+  base = reinterpret_cast<c10::Allocator*>(base_copy);
+  base_delete = base->raw_deleter();
+  std::memcpy(static_cast<void*>(standard), static_cast<void*>(&ledger), sizeof(void*));
+  return 0;
 }
 
 int32_t kv_owners() { return kOwners; }

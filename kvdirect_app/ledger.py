@@ -1,7 +1,7 @@
 """The allocator's ledger of CPU tensor memory, by owner: the default memory instrument on the CPU.
 
-`ledger.cpp` is installed as c10's CPU allocator in front of torch's own: every CPU tensor's storage passes
-through it.  The engine names the owner of each piece of work (`Ledger.enter`: a lane's cache update, its
+`ledger.cpp` is installed in torch's default CPU allocator: every CPU tensor's storage passes through it, the
+ops' and those Python's storage constructors make (`copy.deepcopy`, unpickling).  The engine names the owner of each piece of work (`Ledger.enter`: a lane's cache update, its
 attention, its replay...); a block allocated inside an owner's work is that owner's until it is freed, on
 whatever thread and whenever that happens.  So a lane's held bytes are what the allocator handed out for its
 work and has not taken back, its peak the highest that went since `reset_peak`: nothing a strategy lists,
@@ -98,8 +98,8 @@ class Ledger:
         lib.kv_reset_peak.argtypes = [ctypes.c_int32]
         status = lib.kv_install()
         if status:
-            raise Unavailable({1: "torch's CPU allocator hands out blocks the ledger cannot follow",
-                               2: "torch kept another CPU allocator"}.get(status, f"install failed ({status})"))
+            raise Unavailable("torch's CPU allocator is not its default one, or hands out blocks the ledger "
+                              "cannot follow" if status == 1 else f"install failed ({status})")
         self.path = path
         self.enter = lib.kv_enter  # enter(owner) -> the owner this thread worked for before
         self.live = lib.kv_live
