@@ -28,7 +28,17 @@ $(MODELS_STAMP): $(STAMP)
 	$(BIN)/python -m kvdirect_app.model_cache smollm2-135m gemma3-270m
 	touch $@
 
-install: $(STAMP) $(MODELS_STAMP)
+# The allocator's ledger (kvdirect_app/ledger.cpp), the default memory instrument on the CPU, compiled once against
+# torch's own headers (a few seconds); a machine with no C++ compiler gets Debian's where apt is there.  Without a
+# compiler the studio still runs: its memory figures are then declared by the strategies, and it says so.
+LEDGER_STAMP := $(VENV)/.ledger-built
+$(LEDGER_STAMP): $(STAMP) kvdirect_app/ledger.cpp
+	@command -v $${CXX:-c++} >/dev/null || ! command -v apt-get >/dev/null || \
+		{ apt-get update && apt-get install -y --no-install-recommends g++; }
+	$(BIN)/python -m kvdirect_app.ledger || echo "note: no allocator ledger here; memory figures will be declared"
+	touch $@
+
+install: $(STAMP) $(MODELS_STAMP) $(LEDGER_STAMP)
 
 demo: install
 	$(BIN)/python app.py

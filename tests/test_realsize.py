@@ -50,7 +50,7 @@ def test_every_lane_is_exact_at_the_real_size(measured, spec):
     assert lane["tokens_equal"] is True and lane["first_divergence"] is None
     assert lane["bytes_match"] is True and lane["byte_mismatches"] == 0
     assert lane["held_bytes"] == lane["formula_bytes"] > 0
-    assert lane["storage_audit_mismatches"] == 0
+    assert lane["meter_audit_mismatches"] == 0
     if spec != "full":
         assert lane["claims_exact"] is True
         assert lane["rebuilt_token_layers"] > 0  # old K/V were rebuilt at every step: exactness was exercised

@@ -44,7 +44,7 @@ def test_a_written_run_names_its_schema_and_matches_it(run_json):
     (lambda d: d["strategies"]["full"].update(token_match="all"), "strategies/full/token_match"),
     (lambda d: d["strategies"]["kvdirect:budget=4"]["state_bytes"].pop("peak"), "strategies/kvdirect:budget=4/state_bytes"),
     (lambda d: d.update(threads=0), "threads"),
-    (lambda d: d.update(schema_version=2), "schema_version"),
+    (lambda d: d.update(schema_version=VERSIONS["run"] + 1), "schema_version"),
 ])
 def test_validation_fails_on_a_changed_field_naming_it(run_json, change, where):
     bad = copy.deepcopy(run_json)
@@ -55,7 +55,7 @@ def test_validation_fails_on_a_changed_field_naming_it(run_json, change, where):
 
 
 def test_readers_refuse_another_version_naming_it(run_json, tmp_path):
-    with pytest.raises(SchemaError, match="schema version 7 is not supported; this build reads version 1"):
+    with pytest.raises(SchemaError, match=f"schema version 7 is not supported; this build reads version {VERSIONS['run']}"):
         check({**run_json, "schema_version": 7}, "run")
     with pytest.raises(SchemaError, match="no schema field"):
         check({k: v for k, v in run_json.items() if k != "schema"}, "run")
@@ -67,7 +67,7 @@ def test_readers_refuse_another_version_naming_it(run_json, tmp_path):
     with pytest.raises(reproduce.ResultsError, match="reproduce schema version 1 is not supported"):
         reproduce.load(folder)
     # The app's importer (the recording upload) names what a results file is and how to make a recording of it.
-    with pytest.raises(recording.RecordingError, match="kvdirect-studio/run version 1.*--record"):
+    with pytest.raises(recording.RecordingError, match=f"kvdirect-studio/run version {VERSIONS['run']}.*--record"):
         recording.parse(json.dumps(run_json).encode(), "run.json")
 
 

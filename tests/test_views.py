@@ -16,7 +16,7 @@ from kvdirect_app.ui.export import write_exports
 from kvdirect_app.ui.plots import agreement_figure, latency_figure, memory_figure
 from kvdirect_app.ui.session import Session
 from kvdirect_app.ui.settings import REFERENCE
-from kvdirect_app.ui.views import messages, reply_markup, token_map_html
+from kvdirect_app.ui.views import BYTE_SOURCES, messages, reply_markup, token_map_html
 
 ANCHORKV = "anchorkv:spacing=2:budget=8"
 # window and streaming_llm (no sinks to speak of at this budget) hold the same bytes at every step.
@@ -205,9 +205,11 @@ def board_cells(board: str) -> tuple[str, list[str], dict[str, list[str]]]:
 
 
 @pytest.mark.check
-@pytest.mark.parametrize("instrument, source, mark", [("allocator trace (cpu)", "allocator", "ᵃ"),
-                                                      ("tensor storages (cpu)", "storages", "ˢ")],
-                         ids=["allocator", "storages"])
+@pytest.mark.parametrize("instrument, source, mark", [("allocator ledger (cpu)", "allocator", "ᵃ"),
+                                                      ("allocator trace (cpu)", "allocator", "ᵃ"),
+                                                      ("tensor storages the strategies list (cpu; declared, not "
+                                                       "measured)", "declared", "ᵈ")],
+                         ids=["allocator", "trace", "declared"])
 def test_every_byte_figure_names_its_instrument_on_the_scoreboard_and_in_the_panes(instrument, source, mark):
     """A lane with no measured value shows the formula's figure: it carries the formula's mark, and the board's
     head names every instrument its figures come from (a legend of the marks; each byte column's tooltip names
@@ -225,7 +227,7 @@ def test_every_byte_figure_names_its_instrument_on_the_scoreboard_and_in_the_pan
     measured, formula = "kvdirect:budget=4", "window:budget=4"
     session = measured_where(instrument, {REFERENCE: True, measured: True, formula: False})
     legend, heads, rows = board_cells(scoreboard_html(session))
-    assert legend == f"bytes: {mark} {source} · * formula"  # both sources present, both named
+    assert legend == f"bytes: {mark} {BYTE_SOURCES[source][1]} · * formula"  # both sources present, both named
     assert len(heads) == 2 and set(rows) == {REFERENCE, measured, formula}
     for head in heads:
         assert f"{mark} {instrument}" in head and "* formula" in head, head
@@ -246,7 +248,7 @@ def test_every_byte_figure_names_its_instrument_on_the_scoreboard_and_in_the_pan
 
     # Every figure measured: the head names the instrument and no formula.
     legend, heads, _ = board_cells(scoreboard_html(measured_where(instrument, {REFERENCE: True, measured: True})))
-    assert legend == f"bytes: {mark} {source}"
+    assert legend == f"bytes: {mark} {BYTE_SOURCES[source][1]}"
     assert all("formula" not in head and f"{mark} {instrument}" in head for head in heads), heads
     # Nothing measured (instruments off): formula figures, and the formula alone named.
     off = measured_where("none (formula only)", {REFERENCE: False, formula: False})
