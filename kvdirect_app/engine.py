@@ -92,6 +92,7 @@ class Engine:
             raise InputError(f"--memory: {memory!r} is not allowed; allowed: {', '.join(MEMORY_MODES)}")
         self.instruments = Instruments(memory=memory, twins=twins) if instruments else Instruments.off()
         self.memory, self.instrument, meter = memory_instrument(self.instruments.memory, loaded.device)
+        self.instruments.memory = self.memory  # what ran ("auto" resolved), as the results say
         self.tracer = AllocationTracer(loaded.device, enabled=self.memory == "trace")
         self.observer = Observer(loaded.device, meter, self.tracer)
         weakref.finalize(self, self.observer.close)
@@ -102,7 +103,7 @@ class Engine:
         # Probed now, outside every timed step (the verdicts stay with the loaded model).
         self.kernels = Kernels.for_model(loaded, kernels, self.threads)
         self.forwards = Forwards(self.model, loaded.device, self.geometry, self.observer, self.tracer, self.threads,
-                                 batch, self.kernels, self.memory, self.instruments.rss, self.instruments.snapshots)
+                                 batch, self.kernels, self.instruments)
         self.solo = not compare
         if self.solo:  # one strategy as deployed alone: it drives the conversation, nothing is compared
             if len(strategies) != 1:

@@ -34,6 +34,7 @@ import torch
 from . import rss
 from .geometry import ModelGeometry
 from .hooks import InputTap
+from .instruments import Instruments
 from .kernels import Kernels
 from .lanes import Lane
 from .lockstep import Row, run_batch
@@ -63,15 +64,13 @@ class Item:
 
 
 class Forwards:
-    """The passes of a run.  `memory`: the run's memory mode ("allocator", "trace", "storage" or "none", as the
-    engine resolved it); the observer carries the meter and the trace."""
+    """The passes of a run.  `instruments.memory`: the run's memory mode ("allocator", "trace", "storage" or "none",
+    as the engine resolved it); the observer carries the meter and the trace."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, geometry: ModelGeometry, observer: Observer,
-                 tracer: AllocationTracer, threads: int, batch: bool, kernels: Kernels, memory: str, rss_on: bool,
-                 snapshots: bool):
+                 tracer: AllocationTracer, threads: int, batch: bool, kernels: Kernels, instruments: Instruments):
         self.model, self.device, self.geometry, self.observer, self.tracer = model, device, geometry, observer, tracer
-        self.threads, self.batch, self.kernels = threads, batch, kernels
-        self.memory, self.rss_on, self.snapshots = memory, rss_on, snapshots
+        self.threads, self.batch, self.kernels, self.instruments = threads, batch, kernels, instruments
         self.process = psutil.Process()
         self.rss = self.rss_peak = None
         self.shared_ms: list[float] = []  # per decode pass of several rows: the pass's own work
@@ -111,7 +110,7 @@ class Forwards:
         for row, item in zip(rows, items):
             # The last query of a turn's prompt (what reads the question): its attention at every layer, kept as
             # the lane's attention snapshot.
-            row.snapshot = self.snapshots and turn_start and not item.twin and not item.more_prompt
+            row.snapshot = self.instruments.snapshots and turn_start and not item.twin and not item.more_prompt
         obs.reset_peaks(item.owner for item in items)
         mark = obs.mark()
         if self.tracer.enabled:
@@ -145,11 +144,11 @@ class Forwards:
     def held(self, lane: Lane) -> int | None:
         """The lane's held bytes by the run's memory mode: the meter's, the trace's, the storages it lists
         (declared), none."""
-        if self.memory == "allocator":
+        if self.instruments.memory == "allocator":
             return self.observer.held(lane.owner)
-        if self.memory == "trace":
+        if self.instruments.memory == "trace":
             return self.tracer.live(lane.label)
-        if self.memory == "storage":
+        if self.instruments.memory == "storage":
             return self.observer.declared(lane.cache)
         return None
 
@@ -166,20 +165,20 @@ class Forwards:
         formula = strategy.formula_persistent(geom, seen, lane.forwards)
         transient = strategy.formula_transient(geom, seen_before, q, turn_start and piece == 0, lane.forwards)
         state = peak = None
-        if self.memory != "none":
+        if self.instruments.memory != "none":
             declared = obs.declared(lane.cache)
             lane.book.declared(formula, declared)
             state = self.held(lane)
-            if self.memory == "allocator":
+            if self.instruments.memory == "allocator":
                 peak = obs.peak(lane.owner)
-            elif self.memory == "trace":
+            elif self.instruments.memory == "trace":
                 peak = self.tracer.windows[lane.label].peak
                 if obs.meter is not None:
                     lane.book.audit("step", seen, obs.held(lane.owner), obs.peak(lane.owner), state, peak)
             if peak is None:  # no peak to read here: the held bytes and the formula's buffers, labelled so
                 peak = state + transient
         lane.book.step(seen, state, peak, formula, transient)
-        if self.rss_on:
+        if self.instruments.rss:
             with obs.region(instrument("rss"), "read"):
                 obs.counts["rss"] += 1
                 self.rss = self.process.memory_info().rss

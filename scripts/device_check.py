@@ -15,7 +15,10 @@ What it does, each step timed and written as it finishes (a step that fails is r
 7. the claims report's exactness and residual-patching cells on the device (a tiny-model `reproduce --quick`:
    OUT/claims/, whose row 7b, exactness on accelerators, is measured there and nowhere else);
 8. task scores (`bench tasks --quick`, on SmolLM2; a tiny model with --quick): every lane's answers, the exact
-   lanes' checked against the full cache's on the device (OUT/tasks.json).
+   lanes' checked against the full cache's on the device (OUT/tasks.json);
+9. the default memory instrument on the device (the caching allocator's counters around each lane's work): every
+   lane's held bytes against its formula (block rounding allowed), its peak, the trace's audit of it, and a window
+   that keeps a hidden copy of its keys, which must be caught.
 Results: OUT/device_check.json and OUT/device_check.md (the table docs/perf.md takes).
 """
 
@@ -197,6 +200,38 @@ def tasks(device: str, out: dict, quick: bool, dest: Path):
                     "rows": {r["spec"]: [r["score"], r["full_score"]] for r in result["rows"]}}
 
 
+def meters(device: str, out: dict, quick: bool):
+    from dataclasses import dataclass
+
+    from kvdirect_app.strategies import Strategy
+    from kvdirect_app.strategies.window import Window
+
+    @dataclass
+    class LeakyWindow(Window):  # a copy of the candidates' keys kept in score(): the default run must catch it
+        name = "device_check_leaky_window"
+
+        def score(self, step):
+            self.copy = step.keys.clone()
+            return super().score(step)
+
+    loaded = load_model("tiny-llama" if quick else "smollm2-135m", dtype="float32", device=device)
+    seven = SEVEN.replace("spacing=30", "spacing=2") if quick else SEVEN
+    specs = f"{seven},window:budget=64,device_check_leaky_window:budget=64"
+    table = {}
+    try:
+        for memory in ("auto", "trace"):
+            r = run_to_end(Engine(loaded, parse_specs(specs.replace("=64", "=4") if quick else specs),
+                                  max_new_tokens=8 if quick else 32, memory=memory), TURNS)
+            table[memory] = {"instrument": r["memory_instrument"],
+                             "lanes": {s: {k: v["state_bytes"][k] for k in (
+                                 "between_turns_peak", "formula_between_turns_peak", "peak", "peak_source",
+                                 "formula_matches_measurement", "mismatch_count", "declared_mismatch_count",
+                                 "meter_audit")} for s, v in r["strategies"].items()}}
+    finally:
+        Strategy.registry.pop(LeakyWindow.name, None)
+    out["meters"] = table
+
+
 def markdown(out: dict) -> str:
     lines = [f"# Device check: {out['device']} ({out.get('name', '')})", ""]
     for section, rows in out.items():
@@ -215,7 +250,7 @@ def main():
     dest.mkdir(parents=True, exist_ok=True)
     out = {"device": args.device, "torch": torch.__version__,
            "name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "timings_s": {}}
-    for step in (probe, exactness, seven, replay4k, generate, recordings, claims, tasks):
+    for step in (probe, exactness, seven, replay4k, generate, recordings, claims, tasks, meters):
         t0 = time.monotonic()
         try:
             if step is probe:

@@ -6,7 +6,8 @@ Each repeat runs, one after another on SmolLM2 (fp32, torch's threads), the same
 `full --kernels native --memory none` (the baseline), then the seven panes with AnchorKV `rebuild=step` and the
 default instruments, the live defaults (`rebuild=turn`), the seven with `--memory trace`, and the seven with
 every instrument off.  Prints each one's engine time and its ratio to the baseline of the same repeat, and per
-decode step: wall, the instruments' share (each instrument apart) and the unattributed rest.
+decode step: wall, the instruments' share (each instrument apart), the engine's own work and the rest no clock
+covered.
 """
 
 import argparse
@@ -56,8 +57,8 @@ def main() -> int:
                                                                key=lambda kv: -kv[1]))
             print(f"  {name}: {seconds:.1f} s = {seconds / base:.2f}x; per step {steps['wall_ms_mean']:.0f} ms: "
                   f"lanes {steps['lanes_ms_mean']:.0f}, measurement {steps['measurement_ms_mean']:.0f} "
-                  f"({100 * share:.0f} %: {by or 'none'}), unattributed {steps['unattributed_ms_mean']:.0f}",
-                  flush=True)
+                  f"({100 * share:.1f} %: {by or 'none'}), engine {steps['engine_ms_mean']:.1f}, unattributed "
+                  f"{steps['unattributed_ms_mean']:.1f}", flush=True)
             rows.append({"repeat": repeat, "run": name, "seconds": seconds, "baseline_seconds": base,
                          "ratio": seconds / base, "steps": {k: v for k, v in steps.items()
                                                             if k != "measurement_ms_per_step"},

@@ -10,6 +10,7 @@ gradio_client = pytest.importorskip("gradio_client")
 from gradio_client.exceptions import AppError  # noqa: E402
 
 from kvdirect_app.scenarios import scenarios  # noqa: E402
+from kvdirect_app.schema import VERSIONS  # noqa: E402
 from kvdirect_app.engine import Engine, run_to_end  # noqa: E402
 from kvdirect_app.models import load_model  # noqa: E402
 from kvdirect_app.strategies import parse_specs  # noqa: E402
@@ -51,7 +52,7 @@ def test_compare_endpoint_returns_the_bench_json(app):
     got = client.predict("Tell me about caches.", TINY, names, 40, 0, 12, api_name="/compare")
     specs = compare_specs(names, 40, 0)
     want = engine_result(TINY, specs, ["Tell me about caches."], 12)
-    assert (got.pop("schema"), got.pop("schema_version")) == ("kvdirect-studio/run", 1)  # validated when written
+    assert (got.pop("schema"), got.pop("schema_version")) == ("kvdirect-studio/run", VERSIONS["run"])  # validated
     assert list(got["strategies"]) == [expand(n, 40) for n in default_names()]
     assert not differences(stable(got), stable(want)), differences(stable(got), stable(want))
     for label, r in got["strategies"].items():
@@ -76,7 +77,7 @@ def test_compare_on_smollm2_matches_the_engine(app):
     specs = compare_specs("full,kvdirect:mode=exact", 16, 0)
     assert specs == "full,kvdirect:mode=exact:budget=16"
     want = engine_result("smollm2-135m", specs, ["What is the capital of France?"], 10)
-    assert (got.pop("schema"), got.pop("schema_version")) == ("kvdirect-studio/run", 1)
+    assert (got.pop("schema"), got.pop("schema_version")) == ("kvdirect-studio/run", VERSIONS["run"])
     assert not differences(stable(got), stable(want)), differences(stable(got), stable(want))
     assert got["strategies"]["kvdirect:mode=exact:budget=16"]["token_ids"] == want["strategies"]["full"]["token_ids"]
 

@@ -105,7 +105,7 @@ def test_snapshots_change_no_figure_and_batching_changes_no_snapshot(family):
         for key in ("token_ids", "kv_exact", "max_abs_dk", "kl_mean", "rebuilt_token_layers"):
             assert a[label][key] == b[label][key], (label, key)
         sa, sb = a[label]["state_bytes"], b[label]["state_bytes"]
-        assert sa["instrument"] == sb["instrument"] == "allocator trace (cpu)", label
+        assert sa["instrument"] == sb["instrument"] == "allocator trace (cpu), auditing the allocator ledger (cpu)", label
         for key in ("persistent_peak", "between_turns_peak", "final_persistent", "peak"):
             assert isinstance(sa[key], int) and sa[key] > 0, (label, key, sa[key])
             assert sa[key] == sb[key], (label, key)

@@ -10,20 +10,20 @@ from kvdirect_app.metrics import token_match
 from kvdirect_app.replay import (BLOCK_FROM, BLOCK_ROWS, _linear_rows_batched, _linear_rows_loop, _rows_blocked,
                                  _rows_loop, linear_rows, rows_are_exact, rows_kernel_is_exact)
 from kvdirect_app.strategies import StrategyError, parse_spec, parse_specs, registry
-from kvdirect_app.strategies.base import storage_bytes
+from kvdirect_app.observe import storage_sizes
 
 from .conftest import bad_spec_error
 
 pytestmark = pytest.mark.check  # the inner loop (`make check`)
 
 
-def test_storage_bytes_counts_a_view_at_its_buffer_size_once():
+def test_storage_sizes_counts_a_view_at_its_buffer_size_once():
     buf = torch.zeros(10, 4)
     view = buf[-2:]
-    assert storage_bytes(view) == 10 * 4 * 4
-    assert storage_bytes(buf, view) == 10 * 4 * 4
-    assert storage_bytes(view.clone()) == 2 * 4 * 4
-    assert storage_bytes(None, torch.zeros(0)) == 0
+    assert sum(storage_sizes(view).values()) == 10 * 4 * 4
+    assert sum(storage_sizes(buf, view).values()) == 10 * 4 * 4
+    assert sum(storage_sizes(view.clone()).values()) == 2 * 4 * 4
+    assert sum(storage_sizes(None, torch.zeros(0)).values()) == 0
 
 
 def test_registry_has_the_engine_strategies():
@@ -182,18 +182,22 @@ def test_a_weight_too_large_for_cache_is_served_in_blocks_with_the_same_bits(mon
 
 
 def test_compare_never_trims_a_global_layer_to_the_reference_length():
+    """The observer's comparison: shapes must match (a layer handing attention fewer tokens is not equal, whatever
+    its values), then bits; the largest difference is kept."""
     from types import SimpleNamespace
 
-    from kvdirect_app.strategies.base import FullLayer
+    from kvdirect_app.observe import Observer, Owner
 
-    layer = FullLayer()
     k = torch.randn(1, 2, 5, 4)
-    layer.reference = SimpleNamespace(keys=k, values=k.clone())
-    layer.compare(k[..., 1:, :], k[..., 1:, :])  # the last four tokens equal the reference's last four: not enough
-    assert layer.kv_equal is False and layer.shape_mismatches == 1 and layer.compared == 1
-    fresh = FullLayer()
-    fresh.reference = layer.reference
-    fresh.compare(k.clone(), k.clone())
-    assert fresh.kv_equal is True and fresh.max_dk == 0.0
-    fresh.compare(k + 1e-3, k)
-    assert fresh.kv_equal is False and fresh.max_dk == pytest.approx(1e-3, rel=1e-3)
+    reference = SimpleNamespace(layers=[SimpleNamespace(keys=k, values=k.clone())])
+    layer = SimpleNamespace(is_sliding=False)
+    observer, short, same = Observer(torch.device("cpu")), Owner("short", "lane"), Owner("same", "lane")
+    for owner in (short, same):
+        observer.compare_with(owner, reference)
+    observer.compare(short, 0, layer, k[..., 1:, :], k[..., 1:, :])  # the last four equal the reference's: not enough
+    assert observer.kv_report(short)["kv_exact"] is False and observer.kv_report(short)["shape_mismatches"] == 1
+    observer.compare(same, 0, layer, k.clone(), k.clone())
+    assert observer.kv_report(same)["kv_exact"] is True and observer.kv_report(same)["max_abs_dk"] == 0.0
+    observer.compare(same, 0, layer, k + 1e-3, k)
+    report = observer.kv_report(same)
+    assert report["kv_exact"] is False and report["max_abs_dk"] == pytest.approx(1e-3, rel=1e-3)
