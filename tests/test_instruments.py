@@ -290,6 +290,18 @@ def test_the_cli_names_its_instruments_and_refuses_an_unknown_one(tmp_path, caps
 
 # --- strategies defined outside the package ----------------------------------------------------------------------
 
+def _swapping_layers(base: type, name: str, layer: type, copying: type) -> type:
+    """A subclass of strategy `base`, registered as `name`, whose cache's `layer` layers are `copying` ones."""
+    def build_cache(self, model):
+        cache = base.build_cache(self, model)
+        for each in cache.layers:
+            if type(each) is layer:
+                each.__class__ = copying
+        return cache
+
+    return dataclass(type(f"Leaky{base.__name__}", (base,), {"name": name, "build_cache": build_cache}))
+
+
 @pytest.fixture
 def outside():
     """Strategies a user would add (a subclass and a name), registered for the test only: a plain copy of the
@@ -313,16 +325,7 @@ def outside():
             self.copy = keys.clone()
             return keys, values
 
-    @dataclass
-    class LeakyKVDirect(KVDirect):
-        name = "test_leaky_kvdirect"
-
-        def build_cache(self, model):
-            cache = super().build_cache(model)
-            for layer in cache.layers:
-                if type(layer) is ResidualLayer:
-                    layer.__class__ = CopyingResidualLayer
-            return cache
+    LeakyKVDirect = _swapping_layers(KVDirect, "test_leaky_kvdirect", ResidualLayer, CopyingResidualLayer)
 
     class CopyingStore(AnchorStore):
         def old_kv(self, layer, end, capacity):
@@ -345,16 +348,7 @@ def outside():
             self.copy = keys[..., -1:, :].clone()
             return keys, values
 
-    @dataclass
-    class LeakyFull(Full):
-        name = "test_leaky_full"
-
-        def build_cache(self, model):
-            cache = super().build_cache(model)
-            for layer in cache.layers:
-                if type(layer) is FullLayer:
-                    layer.__class__ = CopyingFullLayer
-            return cache
+    LeakyFull = _swapping_layers(Full, "test_leaky_full", FullLayer, CopyingFullLayer)
 
     names = [cls.name for cls in (MyWindow, LeakyWindow, LeakyKVDirect, LeakyAnchorKV, LeakyFull)]
     try:
