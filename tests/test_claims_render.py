@@ -6,6 +6,8 @@ itself never reads a mode from a name).  Mutations edit the cells' numbers and r
 """
 
 import copy
+import dataclasses
+import html
 import json
 import re
 from pathlib import Path
@@ -13,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from kvdirect_app import bench
-from kvdirect_app.claims import render, reproduce
+from kvdirect_app.claims import papers, render, reproduce
 from kvdirect_app.claims.papers import TITLES
 from kvdirect_app.claims.verdicts import DIRECTION_ONLY, FAILS, HOLDS, NOT_MEASURED
 
-COMMITTED = Path(__file__).resolve().parent.parent / "docs" / "claims" / "results.json"
+ROOT = Path(__file__).resolve().parent.parent
+COMMITTED = ROOT / "docs" / "claims" / "results.json"
 
 # The committed run's verdicts, worked out by hand from its cells' numbers against the papers' figures (10%
 # tolerance; 0 for exactness; 1x and a token match of 1 as the neutral values):
@@ -148,7 +151,7 @@ def test_the_committed_run_renders_with_the_verdicts_its_numbers_give(committed)
     above = copy.deepcopy(committed)
     set_replay(above, naive=(3.0, 60), cascade=(1.0, 30))  # 3x in time against 2x in passes: 50 ms vs 33.3 ms
     reason = reproduce.reassess(above)["claims"]["replay"]["reason"]
-    assert "3x here against 16.3x in the paper (holds in direction, not in size)" in reason
+    assert "3x here against 16.3x in the paper (this part holds in direction, not in size)" in reason
     assert ("the time ratio is above the pass ratio because a naive pass cost more than a cascade pass here "
             "(50 ms against 33.3 ms)") in reason and "a cascade pass cost" not in reason
     assert "1: 0.69x" in claims["parked"]["reason"]  # spacing 1 (below s*) listed, not counted
@@ -488,3 +491,170 @@ def test_the_claims_tab_shows_verdicts_computed_from_the_numbers(committed, tmp_
         assert row_verdict(shown, title) == verdict, name
         row = next(line for line in shown.splitlines() if line.startswith(f"| {title}:"))
         assert measured_on[name] in row, (name, row)
+
+
+# --- what the reader sees: tables that keep their cells, cards that read on their own ----------------------------
+def claims_tab(results: dict, folder: Path, monkeypatch) -> tuple[str, str]:
+    """The Claims tab built from `results` written as folder/results.json: (the cards' HTML, the table's Markdown)."""
+    import gradio as gr
+
+    from kvdirect_app.ui import layout
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(results))
+    monkeypatch.setattr(layout, "CLAIMS", folder)
+    with gr.Blocks() as demo:
+        layout._claims_tab()
+    shown = {block.elem_id: block.value for block in demo.blocks.values() if getattr(block, "elem_id", None)}
+    return shown["kvd-claims-cards"], shown["kvd-claims-table"]
+
+
+def split_row(line: str) -> list[str]:
+    """A Markdown table row's cells, split at its unescaped `|` only."""
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+
+
+def rows_off(markdown: str) -> tuple[int, list[str]]:
+    """(table rows seen, those whose unescaped `|` differ in number from their table's header row)."""
+    seen, off, header = 0, [], None
+    for line in markdown.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        count = len(re.findall(r"(?<!\\)\|", line))
+        seen += 1
+        if header is None:
+            header = count
+        elif count != header:
+            off.append(line)
+    return seen, off
+
+
+def claim_row(markdown: str, title: str) -> list[str]:
+    return split_row(next(line for line in markdown.splitlines() if line.startswith(f"| {title}:")))
+
+
+def parse_cards(cards: str) -> dict:
+    """{title: {"verdict", "on", "sentence"}} from the cards' HTML, as plain text."""
+    text = lambda s: html.unescape(re.sub(r"<[^>]+>", "", s))  # noqa: E731
+    found = re.findall(r'<div class="kvd-card-title">(.*?) <span.*?<div class="kvd-card-verdict kvd-\w+">(.*?)</div>'
+                       r'.*?<tr><th>on</th><td[^>]*>(.*?)</td>.*?<div class="kvd-card-why"[^>]*>(.*?)</div>', cards, re.S)
+    return {text(t): {"verdict": text(v), "on": text(o), "sentence": text(w)} for t, v, o, w in found}
+
+
+def sentence_verdict(sentence: str) -> tuple[str, str]:
+    """(the claim's number, the verdict) that open a claim's one sentence."""
+    found = re.match(r"Claim (\S+) (?:is )?(.+?): ", sentence)
+    return found.group(1), found.group(2)
+
+
+def test_every_table_row_has_as_many_cells_as_its_header(committed, tmp_path, monkeypatch):
+    """The whole report and the tab's table: every row's unescaped `|` as many as its header's, and claim 8's row
+    keeps its verdict and sentence (the issue's defect: "max |dlogit|" split that row into 14 separators).
+
+    Mutation that fails it: `render._table` writing its cells with `str` instead of `render.cell` (no escaping)."""
+    report = render.render(reproduce.reassess(committed))
+    _, table = claims_tab(committed, tmp_path, monkeypatch)
+    for text, least in ((report, 60), (table, 2 + len(COMMITTED_VERDICTS))):
+        seen, off = rows_off(text)
+        assert seen >= least and off == [], off
+    row = claim_row(report, "8. Residual patching")
+    assert len(row) == 5 and row[1] == "KV-Direct: KL 0; max |dlogit| 0 (model not stated)"
+    assert row[3] == "**holds**" and row[4].startswith("Claim 8 holds: ")
+
+
+def test_a_pipe_in_a_figure_label_or_a_reason_stays_in_its_cell(committed, monkeypatch):
+    """A `|` fed in through the numbers' own path: claim 8's first figure labelled "KL | nats" (the papers' data) and
+    one patching run's model named "odd|model" (it enters claim 8's reason, what it was measured on and the detail
+    table).  Every row keeps its header's cells and the text comes back whole.
+
+    Mutation that fails it: `render.cell` left unused by `_table` (or escaping nothing)."""
+    claim = papers.CLAIMS["patching"]
+    labelled = dataclasses.replace(claim.figures[0], label="KL | nats")
+    monkeypatch.setitem(papers.CLAIMS, "patching", dataclasses.replace(claim, figures=(labelled, *claim.figures[1:])))
+    odd = copy.deepcopy(committed)
+    cells(odd, "patching")[0]["json"]["model"] = "odd|model"
+    out = reproduce.reassess(odd)
+    assert "(odd|model, gemma3-270m," in out["claims"]["patching"]["reason"]
+    report = render.render(out)
+    seen, off = rows_off(report)
+    assert seen > 60 and off == [], off
+    row = claim_row(report, "8. Residual patching")
+    assert row[1].startswith("KV-Direct: KL | nats 0; max |dlogit| 0") and "10 models: odd|model, " in row[2]
+    detail = next(split_row(line) for line in report.splitlines() if line.startswith("| odd\\|model |"))
+    assert detail[:2] == ["odd|model", "float32"]
+    assert f"- **{TITLES['patching']}**: {out['claims']['patching']['reason']}" in report.splitlines()
+
+
+def test_card_table_and_sentence_say_the_same_verdict(committed, tmp_path, monkeypatch):
+    """Every claim's verdict reads the same on its card, in the tab's table, in the report's table row and in the
+    one sentence that opens with it (card and report), for the committed run (all four verdicts occur: claim 3's
+    two parts hold and hold in direction only) and for one whose claim 3 holds outright.
+
+    Mutation that fails it: the sentence stating its first part's verdict (`stated(parts[0]["verdict"])` in
+    `sections.assess`), the issue's claim 3 ("in direction, not in size" over a sentence ending "(holds)")."""
+    better = copy.deepcopy(committed)
+    set_baselines(better, 0.2)
+    for i, (results, want) in enumerate(((committed, COMMITTED_VERDICTS),
+                                         (better, {**COMMITTED_VERDICTS, "agreement": HOLDS}))):
+        cards, table = claims_tab(results, tmp_path / str(i), monkeypatch)
+        report = render.render(reproduce.reassess(results))
+        by_title = parse_cards(cards)
+        assert len(by_title) == len(want)
+        for name, verdict in want.items():
+            title, card = TITLES[name], by_title[TITLES[name]]
+            shown = [card["verdict"], sentence_verdict(card["sentence"])[1]]
+            for text in (table, report):
+                row = claim_row(text, title)
+                shown += [row[3].strip("*"), sentence_verdict(row[4])[1]]
+                assert row[4] == card["sentence"], (name, row[4], card["sentence"])
+            assert shown == [verdict] * 6, (i, name, shown)
+            assert sentence_verdict(card["sentence"])[0] == title.split(".")[0]
+
+
+def test_each_card_reads_on_its_own(committed, tmp_path, monkeypatch):
+    """Each card's one sentence, worked out from the run's numbers: claim 2 names its r and new tokens per turn (the
+    bytes and twenty-turn cells), claim 9 its samples and context lengths (the task cell: 6 samples at one
+    context of 1024 tokens; edited to two contexts, the card follows); each card says what ours was measured on
+    (model, turns, samples, budgets, device, kernels) and its sentence is one sentence.
+
+    Mutation that fails it: the card showing the reason's first part (`first_sentence(claim["reason"])`, the code
+    before), which names neither r nor the samples."""
+    twenty = next(c for c in cells(committed, "turns20") if c["json"]["model"] == committed["model"])["json"]
+    r = next(c for c in cells(committed, "bytes") if c["json"]["source"] == committed["model"])["json"]["ratio_r"]
+    task = cells(committed, "tasks")[0]["json"]
+    assert (r, twenty["max_new_tokens"], len(task["cells"]), task["contexts"]) == (1.5, 4, 6, [1024])
+    cards = parse_cards(claims_tab(committed, tmp_path / "a", monkeypatch)[0])
+    two, nine = cards[TITLES["turns20"]], cards[TITLES["tasks"]]
+    assert two["sentence"].startswith("Claim 2 does not hold here: on smollm2-135m over 20 turns of at most 4 new "
+                                      "tokens each, KV-Direct's lane kvdirect:budget=32 peaks at 35.5 MiB")
+    assert two["sentence"].endswith("because the residual it keeps at every layer weighs r = 1.5x that layer's K/V.")
+    assert two["on"] == ("smollm2-135m; 20 turns; at most 4 new tokens per turn; 42 tokens in the first turn; lane "
+                         "kvdirect:budget=32; devices: cpu; kernels: invariant")
+    assert nine["sentence"].startswith("Claim 9 holds: on 6 samples of 2 tasks (niah_single_number, qa) at 1 context "
+                                       "length (1024 tokens) and budget 64, 12 of 12 exact-lane cells")
+    assert nine["on"].startswith("smollm2-135m; 6 samples; tasks niah_single_number, qa; 1 context length: 1024 "
+                                 "tokens; budget 64; devices: cpu")
+    for title, card in cards.items():
+        body = card["sentence"].removesuffix(".")
+        assert card["sentence"].endswith(".") and ";" not in body and ". " not in body, (title, card["sentence"])
+        assert "devices: " in card["on"], title
+    wider = copy.deepcopy(committed)
+    cells(wider, "tasks")[0]["json"]["contexts"] = [1024, 2048]
+    nine = parse_cards(claims_tab(wider, tmp_path / "b", monkeypatch)[0])[TITLES["tasks"]]
+    assert "at 2 context lengths (1024 and 2048 tokens)" in nine["sentence"] and "2 context lengths: 1024, 2048" in \
+        nine["on"]
+
+
+def test_claims_css_keeps_words_whole():
+    """The page loads assets/claims.css, whose rule for the cards and the tab's table breaks lines between words only.
+    Mutations that fail it: claims.css left out of `launch_options`' css_paths; its rule written as overflow-wrap:
+    anywhere (Gradio's own, which split "paper" into "pap er")."""
+    from kvdirect_app.ui import launch_options
+
+    path = ROOT / "assets" / "claims.css"
+    assert path.resolve() in [Path(p).resolve() for p in launch_options()["css_paths"]]
+    css = re.sub(r"/\*.*?\*/", "", path.read_text(), flags=re.S)
+    rule = re.search(r"#kvd-claims-cards \*[^{]*\{([^}]*)\}", css).group(1)
+    assert re.search(r"word-break:\s*normal", rule) and re.search(r"overflow-wrap:\s*normal", rule)
+    assert not re.search(r"anywhere|break-all|break-word", css)

@@ -45,8 +45,13 @@ def _ran_on(envs: list) -> str:
     return "Ran on: " + " — ".join(out) + "."
 
 
+def cell(value) -> str:
+    """A table cell's text, its `|` escaped so that "max |dlogit|" cannot split a row."""
+    return str(value).replace("|", "\\|")
+
+
 def _table(cols: list[str], rows: list[list]) -> list[str]:
-    line = lambda cells: "| " + " | ".join(map(str, cells)) + " |"  # noqa: E731
+    line = lambda cells: "| " + " | ".join(map(cell, cells)) + " |"  # noqa: E731
     return [line(cols), "|" + "---|" * len(cols), *map(line, rows)]
 
 
@@ -58,9 +63,11 @@ def _head(results: dict) -> list[str]:
         paper = f"{c['paper']}: " + "; ".join(f"{f['label']} {figure_text(f['value'], f['unit'])}"
                                                for f in c["figures"]) + f" ({models})"
         ours = "; ".join(f"{f['label']} {figure_text(p['ours'], f['unit'])}" for f, p in zip(c["figures"], c["parts"]))
-        ours += f" ({c['basis']}; {c['model']}; {c['measured_on']})"
-        rows.append([f"{c['title']}: \"{c['claim']}\"", paper, ours, f"**{c['verdict']}**", c["reason"]])
+        ours += f" ({c['basis']}; {c['scope']}; {c['measured_on']})"
+        rows.append([f"{c['title']}: \"{c['claim']}\"", paper, ours, f"**{c['verdict']}**", c["sentence"]])
     out = _table(["claim", "paper", "ours", "verdict", "why"], rows)
+    out += ["", "The whole reason, claim by claim:", ""]
+    out += [f"- **{c['title']}**: {c['reason']}" for c in claims.values()]
     out += ["", results["rule"]["text"]]
     if results["quick"]:
         left_out = "; ".join(results["plan"]["quick_leaves_out"])

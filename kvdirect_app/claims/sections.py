@@ -3,8 +3,11 @@
 `assess(results)` reads only `results["model"]` and `results["cells"]` (each
 cell's benchmark JSON and the environment it ran in) and returns the
 claims (the papers' figures, ours beside them, the verdict of the one rule
-in `verdicts`, the reason) and the sections (the rows of the report's
-detail tables).  Nothing stored under "claims" or "sections" is read: a
+in `verdicts`, what ours was measured on, the verdict in one sentence that
+reads on its own, the whole reason) and the sections (the rows of the
+report's detail tables).  Each builder returns its `scope` (what was
+measured: samples, turns, budgets...) and `why` (the sentence's clause,
+from its numbers).  Nothing stored under "claims" or "sections" is read: a
 re-render recomputes them from the numbers.
 
 Which strategy is exact is the run's `mode` ("exact" | "fast" for the
@@ -20,7 +23,7 @@ import statistics
 from ..units import fmt_bytes
 from .papers import CLAIMS, NAMES, section_of
 from .render import figure_text, number
-from .verdicts import NOT_MEASURED, judge, worst
+from .verdicts import NOT_MEASURED, judge, stated, worst
 
 UNRECORDED = "mode not recorded"
 
@@ -37,6 +40,22 @@ def _x(value) -> str:
     return f"{number(value)}x"
 
 
+def _paper(name: str, key: str) -> str:
+    """The paper's figure `key` of claim `name`, with its unit."""
+    f = next(f for f in CLAIMS[name].figures if f.key == key)
+    return figure_text(f.value, f.unit)
+
+
+def _listed(items) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    items = [str(i) for i in items]
+    return " and ".join(items) if len(items) < 3 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 # --- one builder per claim: detail rows, our figures by the papers' keys, and what a reader must know -----------
 def _bytes(results: dict) -> dict:
     rows = []
@@ -50,9 +69,14 @@ def _bytes(results: dict) -> dict:
            "ours": {"residual": None, "full_kv": None}}
     gemma = next((r for r in rows if r["source"] == "gemma-3-4b"), None)
     if gemma is None:
-        return {**out, "notes": ["no Gemma 3-4B config among the cells"]}
+        return {**out, "notes": ["no Gemma 3-4B config among the cells"],
+                "why": "no Gemma 3-4B config is among the cells"}
     out["gemma_ratio"] = gemma["kv_bytes_per_token"] / gemma["residual_bytes"]
     out["ours"] = {"residual": gemma["residual_bytes"] / 1024, "full_kv": gemma["kv_bytes_per_token"] / 1024}
+    out["scope"] = [_count(gemma["layers"], "layer")]
+    out["why"] = (f"Gemma 3-4B's config in bf16 gives {figure_text(out['ours']['residual'], 'KiB')} for one residual "
+                  f"and {figure_text(out['ours']['full_kv'], 'KiB')} of K/V per token over its {gemma['layers']} "
+                  f"layers, against the paper's {_paper('bytes', 'residual')} and {_paper('bytes', 'full_kv')}")
     out["notes"] = [f"the paper's KB read as KiB; its 5 KB is one residual against all {gemma['layers']} layers' K/V "
                     f"({_x(out['gemma_ratio'])}), but one residual replaces one layer's K/V only: a residual per layer "
                     f"costs r = {_x(gemma['ratio_r'])} the K/V, so residuals save bytes from spacing s* = "
@@ -99,7 +123,9 @@ def _turns20(results: dict, prefix: str = "kvdirect") -> dict:
                                 "token_match": r["token_match"]} for r in equal["json"]["rows"]]
     figure = next(f for f in CLAIMS["turns20"].figures if f.key == "peak_ratio")
     name = {"kvdirect": "KV-Direct", "anchorkv": "AnchorKV"}[prefix]
+    own_lane = "lane" if prefix == "kvdirect" else "lowest exact lane"
     by_model, notes = [], []
+    out["why"] = f"there is no twenty-turn run of {results['model']} in this report"
     for c in runs:
         j, mine = c["json"], [r for r in rows if r["model"] == c["json"]["model"]]
         where = (f"{j['model']}, {len(j['turn_chunk_ids'])} turns of at most {j['max_new_tokens']} new tokens"
@@ -108,9 +134,18 @@ def _turns20(results: dict, prefix: str = "kvdirect") -> dict:
         entry = {"model": j["model"], "r": _ratio_r(results, j["model"]), "full_peak": full and full["peak"],
                  "lane": lane and lane["strategy"], "lane_peak": lane and lane["peak"], "ratio": None,
                  "verdict": NOT_MEASURED}
+        own = j["model"] == results["model"]
+        if own:
+            out["scope"] = [f"{len(j['turn_chunk_ids'])} turns", f"at most {j['max_new_tokens']} new tokens per turn",
+                            f"{len(j['prompt_ids'])} tokens in the first turn"] + ([f"lane {lane['strategy']}"]
+                                                                                    if lane else [])
+            on = (f"on {j['model']} over {len(j['turn_chunk_ids'])} turns of at most {j['max_new_tokens']} new "
+                  "tokens each")
         if full is None or lane is None:
-            notes.append(f"{where}: " + ("no full-cache lane" if full is None else
-                                         f"no exact {name} lane with every token equal"))
+            missing = "no full-cache lane" if full is None else f"no exact {name} lane with every token equal"
+            notes.append(f"{where}: {missing}")
+            if own:
+                out["why"] = f"{on}, there was {missing}"
         else:
             entry["ratio"] = full["peak"] / lane["peak"]
             entry["verdict"] = judge(figure.value, entry["ratio"], figure.direction, figure.tolerance, figure.neutral)
@@ -119,6 +154,13 @@ def _turns20(results: dict, prefix: str = "kvdirect") -> dict:
                          f"cache's {fmt_bytes(full['peak'])}, {_x(entry['ratio'])} ({entry['verdict']})"
                          + ("; a residual at every layer outweighs that layer's K/V where r > 1 (see 1.)"
                             if prefix == "kvdirect" and entry["r"] is not None and entry["r"] > 1 else ""))
+            if own:
+                heavy = prefix == "kvdirect" and entry["r"] is not None and entry["r"] > 1 and entry["ratio"] < 1
+                out["why"] = (f"{on}, {name}'s {own_lane} {lane['strategy']} peaks at {fmt_bytes(lane['peak'])} "
+                              f"against the full cache's {fmt_bytes(full['peak'])}, a ratio of {_x(entry['ratio'])} "
+                              f"where the paper has {_paper('turns20', 'peak_ratio')}"
+                              + (f", because the residual it keeps at every layer weighs r = {_x(entry['r'])} that "
+                                 "layer's K/V" if heavy else ""))
         by_model.append(entry)
     out["by_model"] = by_model
     if by_model and by_model[0]["model"] == results["model"]:
@@ -147,10 +189,24 @@ def _agreement(results: dict) -> dict:
            "ours": {"exact": min((r["token_match"] for r in exact), default=None), "baselines": None}}
     notes = [f"recall scenario on {sweep['model']}, budgets {', '.join(map(str, sweep['budgets']))}, every budget "
              "counted"]
+    named = sorted({r["strategy"] for r in baselines})
+    out["model"] = sweep["model"]
+    out["scope"] = ["recall scenario", f"budgets {', '.join(map(str, sweep['budgets']))}",
+                    f"exact: {', '.join(sorted({r['strategy'] for r in exact})) or 'none'}",
+                    f"baselines: {', '.join(named) or 'none'}"]
+    exact_words = ("no exact-mode strategy ran" if not exact else
+                   f"the exact strategies kept a token match of {figure_text(out['ours']['exact'], '')} (the paper: "
+                   f"{_paper('agreement', 'exact')})")
+    base_words = f"none of the {_count(len(CLAIM3_BASELINES), 'named baseline')} ran"
     if baselines:
         high = max(baselines, key=lambda r: r["token_match"])
         out["ours"]["baselines"] = [min(r["token_match"] for r in baselines), high["token_match"]]
         notes.append(f"the highest baseline: {high['strategy']} at budget {high['budget']}")
+        base_words = (f"the {_count(len(named), 'named baseline')} {figure_text(out['ours']['baselines'], '')}, the "
+                      f"highest {high['strategy']} at budget {high['budget']} (the paper: "
+                      f"{_paper('agreement', 'baselines')})")
+    out["why"] = (f"on {sweep['model']}'s recall scenario at budgets {_listed(sweep['budgets'])}, {exact_words} and "
+                  f"{base_words}")
     if unnamed:
         notes.append(f"{', '.join(unnamed)} listed, not counted: the claim names its five baselines")
     others = [r for r in rows if r["mode"] not in ("exact", None)]
@@ -167,10 +223,13 @@ def _recompute(results: dict) -> dict:
     s = {k: v for k, v in recompute.summary(j).items() if k not in ("verdict", "sentence")}
     rows = [r for r in j["rows"] if not r.get("skipped")]
     out = {"rows": j["rows"], "basis": "measured", "summary": s, "ours": {"speedup": None}}
-    where = f"{j['device']}, {j['dtype']}, {j['threads']} thread{'' if j['threads'] == 1 else 's'}, {j['model']} " \
-            f"layer {j['layer']}"
+    where = f"{j['device']}, {j['dtype']}, {_count(j['threads'], 'thread')}, {j['model']} layer {j['layer']}"
+    out["model"] = j["model"]
+    out["scope"] = [f"layer {j['layer']}", j["dtype"], _count(j["threads"], "thread"),
+                    f"batches {', '.join(map(str, sorted({r['batch'] for r in j['rows']})))}",
+                    f"contexts {', '.join(map(str, sorted({r['context'] for r in j['rows']})))}"]
     if s["best_speedup"] is None:
-        return {**out, "notes": [f"every cell was skipped on {where}"]}
+        return {**out, "notes": [f"every cell was skipped on {where}"], "why": f"every cell was skipped on {where}"}
     host = s["best_host_speedup"] is not None and s["best_host_speedup"] > s["best_speedup"]
     out["ours"]["speedup"] = s["best_host_speedup"] if host else s["best_speedup"]
     at = s["best_host_at"] if host else s["best_at"]
@@ -179,6 +238,11 @@ def _recompute(results: dict) -> dict:
              f"a residual is {j['residual_bytes_per_token']} B against {j['kv_bytes_per_token']} B of K/V per token "
              f"(r = {number(j['ratio_r'])}); the arithmetic-intensity bound allows at most "
              f"{_x(s['largest_bound'])} here"]
+    out["why"] = (f"on {where}, the best speed-up of recomputing K/V from the residual over reading them was "
+                  f"{_x(out['ours']['speedup'])} (batch {at['batch']}, context {at['context']}, K/V "
+                  f"{'copied from host' if host else 'in device'} memory), where the arithmetic-intensity bound allows "
+                  f"at most {_x(s['largest_bound'])} for r = {number(j['ratio_r'])} and the paper has up to "
+                  f"{_paper('recompute', 'speedup')}")
     if not any(r.get("host_speedup") is not None for r in rows):
         notes.append("K/V held off the device (host memory over PCIe, CUDA only) not measured here")
     return {**out, "notes": notes}
@@ -195,6 +259,12 @@ def _replay(results: dict) -> dict:
     out["bit_equal"] = sum(1 for r in (cascade, naive) if r["kv_exact"])
     out["exact"] = out["bit_equal"] / 2
     out["ours"] = {"speedup": out["speedup"], "exact": out["exact"]}
+    out["model"] = j["model"]
+    out["scope"] = [f"{j['context']} tokens", f"spacing {j['spacing']}", j["dtype"]]
+    out["why"] = (f"at {j['context']} tokens with spacing {j['spacing']} on {j['model']} in {j['dtype']}, naive replay "
+                  f"took {number(naive['seconds'])} s and cascade replay {number(cascade['seconds'])} s, "
+                  f"{_x(out['speedup'])} where the paper has {_paper('replay', 'speedup')} (the layer-pass ratio is "
+                  f"{_x(out['ideal'])}), and {out['bit_equal']} of 2 replays were bit-equal to the full cache")
     notes = [f"{j['context']} tokens, spacing {j['spacing']}, {j['model']} {j['dtype']}; the layer-pass ratio "
              f"({naive['layer_passes']} naive passes / {cascade['layer_passes']} cascade) is {_x(out['ideal'])}"]
     out["naive_ms_per_pass"] = 1e3 * naive["seconds"] / naive["layer_passes"]
@@ -236,10 +306,18 @@ def _parked(results: dict) -> dict:
                      "tokens equal the formula there" if agree else
                      f"measured by the allocator at {n:,} tokens (the formula disagreed there)"),
            "ours": {"capacity": None}}
+    out["model"] = j["model"]
+    out["scope"] = [f"{j['context']:,} tokens",
+                    f"spacings {', '.join(map(str, sorted({r['spacing'] for r in counted}))) or 'none'} counted"]
     if not counted:
-        return {**out, "notes": ["no AnchorKV spacing at or past the break-even spacing was parked"]}
+        missing = "no AnchorKV spacing at or past the break-even spacing was parked"
+        return {**out, "notes": [missing], "why": f"on {j['model']}, {missing}"}
     least = min(counted, key=lambda r: r[key])
     out["ours"]["capacity"] = [least[key], max(r[key] for r in counted)]
+    out["why"] = (f"on {j['model']} at {j['context']:,} tokens, AnchorKV parks "
+                  f"{figure_text(out['ours']['capacity'], 'x')} as many sessions as the full cache in the same memory, "
+                  + ("at every spacing" if s_star is None else f"at the spacings from the break-even s* = {s_star} on")
+                  + f" (the least at spacing {least['spacing']}), where the paper has {_paper('parked', 'capacity')}")
     notes = [f"{j['model']}; the least at spacing {least['spacing']}"]
     below = [r for r in anchors if r not in counted]
     if below:
@@ -289,12 +367,20 @@ def _exactness(results: dict, accelerator: bool = False) -> dict:
     out = {"rows": rows, "basis": "measured", "counted": len(counted), "idle": len(idle),
            "ours": {"kv": None, "tokens": None}, "measured_on": measured_on(results, "exactness", mine)}
     notes = []
+    on = "an accelerator" if accelerator else "a CPU"
+    out["why"] = f"no exact-mode run on {on} rebuilt K/V in this report" + (
+        f" ({len(unrecorded)} runs with {UNRECORDED})" if unrecorded else "")
     if counted:
         out["kv_equal"] = sum(1 for r in counted if r["kv_exact"])
         out["tokens_equal"] = sum(1 for r in counted if r["token_match"] == 1.0)
         out["ours"] = {"kv": out["kv_equal"] / len(counted), "tokens": out["tokens_equal"] / len(counted)}
         dtypes = sorted({r["dtype"] for r in counted})
         models = sorted({r["model"] for r in counted})
+        out["model"] = f"{_count(len(models), 'model')}: {', '.join(models)}"
+        out["scope"] = [", ".join(dtypes), f"{len(counted)} exact-mode runs that rebuilt K/V"]
+        out["why"] = (f"{out['kv_equal']} of {len(counted)} exact-mode runs on {on} that rebuilt K/V were bit-equal "
+                      f"to the full cache and {out['tokens_equal']} had every greedy token equal, over "
+                      f"{_count(len(models), 'model')} in {_listed(dtypes)}")
         notes.append(f"{out['kv_equal']} of {len(counted)} exact-mode runs that rebuilt K/V bit-equal, "
                      f"{out['tokens_equal']} with every token equal ({', '.join(models)}; {', '.join(dtypes)}; "
                      f"{sum(1 for r in counted if r['load'])} under busy processes)")
@@ -320,7 +406,8 @@ def _exactness(results: dict, accelerator: bool = False) -> dict:
     if unrecorded:
         notes.append(f"{len(unrecorded)} runs not counted: {UNRECORDED} in their JSON")
     if accelerator and not rows:
-        out.update(basis="not measured", measured_on="devices: no accelerator ran in this report")
+        out.update(basis="not measured", model="no run", measured_on="devices: no accelerator ran in this report",
+                   why="no exactness run on an accelerator is in this report")
         notes.append("no exactness run on an accelerator in this report: nothing holds on accelerators until one "
                      "measured it (scripts/device_check.py runs them where a GPU is lent)")
     return {**out, "notes": notes}
@@ -338,8 +425,21 @@ def _patching(results: dict) -> dict:
     out = {"rows": rows, "runs": runs, "basis": "measured", "counted": len(counted),
            "ours": {"kl": None, "dlogit": None}}
     notes = []
+    out["why"] = ("no residual-patching cell is in this report" if not rows else
+                  "no model's control (its last position patched alone) moved the distribution at every layer, so "
+                  "the measurement could not fail")
     if counted:
         out["ours"] = {"kl": max(r["max_kl"] for r in counted), "dlogit": max(r["max_abs_dlogit"] for r in counted)}
+        out["model"] = f"{_count(len(counted), 'model')}: {', '.join(r['model'] for r in counted)}"
+        out["scope"] = [", ".join(sorted({r["dtype"] for r in counted})),
+                        f"{', '.join(map(str, sorted({r['tokens'] for r in counted})))} tokens",
+                        f"{sum(r['layers'] for r in counted)} layers in all"]
+        out["why"] = (f"with the donor's residual stream patched in at every position of every layer of "
+                      f"{_count(len(counted), 'model')}, the largest KL was {number(out['ours']['kl'])} and the "
+                      f"largest |logit difference| {number(out['ours']['dlogit'])} (the paper: KL "
+                      f"{_paper('patching', 'kl')}), "
+                      f"while the last position patched alone moved the distribution at every layer (least KL "
+                      f"{number(min(r['min_control_kl'] for r in counted))})")
         zero = sum(1 for r in counted if r["zero_layers"] == r["layers"])
         notes.append(f"{zero} of {len(counted)} models with KL 0 and equal logits at every layer "
                      f"({', '.join(r['model'] for r in counted)}); donor and recipient prompts of different tasks, "
@@ -378,8 +478,26 @@ def _tasks(results: dict) -> dict:
            "rows": [r for j in runs for r in j["rows"]]}
     out["ours"] = {"exact": sum(exact) / len(exact) if exact else None,
                    "lossy": sum(1 for m in out["methods"].values() if m["changed"]) / len(lossy) if lossy else None}
+    sampled = [j for j in runs if j["cells"]]
+    union = lambda key: sorted({x for j in sampled for x in j[key]})  # noqa: E731
+    samples, contexts, budgets = sum(len(j["cells"]) for j in sampled), union("contexts"), union("budgets")
+    if sampled:
+        out["model"] = ", ".join(sorted({j["model"] for j in sampled}))
+        out["scope"] = [_count(samples, "sample"), f"tasks {', '.join(union('tasks'))}",
+                        f"{_count(len(contexts), 'context length')}: {', '.join(map(str, contexts))} tokens",
+                        f"{'budget' if len(budgets) == 1 else 'budgets'} {', '.join(map(str, budgets))}"]
+    exact_words = (f"{sum(exact)} of {len(exact)} exact-lane cells (AnchorKV, KV-Direct) scored and answered as the "
+                   "full cache did" if exact else "no exact lane ran")
+    lossy_words = (f"{sum(1 for m in out['methods'].values() if m['changed'])} of "
+                   f"{_count(len(lossy), 'lossy method')} changed a score in some cell" if lossy else
+                   "no lossy method ran")
+    out["why"] = (f"on {_count(samples, 'sample')} of {_count(len(union('tasks')), 'task')} "
+                  f"({', '.join(union('tasks'))}) at {_count(len(contexts), 'context length')} "
+                  f"({_listed(contexts)} tokens) and {'budget' if len(budgets) == 1 else 'budgets'} "
+                  f"{_listed(budgets)}, {exact_words}, and {lossy_words}" if sampled else
+                  "no task sample is in this report")
     notes = []
-    for j in (j for j in runs if j["cells"]):
+    for j in sampled:
         notes.append(f"{len(j['cells'])} samples ({', '.join(j['tasks'])}; contexts "
                      f"{', '.join(map(str, j['contexts']))} tokens; budgets {', '.join(map(str, j['budgets']))}), "
                      f"the full cache scoring {number(statistics.fmean(c['lanes']['full']['score'] for c in j['cells']))}"
@@ -445,13 +563,15 @@ def assess(results: dict) -> tuple[dict, dict]:
             parts.append({"key": f.key, "ours": ours[f.key], "verdict": verdict,
                           "words": f"{f.measures}: {figure_text(ours[f.key], f.unit)} here against "
                                    f"{figure_text(f.value, f.unit)} in the paper"
-                                   + (f" ({verdict})" if len(claim.figures) > 1 else "")})
+                                   + (f" (this part {stated(verdict)})" if len(claim.figures) > 1 else "")})
         models = sorted({f.model for f in claim.figures})
         verdict = worst(p["verdict"] for p in parts)
         reason = "; ".join([p["words"] for p in parts] + notes + [f"the paper's model: {', '.join(models)}"])
-        claims[name] = {**claim.as_dict(), "parts": parts, "basis": section.pop("basis"),
-                        "model": section.pop("model", results["model"]), "verdict": verdict,
+        model = section.pop("model", results["model"])
+        claims[name] = {**claim.as_dict(), "parts": parts, "basis": section.pop("basis"), "model": model,
+                        "scope": "; ".join([model, *section.pop("scope", [])]), "verdict": verdict,
                         "measured_on": section.pop("measured_on", None) or measured_on(results, section_of(name)),
+                        "sentence": f"Claim {claim.title.split('.')[0]} {stated(verdict)}: {section.pop('why')}.",
                         "reason": reason[0].upper() + reason[1:] + "."}
         sections[name] = {**section, "ran_on": environments(results, section_of(name))}
     return claims, sections

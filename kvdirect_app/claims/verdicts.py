@@ -89,6 +89,14 @@ def judge(paper, ours, direction: str, tolerance: float, neutral: float | None =
     return HOLDS if size else (DIRECTION_ONLY if side else FAILS)
 
 
+def stated(verdict: str) -> str:
+    """The verdict as the predicate of a sentence about a claim ("Claim 2 does not hold here: ..."), its words
+    unchanged, so a card, the table and a sentence show the same string."""
+    if verdict not in VERDICTS:
+        raise ValueError(f"verdict {verdict!r}; allowed: {', '.join(VERDICTS)}")
+    return f"is {verdict}" if verdict == NOT_MEASURED else verdict
+
+
 def worst(verdicts) -> str:
     """A claim of several figures holds as far as its weakest part."""
     return min(verdicts, key=_WORST_FIRST.index)

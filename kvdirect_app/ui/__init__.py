@@ -30,5 +30,13 @@ def launch_options() -> dict:
         font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"],
     )
     # The styles are drawn for a light page (projectors wash out dark ones): drop the dark class if the OS asked for it.
-    light = "() => { document.body.classList.remove('dark'); document.documentElement.classList.remove('dark'); }"
-    return {"theme": theme, "css_paths": [ASSETS / "studio.css"], "js": light}
+    # A pane's chat keeps its last reply in view (the first screen's recording has eight turns; a live reply grows),
+    # unless the visitor is reading it with the pointer on it.
+    start = """() => {
+      document.body.classList.remove('dark'); document.documentElement.classList.remove('dark');
+      const stick = () => document.querySelectorAll('.block.kvd-chat').forEach(chat => {
+        if (!chat.matches(':hover')) chat.scrollTop = chat.scrollHeight; });
+      new MutationObserver(stick).observe(document.body, {childList: true, subtree: true, characterData: true});
+    }"""
+    return {"theme": theme, "css_paths": [ASSETS / name for name in ("studio.css", "claims.css")
+                                                        if (ASSETS / name).is_file()], "js": start}

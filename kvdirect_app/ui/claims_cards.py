@@ -1,8 +1,10 @@
 """The Claims tab's cards: one per claim of the papers, from a `bench reproduce` results.json whose verdicts
 were computed from its numbers on loading (`claims.reproduce.load`, the function `--render` uses).
 
-Each card has the paper's figure, ours, where and with which kernels ours was measured, the verdict large and
-one sentence why; the full table and every measured row stay below, in the report's own words.
+Each card has the verdict large, the paper's figure and ours, what ours was measured on (model, samples, turns,
+budgets, device, kernels: whatever the claim's cells record) and the claim's one sentence, which opens with the
+same verdict words; the full table and every measured row stay below, in the report's own words.  The page's
+claims.css keeps words whole in the cards' narrow columns.
 """
 
 from __future__ import annotations
@@ -10,34 +12,29 @@ from __future__ import annotations
 import html
 
 from ..claims.render import figure_text
+from ..claims.verdicts import DIRECTION_ONLY, FAILS, HOLDS, NOT_MEASURED
 
-KINDS = {"holds": "good", "holds in direction, not in size": "warn", "does not hold here": "bad",
-         "not measured": "note", "no effect within the tolerance of neutral": "warn"}
-
-
-def first_sentence(reason: str) -> str:
-    """The verdict's first reason, up to the first ';' (the report keeps the rest)."""
-    head = reason.split(";")[0].strip()
-    return head if head.endswith(".") else head + "."
+KINDS = {HOLDS: "good", DIRECTION_ONLY: "warn", FAILS: "bad", NOT_MEASURED: "note"}
 
 
 def cards_html(results: dict) -> str:
-    e = lambda text: html.escape(str(text), quote=False)  # noqa: E731
+    # A line may break after a spec's ':' (anchorkv:spacing=30:budget=32), never inside a word (claims.css).
+    e = lambda text: html.escape(str(text), quote=False).replace(":", ":<wbr>")  # noqa: E731
     cards = []
     for claim in results["claims"].values():
         paper = "; ".join(f"{f['label']} {figure_text(f['value'], f['unit'])}" for f in claim["figures"])
         ours = "; ".join(f"{f['label']} {figure_text(p['ours'], f['unit'])}"
                          for f, p in zip(claim["figures"], claim["parts"]))
-        kind = KINDS.get(claim["verdict"], "note")
+        kind = KINDS[claim["verdict"]]
         cards.append(
             f'<div class="kvd-card kvd-card-{kind}">'
             f'<div class="kvd-card-title">{e(claim["title"])} <span class="kvd-note">({e(claim["paper"])})</span></div>'
             f'<div class="kvd-card-claim">“{e(claim["claim"])}”</div>'
             f'<div class="kvd-card-verdict kvd-{kind}">{e(claim["verdict"])}</div>'
             f'<table class="kvd-card-figures"><tr><th>paper</th><td>{e(paper)}</td></tr>'
-            f'<tr><th>ours</th><td>{e(ours)} <span class="kvd-note">({e(claim["basis"])}; {e(claim["model"])})</span>'
-            f'</td></tr><tr><th>on</th><td class="kvd-note">{e(claim["measured_on"])}</td></tr></table>'
-            f'<div class="kvd-card-why" title="{html.escape(claim["reason"])}">{e(first_sentence(claim["reason"]))}</div>'
+            f'<tr><th>ours</th><td>{e(ours)} <span class="kvd-note">({e(claim["basis"])})</span></td></tr>'
+            f'<tr><th>on</th><td class="kvd-note">{e(claim["scope"])}; {e(claim["measured_on"])}</td></tr></table>'
+            f'<div class="kvd-card-why" title="{html.escape(claim["reason"])}">{e(claim["sentence"])}</div>'
             f'</div>')
     where = f'{e(results.get("device_name") or results.get("device", "?"))}, {e(results.get("date", "?"))}'
     return (f'<div class="kvd-cards-head">Measured on {where} with <code>python -m kvdirect_app.bench reproduce '

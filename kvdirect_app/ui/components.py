@@ -80,6 +80,7 @@ class Views:
     download_steps: gr.DownloadButton
     download_summary: gr.DownloadButton
     download_plots: gr.DownloadButton
+    banner: gr.HTML  # the header: its memory line is the loaded model's (`geometry_panel.memory_banner`)
 
 
 @dataclass

@@ -90,3 +90,27 @@ def geometry_html(name: str, facts: dict, dtype_name: str) -> str:
             f'<div class="kvd-geom-wide"><table class="kvd-table kvd-claims">{"".join(claims)}</table>'
             f'<p class="kvd-note">Paper claims are quoted, not measured here (the Claims tab measures them). '
             f'{paper_check()}</p></div></div></div>')
+
+
+def memory_words(name: str, facts: dict) -> dict[str, tuple[str, str]]:
+    """What the exact strategies hold on this model, from its config alone: strategy -> (a few words for its pane,
+    a sentence for the banner).  KV-Direct keeps a residual per global layer (more than the full cache when r > 1
+    and every layer is global, as on SmolLM2); AnchorKV one every s layers (less from the break-even spacing on)."""
+    s = _sums(facts)
+    first = facts["per_layer"][0]
+    r = facts["hidden_size"] / (2 * first["kv_heads"] * first["head_dim"])
+    kvd = s["residual"] * (facts["layers"] - s["sliding"])
+    more = "more" if kvd > s["kv_all"] else "less"
+    least = facts["break_even"]["token_id"]
+    return {"kvdirect": (f"holds {more} than the full cache on this model (r = {r:.2f})",
+                         f"On {name} (r = {r:.2f}) KV-Direct holds {more} than the full cache: "
+                         f"{fmt_bytes(kvd)} per old token against {fmt_bytes(s['kv_all'])} of K and V."),
+            "anchorkv": (("holds more at every spacing on this model", "AnchorKV holds more at every spacing.")
+                         if least is None else
+                         (f"holds less on this model from spacing {least} on",
+                          f"AnchorKV holds less from spacing s = {least} on (a residual every s layers)."))}
+
+
+def memory_banner(name: str, facts: dict) -> str:
+    """The header's line about memory on the loaded model (`memory_words`), in place of a general promise."""
+    return " ".join(sentence for _, sentence in memory_words(name, facts).values())

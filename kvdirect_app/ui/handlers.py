@@ -21,12 +21,13 @@ import gradio as gr
 from .. import service
 from ..hosted import hosted
 from ..limits import limits
+from ..units import fmt_bytes
 from ..scenarios import scenarios
 from ..recording import RecordingError, describe
 from . import playback, runner, views
 from .components import Studio
 from .export import write_exports
-from .geometry_panel import geometry_html
+from .geometry_panel import geometry_html, memory_banner, memory_words
 from .plots import agreement_figure, latency_figure, memory_figure
 from .scoreboard import scoreboard_html
 from .session import Session
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 FRONTIER_CURRENT = "this conversation"
 FRONTIER_BUDGETS = (16, 64)
 UI_EVERY_S = 0.12  # at most this often a streamed update (the first token of a turn always goes out)
+HEARTBEAT_S = 5.0  # with no event for this long (a long message is read in pieces of minutes), the time is redrawn
+LONG_PROMPT_TOKENS = 1000  # a run that reads more prompt tokens than this asks first, with its time and memory
 PLOTS_EVERY_S = 2.0  # live plots at most this often during a turn ...
 PLOTS_SHARE = 0.05  # ... and, when building them takes longer, never more than this share of the turn's time
 RECALL = "recall"  # the scenario the Recall demo button plays
@@ -172,6 +175,7 @@ class Handlers:
         for button in (a.send, a.regenerate, a.clear, a.play, a.recall, r.replay, r.live):
             out[button] = gr.Button(interactive=not busy)
         out[r.line] = views.recording_line(session)
+        out[r.live] = gr.Button(interactive=not busy, visible=bool(session.recording))  # reruns what is on screen
         c = self.s.controls
         for control in (c.model, c.custom_model, c.device, c.dtype):  # no model switch while a turn streams
             out[control] = gr.update(interactive=not busy)
@@ -197,6 +201,14 @@ class Handlers:
             out[v.map_layer] = gr.Slider(value=layer)
             out.update(self._downloads(session, figures))
         return out
+
+    def _panes_told(self, session: Session, name: str, facts: dict) -> dict:
+        """Keep what the exact strategies hold on the loaded model (`memory_words`) and redraw the pane heads that
+        say it (the panes of a run on this model)."""
+        session.memory_words = (name, memory_words(name, facts))
+        playback.unfold(session)  # the first screen's recording, whose panes say it too
+        return {pane.head: views.pane_header(session, label)
+                for pane, label in zip(self.s.panes, session.shown)}
 
     @staticmethod
     def _maps(session: Session) -> dict | None:
@@ -228,6 +240,7 @@ class Handlers:
     def load_model(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
         c, v = self.s.controls, self.s.views
         self._seen(session, request)
+        session.asked = None
         number = session.load_number = next(self.loads)
         if session.busy:
             yield {v.status: views.status("A turn is running: the model cannot change now. Press Stop first.",
@@ -273,31 +286,39 @@ class Handlers:
             yield {v.status: views.status(message, kind)}
             return
         L = info["layers"]
+        # The status names where the weights came from (a package or a Hub copy: never a silent fallback), and says
+        # when the model continues text instead of chatting.
+        from .settings import model_note
+
+        note = f" {model_note(name).capitalize()}." if model_note(name) else ""
         earlier = len(session.user_turns)
         then = (f" Your next message replays the {earlier} earlier turn(s) on it first (Clear starts afresh)."
                 if earlier and session.config is not None and session.config.model != name else
                 " Type a message, or press Recall demo.")
         yield {
             v.geometry: geometry_html(name, info["geometry"], info["dtype"]),
+            v.banner: views.header_html(memory_banner(name, info["geometry"])),
+            **self._panes_told(session, name, info["geometry"]),
             v.map_layer: gr.Slider(maximum=L - 1),
             # Cascade replay runs every layer once whatever the spacing, so the deepest spacing (token ids only,
             # 4 bytes per token) saves the most memory at the same compute; it is >= the break-even s*.
             c.spacing: gr.Slider(maximum=L, value=L),
-            v.status: views.status(f"{name} ready on {info['device']} ({L} layers).{then}", "ok",
-                                   title=f"loaded from: {info['source']}"),
+            v.status: views.status(f"{name} ready on {info['device']} ({L} layers), loaded from "
+                                   f"{views.without_paths(info['source'])}.{note}{then}", "ok"),
         }
 
     # --- a run -----------------------------------------------------------------
     def _stream(self, session: Session, config: RunConfig, turns: list[str], fresh: bool,
                 note: str, expect: tuple[int, str] | None = None, scenario: str | None = None) -> Iterator[dict]:
         """Play `turns` (all of them on a fresh engine, else only the new one) and stream the panes."""
-        session.busy, session.stop_requested = True, False
+        session.busy, session.stop_requested, session.stopping = True, False, None
         yield {**self.render(session, busy=True, message=note, kind="busy"),
                self.s.actions.prompt: gr.Textbox(value="", interactive=False)}
         events = None
         t_start = time.monotonic()
         stopped = timed_out = False
         budget = limits().run_seconds
+        progress = runner.Progress(config)
         try:
             if fresh or session.engine is None or runner.on_zero_gpu():
                 engine = None if runner.on_zero_gpu() else runner.conversation(config)
@@ -305,32 +326,34 @@ class Handlers:
                 session.busy, session.expect = True, expect
                 session.config, session.engine, session.scenario = config, engine, scenario
                 session.recorder = runner.recorder(config, scenario, expect)
-                events = runner.Pump(runner.play(config, turns, engine), lambda: session.stop_requested)
+                played = turns
             else:
                 if session.recorder is not None:
                     session.recorder.resume()
-                events = runner.Pump(runner.play(config, turns[-1:], session.engine), lambda: session.stop_requested)
+                played = turns[-1:]
+            turns_before, steps_before = len(session.user_turns), session.steps
+            events = session.pump = runner.Pump(runner.play(config, played, session.engine),
+                                                lambda: session.stop_requested, HEARTBEAT_S)
             last = 0.0
             for event in events:  # every event the engine produced, also those after a stop request
+                now = time.monotonic()
+                if event is None:  # nothing for a while: the time so far and the time left
+                    yield {self.s.views.status: views.status(self._progress(session, progress, turns, fresh, now),
+                                                             "busy")}
+                    continue
                 session.apply(event)
+                progress.add(event, now)
                 if session.recorder is not None:
                     session.recorder.add(event)
                 stopped = session.stop_requested
-                now = time.monotonic()
                 if budget is not None and not stopped and now - t_start > budget:
                     session.stop_requested = timed_out = True  # the engine's thread ends the turn after this step
                 first = event["type"] == "step" and event["index"] == 0
                 if event["type"] in ("turn", "turn_end", "prefill") or first or now - last >= UI_EVERY_S:
                     plots = (event["type"] == "turn_end" or
                              now - session.last_plot >= max(PLOTS_EVERY_S, session.plot_cost / PLOTS_SHARE))
-                    turn = len(session.user_turns)
-                    where = f"Turn {turn}/{len(turns) if fresh else turn}"
-                    if session.prefill is not None:
-                        done, total = session.prefill
-                        msg = f"{where}: reading the message, {done:,} of {total:,} tokens…"
-                    else:
-                        msg = f"{where}: step {session.steps}, {len(session.shown)} strategies in lockstep…"
-                    yield self.render(session, busy=True, message=msg, kind="busy", plots=plots)
+                    yield self.render(session, busy=True, message=self._progress(session, progress, turns, fresh, now),
+                                      kind="busy", plots=plots)
                     last = now
         except runner.USER_ERRORS as e:
             gr.Warning(str(e))
@@ -347,18 +370,32 @@ class Handlers:
             gr.Warning(message)
         else:
             took = time.monotonic() - t_start
-            message, kind = ((f"Stopped at this server's time budget ({budget:.0f} s per run) after step "
-                              f"{session.steps}: what was produced is shown. Fewer panes or a shorter prompt fit more; "
-                              "the recordings show whole runs.", "ok") if timed_out else
-                             (f"Stopped after step {session.steps}.", "ok") if stopped else
-                             (f"Done: {len(session.user_turns)} turn(s), {session.steps} steps in {took:.1f} s; "
+            turn, ran = len(session.user_turns), len(session.user_turns) - turns_before
+            where = (f"after step {progress.steps} of turn {progress.turn}" if progress.steps else
+                     f"while reading turn {progress.turn}'s message ({progress.read:,} of {progress.total:,} tokens)")
+            which = f"turn {turn}" if ran == 1 else f"turns {turns_before + 1}-{turn}"
+            # The steps and the time are this run's: the turns it played, not the earlier ones'.
+            message, kind = ((f"Stopped at this server's time budget ({budget:.0f} s per run) {where}: what was "
+                              "produced is shown. Fewer panes or a shorter prompt fit more; the recordings show whole "
+                              "runs.", "ok") if timed_out else
+                             (f"Stopped {where}.", "ok") if stopped else
+                             (f"Done: {turn} turn(s); {which}: {session.steps - steps_before} steps in {took:.1f} s; "
                               f"{session.kernels_line or 'kernels: ?'}.", "ok"))
         finally:
             # Also when Gradio closes this generator (the client went away): the turn must end and free the model.
             if events is not None:
                 events.close()
-            session.busy = False
+            session.busy, session.pump = False, None
         yield self._final(session, message, kind)
+
+    @staticmethod
+    def _progress(session: Session, progress: runner.Progress | None, turns: list[str], fresh: bool, now: float) -> str:
+        """The status during a run; once Stop is pressed, only the step it ends after (no later number)."""
+        if session.stopping is not None:
+            turn, step = session.stopping
+            return f"Stopping after step {step} of turn {turn}…" if step else "Stopping after this piece of the message…"
+        turn = len(session.user_turns)
+        return f"Turn {turn}/{len(turns) if fresh else turn}: {progress.line(now)}…"
 
     def _final(self, session: Session, message: str, kind: str) -> dict:
         if session.engine is not None and session.user_turns:
@@ -380,9 +417,11 @@ class Handlers:
 
     def _run(self, session: Session, controls: dict, turns: list[str], raw: bool, fresh: bool | None,
              note: Callable[[bool], str], problem: str | None = None,
-             expect: tuple[int, str] | None = None, scenario: str | None = None) -> Iterator[dict]:
+             expect: tuple[int, str] | None = None, scenario: str | None = None,
+             ask: tuple | None = None) -> Iterator[dict]:
         """Check everything (`validate`, then the memory guard), then stream `turns`; `fresh` None: rebuild only if
-        the settings changed."""
+        the settings changed.  `ask`: a run that reads more than `LONG_PROMPT_TOKENS` prompt tokens does not start;
+        the status says its time and memory, and the same action again (`session.asked`) runs it."""
         LINE.leave(session)
         if session.busy:
             problem = "A turn is still running: wait for it or press Stop."
@@ -393,7 +432,7 @@ class Handlers:
             config = Settings.from_controls(controls).run_config(raw)
             if not runner.is_loaded(config):
                 yield {self.s.views.status: views.status(f"Loading {config.model}…", "busy")}
-            runner.prepare(config, turns)
+            cost = runner.prepare(config, turns)
         except runner.USER_ERRORS as e:
             yield from self._refuse(session, str(e))
             return
@@ -402,6 +441,12 @@ class Handlers:
             yield from self._refuse(session, f"Cannot start: {type(e).__name__}: {str(e)[:200]}")
             return
         fresh = config != session.config if fresh is None else fresh
+        reads = sum(cost["prompt_tokens"]) if fresh else cost["prompt_tokens"][-1]
+        if ask is not None and reads > LONG_PROMPT_TOKENS:
+            session.asked = ask
+            yield {self.s.views.status: views.status(self._long_run(config, reads, len(turns) if fresh else 1,
+                                                                    cost["bytes"]), "info")}
+            return
         LINE.started()
         try:
             yield from self._stream(session, config, turns, fresh, note(fresh),
@@ -409,8 +454,22 @@ class Handlers:
         finally:
             LINE.ended()
 
+    @staticmethod
+    def _long_run(config: RunConfig, reads: int, turns: int, peak: int) -> str:
+        """What a long run will cost, asked before it starts: its time at this machine's measured speed, its memory
+        by the guard."""
+        steps = turns * config.max_new_tokens
+        known = runner.estimate_s(config, reads, steps)
+        when = (f"about {runner.duration(known[0])} ({known[1]})" if known else
+                "a time not known yet (nothing ran here with these settings; the status shows the time left as it "
+                "runs)")
+        return (f"This run reads {reads:,} prompt tokens (more than {LONG_PROMPT_TOKENS:,}) and makes up to {steps:,} "
+                f"steps: {when}, and about {fmt_bytes(peak)} of memory at its peak (the memory guard's estimate). "
+                "Press Send again to go on.")
+
     def send(self, session: Session, prompt: str, request: gr.Request = None, **controls) -> Iterator[dict]:
         self._seen(session, request)
+        again, session.asked = session.asked == ("send", prompt), None
         playback.unfold(session)
         if not isinstance(prompt, str):
             yield from self._refuse(session, "prompt: expected text")
@@ -422,10 +481,12 @@ class Handlers:
             else "Continuing the conversation in every pane…")
         raw = session.config.raw if session.config else False
         turns = [*session.user_turns[:earlier], prompt] if earlier else [prompt]
-        yield from self._run(session, controls, turns, raw, True if session.recording else None, note)
+        yield from self._run(session, controls, turns, raw, True if session.recording else None, note,
+                             ask=None if again else ("send", prompt))
 
     def regenerate(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
         self._seen(session, request)
+        session.asked = None
         playback.unfold(session)
         if session.recording:
             yield from self._refuse(session, "A recording is on screen: ▶ Run it live runs its conversation here.")
@@ -439,6 +500,7 @@ class Handlers:
     def play_scenario(self, session: Session, scenario: str, request: gr.Request = None,
                       **controls) -> Iterator[dict]:
         self._seen(session, request)
+        session.asked = None
         table = scenarios()
         chosen = table.get(scenario, {}) if isinstance(scenario, str) else {}
         turns = list(chosen.get("turns", []))
@@ -455,8 +517,10 @@ class Handlers:
     def replay(self, session: Session, choice: str | None, speed: str, upload: str | None = None,
                request: gr.Request = None) -> Iterator[dict]:
         """Play a recording (a shipped one by name, or an uploaded file) at `speed`: the recorded events folded
-        into this session exactly as the live run folded them; nothing is recomputed."""
+        into this session exactly as the live run folded them; nothing is recomputed.  A live conversation on screen
+        is replaced only when asked twice: the first time the status says what would be lost."""
         self._seen(session, request)
+        again, session.asked = session.asked == ("replay", bool(upload)), None
         if session.busy:
             yield from self._refuse(session, "A turn is still running: wait for it or press Stop.")
             return
@@ -468,6 +532,14 @@ class Handlers:
             recording = playback.open_recording(choice, upload)
         except RecordingError as e:
             yield from self._refuse(session, str(e))
+            return
+        if session.user_turns and session.recording is None and not again:
+            session.asked = ("replay", bool(upload))
+            how = "Upload it again" if upload else "Press ▶ Replay it again"
+            yield {self.s.views.status: views.status(
+                f"Replaying would replace this conversation: its {len(session.user_turns)} live turn(s) and "
+                f"{session.steps} steps on {session.config.model if session.config else 'this model'} (the Export tab "
+                f"keeps them as files). {how} to replace it.", "info")}
             return
         playback.start(session, recording)
         session.busy, session.stop_requested = True, False
@@ -496,6 +568,7 @@ class Handlers:
         """The conversation of the recording on screen (or the recall scenario), live on this machine with the
         sidebar's settings; says where they differ from the recording's."""
         self._seen(session, request)
+        session.asked = None
         playback.unfold(session)
         meta = session.recording or {}
         turns = list(meta.get("turns") or scenarios().get(RECALL, {}).get("turns", []))
@@ -519,13 +592,18 @@ class Handlers:
                              expect, scenario)
 
     def stop(self, session: Session) -> str:
+        """The run ends after the step being computed now; the status names it, and names no later one after."""
+        session.asked = None
         if not session.busy:
             return views.status("Nothing is running.", "info")
-        session.stop_requested = True
-        return views.status("Stopping after this step…", "busy")
+        session.stop_requested = True  # first: the pump's answer below is then the step it stops after, or later
+        if session.pump is None:  # a replay, or an engine still being built
+            return views.status("Stopping…", "busy")
+        session.stopping = session.pump.last_step()
+        return views.status(self._progress(session, None, [], False, 0.0), "busy")
 
     def clear(self, session: Session) -> dict:
-        session.pending = None
+        session.pending = session.asked = None
         if session.busy:
             gr.Warning("A turn is still running: press Stop first.")
             return {self.s.views.status: views.status("A turn is still running: press Stop first.", "error")}
@@ -539,6 +617,7 @@ class Handlers:
         f = self.s.frontier
         busy = lambda message: {f.status: views.status(message, "busy"), f.draw: gr.Button(interactive=False)}
         done = lambda message, kind: {f.status: views.status(message, kind), f.draw: gr.Button(interactive=True)}
+        session.asked = None
         if session.busy:
             yield done("A turn is still running: wait for it or press Stop.", "error")
             return

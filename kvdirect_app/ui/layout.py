@@ -31,6 +31,7 @@ from .settings import (any_declares, catalogue, default_model, default_names, ma
 ASSETS = data("assets")
 LIVE_REBUILD = "turn"  # the live defaults (docs/perf.md, "Live defaults": what a 64-token turn costs with them)
 LIVE_TWINS = False
+PANE_MAX_PX = 380  # a pane's chat at most: the last 64-token reply whole, two rows of panes within 1,000 px
 
 
 def asset(name: str) -> str:
@@ -164,16 +165,18 @@ def _tasks_tab():
 
 
 def _panes(first: Session) -> list[Pane]:
-    """One column per pane, compact (each message clamped to a few lines; hover or focus shows all of it);
-    the first screen's recording fills them."""
+    """One column per pane: earlier turns clamped to two lines (hover or focus shows all of them), the last reply
+    in full (a 64-token reply fits `PANE_MAX_PX`; a longer conversation scrolls, kept at its end); the first
+    screen's recording fills them."""
     panes = []
     with gr.Row(elem_id="kvd-panes"):
         for i in range(max_panes()):
             label = first.shown[i] if i < len(first.shown) else None
             with gr.Column(visible=label is not None, min_width=290, elem_classes="kvd-pane") as box:
                 head = gr.HTML(views.pane_header(first, label) if label else "")
-                chat = gr.Chatbot(views.messages(first, label) if label else [], show_label=False, height=190,
-                                  layout="panel", buttons=["copy"], elem_classes="kvd-chat",
+                chat = gr.Chatbot(views.messages(first, label) if label else [], show_label=False, height="auto",
+                                  min_height=120, max_height=PANE_MAX_PX,
+                                  layout="panel", buttons=[], elem_classes="kvd-chat",
                                   placeholder="Replies stream here.", feedback_options=None)
             panes.append(Pane(box, head, chat))
     return panes
@@ -204,12 +207,16 @@ def _recordings(first: Session):
     return picker, speed, upload
 
 
+TABS = ("Chat", "Token map", "Time & agreement", "Frontier", "Geometry", "Tasks", "Claims", "Export", "Help")
+
+
 def build_demo(model: str | None = None, strategies: list[str] | None = None, budget: int = 64,
                max_new_tokens: int = 64) -> gr.Blocks:
     """The Studio page.  Launch it with `launch_options()` (theme and CSS go to `launch()` in Gradio 6).
 
-    Laid out for a projector: at 1280x720 the header, the prompt row (with the recall demo one click away) and
-    the scoreboard (every pane's verdict, memory and speed) are on the first screen; panes, plots and tabs follow.
+    Laid out for a projector: at 1280x720 a one-line header, the tab row (`TABS`, the chat first), the message
+    box and the scoreboard (every pane's verdict, memory and time) are on the first screen; the panes and the
+    memory curve follow in the Chat tab; the settings live in a sidebar, closed at start.
     """
     model = model or default_model()
     empty = first_screen()
@@ -220,85 +227,88 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
         # screen's recording is folded into a visitor's session when a handler first needs it.
         session = gr.State(Session(pending=playback.first_name() if empty.recording else None),
                            time_to_live=session_ttl_s(), delete_callback=handlers.forget)
-        gr.HTML(asset("header.html"), elem_id="kvd-header")
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=1, min_width=280, elem_id="kvd-side"):
-                controls = _controls(model, strategies, budget, max_new_tokens)
-                scenario = gr.Dropdown([(f"{name} · {s.get('about', '')}", name) for name, s in table.items()],
-                                       value=next(iter(table), None), label="Scripted conversation",
-                                       elem_id="kvd-scenario")
-                play = gr.Button("▶ Play scenario", variant="secondary", elem_id="kvd-play")
-                picker, speed, upload = _recordings(empty)
-            with gr.Column(scale=4, min_width=600):
+        with gr.Sidebar(label="Settings", open=False, width=360, elem_id="kvd-side"):
+            controls = _controls(model, strategies, budget, max_new_tokens)
+            scenario = gr.Dropdown([(f"{name} · {s.get('about', '')}", name) for name, s in table.items()],
+                                   value=next(iter(table), None), label="Scripted conversation",
+                                   elem_id="kvd-scenario")
+            play = gr.Button("▶ Play scenario", variant="secondary", elem_id="kvd-play")
+            picker, speed, upload = _recordings(empty)
+        banner = gr.HTML(views.header_html(), elem_id="kvd-header")
+        with gr.Tabs(elem_id="kvd-tabs"):
+            with gr.Tab(TABS[0], elem_id="kvd-tab-chat"):
                 status = gr.HTML("", elem_id="kvd-status")
                 with gr.Row(elem_id="kvd-ask"):
                     prompt = gr.Textbox(show_label=False, placeholder="Ask something; every pane gets the same turn",
-                                        scale=6, lines=1, max_lines=6, autofocus=True, elem_id="kvd-prompt",
-                                        max_length=limits().max_prompt_chars)
-                    send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="kvd-send")
-                    stop = gr.Button("■ Stop", variant="stop", scale=1, min_width=80, interactive=False,
+                                        scale=5, min_width=560, lines=1, max_lines=6, autofocus=True,
+                                        elem_id="kvd-prompt", max_length=limits().max_prompt_chars)
+                    send = gr.Button("Send", variant="primary", scale=0, min_width=100, elem_id="kvd-send")
+                    stop = gr.Button("■ Stop", variant="stop", scale=0, min_width=100, interactive=False,
                                      elem_id="kvd-stop")
-                    recall = gr.Button("▶ Recall demo", scale=1, min_width=130, elem_id="kvd-recall",
-                                       visible=RECALL in table)
-                    regenerate = gr.Button("↻ Regenerate", scale=1, min_width=120, elem_id="kvd-regenerate")
-                    clear = gr.Button("Clear", scale=1, min_width=70, elem_id="kvd-clear")
                 with gr.Row(elem_id="kvd-recorded", equal_height=True):
+                    recall = gr.Button("▶ Recall demo", scale=0, min_width=140, size="sm", elem_id="kvd-recall",
+                                       visible=RECALL in table)
+                    regenerate = gr.Button("↻ Regenerate", scale=0, min_width=130, size="sm",
+                                           elem_id="kvd-regenerate")
+                    clear = gr.Button("Clear", scale=0, min_width=80, size="sm", elem_id="kvd-clear")
+                    settings = gr.Button("⚙ Settings", scale=0, min_width=120, size="sm", elem_id="kvd-settings")
                     line = gr.HTML(views.recording_line(empty), elem_id="kvd-recording-line")
                     replay = gr.Button("▶ Replay it", scale=0, min_width=120, elem_id="kvd-replay", size="sm",
                                        visible=bool(playback.offered()))
-                    live = gr.Button("▶ Run it live", scale=0, min_width=130, elem_id="kvd-live", size="sm")
+                    live = gr.Button("▶ Run it live", scale=0, min_width=130, elem_id="kvd-live", size="sm",
+                                     visible=bool(empty.recording))
                 board = gr.HTML(scoreboard_html(empty), elem_id="kvd-board")
                 panes = _panes(empty)
                 memory = gr.Plot(memory_figure(empty), show_label=False, elem_id="kvd-memory")
+            with gr.Tab(TABS[1], elem_id="kvd-tab-map"):
                 with gr.Row():
-                    latency = gr.Plot(latency_figure(empty), show_label=False, elem_id="kvd-latency", min_width=620)
-                    agreement = gr.Plot(agreement_figure(empty), show_label=False, elem_id="kvd-agreement",
-                                        min_width=620)
-                with gr.Tabs():
-                    with gr.Tab("Token map"):
-                        with gr.Row():
-                            label0, other0, layer0 = views.telling_view(empty, empty.token_maps)
-                            map_label = gr.Dropdown(empty.shown, value=label0, label="Strategy", scale=3,
-                                                    elem_id="kvd-map-label")
-                            map_other = gr.Dropdown(empty.shown, value=other0, label="…beside", scale=3,
-                                                    elem_id="kvd-map-other")
-                            layers = len(next(iter(empty.token_maps.values()))["states"]) if empty.token_maps else 30
-                            map_layer = gr.Slider(0, max(1, layers - 1), value=layer0, step=1, label="Layer",
-                                                  scale=2, elem_id="kvd-map-layer")
-                        token_map = gr.HTML(runner.map_pair_html(empty, label0, layer0, other0), elem_id="kvd-token-map")
-                        attention = gr.Plot(runner.attention_plot(empty, label0, layer0), show_label=False,
-                                            elem_id="kvd-attention")
-                    with gr.Tab("Frontier"):
-                        gr.Markdown(asset("frontier.md"))
-                        with gr.Row():
-                            source = gr.Dropdown([FRONTIER_CURRENT, *table], value=FRONTIER_CURRENT, scale=3,
-                                                 label="Conversation")
-                            draw = gr.Button("Draw the frontier", variant="secondary", scale=1, elem_id="kvd-draw")
-                        frontier_status = gr.HTML("", elem_id="kvd-frontier-status")
-                        frontier_plot = gr.Plot(frontier_figure([]), show_label=False, elem_id="kvd-frontier")
-                    with gr.Tab("Geometry"):
-                        geometry = gr.HTML(elem_id="kvd-geometry")
-                    with gr.Tab("Export"):
-                        gr.Markdown("Downloads hold the last finished (or stopped) turn's run.")
-                        with gr.Row():
-                            downloads = [gr.DownloadButton(text, interactive=False, variant="secondary")
-                                         for text in ("Run (JSON)", "Steps (CSV)", "Summary (CSV)", "Plots (HTML)")]
-                            record = gr.DownloadButton("Recording (.json.gz)", interactive=False, variant="secondary",
-                                                       elem_id="kvd-download-recording")
-                    with gr.Tab("Tasks", elem_id="kvd-tasks"):
-                        _tasks_tab()
-                    with gr.Tab("Claims", elem_id="kvd-claims"):
-                        _claims_tab()
-                    with gr.Tab("What am I looking at?", elem_id="kvd-about"):
-                        gr.Markdown(asset("about.md"))
+                    label0, other0, layer0 = views.telling_view(empty, empty.token_maps)
+                    map_label = gr.Dropdown(empty.shown, value=label0, label="Strategy", scale=3,
+                                            elem_id="kvd-map-label")
+                    map_other = gr.Dropdown(empty.shown, value=other0, label="…beside", scale=3,
+                                            elem_id="kvd-map-other")
+                    layers = len(next(iter(empty.token_maps.values()))["states"]) if empty.token_maps else 30
+                    map_layer = gr.Slider(0, max(1, layers - 1), value=layer0, step=1, label="Layer",
+                                          scale=2, elem_id="kvd-map-layer")
+                token_map = gr.HTML(runner.map_pair_html(empty, label0, layer0, other0), elem_id="kvd-token-map")
+                attention = gr.Plot(runner.attention_plot(empty, label0, layer0), show_label=False,
+                                    elem_id="kvd-attention")
+            with gr.Tab(TABS[2], elem_id="kvd-tab-time"):
+                latency = gr.Plot(latency_figure(empty), show_label=False, elem_id="kvd-latency")
+                agreement = gr.Plot(agreement_figure(empty), show_label=False, elem_id="kvd-agreement")
+            with gr.Tab(TABS[3], elem_id="kvd-tab-frontier"):
+                gr.Markdown(asset("frontier.md"))
+                with gr.Row():
+                    source = gr.Dropdown([FRONTIER_CURRENT, *table], value=FRONTIER_CURRENT, scale=3,
+                                         label="Conversation")
+                    draw = gr.Button("Draw the frontier", variant="secondary", scale=1, elem_id="kvd-draw")
+                frontier_status = gr.HTML("", elem_id="kvd-frontier-status")
+                frontier_plot = gr.Plot(frontier_figure([]), show_label=False, elem_id="kvd-frontier")
+            with gr.Tab(TABS[4], elem_id="kvd-tab-geometry"):
+                geometry = gr.HTML(elem_id="kvd-geometry")
+            with gr.Tab(TABS[5], elem_id="kvd-tasks"):
+                _tasks_tab()
+            with gr.Tab(TABS[6], elem_id="kvd-claims"):
+                _claims_tab()
+            with gr.Tab(TABS[7], elem_id="kvd-tab-export"):
+                gr.Markdown("Downloads hold the last finished (or stopped) turn's run.")
+                with gr.Row():
+                    downloads = [gr.DownloadButton(text, interactive=False, variant="secondary")
+                                 for text in ("Run (JSON)", "Steps (CSV)", "Summary (CSV)", "Plots (HTML)")]
+                    record = gr.DownloadButton("Recording (.json.gz)", interactive=False, variant="secondary",
+                                               elem_id="kvd-download-recording")
+            with gr.Tab(TABS[8], elem_id="kvd-about"):
+                gr.Markdown(asset("about.md"))
         actions = Actions(prompt, send, stop, regenerate, clear, scenario, play, recall)
         shown = Views(status, board, memory, latency, agreement, map_label, map_other, map_layer, token_map, attention, geometry,
-                      *downloads)
+                      *downloads, banner)
         studio = Studio(session, controls, actions, shown, panes,
                         FrontierTab(source, draw, frontier_status, frontier_plot),
                         Recordings(line, picker, speed, upload, replay, live, record))
         handlers.s = studio
         _wire(demo, studio, handlers)
+        # The sidebar opens from the Chat tab too (its own toggle is a small arrow at the page's edge).
+        settings.click(None, js="() => document.querySelector('#kvd-side .toggle-button').click()")
         gr.api(runner.compare, api_name="compare")
     demo.kvd_handlers = handlers  # the tests drive the handlers directly too
     return demo

@@ -193,15 +193,16 @@ def memory_figure(session: Session) -> go.Figure:
         fig.add_trace(go.Scatter(x=[None], y=[None], name=name, mode="lines", legendgroup="styles",
                                  line=dict(color="#000", dash=dash, width=width)))
     fig.update_xaxes(title_text=POSITION_AXIS)
-    return _layout(fig, 480, "State memory per strategy", session, legend_x=1.09 if session.rss else 1.02)
+    return _layout(fig, 400, "State memory per strategy", session, legend_x=1.09 if session.rss else 1.02)
 
 
 def latency_figure(session: Session) -> go.Figure:
-    """Mean ms per decode step, stacked by op, per strategy; decode tokens/s written at the end of each bar."""
+    """Mean ms per decode step, stacked by op, per strategy, its own total at the end of each bar; the step's wall
+    time and the rate every pane streamed at (the same for all, in lockstep) under them."""
     labels = [label for label in session.shown if session.lanes[label].latency]
     if not labels:
         return _empty("Send a message or play a scenario: per-op timings appear after the first decode step", 380,
-                      "Per-op latency and tokens/s")
+                      "Own ms per decode step, by part")
     fig = go.Figure()
     means = {label: session.lanes[label].op_means() for label in labels}
     ops = [op for op in OP_ORDER if any(op in m for m in means.values())]
@@ -213,9 +214,8 @@ def latency_figure(session: Session) -> go.Figure:
                              orientation="h", marker_color=OP_COLOURS.get(op, "#bbbbbb"),
                              hovertemplate=f"%{{y}}<br>{op} %{{x:.2f}} ms<extra></extra>"))
     totals = [sum(means[by_name[n]].values()) for n in names]
-    rates = [session.lanes[by_name[n]].tokens_per_s() for n in names]
     fig.add_trace(go.Scatter(y=names, x=totals, mode="text", showlegend=False, textposition="middle right",
-                             text=[f"  {r:.1f} tok/s own" if r else "" for r in rates], textfont=dict(size=15),
+                             text=[f"  {t:.0f} ms own" for t in totals], textfont=dict(size=15),
                              hoverinfo="skip"))
     steps = session.step_means()
     if steps is not None:  # the instruments' own bar, and the rest that is nobody's: never inside a pane's
@@ -236,8 +236,9 @@ def latency_figure(session: Session) -> go.Figure:
         fig.add_trace(go.Scatter(y=["measurement", "unattributed"],
                                  x=[measured, steps.get("engine", 0.0) + max(0.0, steps["unattributed"])],
                                  mode="text", showlegend=False, textposition="middle right", hoverinfo="skip",
-                                 text=[f"  {measured:.0f} ms", f"  step {steps['wall']:.0f} ms = "
-                                       f"{1e3 / steps['wall']:.1f} tok/s seen" if steps["wall"] > 0 else ""],
+                                 text=[f"  {measured:.0f} ms", f"  step {steps['wall']:.0f} ms" +
+                                       ("" if session.seen_rate() is None else
+                                        f"; every pane streamed {session.seen_rate():.1f} tok/s")],
                                  textfont=dict(size=15)))
         fig.update_yaxes(categoryorder="array", categoryarray=["unattributed", "measurement", *names])
         fig.update_layout(uniformtext_minsize=11, uniformtext_mode="hide")  # a name only where it fits
@@ -245,7 +246,7 @@ def latency_figure(session: Session) -> go.Figure:
     fig.update_layout(barmode="stack")
     batched = any(op == "shared" for op in ops)
     fig.update_xaxes(title_text="ms per decode step (mean)", range=[0, 1.5 * max(totals, default=1)])
-    return _layout(fig, max(380, 130 + 44 * (len(labels) + 2 * (steps is not None))), "Per-op latency and tokens/s",
+    return _layout(fig, max(380, 130 + 44 * (len(labels) + 2 * (steps is not None))), "Own ms per decode step, by part",
                    session)
 
 

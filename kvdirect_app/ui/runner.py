@@ -10,6 +10,7 @@ session keeps its conversation between turns.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -66,10 +67,82 @@ def is_loaded(config: RunConfig) -> bool:
     return service.is_loaded(config.model, config.dtype, config.device)
 
 
-def prepare(config: RunConfig, turns: list[str]):
-    """Every check before a run (the same `validate` stages as the CLI), then the memory guard."""
-    service.prepare(config.model, config.device, config.dtype, list(config.specs), config.max_new_tokens, turns,
-                    config.raw, config.twins, config.kernels)
+def prepare(config: RunConfig, turns: list[str]) -> dict:
+    """Every check before a run (the same `validate` stages as the CLI), then the memory guard; returns
+    {"prompt_tokens": each turn's prompt with its template, "bytes": the guard's estimate of the run's peak}."""
+    return service.prepare(config.model, config.device, config.dtype, list(config.specs), config.max_new_tokens,
+                           turns, config.raw, config.twins, config.kernels)
+
+
+# This process's measured speed per run settings (their max_new_tokens set to 0): what a long message's estimate
+# is drawn from.
+PACES: dict[RunConfig, dict] = {}
+
+
+def pace_key(config: RunConfig) -> RunConfig:
+    return dataclasses.replace(config, max_new_tokens=0)
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds // 60:.0f} min {seconds % 60:.0f} s"
+
+
+def estimate_s(config: RunConfig, prompt_tokens: int, steps: int) -> tuple[float, str] | None:
+    """Seconds to read `prompt_tokens` and make up to `steps` steps at the speed last measured here with these
+    settings, and that speed in words; None when none was measured yet."""
+    pace = PACES.get(pace_key(config))
+    if pace is None:
+        return None
+    return (prompt_tokens * pace["read_s"] + steps * pace["step_s"],
+            f"{1e3 * pace['read_s']:.1f} ms a prompt token and {pace['step_s']:.2f} s a step, measured here with "
+            "these settings; a longer context reads slower")
+
+
+class Progress:
+    """A turn's progress as the status says it: tokens of the message read, steps of the reply made, the time so
+    far and the time left at the speed measured in this turn (or, before any, the last one's with these
+    settings).  What it measures is kept in `PACES` for the next estimate."""
+
+    def __init__(self, config: RunConfig):
+        self.config, self.pace = config, PACES.get(pace_key(config))
+        self.turn = self.total = self.read = self.steps = 0
+        self.t0 = self.read_s = None
+        self.step_ms: list[float] = []
+
+    def add(self, event: dict, now: float):
+        kind = event["type"]
+        if kind == "turn":
+            self.turn, self.t0, self.total = event["turn"] + 1, now, len(event["chunk_ids"])
+            self.read, self.steps, self.step_ms, self.read_s = 0, 0, [], None
+        elif kind == "prefill":
+            self.read = event["done"]
+            self.read_s = (now - self.t0) / self.read
+        elif kind == "step":
+            if not self.steps:  # the message is read: its time is the turn's so far, less this first step
+                self.read = self.total
+                self.read_s = max(0.0, now - self.t0 - event["step_ms"] / 1e3) / max(1, self.total)
+            self.steps += 1
+            self.step_ms.append(event["step_ms"])
+            PACES[pace_key(self.config)] = {"read_s": self.read_s, "step_s": sum(self.step_ms) / len(self.step_ms) / 1e3}
+
+    def line(self, now: float) -> str:
+        """"reading the message, 1,024 of 4,476 tokens, 2 min 10 s so far, about 6 min 30 s left" (or "step 12 of at
+        most 64, ...")."""
+        most = self.config.max_new_tokens
+        if self.t0 is None:
+            return "starting"
+        step_s = (sum(self.step_ms) / len(self.step_ms) / 1e3 if self.step_ms else
+                  self.pace["step_s"] if self.pace else None)
+        if not self.steps:
+            read_s = self.read_s if self.read_s is not None else self.pace["read_s"] if self.pace else None
+            done = f"reading the message, {self.read:,} of {self.total:,} tokens"
+            left = None if read_s is None or step_s is None else (self.total - self.read) * read_s + most * step_s
+        else:
+            done = f"step {self.steps} of at most {most}"
+            left = (most - self.steps) * step_s
+        when = (f"about {duration(left)} left" if left is not None else
+                "the time left is known once the first piece is read")
+        return f"{done}, {duration(now - self.t0)} so far, {when}"
 
 
 def conversation(config: RunConfig) -> service.Conversation:
@@ -143,28 +216,49 @@ class Pump:
     every event the engine produced, then re-raises its error, if any.
     """
 
-    def __init__(self, events: Iterator[dict], should_stop: Callable[[], bool]):
-        self.events, self.should_stop = events, should_stop
+    def __init__(self, events: Iterator[dict], should_stop: Callable[[], bool], tick: float | None = None):
+        self.events, self.should_stop, self.tick = events, should_stop, tick
         self.queue: queue.Queue = queue.Queue()
         self.abandoned = threading.Event()
+        self.turn = self.step = 0  # the turn (1-based) and its last step the engine made
+        self.stepping = False  # what the engine computes now ends in a step
         self.thread = threading.Thread(target=self._run, name="kvdirect-engine", daemon=True)
         self.thread.start()
 
     def _run(self):
         try:
             for event in self.events:
+                kind = event["type"]
+                if kind == "turn":
+                    self.turn, self.step = event["turn"] + 1, 0
+                elif kind == "step":
+                    self.step = event["index"] + 1
+                self.stepping = (kind == "turn" or (kind == "prefill" and event["done"] >= event["total"]) or
+                                 (kind == "step" and any(lane["active"] for lane in event["lanes"].values())))
                 self.queue.put(("event", event))
                 if self.should_stop() or self.abandoned.is_set():
                     break
         except BaseException as e:  # handed to the reader, who reports it
             self.queue.put(("error", e))
         finally:
+            self.stepping = False
             self.events.close()
             self.queue.put(("end", None))
 
-    def __iter__(self) -> Iterator[dict]:
+    def last_step(self) -> tuple[int, int]:
+        """(turn, step) after which a stop asked for now ends the run: the step being computed, else the last
+        made (a turn that ends first, or a message still being read, stops sooner)."""
+        turn, step, stepping = self.turn, self.step, self.stepping
+        return turn, step + stepping
+
+    def __iter__(self) -> Iterator[dict | None]:
+        """The events; None after `tick` seconds without one (the reader redraws the time)."""
         while True:
-            kind, item = self.queue.get()
+            try:
+                kind, item = self.queue.get(timeout=self.tick)
+            except queue.Empty:
+                yield None
+                continue
             if kind == "event":
                 yield item
             elif kind == "error":

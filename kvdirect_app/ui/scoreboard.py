@@ -1,9 +1,15 @@
-"""The first thing on screen: one row per pane with its verdict, its memory and its speed.
+"""The first thing on screen: one row per pane with its verdict, its memory and its own time.
 
 Seven panes do not fit a projector's 1280x720 without scrolling; this table
 does, so a room sees which strategies kept every token (and bit-equal K/V),
-where the others first differed, what each held and how fast it ran,
+where the others first differed, what each held and what its own work cost,
 before anyone scrolls to the panes themselves.
+
+Speeds are told as they were experienced: the panes run in lockstep, so every
+pane streamed at the same rate, the step's (the last row, measured from the
+tokens' arrival); a pane's own work is its ms per step and its share of the
+step, never a tokens-per-second nobody saw.  The column of own ms per step adds
+up to the last row's "panes' own".
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import html
 from ..palette import colours
 from .session import Session
 from .settings import REFERENCE, title
-from .views import BYTE_SOURCES, byte_figure, memory_instrument, source_legend
+from .views import BYTE_SOURCES, byte_figure, memory_instrument, own_cost, source_legend
 
 
 def verdict(session: Session, label: str) -> tuple[str, str]:
@@ -58,7 +64,6 @@ def scoreboard_html(session: Session) -> str:
             words += (f' <span class="kvd-bad kvd-bytes-off" title="the allocator measured other held bytes than this '
                       f'strategy\'s formula at {off} step(s): it holds something its formula does not count">· '
                       f'holds ≠ its formula ({off} steps)</span>')
-        tps = lane.tokens_per_s() if lane is not None else None
         between, source = byte_figure(f.get("between"), f.get("formula_between"), "held after the last finished turn",
                                       instrument)
         sources["between"].add(source)
@@ -66,7 +71,7 @@ def scoreboard_html(session: Session) -> str:
                                    instrument, f.get("peak_source"))
         sources["peak"].add(source)
         name, _, settings = label.partition(":")
-        ms = "—" if f.get("ms_per_token") is None else f"{f['ms_per_token']:.0f}"
+        own, share = own_cost(session, label, f.get("ms_per_token"))
         says = session.says_expected(label)
         answer = ("" if session.expect is None else
                   '<td class="kvd-num">…</td>' if says is None else
@@ -78,8 +83,8 @@ def scoreboard_html(session: Session) -> str:
             f'<td class="kvd-{kind}">{words}</td>{answer}'
             f'<td class="kvd-num">{between}</td>'
             f'<td class="kvd-num">{peak}</td>'
-            f'<td class="kvd-num">{ms}</td>'
-            f'<td class="kvd-num">{"—" if tps is None else f"{tps:.1f}"}</td></tr>')
+            f'<td class="kvd-num">{own}</td>'
+            f'<td class="kvd-num">{share}</td></tr>')
     asked = ("" if session.expect is None else
              f'<th title="does its reply to the scenario\'s last question contain the right answer?">'
              f'says {html.escape(session.expect[1])}?</th>')
@@ -89,10 +94,11 @@ def scoreboard_html(session: Session) -> str:
             f'<th>verdict against the full cache{recorded}</th>' + asked +
             _bytes_head("between turns", "bytes held after the last finished turn", sources["between"], instrument) +
             _bytes_head("peak in turn", "highest bytes during a forward of this turn", sources["peak"], instrument) +
-            '<th title="mean ms of this strategy\'s own work per decode step this turn: its attention, its cache\'s '
-            'work, and the batched pass\'s shared linears charged by rows (1/N to each of N rows)">own ms/token</th>'
-            '<th title="tokens per second of its own work alone; every pane shows a token per step, at the step\'s '
-            'speed (the last row)">own tok/s</th></tr>')
+            '<th title="mean ms of this strategy\'s own work per decode step this turn (a step it sat out counts 0): '
+            'its attention, its cache\'s work, and the batched pass\'s shared linears charged by rows (1/N to each of '
+            'N rows); the column adds up to the last row\'s panes\' own">own ms/step</th>'
+            '<th title="its own ms per step as a share of the step\'s wall time: every pane waits for the whole step, '
+            'so this is what it costs, not how fast it streamed">share of step</th></tr>')
     return f'<table class="kvd-board">{head}{"".join(rows)}{_step_rows(session, bool(session.expect))}</table>'
 
 
@@ -123,9 +129,9 @@ def _legend(sources: set, instrument: str) -> str:
 
 
 def _step_rows(session: Session, asked: bool) -> str:
-    """Below the panes, one row: the step's wall time (what a visitor sees: one token in every pane per step) and
-    its parts, the panes' own time, the instruments' (measurement, by instrument) and the unattributed rest, which
-    add up to it."""
+    """Below the panes, one row: the step's wall time (one token in every pane per step) and its parts, the panes'
+    own time (the column's sum), the instruments' (measurement, by instrument), the engine's and the unattributed
+    rest, which add up to it; and the rate every pane streamed at, as the page received the tokens."""
     means = session.step_means()
     if means is None:
         return ""
@@ -133,13 +139,18 @@ def _step_rows(session: Session, asked: bool) -> str:
     parts = ", ".join(f"{name} {ms:.0f}" for name, ms in sorted(means["measurement"].items(), key=lambda kv: -kv[1])
                       if ms >= 0.5)
     wall = means["wall"]
-    words = (f"= panes' own {means['lanes']:.0f} + measurement {measured:.0f}{f' ({parts})' if parts else ''} + "
+    own = sum(means["own"].values())
+    words = (f"= panes' own {own:.0f} + measurement {measured:.0f}{f' ({parts})' if parts else ''} + "
              f"engine {means['engine']:.0f} + unattributed {means['unattributed']:.0f} ms · mean of {means['steps']} "
              "steps this turn")
-    title = ("a decode step's wall time: every pane gets one token per step, so this is the speed each pane is seen "
-             "at; its parts are the panes' own ms/token (the column above), the instruments' time (measurement: "
-             "never inside a pane's), the engine's own (choosing tokens, detokenising, events) and what no clock covered")
-    return (f'<tr class="kvd-step-row" title="{html.escape(title)}"><td><b>step, as seen</b></td>'
+    rate = session.seen_rate()
+    seen = "—" if rate is None else f"{rate:.1f} tok/s"
+    title = ("a decode step's wall time: every pane gets one token per step, in lockstep, so every pane streams at "
+             "the same rate: the last cell, tokens per second from this turn's first token to its last as they "
+             "reached the page; its parts are the panes' own ms/step (the column above, summed), the instruments' "
+             "time (measurement: never inside a pane's), the engine's own (choosing tokens, detokenising, events) "
+             "and what no clock covered")
+    return (f'<tr class="kvd-step-row" title="{html.escape(title)}"><td><b>every pane, as seen</b></td>'
             f'<td colspan="{4 if asked else 3}" class="kvd-note">{html.escape(words)}</td>'
             f'<td class="kvd-num"><b>{wall:.0f}</b></td>'
-            f'<td class="kvd-num"><b>{1e3 / wall:.1f}</b></td></tr>' if wall > 0 else "")
+            f'<td class="kvd-num kvd-seen"><b>{seen}</b></td></tr>' if wall > 0 else "")

@@ -9,6 +9,7 @@ cache produced counts; a strategy that stops early or runs on is a mismatch.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from .settings import REFERENCE, RunConfig
@@ -63,11 +64,6 @@ class LaneView:
     def match(self) -> float | None:
         return self.matched / self.total if self.total else None
 
-    def tokens_per_s(self) -> float | None:
-        """Decode steps per second of this strategy's compute: its own work plus its share of a batched pass."""
-        ms = [row["total"] for row in self.latency]
-        return 1e3 * len(ms) / sum(ms) if ms and sum(ms) > 0 else None
-
     def turn_figures(self) -> dict:
         """Between turns (after the last finished turn), peak during the current (or last) turn, and its ms per
         decode token: the three numbers each pane shows side by side."""
@@ -116,7 +112,6 @@ class Session:
     attention_maps: dict | None = None  # the same, for the attention snapshots (`Engine.attention_maps`)
     busy: bool = False
     stop_requested: bool = False
-    prefill: tuple[int, int] | None = None  # (tokens read, of) while a long prompt is fed in pieces
     workdir: str | None = None
     load_number: int = 0  # the newest model choice of this session (an older load's result is not shown)
     expect: tuple[int, str] | None = None  # a played scenario's (turn, the words its right answer contains)
@@ -128,6 +123,11 @@ class Session:
     recorder: object = None  # a live run's `recording.Recorder` (the Export tab's recording)
     scenario: str | None = None  # the scripted conversation this run plays, if any
     pending: str | None = None  # the first screen's recording, by name, until a handler folds it in (`unfold`)
+    asked: tuple | None = None  # the action the page asked to confirm: the same again goes on, any other cancels it
+    pump: object = None  # the running turn's `runner.Pump` (Stop asks it which step ends the turn)
+    stopping: tuple[int, int] | None = None  # (turn, step) that Stop said the run ends after
+    seen: list[dict] = field(default_factory=list)  # per turn: its first and last token's time, steps (`seen_rate`)
+    memory_words: tuple[str, dict] = ("", {})  # (model, strategy -> a sentence): `geometry_panel.memory_words`
     last_plot: float = 0.0
     plot_cost: float = 0.0  # seconds the last live plots took to build (they share the cores with the engine)
 
@@ -167,23 +167,27 @@ class Session:
         if kind == "start":
             self.user_turns, self.steps, self.position, self.rss, self.result, self.token_maps = [], 0, 0, [], None, None
             self.step_times = []
+            self.seen = []
             self.attention_maps = None
             self.shown = list(event["strategies"])
             self.about = event.get("about", {})
             self.kernels_line = event.get("kernels_line", "")
             self.memory_instrument = event.get("memory", "")
             self.lanes = {label: LaneView(label) for label in dict.fromkeys([REFERENCE, *self.shown])}
-        elif kind == "prefill":
-            self.prefill = (event["done"], event["total"])
         elif kind == "turn":
-            self.prefill = None
             self.user_turns.append(event["user"])
+            self.seen.append({"t0": None, "t1": None, "steps": 0})
             self.position += len(event["chunk_ids"])
             for lane in self.lanes.values():
                 lane.replies.append(TurnReply())
                 lane.active = True
         elif kind == "step":
             self._step(event)
+            if self.seen:  # a recording's events carry their recorded time; a live one's arrive now
+                now = event.get("t", time.monotonic())
+                clock = self.seen[-1]
+                clock["t0"] = now if clock["t0"] is None else clock["t0"]
+                clock["t1"], clock["steps"] = now, clock["steps"] + 1
         elif kind == "turn_end":
             for label, text in event["texts"].items():
                 if label in self.lanes:
@@ -201,7 +205,6 @@ class Session:
             self.attention_maps = event["maps"]
 
     def _step(self, event: dict):
-        self.prefill = None
         self.steps += 1
         self.position += 1
         turn, index, events = event["turn"], event["index"], event["lanes"]
@@ -240,9 +243,18 @@ class Session:
                                     "engine_ms": event.get("engine_ms", {}),
                                     "unattributed_ms": event["unattributed_ms"]})
 
+    def seen_rate(self) -> float | None:
+        """Tokens per second each pane streamed at in the current (or last) turn, as a visitor saw them: every pane
+        gets one token per lockstep step, so it is the same for all (from its first token to its last)."""
+        clock = self.seen[-1] if self.seen else None
+        if clock is None or clock["steps"] < 2 or clock["t1"] <= clock["t0"]:
+            return None
+        return (clock["steps"] - 1) / (clock["t1"] - clock["t0"])
+
     def step_means(self) -> dict | None:
         """The current (or last) turn's decode steps, means in ms: the wall time (what every pane's speed is, as
-        seen), the lanes' own time together, each instrument's, the engine's own (choosing tokens, detokenising,
+        seen), each lane's own time (`own`: a step it sat out counts as 0, so the column adds up to `lanes`), the
+        lanes' own time together, each instrument's, the engine's own (choosing tokens, detokenising,
         events) and the rest no clock covered; they add up to the wall."""
         if not self.step_times:
             return None
@@ -251,7 +263,8 @@ class Session:
         n = len(rows)
         names = sorted({name for r in rows for name in r["measurement_ms"]})
         measured = {name: sum(r["measurement_ms"].get(name, 0.0) for r in rows) / n for name in names}
-        return {"steps": n, "wall": sum(r["step_ms"] for r in rows) / n,
+        own = {label: sum(r["lanes_ms"].get(label, 0.0) for r in rows) / n for label in self.shown}
+        return {"steps": n, "wall": sum(r["step_ms"] for r in rows) / n, "own": own,
                 "lanes": sum(sum(r["lanes_ms"].values()) for r in rows) / n,
                 "measurement": measured, "engine": sum(sum(r["engine_ms"].values()) for r in rows) / n,
                 "unattributed": sum(r["unattributed_ms"] for r in rows) / n}

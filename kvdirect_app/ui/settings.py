@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import service
-from ..catalog import embedded_presets, is_test_model, offered_presets, presets, unavailable_reason
+from ..catalog import embedded_presets, hub_copy, is_test_model, offered_presets, presets, unavailable_reason
 from ..limits import SettingError, integer, limits
 
 REFERENCE = "full"  # the engine's reference lane: every other lane is compared with it
-PREFERRED_MODELS = ("smollm2-135m", "gemma3-270m")  # the first whose weights are on this machine is the default
+PREFERRED_MODELS = ("smollm2-135m", "gemma3-270m")  # the first that loads here is the default (`default_model`)
+COMPLETION = "completion model: continues your text, does not chat"
 MODES, REBUILDS = ("exact", "fast"), ("step", "turn")
 KERNELS = ("invariant", "native")  # kernels.MODES (this module imports no torch)
 # Display order and names of the strategies the papers discuss; anything else registered follows, by name.
@@ -38,28 +39,42 @@ EXTRA_PANES = 3  # panes beyond one per registered strategy, for extra specs
 
 
 def default_model() -> str:
-    """SmolLM2 where its package is installed (`make demo`), else Gemma 3-270M (what a Space's requirements.txt
-    ships), else the first preset on this machine."""
-    here = embedded_presets()
-    return next((m for m in PREFERRED_MODELS if m in here), here[0])
+    """The first of PREFERRED_MODELS that loads here: SmolLM2 (a chat model) from its package (`make demo`) or,
+    where that is absent (a Space installs requirements.txt only), its Hub copy where the Hub or the local Hub
+    cache has it (`catalog.hub_copy`); else Gemma 3-270M (a base model, `model_note`); else the first preset on
+    this machine."""
+    return next((m for m in PREFERRED_MODELS if unavailable_reason(m) is None), embedded_presets()[0])
+
+
+def model_note(name: str) -> str:
+    """What a preset's model does with a message, where it is not a chat model (its preset's `chat = false`: the
+    engine feeds the text as it is, with no chat template); "" otherwise."""
+    p = presets().get(name)
+    return "" if p is None or p["kind"] == "tiny" or p.get("chat") else COMPLETION
 
 
 def model_choices() -> list[tuple[str, str]]:
-    """(label, name) for the model dropdown: real models first, the random-weight test models last, labelled."""
-    names = offered_presets()
-    real = [(n, n) for n in names if not is_test_model(n)]
+    """(label, name) for the model dropdown: real models first, the random-weight test models last, labelled; a
+    Hub copy says where it comes from, a base model that it does not chat."""
+    names, table = offered_presets(), presets()
+    where = {n: hub_copy(table[n]) for n in names}
+    real = [(" · ".join(filter(None, (n, model_note(n), where[n] and f"from {where[n]}"))), n)
+            for n in names if not is_test_model(n)]
     return real + [(f"{n} · test model, random weights", n) for n in names if is_test_model(n)]
 
 
 def missing_models_note() -> str:
-    """Why a preset's weights are not here (SmolLM2 on a Space: its package cannot come from requirements.txt),
-    and what choosing it does: hosted, it is not offered; elsewhere, it loads the Hub copy."""
+    """Which presets' packages are not here (SmolLM2 on a Space: its package cannot come from requirements.txt)
+    and what that means: it loads its Hub copy from where it was found; not found, hosted mode does not offer it,
+    and elsewhere choosing it tries the Hub again."""
     lines = []
-    for name in presets():
-        reason = unavailable_reason(name)
-        if reason:
+    for name, p in presets().items():
+        reason, where = unavailable_reason(name), hub_copy(p)
+        if where:
+            lines.append(f"{name}: {p['package']} is not installed; it loads its Hub copy {p['hub_id']} from {where}.")
+        elif reason:
             lines.append(f"{name} is not offered here: {reason}." if name not in offered_presets()
-                         else f"{name}: {reason}; choosing it loads its Hub copy (needs the Hub).")
+                         else f"{name}: {reason}; choosing it tries the Hub again.")
     return " ".join(lines)
 
 

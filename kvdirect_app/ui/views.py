@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import re
 
+from ..paths import data
 from ..units import fmt_bytes  # one byte format for the CLI tables and the page
 from ..palette import colours
 from .session import LaneView, Session, TurnReply
@@ -155,6 +156,23 @@ def _bytes_cell(measured, formula, what: str, instrument: str = "") -> str:
     return byte_figure(measured, formula, what, instrument)[0]
 
 
+def own_cost(session: Session, label: str, per_token: float | None) -> tuple[str, str]:
+    """(own ms per step, share of the step) of a pane this turn.  From the engine's step times where the run has
+    them (the column then adds up to the step row's "panes' own"); an older recording has only each pane's own
+    mean over the steps it ran, shown as such, with no share."""
+    means = session.step_means()
+    if means is None:
+        return ("—" if per_token is None else f"{per_token:.0f}"), "—"
+    ms = means["own"].get(label, 0.0)
+    return f"{ms:.0f}", (f"{100 * ms / means['wall']:.0f}%" if means["wall"] > 0 else "—")
+
+
+def header_html(memory: str = "") -> str:
+    """The banner: what the studio is, and what the exact strategies hold on the loaded model (said once it is
+    loaded: `geometry_panel.memory_banner`), never a promise that holds on some models only."""
+    return (data("assets") / "header.html").read_text(encoding="utf-8").replace("{memory}", _esc(memory))
+
+
 def pane_header(session: Session, label: str) -> str:
     lane = session.lanes.get(label)
     colour = colours(session.shown).get(label, "#333")
@@ -169,10 +187,12 @@ def pane_header(session: Session, label: str) -> str:
         stats.append(f"peak in turn <b>{_bytes_cell(f['peak'], f['formula_peak'], 'highest during a forward of this turn', by)}"
                      "</b>")
         if f["ms_per_token"] is not None:
-            stats.append(f'<span title="mean ms per decode step this turn: this strategy\'s own work (attention, '
-                         f'recompute, replay, scoring, cache update) plus 1/N of the pass the N lanes make together '
-                         f'(projections, MLP); the CLI\'s bench run --alone gives the cost deployed alone">'
-                         f'<b>{f["ms_per_token"]:.0f}</b> ms/token</span>')
+            own, share = own_cost(session, label, f["ms_per_token"])
+            stats.append(f'<span title="its own work per decode step this turn (attention, recompute, replay, '
+                         f'scoring, cache update, and 1/N of the pass the N lanes make together) and its share of the '
+                         f'step; every pane streams at the step\'s rate (the scoreboard\'s last row); the CLI\'s bench '
+                         f'run --alone gives the cost deployed alone">own <b>{own}</b> ms/step'
+                         f'{"" if share == "—" else f" ({share})"}</span>')
     if lane is not None and label != REFERENCE and lane.match is not None:
         cls = "good" if lane.match == 1.0 else "bad"
         stats.append(f'<span class="kvd-{cls}">match <b>{100 * lane.match:.0f}%</b></span>')
@@ -200,11 +220,22 @@ def pane_header(session: Session, label: str) -> str:
                          f'max|ΔK| {summary["max_abs_dk"]:.1e}</span>')
     for note in summary.get("notes", []):
         notes.append(f'<span class="kvd-note" title="{html.escape(note)}">settings adapted</span>')
+    told = _memory_told(session, name)
+    if told:
+        notes.append(f'<span class="kvd-memory-told">{_esc(told)}</span>')
     return (f'<div class="kvd-pane-head" style="border-left-color:{colour}">'
             f'<div class="kvd-pane-title" title="{html.escape(session.about.get(label, {}).get("doc", ""))}"><span class="kvd-dot" style="background:{colour}"></span>'
             f'{_esc(title(name))} <code>{_esc(name)}</code>{chips}</div>'
             f'<div class="kvd-stats">{" · ".join(stats) or "&nbsp;"}</div>'
             f'<div class="kvd-notes">{" ".join(notes) or "&nbsp;"}</div></div>')
+
+
+def _memory_told(session: Session, name: str) -> str:
+    """The loaded model's sentence on what this exact strategy holds (`geometry_panel.memory_words`), where the
+    run on screen is on that model (a recording of another model keeps its own figures and no sentence)."""
+    model, words = session.memory_words
+    shown = (session.recording or {}).get("model") or (session.config.model if session.config else None)
+    return words[name][0] if model and model == shown and name in words else ""
 
 
 def without_paths(line: str) -> str:
@@ -319,7 +350,8 @@ def recording_line(session: Session) -> str:
     """The line above the scoreboard: which recording is on screen, and that every number is the recorded one."""
     meta = session.recording
     if not meta:
-        return ""
+        return ('<div class="kvd-recording"><b>Live on this machine.</b> <span class="kvd-note">▶ Replay it plays '
+                'the recorded run picked under ⚙ Settings ▸ Recorded runs.</span></div>') if session.shown else ""
     from ..recording import describe
 
     what = meta.get("scenario") or "a recorded conversation"
