@@ -65,7 +65,7 @@ def _hub_copy(ref: str) -> str | None:
         config = try_to_load_from_cache(ref, "config.json")
     except ValueError:  # not a Hub id
         return None
-    if isinstance(config, str):
+    if isinstance(config, str) and any(Path(config).parent.glob("*.safetensors")):
         return HUB_CACHE
     if constants.HF_HUB_OFFLINE:
         return None

@@ -160,8 +160,9 @@ def config_geometry(source: str, dtype: str = "bfloat16") -> dict:
 
 # --- runs ----------------------------------------------------------------------------------------------------------
 def prepare(model: str, device: str, dtype: str, specs: list[str], max_new_tokens: int, turns: list[str],
-            raw: bool = False, twins: bool = True, kernels: str = "invariant") -> None:
-    """Every check before a run (the same `validate` stages as the CLI), then the memory guard; raises UserError."""
+            raw: bool = False, twins: bool = True, kernels: str = "invariant") -> dict:
+    """Every check before a run (the same `validate` stages as the CLI), then the memory guard; raises UserError.
+    Returns {"prompt_tokens": each turn's prompt with its chat template, "bytes": the guard's estimate of the peak}."""
     from . import guard, validate
     from .engine import PREFILL_CHUNK
     from .prompts import Prompter
@@ -169,10 +170,12 @@ def prepare(model: str, device: str, dtype: str, specs: list[str], max_new_token
     req = validate.request(model, device, dtype, specs, max_new_tokens, turns, raw)
     loaded = _loaded(req.model, req.dtype, req.device)
     total = validate.against_model(req, loaded)
-    prompt = len(Prompter(loaded, raw).first(turns[0]))
-    est = guard.estimate(loaded.config, loaded.dtype, list(req.strategies), prompt, total, PREFILL_CHUNK, twins=twins,
-                         turns=len(turns), kernels=kernels)
+    prompter = Prompter(loaded, raw)
+    prompts = [len(prompter.first(turns[0]))] + [len(prompter.next(turn, None)) for turn in turns[1:]]
+    est = guard.estimate(loaded.config, loaded.dtype, list(req.strategies), prompts[0], total, PREFILL_CHUNK,
+                         twins=twins, turns=len(turns), kernels=kernels)
     guard.check(est, loaded.device)
+    return {"prompt_tokens": prompts, "bytes": est.total}
 
 
 class Conversation:

@@ -227,3 +227,186 @@ def test_kernels_setting_reaches_the_run_its_status_and_the_compare_endpoint(app
         assert result["kernels"]["mode"] == kernels and result["strategies"]["kvdirect:budget=4"]["kv_exact"] is True
     with pytest.raises(AppError, match="kernels: 'fastest' is not allowed"):
         client.predict("Hi.", TINY, "full", 4, 0, 2, "auto", "float32", "fastest", api_name="/compare")
+
+
+# --- long and stopped turns, replays over a live conversation, the status line (handlers driven directly) ---------
+def _status(demo, update: dict) -> str:
+    """The status line's text (its HTML's tags dropped)."""
+    import html
+    import re
+
+    return html.unescape(re.sub(r"<[^>]+>", "", str(update.get(demo.kvd_handlers.s.views.status, ""))))
+
+
+def _statuses(demo, updates) -> list[str]:
+    return [s for s in (_status(demo, u) for u in updates) if s]
+
+
+def test_a_long_message_asks_first_with_its_time_and_memory_and_a_second_send_runs_it(app, monkeypatch):
+    """Mutations: `send` passes `ask=None` always (the long run starts unasked), or `load_model` keeps
+    `session.asked` (after another action the next Send runs without asking)."""
+    from kvdirect_app.ui import handlers as handlers_module
+    from kvdirect_app.ui import runner
+    from kvdirect_app.ui.session import Session
+
+    demo, _ = app
+    h = demo.kvd_handlers
+    monkeypatch.setattr(handlers_module, "LONG_PROMPT_TOKENS", 5)  # every message of this test is "long"
+    monkeypatch.setattr(runner, "PACES", {})  # nothing measured yet in this process
+    session, controls = Session(), _controls(strategies=["full", "kvdirect"])
+    asked = _statuses(demo, h.send(session, "Tell me about caches.", **controls))[-1]
+    assert "Press Send again to go on" in asked and "more than 5)" in asked, asked
+    assert "time not known yet" in asked and "memory guard's estimate" in asked, asked
+    assert session.user_turns == [] and session.engine is None and not session.busy
+    done = _statuses(demo, h.send(session, "Tell me about caches.", **controls))[-1]
+    assert "Done: 1 turn(s)" in done and session.user_turns == ["Tell me about caches."], done
+    # The next long message is estimated from what the first one measured here; another action (choosing the
+    # model again) cancels the question.
+    asked = _statuses(demo, h.send(session, "And then?", **controls))[-1]
+    assert "Press Send again" in asked and "a step, measured here with these settings" in asked, asked
+    assert "ready" in _statuses(demo, h.load_model(session, model=TINY, custom_model="", device="auto",
+                                                   dtype="float32"))[-1]
+    asked = _statuses(demo, h.send(session, "And then?", **controls))[-1]
+    assert "Press Send again" in asked and session.user_turns == ["Tell me about caches."], asked
+
+
+def test_stop_names_the_step_it_ends_after_and_the_status_never_shows_a_later_one(app):
+    """Mutation: `stop` sets the flag without `Pump.stop_after` (the status counts on past the step it named)."""
+    import re
+
+    from kvdirect_app.ui.session import Session
+
+    demo, _ = app
+    h = demo.kvd_handlers
+    session = Session()
+    run = h.send(session, "Tell me a long story.", **_controls(strategies=["full", "window"], max_new_tokens=64))
+    before = []
+    for update in run:
+        before.append(_status(demo, update))
+        if session.steps >= 3:
+            break
+    said = h.stop(session)
+    n = re.search(r"Stopping after step (\d+) of turn 1…", said)
+    assert n, said
+    n = int(n.group(1))
+    after = _statuses(demo, run)
+    assert after[-1] == f"Stopped after step {n} of turn 1.", after[-1]
+    for text in after:
+        assert all(int(k) <= n for k in re.findall(r"step (\d+)", text)), text
+    assert 3 <= n < 64 and session.steps == n and not session.busy
+    assert len(session.reference.replies[0].tokens) == n
+
+
+def test_a_stop_asked_while_the_pump_hands_a_step_over_ends_after_the_step_it_named():
+    """Stop can come after the pump took step 2 and before it checks: Stop names step 3 (the one the engine computes
+    next) and the pump goes on to it.  Mutation: the pump stops at its next event whatever Stop named."""
+    import threading
+
+    from kvdirect_app.ui.runner import Pump
+
+    ready, said = threading.Event(), []
+
+    def events():
+        ready.wait(timeout=60)
+        yield {"type": "turn", "turn": 0, "chunk_ids": [1]}
+        for i in range(10):
+            yield {"type": "step", "index": i, "lanes": {"full": {"active": True}}}
+
+    def should_stop():  # Stop pressed in the race's window, as its handler does it: the target first, then the flag
+        if pump.step == 2 and not said:
+            said.append(pump.stop_after())
+        return bool(said)
+
+    pump = Pump(events(), should_stop)
+    ready.set()
+    got = [event for event in pump if event is not None]
+    assert said == [(1, 3)] and got[-1]["index"] + 1 == 3
+
+
+def test_the_status_shows_the_time_while_a_long_message_is_read_and_no_event_comes(app, monkeypatch):
+    """A piece of a long message takes minutes and sends nothing: the pump's tick redraws the status with the tokens
+    read, their total and the time.  Mutation: `Pump.__iter__` waits without `tick` (no status until the piece ends)."""
+    import threading
+
+    from kvdirect_app.ui import handlers as handlers_module
+    from kvdirect_app.ui import runner
+    from kvdirect_app.ui.session import Session
+
+    demo, _ = app
+    h = demo.kvd_handlers
+    real, reading = runner.play, threading.Event()
+
+    def slow(config, turns, talk=None):  # the engine, stalled after a turn begins as if reading a long piece
+        for event in real(config, turns, talk):
+            yield event
+            if event["type"] == "turn":
+                reading.wait(timeout=60)
+
+    monkeypatch.setattr(runner, "play", slow)
+    monkeypatch.setattr(handlers_module, "HEARTBEAT_S", 0.01)
+    session = Session()
+    run = h.send(session, "Hello.", **_controls(strategies=["full", "kvdirect"]))
+    for update in run:
+        text = _status(demo, update)
+        if "reading the message, 0 of" in text and "so far" in text and len(update) == 1:  # the tick's own redraw
+            break
+    reading.set()
+    assert "Done: 1 turn(s)" in _statuses(demo, run)[-1]
+
+
+def test_progress_says_tokens_read_steps_made_and_the_time_left_from_this_turns_speed(monkeypatch):
+    """On a clock of its own: a first piece of 1,000 tokens read in 10 s leaves 2,000 at that rate; steps of 0.5 s
+    leave the rest at theirs.  Mutation: the time left from the tokens read instead of those still to read."""
+    from kvdirect_app.ui import runner
+    from kvdirect_app.ui.settings import RunConfig
+
+    monkeypatch.setattr(runner, "PACES", {})
+    config = RunConfig(TINY, "cpu", "float32", ("full",), max_new_tokens=10)
+    progress = runner.Progress(config)
+    progress.add({"type": "turn", "turn": 1, "chunk_ids": [0] * 3000}, now=100.0)
+    assert progress.line(100.0).startswith("reading the message, 0 of 3,000 tokens, 0 s so far, the time left is known")
+    progress.add({"type": "prefill", "turn": 1, "done": 1000, "total": 3000}, now=110.0)
+    assert progress.line(112.0) == "reading the message, 1,000 of 3,000 tokens, 12 s so far, about 20 s left to read it"
+    progress.add({"type": "step", "index": 0, "step_ms": 500.0}, now=130.5)
+    assert progress.line(131.0) == "step 1 of at most 10, 31 s so far, about 4 s left"
+    # What this turn measured is the next estimate's basis: 10 ms a prompt token (30 s for 3,000), 0.5 s a step.
+    assert runner.estimate_s(config, 100, 4)[0] == 100 * 0.01 + 4 * 0.5
+
+
+def test_a_replay_asks_before_replacing_a_live_conversation(app):
+    """Mutation: `replay` starts the recording without checking for live turns (the conversation is replaced at the
+    first click)."""
+    from kvdirect_app.ui import playback
+    from kvdirect_app.ui.session import Session
+
+    demo, _ = app
+    h = demo.kvd_handlers
+    session = Session()
+    assert "Done: 1 turn(s)" in _statuses(demo, h.send(session, "Hello.", **_controls(strategies=["full"])))[-1]
+    choice = playback.first_name()
+    asked = _statuses(demo, h.replay(session, choice, "instant"))[-1]
+    assert "Replaying would replace this conversation: its 1 live turn(s)" in asked, asked
+    assert "Press ▶ Replay it again to replace it" in asked
+    assert session.user_turns == ["Hello."] and session.recording is None
+    assert "Replayed:" in _statuses(demo, h.replay(session, choice, "instant"))[-1]
+    assert session.recording is not None
+    # A recording on screen is no live conversation: the next replay asks nothing.
+    assert "Replayed:" in _statuses(demo, h.replay(session, choice, "instant"))[-1]
+
+
+def test_the_done_line_counts_the_steps_and_the_time_of_the_same_turn(app):
+    """Two turns: the second's line gives its own steps (not both turns'), beside its own time.  Mutation: the line
+    counts `session.steps` (every turn's steps) again."""
+    import re
+
+    from kvdirect_app.ui.session import Session
+
+    demo, _ = app
+    h = demo.kvd_handlers
+    session, controls = Session(), _controls(strategies=["full", "kvdirect"], max_new_tokens=5)
+    first = _statuses(demo, h.send(session, "Hello.", **controls))[-1]
+    steps_first = session.steps
+    assert re.match(rf"Done: 1 turn\(s\); turn 1: {steps_first} steps in [0-9.]+ s; ", first), first
+    second = _statuses(demo, h.send(session, "And then?", **controls))[-1]
+    assert session.steps > steps_first
+    assert re.match(rf"Done: 2 turn\(s\); turn 2: {session.steps - steps_first} steps in [0-9.]+ s; ", second), second

@@ -31,6 +31,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not 
 
 from kvdirect_app.claims import reproduce  # noqa: E402
 from kvdirect_app.ui import build_demo, tasks_view  # noqa: E402
+from kvdirect_app.ui.layout import TABS  # noqa: E402
 
 from .conftest import launch_local  # noqa: E402
 from kvdirect_app.ui.settings import default_names, title  # noqa: E402
@@ -95,6 +96,63 @@ def status(page) -> str:
     return page.inner_text("#kvd-status")
 
 
+# Text cut off or boxes past the viewport, anywhere on the page as shown: an element whose text is clipped by its
+# own overflow (or ellipsis) with no hover that shows it whole, an element that ends right of the viewport
+# without an ancestor that clips it, and a plot's text outside its plot.  Screen-reader-only and visually hidden
+# helpers do not count.
+OVERFLOW = """() => {
+  const hidden = e => e.closest('.sr-only, .visually-hidden, .hide, [aria-hidden=true]');
+  const clipped = e => { for (let a = e.parentElement; a; a = a.parentElement) {
+      if (getComputedStyle(a).overflowX !== 'visible' && a.getBoundingClientRect().right <= innerWidth + 1) return true; }
+    return false; };
+  const out = [];
+  for (const e of document.querySelectorAll('body *')) {
+    if (!e.offsetParent || hidden(e) || !(e.innerText || '').trim()) continue;
+    const s = getComputedStyle(e), r = e.getBoundingClientRect();
+    if (r.width <= 2) continue;
+    const cut = (s.overflowX !== 'visible' || s.textOverflow === 'ellipsis') && e.scrollWidth > e.clientWidth + 2;
+    if (cut && !e.closest('[title]')) out.push(`cut: ${e.tagName}.${e.className} «${e.innerText.slice(0, 50)}»`);
+    if (r.right > innerWidth + 1 && !clipped(e)) out.push(`wide: ${e.tagName}.${e.className} right ${r.right}`);
+  }
+  for (const t of document.querySelectorAll('.js-plotly-plot svg text')) {  // a plot's titles, ticks and labels
+    const plot = t.closest('.js-plotly-plot'), r = t.getBoundingClientRect(), p = plot.getBoundingClientRect();
+    if (!plot.offsetParent || !t.textContent.trim() || r.width === 0) continue;
+    if (r.left < p.left - 1 || r.right > p.right + 1 || r.top < p.top - 1 || r.bottom > p.bottom + 1)
+      out.push(`cut by its plot: «${t.textContent.slice(0, 50)}»`);
+  }
+  return out;
+}"""
+
+
+def settings(page, open_: bool = True):
+    """Open the settings drawer (closed at start: the Chat tab's ⚙ Settings, elsewhere the drawer's own toggle), or
+    close it (it lies over the page's left side, as a drawer does, so a visitor closes it to click there)."""
+    if ("open" in (page.locator("#kvd-side").get_attribute("class") or "").split()) == open_:
+        return
+    button = page.locator("#kvd-settings")
+    (button if open_ and button.is_visible() else page.locator("#kvd-side .toggle-button")).click()
+    page.wait_for_function(f"document.querySelector('#kvd-side').classList.contains('open') == {str(open_).lower()}",
+                           timeout=10_000)
+    page.wait_for_timeout(400)  # it slides
+
+
+def layout_problems(page) -> list[str]:
+    """Every tab's overflow problems (`OVERFLOW`), with the settings closed and open, and the document's width."""
+    problems = []
+    for name in TABS:
+        page.get_by_role("tab", name=name, exact=True).click()
+        page.wait_for_timeout(300)
+        for side in ("closed", "open"):
+            settings(page, side == "open")
+            problems += [f"{name} (settings {side}): {p}" for p in page.evaluate(OVERFLOW)]
+            width = page.evaluate("document.documentElement.scrollWidth")
+            if width > page.viewport_size["width"]:
+                problems.append(f"{name} (settings {side}): the page is {width} px wide")
+        settings(page, False)
+    page.get_by_role("tab", name=TABS[0], exact=True).click()
+    return problems
+
+
 def test_a_prompt_fills_every_pane_the_first_screen_and_the_plots(url, browser, tmp_path):
     """One turn at 1280x720 (a projector): the recall demo is one visible click before it; after it, without
     scrolling, the scoreboard shows each pane's verdict, bytes and speed; every pane has its reply and stats, the
@@ -106,18 +164,29 @@ def test_a_prompt_fills_every_pane_the_first_screen_and_the_plots(url, browser, 
     page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('ready')", timeout=180_000)
     recall = page.locator("#kvd-recall")
     assert recall.is_visible() and recall.bounding_box()["y"] + recall.bounding_box()["height"] <= 720
+    set_new_tokens(page, 64)  # the live default: the page's height after a turn is measured with a whole reply
     page.fill("#kvd-prompt textarea", PROMPT)
     page.click("#kvd-send")
     page.wait_for_function("document.querySelector('#kvd-status').innerText.match(/Done|failed|error/i)",
                            timeout=600_000)
     assert "Done: 1 turn(s)" in status(page)
     assert "kernels: invariant" in status(page)  # the run's kernels, said on the page
+    height = page.evaluate("document.documentElement.scrollHeight")
+    assert height <= 3 * 720, f"the chat tab is {height} px tall after one turn: more than three screens"
 
     # The first screen, as a room sees it.
     rows = page.locator("table.kvd-board tr")
     assert rows.count() == len(default_names()) + 2  # the head, a row per pane, the step as seen
-    step = page.locator("table.kvd-board tr.kvd-step-row").inner_text()
-    assert "step, as seen" in step and "panes' own" in step and "measurement" in step and "unattributed" in step
+    step = page.locator("table.kvd-board tr.kvd-step-row")
+    assert "every pane, as seen" in step.inner_text() and "panes' own" in step.inner_text()
+    # Speeds as experienced: the rate every pane streamed at, and the panes' own ms/step adding up to "panes' own".
+    words, wall, seen = step.locator("td").all_inner_texts()[1:]
+    assert re.fullmatch(r"\d+\.\d tok/s", seen.strip()), seen
+    own = [float(c[-2]) for c in board(page).values() if len(c) > 2 and c[-2].strip().isdigit()]
+    assert len(own) == len(default_names())
+    told = float(re.search(r"panes' own (\d+)", words).group(1))
+    assert abs(sum(own) - told) <= len(own) / 2 + 0.5, (own, told)  # each cell rounded to the ms
+    assert "tok/s" not in page.inner_text("table.kvd-board tr:not(.kvd-step-row)")  # no pane claims a speed
     for i in range(1, rows.count()):
         box = rows.nth(i).bounding_box()
         assert box["y"] >= 0 and box["y"] + box["height"] <= 720, (i, box)  # the step's row too: on the first screen
@@ -145,11 +214,17 @@ def test_a_prompt_fills_every_pane_the_first_screen_and_the_plots(url, browser, 
         replies = pane.locator('[data-testid="bot"]')
         assert replies.count() == 1 and replies.first.inner_text().strip(), f"pane {title!r} stayed empty"
         stats = pane.locator(".kvd-stats").inner_text()
-        assert "between turns" in stats and "peak in turn" in stats and "ms/token" in stats, title
+        assert "between turns" in stats and "peak in turn" in stats and "ms/step" in stats, title
+        assert "tok/s" not in stats, title
+    told = page.locator(".kvd-pane:visible .kvd-memory-told").all_inner_texts()
+    assert any("holds more than the full cache on this model (r = 1.50)" in t for t in told), told  # SmolLM2
+    assert "KV-Direct holds more than the full cache" in page.inner_text("#kvd-header")
 
+    page.get_by_role("tab", name="Time & agreement").click()
     for plot in ("#kvd-memory", "#kvd-latency", "#kvd-agreement"):
         assert page.locator(f"{plot} .js-plotly-plot").count() == 1, plot
         assert page.locator(f"{plot} .scatterlayer .trace, {plot} .barlayer .trace").count() > 0, plot
+    page.get_by_role("tab", name="Token map").click()
     assert page.locator("#kvd-token-map .kvd-tok").count() > 0
     page.get_by_role("tab", name="Geometry").click()
     assert "full KV, all layers" in page.inner_text("#kvd-geometry")
@@ -170,8 +245,10 @@ def test_bad_settings_show_one_message_and_the_page_stays_usable(url, page):
     page.goto(url)
     page.wait_for_selector("#kvd-send", timeout=60_000)
     page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('ready')", timeout=180_000)
-    page.get_by_text("More panes (extra strategy specs)").click()
+    settings(page)
+    page.get_by_text("More panes (extra specs)").click()
     page.get_by_label("Extra specs, comma-separated").fill("kvdirect:mode=sideways")
+    settings(page, False)
     page.fill("#kvd-prompt textarea", "Hello")
     page.click("#kvd-send")
     page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('allowed')", timeout=60_000)
@@ -211,6 +288,34 @@ def test_the_first_screen_shows_the_recall_recording_without_any_run(url, browse
     page.context.close()
 
 
+@pytest.mark.parametrize("width,height", [(1280, 720), (1920, 1080)])
+def test_the_page_fits_a_laptop_and_a_projector(url, browser, width, height):
+    """At 1280x720 and 1920x1080 (a projector): the tab row ends on the first screen, the chat tab first; the message
+    box is at least 560 px wide and its placeholder fits it; no tab, with the settings closed or open, has text cut
+    off without a hover or a box past the viewport; the sidebar's settings open from the Chat tab.
+    Catches: tabs below the panes (the old page had them at y 3,537), the narrow prompt box with a clipped
+    placeholder, a scoreboard cell or accordion label cut off, a plot wider than the page with the settings open."""
+    page = open_page(browser, width, height)
+    page.goto(url)
+    page.wait_for_selector("#kvd-send", timeout=60_000)
+    page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('ready')", timeout=180_000)
+    tabs = page.locator("#kvd-tabs [role=tablist]").first
+    box = tabs.bounding_box()
+    assert box["y"] + box["height"] <= 720, box
+    assert tabs.get_by_role("tab").first.inner_text().strip() == TABS[0] == "Chat"
+    prompt = page.locator("#kvd-prompt textarea")
+    assert prompt.bounding_box()["width"] >= 560, prompt.bounding_box()
+    room = prompt.evaluate("""e => { const c = document.createElement('canvas').getContext('2d'), s = getComputedStyle(e);
+        c.font = `${s.fontSize} ${s.fontFamily}`;
+        return e.clientWidth - parseFloat(s.paddingLeft) - parseFloat(s.paddingRight)
+               - c.measureText(e.placeholder).width; }""")
+    assert room >= 0, f"the placeholder is {-room:.0f} px wider than the message box"
+    problems = layout_problems(page)
+    assert not problems, "\n".join(problems)
+    assert not page.console_errors, page.console_errors
+    page.context.close()
+
+
 def test_the_claims_tab_shows_the_committed_report(url, browser, tmp_path):
     page = open_page(browser, 1280, 900)
     page.goto(url)
@@ -236,9 +341,6 @@ def test_the_claims_tab_shows_the_committed_report(url, browser, tmp_path):
     page.context.close()
 
 
-TABS = ["Token map", "Frontier", "Geometry", "Export", "Tasks", "Claims", "What am I looking at?"]
-
-
 def test_every_tab_fits_and_the_tasks_tab_shows_the_shipped_result_at_once(url, browser, tmp_path):
     """At 1280x720 every tab is in the tab row (none behind the overflow menu); the Tasks tab shows the shipped
     result's heatmaps (the full cache's first) without a run; a budget and a task redraw it; a file of another
@@ -246,8 +348,8 @@ def test_every_tab_fits_and_the_tasks_tab_shows_the_shipped_result_at_once(url, 
     page = open_page(browser, 1280, 720)
     page.goto(url)
     page.wait_for_selector("#kvd-send", timeout=60_000)
-    tabs = page.locator("[role=tablist]").last
-    assert [t.strip() for t in tabs.get_by_role("tab").all_inner_texts()] == TABS
+    tabs = page.locator("#kvd-tabs [role=tablist]").first
+    assert [t.strip() for t in tabs.get_by_role("tab").all_inner_texts()] == list(TABS)
     for name in TABS:
         assert tabs.get_by_role("tab", name=name, exact=True).is_visible(), name
     page.get_by_role("tab", name="Tasks").click()
@@ -306,14 +408,21 @@ def ended(page, timeout_s: int) -> str:
 
 
 def set_new_tokens(page, n: int):
+    settings(page)
     box = page.locator("#kvd-max-new input[type=number]")
     box.fill(str(n))
     box.press("Enter")
+    settings(page, False)
 
 
 def choose(page, dropdown: str, option: str):
+    drawer = page.locator(f"#kvd-side {dropdown}").count() > 0
+    if drawer:
+        settings(page)
     page.click(f"{dropdown} input")
     page.get_by_role("option", name=option).first.click()
+    if drawer:
+        settings(page, False)
 
 
 def send(page, text: str):
@@ -417,12 +526,14 @@ def test_replay_streams_stops_and_plays_to_the_recorded_end(visitor, tmp_path):
     plots' titles and the token map say "recorded on"; the map opens on a baseline that dropped "4127" beside
     AnchorKV, which replays it."""
     page = visitor
+    settings(page)
     page.locator("#kvd-speed").get_by_text("x16").click()
     page.click("#kvd-replay")
     page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('Replaying')", timeout=30_000)
     page.click("#kvd-stop")
     assert "Replay stopped at step" in ended(page, 120), status(page)
     page.locator("#kvd-speed").get_by_text("instant").click()
+    settings(page, False)
     page.click("#kvd-replay")
     page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('Replayed')", timeout=60_000)
     assert "recorded on" in page.inner_text("#kvd-board")
@@ -462,6 +573,7 @@ def test_a_recording_file_opens_and_an_old_version_is_refused(url, browser, tmp_
     page = open_page(browser, 1280, 720)
     page.goto(url)
     page.wait_for_selector("#kvd-upload", timeout=60_000)
+    settings(page)
     page.locator("#kvd-speed").get_by_text("instant").click()
     upload = page.locator("#kvd-upload input[type=file]")
     for path, words in ((old, "recording version 0 is not supported"), (good, "Replayed")):

@@ -4,7 +4,7 @@ import pytest
 
 from kvdirect_app.claims import papers
 from kvdirect_app.claims.verdicts import (DIRECTION_ONLY, EQUAL, EXACT_TOLERANCE, FAILS, HIGHER, HOLDS, LOWER,
-                                          NOT_MEASURED, SIZE_TOLERANCE, VERDICTS, judge, rule_text, worst)
+                                          NOT_MEASURED, SIZE_TOLERANCE, VERDICTS, judge, rule_text, stated, worst)
 
 pytestmark = pytest.mark.check  # the inner loop (`make check`)
 
@@ -68,3 +68,13 @@ def test_every_paper_figure_is_data_the_rule_can_read():
             assert judge(f.value, f.value, f.direction, f.tolerance, f.neutral) == HOLDS  # the paper meets itself
     text = rule_text()
     assert f"{SIZE_TOLERANCE:.0%}" in text and all(v in text for v in VERDICTS)
+
+
+def test_a_verdict_in_a_sentence_keeps_its_words():
+    """"Claim 7b is not measured: ..." and "Claim 3 holds in direction, not in size: ...": the sentence carries the
+    verdict's own words, so the card, the table and the sentence read alike.  Mutation that fails it: `stated`
+    rewording a verdict (FAILS as "fails", or NOT_MEASURED without its "is")."""
+    assert [stated(v) for v in VERDICTS] == [HOLDS, DIRECTION_ONLY, FAILS, "is not measured"]
+    assert all(stated(v).endswith(v) for v in VERDICTS)
+    with pytest.raises(ValueError, match="verdict 'no effect'; allowed: holds, holds in direction"):
+        stated("no effect")

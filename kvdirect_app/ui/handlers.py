@@ -3,7 +3,7 @@
 A turn runs on the session's engine; a change of settings (or a regenerate)
 builds a new engine and replays the conversation, which greedy decoding makes
 identical.  Stop sets a flag that the engine's own thread (`runner.Pump`) checks
-between steps, so the turn is always closed cleanly, on the thread that opened it.
+between steps, so the turn is always closed cleanly, on the thread that opened it, after the step Stop named.
 """
 
 from __future__ import annotations
@@ -341,10 +341,11 @@ class Handlers:
                     yield {self.s.views.status: views.status(self._progress(session, progress, turns, fresh, now),
                                                              "busy")}
                     continue
+                if session.recorder is not None:  # the session reads the recorded copy: its time is the recording's
+                    session.recorder.add(event)
+                    event = session.recorder.events[-1]
                 session.apply(event)
                 progress.add(event, now)
-                if session.recorder is not None:
-                    session.recorder.add(event)
                 stopped = session.stop_requested
                 if budget is not None and not stopped and now - t_start > budget:
                     session.stop_requested = timed_out = True  # the engine's thread ends the turn after this step
@@ -389,11 +390,14 @@ class Handlers:
         yield self._final(session, message, kind)
 
     @staticmethod
-    def _progress(session: Session, progress: runner.Progress | None, turns: list[str], fresh: bool, now: float) -> str:
+    def _stopping(session: Session) -> str:
+        turn, step = session.stopping
+        return f"Stopping after step {step} of turn {turn}…" if step else "Stopping after this piece of the message…"
+
+    def _progress(self, session: Session, progress: runner.Progress, turns: list[str], fresh: bool, now: float) -> str:
         """The status during a run; once Stop is pressed, only the step it ends after (no later number)."""
         if session.stopping is not None:
-            turn, step = session.stopping
-            return f"Stopping after step {step} of turn {turn}…" if step else "Stopping after this piece of the message…"
+            return self._stopping(session)
         turn = len(session.user_turns)
         return f"Turn {turn}/{len(turns) if fresh else turn}: {progress.line(now)}…"
 
@@ -596,14 +600,15 @@ class Handlers:
         session.asked = None
         if not session.busy:
             return views.status("Nothing is running.", "info")
-        session.stop_requested = True  # first: the pump's answer below is then the step it stops after, or later
         if session.pump is None:  # a replay, or an engine still being built
+            session.stop_requested = True
             return views.status("Stopping…", "busy")
-        session.stopping = session.pump.last_step()
-        return views.status(self._progress(session, None, [], False, 0.0), "busy")
+        session.stopping = session.pump.stop_after()  # before the flag: the pump stops there, not at its next event
+        session.stop_requested = True
+        return views.status(self._stopping(session), "busy")
 
     def clear(self, session: Session) -> dict:
-        session.pending = session.asked = None
+        session.pending = None
         if session.busy:
             gr.Warning("A turn is still running: press Stop first.")
             return {self.s.views.status: views.status("A turn is still running: press Stop first.", "error")}

@@ -80,7 +80,7 @@ def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tok
         kernels = gr.Radio(["invariant", "native"], value="invariant", label="Kernels", elem_id="kvd-kernels",
                            info="invariant: every row's bits independent of the call (one GEMM for all lanes and "
                                 "replays; probed at start); native: the model's own kernels, replays repeat shapes")
-    with gr.Accordion("More panes (extra strategy specs)", open=False):
+    with gr.Accordion("More panes (extra specs)", open=False):
         extra = gr.Textbox(label="Extra specs, comma-separated", placeholder="kvdirect:budget=16:mode=fast",
                            info="name[:key=value]…; budget/spacing/mode above fill in what a spec leaves unset.")
     return Controls(preset, custom, device, dtype, picked, extra, budget_s, spacing, mode, rebuild, max_new, twins, kernels)
@@ -135,8 +135,8 @@ def _tasks_tab():
                              elem_id="kvd-tasks-budget")
         task = gr.Dropdown([tasks_view.ALL, *result["tasks"]], value=tasks_view.ALL, label="Task", scale=2,
                            elem_id="kvd-tasks-task")
-        upload = gr.File(label="…or open a results file (bench tasks --json)", file_types=[".json"], scale=2,
-                         type="filepath", height=90, elem_id="kvd-tasks-upload")
+        upload = gr.UploadButton("📂 Open a results file (bench tasks --json)", file_types=[".json"], scale=2,
+                                 type="filepath", variant="secondary", elem_id="kvd-tasks-upload")
     head = gr.HTML(tasks_view.head_html(result), elem_id="kvd-tasks-head")
     heat = gr.Plot(tasks_view.heatmap_figure(result, budgets[0]), show_label=False, elem_id="kvd-tasks-heatmap")
     summary = gr.HTML(tasks_view.table_html(result, budgets[0]), elem_id="kvd-tasks-summary")
@@ -202,8 +202,8 @@ def _recordings(first: Session):
     picker = gr.Dropdown(choices, value=playback.first_name(), label="Recorded runs", elem_id="kvd-recordings",
                          info="played back at the recorded pace (or faster); every number is the recorded one")
     speed = gr.Radio(list(playback.SPEEDS), value=playback.DEFAULT_SPEED, label="Replay speed", elem_id="kvd-speed")
-    upload = gr.File(label="…or open a recording file (.json / .json.gz)", file_types=[".json", ".gz"],
-                     file_count="single", type="filepath", elem_id="kvd-upload", height=90)
+    upload = gr.UploadButton("📂 Open a recording file (.json / .json.gz)", file_types=[".json", ".gz"],
+                             file_count="single", type="filepath", variant="secondary", elem_id="kvd-upload")
     return picker, speed, upload
 
 

@@ -114,8 +114,8 @@ class Progress:
         if kind == "turn":
             self.turn, self.t0, self.total = event["turn"] + 1, now, len(event["chunk_ids"])
             self.read, self.steps, self.step_ms, self.read_s = 0, 0, [], None
-        elif kind == "prefill":
-            self.read = event["done"]
+        elif kind == "prefill":  # (every lane's prompt is read together: the longest one's tokens)
+            self.read, self.total = event["done"], event["total"]
             self.read_s = (now - self.t0) / self.read
         elif kind == "step":
             if not self.steps:  # the message is read: its time is the turn's so far, less this first step
@@ -133,15 +133,15 @@ class Progress:
             return "starting"
         step_s = (sum(self.step_ms) / len(self.step_ms) / 1e3 if self.step_ms else
                   self.pace["step_s"] if self.pace else None)
-        if not self.steps:
-            read_s = self.read_s if self.read_s is not None else self.pace["read_s"] if self.pace else None
-            done = f"reading the message, {self.read:,} of {self.total:,} tokens"
-            left = None if read_s is None or step_s is None else (self.total - self.read) * read_s + most * step_s
+        if self.steps:
+            done, when = f"step {self.steps} of at most {most}", f"about {duration((most - self.steps) * step_s)} left"
         else:
-            done = f"step {self.steps} of at most {most}"
-            left = (most - self.steps) * step_s
-        when = (f"about {duration(left)} left" if left is not None else
-                "the time left is known once the first piece is read")
+            done = f"reading the message, {self.read:,} of {self.total:,} tokens"
+            read_s = self.read_s if self.read_s is not None else self.pace["read_s"] if self.pace else None
+            left = None if read_s is None else (self.total - self.read) * read_s
+            when = ("the time left is known once a first piece is read" if left is None else
+                    f"about {duration(left)} left to read it" if step_s is None else
+                    f"about {duration(left + most * step_s)} left")
         return f"{done}, {duration(now - self.t0)} so far, {when}"
 
 
@@ -220,8 +220,10 @@ class Pump:
         self.events, self.should_stop, self.tick = events, should_stop, tick
         self.queue: queue.Queue = queue.Queue()
         self.abandoned = threading.Event()
+        self.lock = threading.Lock()
         self.turn = self.step = 0  # the turn (1-based) and its last step the engine made
         self.stepping = False  # what the engine computes now ends in a step
+        self.target: tuple[int, int] | None = None  # (turn, step) a stop ends the run after (None: the next event)
         self.thread = threading.Thread(target=self._run, name="kvdirect-engine", daemon=True)
         self.thread.start()
 
@@ -229,14 +231,16 @@ class Pump:
         try:
             for event in self.events:
                 kind = event["type"]
-                if kind == "turn":
-                    self.turn, self.step = event["turn"] + 1, 0
-                elif kind == "step":
-                    self.step = event["index"] + 1
-                self.stepping = (kind == "turn" or (kind == "prefill" and event["done"] >= event["total"]) or
-                                 (kind == "step" and any(lane["active"] for lane in event["lanes"].values())))
+                with self.lock:
+                    if kind == "turn":
+                        self.turn, self.step = event["turn"] + 1, 0
+                    elif kind == "step":
+                        self.step = event["index"] + 1
+                    self.stepping = (kind == "turn" or (kind == "prefill" and event["done"] >= event["total"]) or
+                                     (kind == "step" and any(lane["active"] for lane in event["lanes"].values())))
                 self.queue.put(("event", event))
-                if self.should_stop() or self.abandoned.is_set():
+                if self.abandoned.is_set() or (self.should_stop() and (
+                        self.target is None or not self.stepping or (self.turn, self.step) >= self.target)):
                     break
         except BaseException as e:  # handed to the reader, who reports it
             self.queue.put(("error", e))
@@ -245,11 +249,13 @@ class Pump:
             self.events.close()
             self.queue.put(("end", None))
 
-    def last_step(self) -> tuple[int, int]:
-        """(turn, step) after which a stop asked for now ends the run: the step being computed, else the last
-        made (a turn that ends first, or a message still being read, stops sooner)."""
-        turn, step, stepping = self.turn, self.step, self.stepping
-        return turn, step + stepping
+    def stop_after(self) -> tuple[int, int]:
+        """Make a stop (`should_stop`, set after this) end the run after the step being computed now, else after
+        the last one made; returns that (turn, step).  A turn that ends first, or a message still being read,
+        stops sooner, never later."""
+        with self.lock:
+            self.target = (self.turn, self.step + self.stepping)
+            return self.target
 
     def __iter__(self) -> Iterator[dict | None]:
         """The events; None after `tick` seconds without one (the reader redraws the time)."""

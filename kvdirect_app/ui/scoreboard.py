@@ -70,16 +70,15 @@ def scoreboard_html(session: Session) -> str:
         peak, source = byte_figure(f.get("peak"), f.get("formula_peak"), "highest during a forward of this turn",
                                    instrument, f.get("peak_source"))
         sources["peak"].add(source)
-        name, _, settings = label.partition(":")
+        name = label.partition(":")[0]
         own, share = own_cost(session, label, f.get("ms_per_token"))
         says = session.says_expected(label)
         answer = ("" if session.expect is None else
                   '<td class="kvd-num">…</td>' if says is None else
                   f'<td class="kvd-num kvd-{"good" if says else "bad"}">{"✓" if says else "✗"}</td>')
         rows.append(
-            f'<tr><td><span class="kvd-dot" style="background:{palette.get(label, "#333")}"></span>'
-            f'<b>{html.escape(title(name))}</b> <code title="{html.escape(label)}">'
-            f'{html.escape(settings.replace(":", " "))}</code></td>'
+            f'<tr><td title="{html.escape(label)}"><span class="kvd-dot" style="background:'
+            f'{palette.get(label, "#333")}"></span><b>{html.escape(title(name))}</b></td>'
             f'<td class="kvd-{kind}">{words}</td>{answer}'
             f'<td class="kvd-num">{between}</td>'
             f'<td class="kvd-num">{peak}</td>'

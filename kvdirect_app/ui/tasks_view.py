@@ -88,11 +88,12 @@ def heatmap_figure(result: dict, budget: int | None, task: str = ALL) -> go.Figu
                                                "<br>score %{z:.2f}<extra></extra>"),
                       row=i // COLUMNS + 1, col=i % COLUMNS + 1)
     fig.update_xaxes(title_text="", tickfont=dict(size=11))
+    fig.update_xaxes(title_text="needle depth", title_font=dict(size=12), row=rows)  # the bottom row names it
     fig.update_yaxes(tickfont=dict(size=11))
     fig.update_yaxes(title_text="context (tokens)", col=1)
     where = "every task" if task == ALL else task
     fig.update_layout(template="plotly_white", font=FONT, height=190 + 230 * rows,
-                      margin=dict(l=70, r=20, t=80, b=40),
+                      margin=dict(l=70, r=20, t=80, b=60),
                       title=dict(text=f"Needle found, by context and depth ({where}; budget {budget}): 1 = every "
                                       "reference in the answer", x=0.01, font=dict(size=17)))
     fig.update_annotations(font_size=13)
