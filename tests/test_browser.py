@@ -6,8 +6,9 @@ Frontier tab.  Each ends in "Done" (or the stop message) with no error toast, no
 in the server's log.  SmolLM2 ends replies early (tiny models never do), which is what broke the Recall
 demo once.
 
-Set STUDIO_SCREENSHOT=docs/screenshot.png to also save the README's screenshot (then with 48 new tokens
-instead of 12, so that the panes have something to show).
+The README's screenshots come from these tests: STUDIO_FIRST_SHOT=docs/first-screen.png,
+STUDIO_SCREENSHOT=docs/turn.png, STUDIO_CLAIMS_SHOT=docs/claims-tab.png, STUDIO_TASKS_SHOT=docs/tasks-tab.png,
+STUDIO_MAP_SHOT=docs/token-map.png (and its -attention.png beside it).
 """
 
 import logging
@@ -61,7 +62,7 @@ def server_log():
 
 @pytest.fixture(scope="module")
 def url(server_log):
-    demo = build_demo(model=MODEL, max_new_tokens=48 if os.environ.get("STUDIO_SCREENSHOT") else 12)
+    demo = build_demo(model=MODEL, max_new_tokens=12)
     launch_local(demo)
     yield demo.local_url
     demo.close()
@@ -154,10 +155,10 @@ def layout_problems(page) -> list[str]:
 
 
 def test_a_prompt_fills_every_pane_the_first_screen_and_the_plots(url, browser, tmp_path):
-    """One turn at 1280x720 (a projector): the recall demo is one visible click before it; after it, without
-    scrolling, the scoreboard shows each pane's verdict, bytes and speed; every pane has its reply and stats, the
-    plots, the token map and the geometry tab are drawn.  STUDIO_PROJECTOR_SHOT saves the README's projector
-    screenshot, STUDIO_SCREENSHOT its full-page one."""
+    """One 64-token turn at 1280x720 (a projector): the recall demo is one visible click before it; after it,
+    without scrolling, the scoreboard shows each pane's verdict, bytes and own time, the step row the rate every
+    pane streamed at; the Chat tab is at most three screens tall; every pane has its reply and stats, the plots,
+    the token map and the geometry tab are drawn.  STUDIO_SCREENSHOT saves the README's finished turn."""
     page = open_page(browser)
     page.goto(url)
     page.wait_for_selector("#kvd-send", timeout=60_000)
@@ -200,7 +201,7 @@ def test_a_prompt_fills_every_pane_the_first_screen_and_the_plots(url, browser, 
     board = page.inner_text("#kvd-board")
     assert "reference" in board and ("exact" in board or "same tokens" in board)
     assert "recorded on" not in board  # a live run: no recording's label left over
-    shot = Path(os.environ.get("STUDIO_PROJECTOR_SHOT") or tmp_path / "projector.png")
+    shot = tmp_path / "projector.png"
     page.screenshot(path=str(shot))  # the viewport only: what a room sees
     assert shot.stat().st_size > 30_000
 
@@ -233,10 +234,10 @@ def test_a_prompt_fills_every_pane_the_first_screen_and_the_plots(url, browser, 
     page.get_by_role("tab", name="Token map").click()
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 50_000
-    if os.environ.get("STUDIO_SCREENSHOT"):
-        page.set_viewport_size({"width": 1600, "height": 1700})
+    if os.environ.get("STUDIO_SCREENSHOT"):  # the README's finished turn: the whole Chat tab at 1280 px
+        page.get_by_role("tab", name="Chat").click()
         page.evaluate("window.scrollTo(0, 0)")
-        page.screenshot(path=os.environ["STUDIO_SCREENSHOT"])
+        page.screenshot(path=os.environ["STUDIO_SCREENSHOT"], full_page=True)
     assert not page.console_errors, page.console_errors
     page.context.close()
 
@@ -371,7 +372,7 @@ def test_every_tab_fits_and_the_tasks_tab_shows_the_shipped_result_at_once(url, 
                                f"'budget {shipped['budgets'][1]}')", timeout=10_000)
     other = tmp_path / "sweep.json"
     other.write_text('{"schema": "kvdirect-studio/sweep", "schema_version": 1}')
-    page.locator("#kvd-tasks-upload input[type=file]").set_input_files(str(other))
+    upload(page, "#kvd-tasks-upload", other)
     page.wait_for_function("document.querySelector('#kvd-tasks-head').innerText.includes('Not opened')",
                            timeout=10_000)
     head = page.inner_text("#kvd-tasks-head")
@@ -407,6 +408,13 @@ def ended(page, timeout_s: int) -> str:
     return status(page)
 
 
+def upload(page, button: str, path):
+    """Open a file with an upload button, as a visitor does (the button opens the file chooser)."""
+    with page.expect_file_chooser() as chooser:
+        page.click(button)
+    chooser.value.set_files(str(path))
+
+
 def set_new_tokens(page, n: int):
     settings(page)
     box = page.locator("#kvd-max-new input[type=number]")
@@ -416,7 +424,8 @@ def set_new_tokens(page, n: int):
 
 
 def choose(page, dropdown: str, option: str):
-    drawer = page.locator(f"#kvd-side {dropdown}").count() > 0
+    drawer = page.locator(f"#kvd-side {dropdown}").count() > 0 and \
+        "open" not in (page.locator("#kvd-side").get_attribute("class") or "").split()  # close it if we open it
     if drawer:
         settings(page)
     page.click(f"{dropdown} input")
@@ -457,14 +466,17 @@ def test_the_recall_demo_runs_to_done_and_only_the_exact_panes_say_4127(visitor)
     said = {name: cells[2].strip() for name, cells in rows.items()}
     assert said["Full"] == said["KV-Direct"] == said["AnchorKV"] == "✓", said
     assert all(said[name] == "✗" for name in ("H2O", "StreamingLLM", "SnapKV", "TOVA")), said
+    page.get_by_role("tab", name="Time & agreement").click()
     for plot in ("#kvd-memory", "#kvd-latency", "#kvd-agreement"):
         assert page.locator(f"{plot} .js-plotly-plot").count() == 1, plot
 
 
 def test_a_scripted_scenario_plays_to_the_end_and_regenerate_replays_it(visitor):
     page = visitor
+    settings(page)
     choose(page, "#kvd-scenario", "capitals")
     page.click("#kvd-play")
+    settings(page, False)
     assert "Done: 3 turn(s)" in ended(page, 600), status(page)
     first = replies(page)
     assert len(first) == 3 * len(default_names()) and all(r.strip() for r in first)
@@ -537,6 +549,7 @@ def test_replay_streams_stops_and_plays_to_the_recorded_end(visitor, tmp_path):
     page.click("#kvd-replay")
     page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('Replayed')", timeout=60_000)
     assert "recorded on" in page.inner_text("#kvd-board")
+    page.get_by_role("tab", name="Time & agreement").click()
     for plot in ("#kvd-memory", "#kvd-latency", "#kvd-agreement"):
         assert "recorded on" in page.locator(f"{plot} .gtitle").first.text_content(), plot
     page.get_by_role("tab", name="Token map").click()
@@ -575,16 +588,13 @@ def test_a_recording_file_opens_and_an_old_version_is_refused(url, browser, tmp_
     page.wait_for_selector("#kvd-upload", timeout=60_000)
     settings(page)
     page.locator("#kvd-speed").get_by_text("instant").click()
-    upload = page.locator("#kvd-upload input[type=file]")
     for path, words in ((old, "recording version 0 is not supported"), (good, "Replayed")):
-        upload.set_input_files(str(path))
+        upload(page, "#kvd-upload", path)
         page.wait_for_function(f"document.querySelector('#kvd-status').innerText.includes({words!r})",
                                timeout=60_000)
         if path == old:  # the refusal, said once as a warning too (read now: a toast goes away after a while)
             page.wait_for_selector(".toast-body", timeout=30_000)
             assert "version 0" in " ".join(page.locator(".toast-body").all_inner_texts())
-        if page.locator("#kvd-upload button[aria-label='Clear']").count():
-            page.locator("#kvd-upload button[aria-label='Clear']").first.click()
     assert "recorded on" in page.inner_text("#kvd-board")
     page.context.close()
 

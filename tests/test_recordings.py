@@ -33,9 +33,9 @@ def live_run(turns, specs, max_new_tokens=5, expect=None):
                          "max_new_tokens": max_new_tokens, "expect": list(expect) if expect else None,
                          "scenario": "recall"})
     events = [e for text in turns for e in talk.turn(text)] + [{"type": "done", "result": talk.results()}]
-    for event in events:
-        session.apply(event)
+    for event in events:  # the page folds the recorded copy of each event: the same times as the recording's
         recorder.add(event)
+        session.apply(recorder.events[-1])
     session.attention_live = talk.attention_maps()
     return session, recorder.finish(talk.token_maps(), session.attention_live), talk.token_maps()
 

@@ -198,8 +198,7 @@ def board_cells(board: str) -> tuple[str, list[str], dict[str, list[str]]]:
     legend = re.search(r'class="kvd-note kvd-src-legend"[^>]*>([^<]*)</span>', board)
     heads = re.findall(r'<th title="([^"]*)">(?:between turns|peak in turn)</th>', board)
     rows = {}
-    for row in re.findall(r"<tr><td>.*?</tr>", board):
-        label = re.search(r'<code title="([^"]*)"', row)[1]
+    for label, row in re.findall(r'<tr><td title="([^"]*)">(.*?)</tr>', board):
         rows[label] = re.findall(r'<td class="kvd-num">(.*?)</td>', row)[:2]
     return legend[1] if legend else "", heads, rows
 

@@ -31,7 +31,7 @@ from .geometry_panel import geometry_html, memory_banner, memory_words
 from .plots import agreement_figure, latency_figure, memory_figure
 from .scoreboard import scoreboard_html
 from .session import Session
-from .settings import RunConfig, Settings
+from .settings import RunConfig, Settings, model_note
 
 log = logging.getLogger(__name__)
 FRONTIER_CURRENT = "this conversation"
@@ -288,8 +288,6 @@ class Handlers:
         L = info["layers"]
         # The status names where the weights came from (a package or a Hub copy: never a silent fallback), and says
         # when the model continues text instead of chatting.
-        from .settings import model_note
-
         note = f" {model_note(name).capitalize()}." if model_note(name) else ""
         earlier = len(session.user_turns)
         then = (f" Your next message replays the {earlier} earlier turn(s) on it first (Clear starts afresh)."
@@ -305,7 +303,13 @@ class Handlers:
             c.spacing: gr.Slider(maximum=L, value=L),
             v.status: views.status(f"{name} ready on {info['device']} ({L} layers), loaded from "
                                    f"{views.without_paths(info['source'])}.{note}{then}", "ok"),
+            **self._runs_enabled(session),
         }
+
+    def _runs_enabled(self, session: Session) -> dict:
+        """The buttons that start a run, shown disabled until a model is ready (a click before it would only wait)."""
+        a, r = self.s.actions, self.s.recordings
+        return {b: gr.Button(interactive=not session.busy) for b in (a.send, a.recall, a.regenerate, a.play, r.live)}
 
     # --- a run -----------------------------------------------------------------
     def _stream(self, session: Session, config: RunConfig, turns: list[str], fresh: bool,

@@ -232,31 +232,34 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
             scenario = gr.Dropdown([(f"{name} · {s.get('about', '')}", name) for name, s in table.items()],
                                    value=next(iter(table), None), label="Scripted conversation",
                                    elem_id="kvd-scenario")
-            play = gr.Button("▶ Play scenario", variant="secondary", elem_id="kvd-play")
+            play = gr.Button("▶ Play scenario", variant="secondary", elem_id="kvd-play", interactive=False)
             picker, speed, upload = _recordings(empty)
         banner = gr.HTML(views.header_html(), elem_id="kvd-header")
         with gr.Tabs(elem_id="kvd-tabs"):
             with gr.Tab(TABS[0], elem_id="kvd-tab-chat"):
-                status = gr.HTML("", elem_id="kvd-status")
+                status = gr.HTML(views.status("Loading the model… The recorded run below needs none: ▶ Replay it "
+                                              "plays it now.", "busy"), elem_id="kvd-status")
                 with gr.Row(elem_id="kvd-ask"):
                     prompt = gr.Textbox(show_label=False, placeholder="Ask something; every pane gets the same turn",
                                         scale=5, min_width=560, lines=1, max_lines=6, autofocus=True,
                                         elem_id="kvd-prompt", max_length=limits().max_prompt_chars)
-                    send = gr.Button("Send", variant="primary", scale=0, min_width=100, elem_id="kvd-send")
+                    # The buttons that start a run work once a model is ready (`Handlers._runs_enabled`).
+                    send = gr.Button("Send", variant="primary", scale=0, min_width=100, elem_id="kvd-send",
+                                     interactive=False)
                     stop = gr.Button("■ Stop", variant="stop", scale=0, min_width=100, interactive=False,
                                      elem_id="kvd-stop")
                 with gr.Row(elem_id="kvd-recorded", equal_height=True):
                     recall = gr.Button("▶ Recall demo", scale=0, min_width=140, size="sm", elem_id="kvd-recall",
-                                       visible=RECALL in table)
+                                       visible=RECALL in table, interactive=False)
                     regenerate = gr.Button("↻ Regenerate", scale=0, min_width=130, size="sm",
-                                           elem_id="kvd-regenerate")
+                                           elem_id="kvd-regenerate", interactive=False)
                     clear = gr.Button("Clear", scale=0, min_width=80, size="sm", elem_id="kvd-clear")
                     settings = gr.Button("⚙ Settings", scale=0, min_width=120, size="sm", elem_id="kvd-settings")
                     line = gr.HTML(views.recording_line(empty), elem_id="kvd-recording-line")
                     replay = gr.Button("▶ Replay it", scale=0, min_width=120, elem_id="kvd-replay", size="sm",
                                        visible=bool(playback.offered()))
                     live = gr.Button("▶ Run it live", scale=0, min_width=130, elem_id="kvd-live", size="sm",
-                                     visible=bool(empty.recording))
+                                     visible=bool(empty.recording), interactive=False)
                 board = gr.HTML(scoreboard_html(empty), elem_id="kvd-board")
                 panes = _panes(empty)
                 memory = gr.Plot(memory_figure(empty), show_label=False, elem_id="kvd-memory")

@@ -132,9 +132,10 @@ class Session:
     plot_cost: float = 0.0  # seconds the last live plots took to build (they share the cores with the engine)
 
     def clear(self):
-        keep = self.workdir, self.load_number
+        """A new conversation; what belongs to the loaded model stays (its load number, what its memory is)."""
+        keep = self.workdir, self.load_number, self.memory_words
         self.__init__()
-        self.workdir, self.load_number = keep
+        self.workdir, self.load_number, self.memory_words = keep
 
     @property
     def recorded_label(self) -> str:

@@ -200,13 +200,11 @@ def pane_header(session: Session, label: str) -> str:
             stats.append(f'<span title="mean KL to the full cache, teacher-forced">KL {lane.agreement[-1]["kl"]:.2g}</span>')
     summary = _summary(session, label)
     notes = []
-    if label == REFERENCE:
-        notes.append('<span class="kvd-note">reference: every other pane is compared with this one</span>')
+    if label == REFERENCE:  # (a lane that keeps the full cache's tokens says nothing more: the scoreboard says it)
+        notes.append('<span class="kvd-note">the reference</span>')
     elif lane is not None and lane.divergence is not None:
         turn, index = lane.divergence
         notes.append(f'<span class="kvd-bad">first differs at turn {turn + 1}, token {index + 1}</span>')
-    elif lane is not None and lane.total:
-        notes.append('<span class="kvd-good">same tokens as the full cache so far</span>')
     if summary.get("exact_unavailable"):
         notes.append(f'<span class="kvd-warn" title="{html.escape(summary["exact_unavailable"])}">no exact mode here</span>')
     elif summary.get("kv_exact") is not None and label != REFERENCE:
@@ -225,7 +223,7 @@ def pane_header(session: Session, label: str) -> str:
         notes.append(f'<span class="kvd-memory-told">{_esc(told)}</span>')
     return (f'<div class="kvd-pane-head" style="border-left-color:{colour}">'
             f'<div class="kvd-pane-title" title="{html.escape(session.about.get(label, {}).get("doc", ""))}"><span class="kvd-dot" style="background:{colour}"></span>'
-            f'{_esc(title(name))} <code>{_esc(name)}</code>{chips}</div>'
+            f'{_esc(title(name))}{chips}</div>'
             f'<div class="kvd-stats">{" · ".join(stats) or "&nbsp;"}</div>'
             f'<div class="kvd-notes">{" ".join(notes) or "&nbsp;"}</div></div>')
 
@@ -350,8 +348,9 @@ def recording_line(session: Session) -> str:
     """The line above the scoreboard: which recording is on screen, and that every number is the recorded one."""
     meta = session.recording
     if not meta:
-        return ('<div class="kvd-recording"><b>Live on this machine.</b> <span class="kvd-note">▶ Replay it plays '
-                'the recorded run picked under ⚙ Settings ▸ Recorded runs.</span></div>') if session.shown else ""
+        what = "▶ Replay it plays the recorded run picked under ⚙ Settings ▸ Recorded runs."
+        return (f'<div class="kvd-recording" title="{what}"><b>Live on this machine.</b> <span class="kvd-note">'
+                f'{what}</span></div>') if session.shown else ""
     from ..recording import describe
 
     what = meta.get("scenario") or "a recorded conversation"
