@@ -9,6 +9,7 @@ are refused with a message naming why, and that each shipped recording replays t
 import copy
 import gzip
 import json
+import re
 
 import pytest
 
@@ -368,3 +369,22 @@ def test_a_visitor_state_starts_as_a_name_and_unfolds_when_a_handler_needs_it(ha
     names = [trace.name for trace in attention.data]
     assert names[:2] == ["Full KV cache", views.title(label)] and any(n.startswith("evicted by") for n in names)
     assert "recorded on" in attention.layout.title.text
+
+
+def test_the_scoreboard_tells_speeds_as_seen_and_own_times_that_add_up(recorded):
+    """The last row's rate is the one every pane streamed at, from the turn's first token to its last as the page
+    received them (the recorded times); each pane's own ms/step, with the steps it sat out counted as 0, adds up
+    to the row's "panes' own"; no pane claims a tokens-per-second of its own.  Catches: an "own tok/s" column (a
+    speed nobody saw), a rate from the engine's step time instead of the tokens' arrival.  (Lanes that end their
+    replies at different steps, where the old column's sum missed, are SmolLM2's: tests/test_browser.py.)"""
+    live, rec, _, _ = recorded
+    board = scoreboard_html(live)
+    own = [float(ms) for ms in re.findall(r'<td class="kvd-num">(\d+)</td><td class="kvd-num">\d+%</td></tr>', board)]
+    assert len(own) == len(live.shown)
+    told = float(re.search(r"panes&#x27; own (\d+)", board)[1])
+    assert abs(sum(own) - told) <= len(own) / 2 + 0.5
+    last_turn = max(e["turn"] for e in rec["events"] if e["type"] == "step")
+    steps = [e["t"] for e in rec["events"] if e["type"] == "step" and e["turn"] == last_turn]
+    rate = (len(steps) - 1) / (steps[-1] - steps[0])
+    assert re.search(r'kvd-seen"><b>([\d.]+) tok/s', board)[1] == f"{rate:.1f}"
+    assert board.count("tok/s") == 1

@@ -16,7 +16,7 @@ from kvdirect_app.ui.export import write_exports
 from kvdirect_app.ui.plots import agreement_figure, latency_figure, memory_figure
 from kvdirect_app.ui.session import Session
 from kvdirect_app.ui.settings import REFERENCE
-from kvdirect_app.ui.views import BYTE_SOURCES, messages, reply_markup, token_map_html
+from kvdirect_app.ui.views import BYTE_SOURCES, messages, pane_header, reply_markup, token_map_html
 
 ANCHORKV = "anchorkv:spacing=2:budget=8"
 # window and streaming_llm (no sinks to speak of at this budget) hold the same bytes at every step.
@@ -220,7 +220,6 @@ def test_every_byte_figure_names_its_instrument_on_the_scoreboard_and_in_the_pan
     "formula" else ""`); the scoreboard's heads naming the run's instrument whatever its figures' sources
     (`sources["between"].add("allocator")`)."""
     from kvdirect_app.ui.scoreboard import scoreboard_html
-    from kvdirect_app.ui.views import pane_header
 
     marked = lambda m: f'<span class="kvd-note kvd-src">{m}</span>'  # a figure's mark, right after it
     measured, formula = "kvdirect:budget=4", "window:budget=4"
@@ -321,3 +320,28 @@ def test_the_token_map_wraps_inside_its_box():
                                " return [m.scrollWidth, m.clientWidth]; })()")
         browser.close()
     assert widths[0] <= widths[1]
+
+
+def test_the_banner_and_the_panes_say_what_each_exact_strategy_holds_on_this_model():
+    """From the config alone: on Qwen2.5-0.5B (r = 3.5, every layer global) KV-Direct holds more than the full
+    cache, on Gemma 3-4B (most layers sliding, residuals at the global ones only) less; AnchorKV less from its
+    break-even spacing.  A pane of a run on that model says its own sentence; a run on another model says none.
+    Catches: the old banner's "hold less" on every model, a sentence that ignores the sliding layers, a pane that
+    tells a recording of another model what the loaded one holds."""
+    from kvdirect_app import service
+    from kvdirect_app.ui.geometry_panel import memory_banner, memory_words
+    from kvdirect_app.ui.settings import RunConfig
+
+    qwen = service.config_geometry("qwen2.5-0.5b", "float32")
+    assert memory_banner("qwen", qwen).startswith("On qwen (r = 3.50) KV-Direct holds more than the full cache")
+    assert f"AnchorKV holds less from spacing s = {qwen['break_even']['token_id']} on" in memory_banner("qwen", qwen)
+    gemma = service.config_geometry("gemma-3-4b", "bfloat16")
+    assert "KV-Direct holds less than the full cache" in memory_banner("gemma", gemma)
+
+    session = Session(shown=["full", "kvdirect:budget=4", "h2o:budget=4"], memory_words=("qwen", memory_words("qwen", qwen)))
+    session.config = RunConfig("qwen", "cpu", "float32", tuple(session.shown), 4)
+    told = {label: re.findall(r'class="kvd-memory-told">([^<]*)<', pane_header(session, label)) for label in session.shown}
+    assert told == {"full": [], "kvdirect:budget=4": ["holds more than the full cache on this model (r = 3.50)"],
+                    "h2o:budget=4": []}
+    session.config = RunConfig("another", "cpu", "float32", tuple(session.shown), 4)
+    assert "kvd-memory-told" not in pane_header(session, "kvdirect:budget=4")
