@@ -8,7 +8,7 @@ demo once.
 
 The README's screenshots come from these tests: STUDIO_FIRST_SHOT=docs/first-screen.png,
 STUDIO_SCREENSHOT=docs/turn.png, STUDIO_CLAIMS_SHOT=docs/claims-tab.png, STUDIO_TASKS_SHOT=docs/tasks-tab.png,
-STUDIO_MAP_SHOT=docs/token-map.png (and its -attention.png beside it).
+STUDIO_MAP_SHOT=docs/token-map.png (and its -attention.png beside it), STUDIO_BOARD_SHOT=docs/scoreboard-steps.png.
 """
 
 import logging
@@ -174,6 +174,8 @@ def test_a_prompt_fills_every_pane_the_first_screen_and_the_plots(url, browser, 
     assert "kernels: invariant" in status(page)  # the run's kernels, said on the page
     height = page.evaluate("document.documentElement.scrollHeight")
     assert height <= 3 * 720, f"the chat tab is {height} px tall after one turn: more than three screens"
+    curve = page.locator("#kvd-memory").bounding_box()
+    assert curve["y"] + curve["height"] <= 2 * 720, f"the memory curve ends at {curve['y'] + curve['height']} px"
 
     # The first screen, as a room sees it.
     rows = page.locator("table.kvd-board tr")
@@ -201,6 +203,8 @@ def test_a_prompt_fills_every_pane_the_first_screen_and_the_plots(url, browser, 
     shown = page.inner_text("#kvd-board")
     assert "reference" in shown and ("exact" in shown or "same tokens" in shown)
     assert "recorded on" not in shown  # a live run: no recording's label left over
+    if os.environ.get("STUDIO_BOARD_SHOT"):  # docs/perf.md's scoreboard after a live turn
+        page.locator("#kvd-board").screenshot(path=os.environ["STUDIO_BOARD_SHOT"])
     shot = tmp_path / "projector.png"
     page.screenshot(path=str(shot))  # the viewport only: what a room sees
     assert shot.stat().st_size > 30_000

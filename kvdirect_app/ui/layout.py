@@ -215,8 +215,8 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
     """The Studio page.  Launch it with `launch_options()` (theme and CSS go to `launch()` in Gradio 6).
 
     Laid out for a projector: at 1280x720 a one-line header, the tab row (`TABS`, the chat first), the message
-    box and the scoreboard (every pane's verdict, memory and time) are on the first screen; the panes and the
-    memory curve follow in the Chat tab; the settings live in a sidebar, closed at start.
+    box and the scoreboard (every pane's verdict, memory and time) are on the first screen; the memory curve
+    and the panes follow in the Chat tab; the settings live in a drawer, closed at start.
     """
     model = model or default_model()
     empty = first_screen()
@@ -261,8 +261,9 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
                     live = gr.Button("▶ Run it live", scale=0, min_width=130, elem_id="kvd-live", size="sm",
                                      visible=bool(empty.recording), interactive=False)
                 board = gr.HTML(scoreboard_html(empty), elem_id="kvd-board")
-                panes = _panes(empty)
+                # The scoreboard and the memory curve within two screens (the bytes' story), the panes after them.
                 memory = gr.Plot(memory_figure(empty), show_label=False, elem_id="kvd-memory")
+                panes = _panes(empty)
             with gr.Tab(TABS[1], elem_id="kvd-tab-map"):
                 with gr.Row():
                     label0, other0, layer0 = views.telling_view(empty, empty.token_maps)
