@@ -174,6 +174,9 @@ def test_a_prompt_fills_every_pane_the_first_screen_and_the_plots(url, browser, 
     assert "kernels: invariant" in status(page)  # the run's kernels, said on the page
     height = page.evaluate("document.documentElement.scrollHeight")
     assert height <= 3 * 720, f"the chat tab is {height} px tall after one turn: more than three screens"
+    inside = page.evaluate("[...document.querySelectorAll('.block.kvd-chat')].filter(e => e.offsetParent)"
+                           ".map(e => e.scrollHeight - e.clientHeight)")
+    assert len(inside) == len(default_names()) and max(inside) <= 1, inside  # every reply read whole, in place
     curve = page.locator("#kvd-memory").bounding_box()
     assert curve["y"] + curve["height"] <= 2 * 720, f"the memory curve ends at {curve['y'] + curve['height']} px"
 

@@ -31,7 +31,7 @@ from .settings import (any_declares, catalogue, default_model, default_names, ma
 ASSETS = data("assets")
 LIVE_REBUILD = "turn"  # the live defaults (docs/perf.md, "Live defaults": what a 64-token turn costs with them)
 LIVE_TWINS = False
-PANE_MAX_PX = 380  # a pane's chat at most: the last 64-token reply whole, two rows of panes within 1,000 px
+PANE_MAX_PX = 320  # a pane's chat at most: the last 64-token reply whole (~290 px), two rows of panes in ~900 px
 
 
 def asset(name: str) -> str:
