@@ -28,12 +28,6 @@ def main() -> None:
     from .ui.settings import default_model
 
     model = default_model()
-    # The model loads from the start, beside gradio's import and the page's build: the page needs torch too (the
-    # strategy catalogue), so the two imports overlap instead of following each other, and by launch() torch's
-    # import (the one stretch that holds the interpreter for seconds) is over; the rest of the load (weights
-    # mapped, kernels proved) leaves launch()'s check of its own URL room to answer.  The page says "Loading the
-    # model…" until its status turns ready, and no button that starts a run works before.
-    threading.Thread(target=_warm_up, args=(model,), daemon=True, name="warm-up").start()
     demo = build_demo(model=model)
     demo.queue(**queue_options()).launch(
         server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
@@ -43,6 +37,9 @@ def main() -> None:
         prevent_thread_lock=True,
         **launch_options(),
     )
+    # The model loads once the page is served: launch() checks that its own URL answers within 3 s, and a load
+    # beside it (torch's import holds the interpreter for seconds) made that check fail on a busy machine.
+    threading.Thread(target=_warm_up, args=(model,), daemon=True).start()
     demo.block_thread()
 
 
