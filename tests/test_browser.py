@@ -277,7 +277,9 @@ def test_the_first_screen_shows_the_recall_recording_without_any_run(url, browse
     board_text = page.inner_text("#kvd-board")
     assert "recorded on" in board_text and "says 4127?" in board_text
     rows = page.locator("table.kvd-board tr")
-    assert rows.count() == len(recorded.shown) + 1
+    assert recorded.step_means() is not None  # the recording has the steps' times: the row "every pane, as seen"
+    assert rows.count() == len(recorded.shown) + 2
+    assert "tok/s" in rows.last.inner_text()
     for i in range(1, rows.count()):
         box = rows.nth(i).bounding_box()
         assert box["y"] >= 0 and box["y"] + box["height"] <= 720, (i, box)
