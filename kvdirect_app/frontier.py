@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 
 from .palette import base_colour, strategy_name
+from .png import write_png
 from .units import fmt_bytes
 
 FONT = dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", size=16, color="#111")
@@ -131,7 +132,7 @@ def write_frontier(fig: go.Figure, prefix: str) -> tuple[str, str | None, str | 
     fig.write_html(html, include_plotlyjs=True, full_html=True)
     png = f"{prefix}.png"
     try:
-        fig.write_image(png, width=1280, height=640, scale=1)
+        write_png(fig, png, width=1280, height=640)
     except Exception as e:  # kaleido missing, or no browser for it: the HTML stands, and the reason is printed
         return html, None, f"PNG not written: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return html, png, None

@@ -658,3 +658,25 @@ def test_claims_css_keeps_words_whole():
     rule = re.search(r"#kvd-claims-cards \*[^{]*\{([^}]*)\}", css).group(1)
     assert re.search(r"word-break:\s*normal", rule) and re.search(r"overflow-wrap:\s*normal", rule)
     assert not re.search(r"anywhere|break-all|break-word", css)
+
+
+def test_a_png_is_drawn_with_no_script_from_the_network(tmp_path, monkeypatch):
+    """kaleido's page loads MathJax from a CDN before its own script unless told not to; with the network closed
+    that request raced the figure ("kaleido_scopes is not defined", once in a CI run).  Catches: `write_png`
+    without `mathjax: False` (or back to `fig.write_image`, which cannot turn it off)."""
+    import kaleido
+    import plotly.graph_objects as go
+
+    from kvdirect_app.png import write_png
+
+    pages = []
+    made = kaleido.PageGenerator.generate_index
+
+    def index(self, *args, **kwargs):
+        pages.append(made(self, *args, **kwargs))
+        return pages[-1]
+
+    monkeypatch.setattr(kaleido.PageGenerator, "generate_index", index)
+    path = write_png(go.Figure(go.Scatter(x=[1, 2], y=[3, 4])), tmp_path / "f.png", width=200, height=100)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert pages and not [p for p in pages if re.search(r"src=[\"']?(https?:)?//", p)], pages

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..png import write_png
 from ..units import fmt_bytes
 
 DETAILS = "## Details"
@@ -199,6 +200,6 @@ def write(results: dict, out: Path) -> list[Path]:
     paths = [out / "results.json", out / "report.md"]
     for name, fig in figures(results).items():
         fig.write_html(out / f"{name}.html", include_plotlyjs="directory")
-        fig.write_image(out / f"{name}.png", width=1100, height=600)
+        write_png(fig, out / f"{name}.png", width=1100, height=600)
         paths += [out / f"{name}.html", out / f"{name}.png"]
     return paths + [out / "plotly.min.js"]
