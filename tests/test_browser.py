@@ -228,8 +228,7 @@ def test_a_prompt_fills_every_pane_the_first_screen_and_the_plots(url, browser, 
     assert any("holds more than the full cache on this model (r = 1.50)" in t for t in told), told  # SmolLM2
     assert "KV-Direct holds more than the full cache" in page.inner_text("#kvd-header")
 
-    page.get_by_role("tab", name="Time & agreement").click()
-    for plot in ("#kvd-memory", "#kvd-latency", "#kvd-agreement"):
+    for plot in open_plots(page):
         assert page.locator(f"{plot} .js-plotly-plot").count() == 1, plot
         assert page.locator(f"{plot} .scatterlayer .trace, {plot} .barlayer .trace").count() > 0, plot
     page.get_by_role("tab", name="Token map").click()
@@ -425,6 +424,16 @@ def upload(page, button: str, path):
     chooser.value.set_files(str(path))
 
 
+def open_plots(page) -> tuple[str, ...]:
+    """Open the Time & agreement tab and wait until its plots (and the Chat tab's memory curve) are drawn: a plot in
+    a tab is drawn once the tab shows, a moment after the click (on a busy machine, after the first look)."""
+    page.get_by_role("tab", name="Time & agreement").click()
+    plots = ("#kvd-memory", "#kvd-latency", "#kvd-agreement")
+    for plot in plots:
+        page.wait_for_selector(f"{plot} .js-plotly-plot .main-svg", state="attached", timeout=30_000)
+    return plots
+
+
 def set_new_tokens(page, n: int):
     settings(page)
     box = page.locator("#kvd-max-new input[type=number]")
@@ -476,8 +485,7 @@ def test_the_recall_demo_runs_to_done_and_only_the_exact_panes_say_4127(visitor)
     said = {name: cells[2].strip() for name, cells in rows.items()}
     assert said["Full"] == said["KV-Direct"] == said["AnchorKV"] == "✓", said
     assert all(said[name] == "✗" for name in ("H2O", "StreamingLLM", "SnapKV", "TOVA")), said
-    page.get_by_role("tab", name="Time & agreement").click()
-    for plot in ("#kvd-memory", "#kvd-latency", "#kvd-agreement"):
+    for plot in open_plots(page):
         assert page.locator(f"{plot} .js-plotly-plot").count() == 1, plot
 
 
@@ -559,8 +567,7 @@ def test_replay_streams_stops_and_plays_to_the_recorded_end(visitor, tmp_path):
     page.click("#kvd-replay")
     page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('Replayed')", timeout=60_000)
     assert "recorded on" in page.inner_text("#kvd-board")
-    page.get_by_role("tab", name="Time & agreement").click()
-    for plot in ("#kvd-memory", "#kvd-latency", "#kvd-agreement"):
+    for plot in open_plots(page):
         assert "recorded on" in page.locator(f"{plot} .gtitle").first.text_content(), plot
     page.get_by_role("tab", name="Token map").click()
     heads = page.locator("#kvd-token-map .kvd-map-head").all_inner_texts()
