@@ -48,6 +48,7 @@ def scoreboard_html(session: Session) -> str:
         return ('<div class="kvd-board kvd-board-empty">Send a message, or press <b>Recall demo</b>: one row per '
                 'strategy will show whether it kept every token, what it held and how fast it ran.</div>')
     palette = colours(session.shown)
+    means = session.step_means()  # once per drawing: each row reads its lane's share of it
     instrument = memory_instrument(session)
     rows = []
     sources = {"between": set(), "peak": set()}  # the instruments behind each byte column's figures
@@ -71,7 +72,7 @@ def scoreboard_html(session: Session) -> str:
                                    instrument, f.get("peak_source"))
         sources["peak"].add(source)
         name = label.partition(":")[0]
-        own, share = own_cost(session, label, f.get("ms_per_token"))
+        own, share = own_cost(session, label, f.get("ms_per_token"), means)
         says = session.says_expected(label)
         answer = ("" if session.expect is None else
                   '<td class="kvd-num">…</td>' if says is None else

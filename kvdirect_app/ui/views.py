@@ -156,11 +156,11 @@ def _bytes_cell(measured, formula, what: str, instrument: str = "") -> str:
     return byte_figure(measured, formula, what, instrument)[0]
 
 
-def own_cost(session: Session, label: str, per_token: float | None) -> tuple[str, str]:
+def own_cost(session: Session, label: str, per_token: float | None, means: dict | None = None) -> tuple[str, str]:
     """(own ms per step, share of the step) of a pane this turn.  From the engine's step times where the run has
     them (the column then adds up to the step row's "panes' own"); an older recording has only each pane's own
     mean over the steps it ran, shown as such, with no share."""
-    means = session.step_means()
+    means = session.step_means() if means is None else means
     if means is None:
         return ("—" if per_token is None else f"{per_token:.0f}"), "—"
     ms = means["own"].get(label, 0.0)
