@@ -213,6 +213,8 @@ class Kernels:
             if not v.across_threads:
                 return f"a {tuple(m.weight.shape)} GEMM gives other bits at 1 thread than at {self.threads}"
             self.linears[(tuple(m.weight.shape), m.bias is not None)] = v
+            if probes.PACKED in v.counts and m.weight.data_ptr() not in self.store.packed:  # once per loaded model
+                self.store.packed[m.weight.data_ptr()] = probes.pack(m.weight)
         for m in model.modules():
             name = type(m).__name__
             if name.endswith("RMSNorm") and getattr(m, "weight", None) is not None:
@@ -265,7 +267,13 @@ class Kernels:
             size = verdict.pad(m)
             if size != m:
                 part = F.pad(part, (0, 0, 0, size - m))
-            parts.append(F.linear(part, weight, bias)[:m])
+            if size == probes.PACKED:
+                packed = self.store.packed.get(weight.data_ptr())
+                if packed is None:
+                    raise RuntimeError(f"invariant kernels: a {tuple(weight.shape)} weight that was not packed")
+                parts.append(probes.packed_linear(part, packed, weight, bias)[:m])
+            else:
+                parts.append(F.linear(part, weight, bias)[:m])
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.view(*x.shape[:-1], weight.shape[0])
 
@@ -318,9 +326,10 @@ def describe(report: dict) -> str:
     """A run's kernels (`Kernels.report()`) in one line, for the CLI's first lines and the page."""
     if report["mode"] == "invariant":
         smallest = sorted({p["proven"][0] for p in report["probes"] if p["threads"] == report["threads"]})
+        packed = (f"; {probes.PACKED}-row calls by MKL's packed GEMM" if probes.PACKED in smallest else "")
         return (f"kernels: invariant (probe passed at {report['threads']} thread(s) and across thread counts: every "
-                f"linear one GEMM of a proven row count (from {', '.join(map(str, smallest))} rows), block attention "
-                "on one thread)")
+                f"linear one GEMM of a proven row count (from {', '.join(map(str, smallest))} rows{packed}), block "
+                "attention on one thread)")
     if report["requested"] == "invariant":
         return f"kernels: NATIVE: the invariance probe failed here: {report['reason']}"
     return "kernels: native (asked for: the model's own kernels; exact replay repeats the original shapes)"

@@ -55,11 +55,15 @@ def test_probe_counts_are_what_it_says_on_fresh_data():
     torch.manual_seed(7)
     weight, bias = torch.randn(192, 96), torch.randn(192)
     verdict = probes.probe_linear(weight, bias, torch.get_num_threads())
-    assert verdict.counts and set(verdict.counts) | set(verdict.failed) == set(probes.ROWS)
+    assert verdict.counts and set(verdict.counts) | set(verdict.failed) == set(probes.candidates_of(verdict.key))
+    assert (probes.PACKED in probes.candidates_of(verdict.key)) == probes.packed_available("float32", "cpu")
     x = torch.randn(probes.ROWS[-1] + 20, 96)
     ref = F.linear(x, weight, bias)
+    packed = probes.pack(weight) if probes.PACKED in verdict.counts else None
     for m in verdict.counts:
-        assert torch.equal(F.linear(x[3:3 + m], weight, bias), ref[3:3 + m]), m
+        rows = (probes.packed_linear(x[3:3 + m], packed, weight, bias) if m == probes.PACKED
+                else F.linear(x[3:3 + m], weight, bias))
+        assert torch.equal(rows, ref[3:3 + m]), m
     for m in range(1, verdict.largest + 1):
         padded = verdict.pad(m)
         assert padded >= m and padded in verdict.counts
@@ -83,6 +87,30 @@ def test_kernels_linear_is_row_invariant_whatever_the_row_count():
             kernels.linear(x[:3], lin.weight, lin.bias)
         with pytest.raises(RuntimeError, match="not probed"):
             kernels.linear(x[:3], torch.randn(5, lin.in_features), None)
+
+
+def test_a_few_rows_run_the_packed_gemm_where_it_is_proven(monkeypatch):
+    """Where the probe proved MKL's packed GEMM (fp32 on this CPU), a call of up to `PACKED` rows runs it, on the
+    weight packed once when the model was probed, and gives the large call's rows; more rows run `F.linear`.  A
+    machine where it is not proven uses `F.linear` at 16 rows, and this test says so by skipping."""
+    loaded = tiny("tiny-llama")
+    kernels = K.Kernels.for_model(loaded, "invariant", torch.get_num_threads())
+    lin = next(m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear))
+    verdict = kernels.linears[(tuple(lin.weight.shape), lin.bias is not None)]
+    if probes.PACKED not in verdict.counts:
+        pytest.skip(f"the packed GEMM is not proven here: {verdict.failed}")
+    assert lin.weight.data_ptr() in loaded.probes.packed
+    calls = []
+    real = probes.packed_linear
+    monkeypatch.setattr(probes, "packed_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    x = torch.randn(300, lin.in_features)
+    with torch.inference_mode():
+        ref = F.linear(x, lin.weight, lin.bias)
+        for m in (1, 7, 8):
+            assert torch.equal(kernels.linear(x[9:9 + m], lin.weight, lin.bias), ref[9:9 + m]), m
+        assert calls == [probes.PACKED] * 3
+        kernels.linear(x[:9], lin.weight, lin.bias)
+        assert calls == [probes.PACKED] * 3  # 9 rows: a 16-row F.linear
 
 
 def test_the_probe_checks_every_rmsnorm_and_a_row_wise_reduction_that_is_not_fails():
