@@ -16,6 +16,12 @@ package first:
   machine (three alternating runs each), so the app's ms per token did not
   agree with `bench run`'s.  With PASSIVE both take the same time (ratio
   0.99), in the CLI and in the app alike.
+* ``GOMP_SPINCOUNT=300000`` (libgomp's own default where no policy is set): with PASSIVE alone, the worker
+  thread slept after every parallel op, and a decode step is hundreds of short ops, each then paying a
+  wake-up: SmolLM2's plain full cache took 61 ms a step, 36-40 ms with this (2-core CPU, main thread and a
+  fresh thread alike).  libgomp spins only while the process's OpenMP teams hold no more threads than there
+  are cores (else PASSIVE's sleep at once holds, the case above), so the app runs all of its torch work on
+  one compute thread (`ui.runner.compute`).
 * Quiet profiler logs: the allocation tracer (`memory.py`) starts and stops
   the profiler for every traced block, and Kineto would print a line each
   time.
@@ -28,7 +34,7 @@ import os
 __version__ = "0.4.0"  # pyproject.toml's (a test checks they agree)
 
 for _name, _value in (("MKL_DYNAMIC", "FALSE"), ("OMP_DYNAMIC", "FALSE"), ("OMP_WAIT_POLICY", "PASSIVE"),
-                      ("KINETO_LOG_LEVEL", "6"), ("TORCH_CPP_LOG_LEVEL", "ERROR")):
+                      ("GOMP_SPINCOUNT", "300000"), ("KINETO_LOG_LEVEL", "6"), ("TORCH_CPP_LOG_LEVEL", "ERROR")):
     os.environ.setdefault(_name, _value)
 
 __all__ = ["strategy_cache"]

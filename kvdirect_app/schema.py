@@ -30,6 +30,7 @@ VERSIONS = {
     "replay": 1,  # bench replay --json
     "capacity": 1,  # bench capacity --json
     "tasks": 1,  # bench tasks --json, presets/tasks/*.json (the Tasks tab)
+    "roofline": 1,  # bench roofline --json
 }
 
 

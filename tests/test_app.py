@@ -410,3 +410,24 @@ def test_the_done_line_counts_the_steps_and_the_time_of_the_same_turn(app):
     second = _statuses(demo, h.send(session, "And then?", **controls))[-1]
     assert session.steps > steps_first
     assert re.match(rf"Done: 2 turn\(s\); turn 2: {session.steps - steps_first} steps in [0-9.]+ s; ", second), second
+
+
+def test_the_apps_torch_work_runs_on_its_one_compute_thread():
+    """A turn's events and a conversation's engine are made on the compute thread (one long-lived thread: OpenMP
+    keeps a team per thread that computed, and more teams than cores make libgomp's workers sleep after every op);
+    called from the compute thread itself, `on_compute` runs in place instead of waiting on itself.  Mutation: the
+    pump on a thread of its own per run (as before) fails the first check."""
+    import threading
+
+    from kvdirect_app.ui import runner
+
+    where = []
+
+    def events():
+        where.append(threading.current_thread().name)
+        yield {"type": "turn", "turn": 0, "chunk_ids": [1]}
+        where.append(runner.on_compute(lambda: threading.current_thread().name))
+
+    assert [e["type"] for e in runner.Pump(events(), lambda: False) if e is not None] == ["turn"]
+    assert len(where) == 2 and all(name.startswith(runner.COMPUTE_THREAD) for name in where), where
+    assert runner.on_compute(lambda: threading.current_thread().name).startswith(runner.COMPUTE_THREAD)

@@ -112,3 +112,41 @@ def test_alone_runs_each_strategy_in_a_process_of_its_own_and_loads_no_model_its
             assert 0 < proc["time_peak_rss_bytes"] <= proc["wait4_peak_rss_bytes"], spec
     assert data["strategies"]["kvdirect:budget=4"]["token_match"] == 1.0
     assert "peak RSS (/usr/bin/time)" in capsys.readouterr().out
+
+
+def test_roofline_measures_the_machine_and_puts_each_pass_against_it(tmp_path, capsys):
+    """`bench roofline`: the best time per row count is the larger of reading the weights once and the arithmetic,
+    from this machine's measured GEMM rate and bandwidth and the model's own weight bytes (a tied head once); each
+    run's shared pass is put against the roofline of its own row count; a bad --rows is one line, status 2."""
+    import torch
+
+    from kvdirect_app import roofline
+    from kvdirect_app.models import load_model
+
+    out = tmp_path / "roof.json"
+    assert bench.main(["roofline", "--model", "tiny-llama", "--strategies", "full,window:budget=4", "--rows", "1,3,8",
+                       "--max-new-tokens", "3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())  # validated against docs/schema/roofline.json by the suite's setting
+    model = load_model("tiny-llama", device="cpu").model
+    weights = {m.weight.data_ptr(): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert report["weights"]["weight_bytes"] == sum(w.numel() * w.element_size() for w in weights.values())
+    here = report["machine"]
+    assert here["gemm_gflops"]["float32"] > 0 and here["bandwidth_gbs"] > 0
+    rows = {r["rows"]: r for r in report["rows"]}
+    assert set(rows) == {1, 3, 8}
+    for n, r in rows.items():
+        assert r["arithmetic_ms"] == pytest.approx(n * rows[1]["arithmetic_ms"])
+        assert r["weights_read_ms"] == rows[1]["weights_read_ms"]
+        assert r["best_ms"] == max(r["weights_read_ms"], r["arithmetic_ms"])
+        assert r["native_linears_ms"] > 0 and r["invariant_linears_ms"] > 0  # the tiny model's probe passes here
+    plain, panes = report["runs"]["plain full"], report["runs"]["panes"]
+    assert plain["rows"] == 1 and panes["rows"] >= 2 and panes["kernels"] == "invariant"
+    expected = roofline.best_ms(report["weights"]["weight_bytes"], report["weights"]["params"], panes["rows"],
+                                here["gemm_gflops"]["float32"], here["bandwidth_gbs"])["best_ms"]
+    assert panes["best_ms"] == pytest.approx(expected)
+    assert panes["shared_over_best"] == pytest.approx(panes["shared_ms"] / panes["best_ms"])
+    assert set(panes["own_ms"]) == {"full", "window:budget=4"}
+    printed = capsys.readouterr().out
+    assert "copy" in printed and "its roofline" in printed
+    assert bench.main(["roofline", "--model", "tiny-llama", "--rows", "0,x"]) == 2
+    assert "--rows" in capsys.readouterr().err

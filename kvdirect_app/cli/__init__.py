@@ -1,4 +1,4 @@
-"""The benchmark commands of `python -m kvdirect_app.bench`: run, sweep, breakeven, replay, capacity.
+"""The benchmark commands of `python -m kvdirect_app.bench`: run, sweep, breakeven, replay, capacity, roofline...
 
 Each prints a readable table and can write JSON; bad input exits with
 status 2 and one line naming the setting and its allowed values.
@@ -12,7 +12,7 @@ import sys
 import torch
 
 from ..errors import UserError
-from . import anchor, record, reproduce, run, sweep, tasks
+from . import anchor, record, reproduce, roofline, run, sweep, tasks
 
 
 class Parser(argparse.ArgumentParser):
@@ -25,7 +25,7 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m kvdirect_app.bench", description="KV-Direct Studio benchmarks: tables and JSON")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (run, record, sweep, anchor, reproduce, tasks):
+    for module in (run, record, sweep, anchor, reproduce, tasks, roofline):
         module.register(sub)
     return parser
 

@@ -8,6 +8,7 @@ between steps, so the turn is always closed cleanly, on the thread that opened i
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -262,12 +263,11 @@ class Handlers:
             except BaseException as e:  # handed to the handler's thread below
                 box["error"] = e
 
-        loader = threading.Thread(target=work, name="kvdirect-load", daemon=True)
         t0 = time.monotonic()
-        loader.start()
-        while loader.is_alive():
-            loader.join(0.5)
-            if loader.is_alive() and session.load_number == number:
+        loader = runner.compute().submit(work)
+        while not loader.done():
+            concurrent.futures.wait([loader], timeout=0.5)
+            if not loader.done() and session.load_number == number:
                 doing = views.without_paths(heard[-1]) if heard else f"loading {name}"
                 yield {v.status: views.status(f"{doing[:1].upper()}{doing[1:]}… {time.monotonic() - t0:.0f} s",
                                               "busy")}

@@ -10,6 +10,7 @@ session keeps its conversation between turns.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -61,6 +62,34 @@ def queue_options() -> dict:
 def session_capacity() -> int:
     """Sessions whose page copy Gradio keeps (the oldest go first): a bound on what idle visitors hold."""
     return 200 if hosted() else 1000
+
+
+_COMPUTE: list[concurrent.futures.ThreadPoolExecutor] = []
+_COMPUTE_LOCK = threading.Lock()
+COMPUTE_THREAD = "kvdirect-compute"
+
+
+def compute() -> concurrent.futures.ThreadPoolExecutor:
+    """The app's compute thread(s): every turn (`Pump`), every engine built (`conversation`) and every model loaded
+    from the page runs here, as many at once as the queue runs (one on a CPU).
+
+    Why one long-lived thread: OpenMP keeps a team of worker threads per thread that ran a parallel op, and while
+    a process's teams hold more threads than there are cores, libgomp makes every waiting worker sleep at once
+    instead of spinning for a moment (`GOMP_SPINCOUNT`, kvdirect_app/__init__.py).  A decode step is hundreds of
+    short ops, each then waking the worker: SmolLM2's plain full cache takes 61 ms a step so, 36-40 ms with one
+    team (2-core CPU).  Engines built on Gradio's pooled handler threads left a team on each of them."""
+    with _COMPUTE_LOCK:
+        if not _COMPUTE:
+            _COMPUTE.append(concurrent.futures.ThreadPoolExecutor(
+                max_workers=queue_options()["default_concurrency_limit"], thread_name_prefix=COMPUTE_THREAD))
+        return _COMPUTE[0]
+
+
+def on_compute(fn: Callable, *args, **kwargs):
+    """`fn(*args, **kwargs)` on the compute thread (here, when already on it), its result or its error."""
+    if threading.current_thread().name.startswith(COMPUTE_THREAD):
+        return fn(*args, **kwargs)
+    return compute().submit(fn, *args, **kwargs).result()
 
 
 def is_loaded(config: RunConfig) -> bool:
@@ -146,8 +175,9 @@ class Progress:
 
 
 def conversation(config: RunConfig) -> service.Conversation:
-    return service.Conversation(config.model, config.device, config.dtype, list(config.specs), config.max_new_tokens,
-                                config.raw, config.twins, config.kernels)
+    """A new conversation (its engine, probed and checked), built on the compute thread."""
+    return on_compute(service.Conversation, config.model, config.device, config.dtype, list(config.specs),
+                      config.max_new_tokens, config.raw, config.twins, config.kernels)
 
 
 def frontier_plan(config: RunConfig, settings: Settings, budgets: tuple[int, ...]) -> list[list[tuple]]:
@@ -204,7 +234,7 @@ def play(config: RunConfig, turns: list[str], talk: service.Conversation | None 
 
 
 class Pump:
-    """Drives an engine's event generator on one thread of its own and hands the events over a queue.
+    """Drives an engine's event generator on the compute thread (`compute`) and hands the events over a queue.
 
     Gradio runs each step of a streaming handler on whichever worker thread is
     free, and may drop a handler (a closed tab) without closing it.  The
@@ -224,8 +254,7 @@ class Pump:
         self.turn = self.step = 0  # the turn (1-based) and its last step the engine made
         self.stepping = False  # what the engine computes now ends in a step
         self.target: tuple[int, int] | None = None  # (turn, step) a stop ends the run after (None: the next event)
-        self.thread = threading.Thread(target=self._run, name="kvdirect-engine", daemon=True)
-        self.thread.start()
+        self.future = compute().submit(self._run)
 
     def _run(self):
         try:
