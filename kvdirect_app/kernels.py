@@ -5,8 +5,9 @@ Two modes for a run (`--kernels`):
 * ``invariant`` (the default wherever the probe passes): every linear layer
   of every lane, the reference included, is one GEMM over all the rows that
   need it, its row count raised with zero rows to one of a few counts
-  (`probes.ROWS`) that the probe proved invariant on this device, dtype and
-  thread count; attention is `block_attention` (keys in fixed blocks of 64
+  (`probes.PACKED`, `probes.ROWS`) that the probe proved invariant on this
+  device, dtype and thread count (a call of up to `PACKED` rows runs MKL's
+  packed GEMM on the weight packed once when the model is probed); attention is `block_attention` (keys in fixed blocks of 64
   anchored at position 0, an exact maximum, per-block sums and P@V of fixed
   shapes combined by a sequential cumulative sum, masked keys exact zeros),
   computed on one thread whatever the run's count (`threads.one_thread`), so
@@ -91,20 +92,26 @@ def _block_attention(query, key, value, end, scaling, softcap, window, proven) -
         n = min(chunk, q - s)
         last = end - q + s + n - 1  # the chunk's last query position
         used = (last - (first - lead)) // BLOCK + 1  # blocks up to it
-        qpos = torch.arange(last - n + 1, last + 1, device=query.device).repeat(group)
         r = (rows[:, :, s:s + n].float() * scaling).reshape(kv_heads, 1, group * n, d)
         m = group * n
         padded = proven.pad(m) if proven is not None else m
         if padded != m:
             r = F.pad(r, (0, 0, 0, padded - m))
-            qpos = torch.cat([qpos, qpos[-1:].expand(padded - m)])  # pad rows see what the last query sees
         scores = torch.matmul(r.expand(kv_heads, used, padded, d), k[:, :used].transpose(2, 3))  # (Hkv, b, p, 64)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        kp = key_pos[:used, None, :]
-        visible = key_ok[:used, None, :] & (kp <= qpos[None, :, None])
-        if window is not None:
-            visible &= kp > qpos[None, :, None] - window
+        if n == 1 and last == end - 1 and window is None:
+            # One query at the last position (a decode step), the pad rows seeing what it sees: a key is visible
+            # where it is one of the call's keys, which key_ok says already (the same mask, five ops fewer).
+            visible = key_ok[:used, None, :]
+        else:
+            qpos = torch.arange(last - n + 1, last + 1, device=query.device).repeat(group)
+            if padded != m:
+                qpos = torch.cat([qpos, qpos[-1:].expand(padded - m)])  # pad rows see what the last query sees
+            kp = key_pos[:used, None, :]
+            visible = key_ok[:used, None, :] & (kp <= qpos[None, :, None])
+            if window is not None:
+                visible &= kp > qpos[None, :, None] - window
         # In place from here (the same arithmetic as out of place, one buffer fewer alive).
         scores.masked_fill_(~visible, float("-inf"))
         top = scores.amax(dim=(1, 3), keepdim=True)

@@ -107,16 +107,21 @@ def linears_ms(loaded, kernels, rows: int, repeats: int = 3) -> float:
         return 1e3 * _best(step, repeats)
 
 
-def machine(threads: int, dtype: torch.dtype, repeats: int = 3) -> dict:
+def machine(threads: int, dtype: torch.dtype, repeats: int = 3, mib: int = 512) -> dict:
     """The machine's side of the roofline at `threads`: the GEMM rate in fp32 (and bf16, with whether the CPU says
-    it has bf16 instructions) and the copy bandwidth."""
+    it has bf16 instructions) and the bandwidth of a copy of `mib` MiB."""
     flags = cpu_flags()
     rates = {"float32": gemm_rate(torch.float32, threads, repeats=repeats)}
     if dtype == torch.bfloat16 or "avx512_bf16" in flags or "amx_bf16" in flags:
         rates["bfloat16"] = gemm_rate(torch.bfloat16, threads, repeats=repeats)
-    return {"threads": threads, "gemm_gflops": rates, "bandwidth_gbs": bandwidth(threads, repeats=repeats),
+    return {"threads": threads, "gemm_gflops": rates, "bandwidth_gbs": bandwidth(threads, mib, repeats),
             "bf16_instructions": sorted(f for f in flags if "bf16" in f),
             "capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def rate_for(here: dict, dtype: torch.dtype) -> float:
+    """The measured GEMM rate for the model's dtype (fp32's where that dtype was not measured)."""
+    return here["gemm_gflops"].get(str(dtype).removeprefix("torch."), here["gemm_gflops"]["float32"])
 
 
 def model_side(loaded) -> dict:

@@ -52,6 +52,13 @@ def strategy_catalogue() -> dict[str, dict]:
     return out
 
 
+@functools.cache
+def _machine(threads: int, dtype) -> dict:
+    from . import roofline
+
+    return roofline.machine(threads, dtype, repeats=2, mib=256)
+
+
 def check_specs(specs: list[str]) -> None:
     """Raises the registry's one-line error for unknown names, settings or duplicates."""
     from .strategies import parse_specs
@@ -216,6 +223,23 @@ class Conversation:
 
     def results(self) -> dict:
         return self.engine.results()
+
+    def roofline(self) -> dict | None:
+        """This machine's best time for this conversation's decode step's linears (`roofline.py`: the weights read
+        once, or the arithmetic at the measured GEMM rate), over its panes' rows; the machine measured once per
+        process, dtype and thread count (a 2048^3 GEMM and a 256 MiB copy, ~1 s).  None off the CPU."""
+        from . import roofline
+
+        loaded = self.engine.loaded
+        if loaded.device.type != "cpu":
+            return None
+        here = _machine(self.engine.threads, loaded.dtype)
+        weights = roofline.model_side(loaded)
+        rows = len(self.engine.all_lanes)
+        best = roofline.best_ms(weights["weight_bytes"], weights["params"], rows, roofline.rate_for(here, loaded.dtype),
+                                here["bandwidth_gbs"])
+        return {**best, "gemm_gflops": roofline.rate_for(here, loaded.dtype), "bandwidth_gbs": here["bandwidth_gbs"],
+                "threads": here["threads"]}
 
     def token_map(self, label: str, layer: int) -> dict | None:
         if label not in self.engine.show:

@@ -6,7 +6,7 @@
 Each run is a new Python process that loads the model (its cached copy) and probes every kernel afresh
 (`KVDIRECT_PROBE_CACHE=off`: nothing read from an earlier run) at the given thread count, first on a quiet
 machine, then with twice as many busy processes as cores.  Prints, per model, thread count and load, how many
-of the runs kept the invariant kernels, the reasons of those that did not, and the probe's time; `--json`
+of the runs kept the invariant kernels, how many proved MKL's packed GEMM (`probes.PACKED` rows) on every linear, the reasons of those that did not, and the probe's time; `--json`
 writes the rows.
 """
 
@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from kvdirect_app.probes import PACKED  # noqa: E402
 CHILD = """
 import json, sys, time
 import kvdirect_app, torch
@@ -29,7 +31,10 @@ loaded = load_model(name, dtype="float32", device="cpu", progress=lambda line: N
 torch.set_num_threads(threads)
 t0 = time.perf_counter()
 kernels = Kernels.for_model(loaded, "invariant", threads)
-print(json.dumps({"mode": kernels.mode, "reason": kernels.reason, "seconds": time.perf_counter() - t0}))
+from kvdirect_app.probes import PACKED
+packed = bool(kernels.linears) and all(PACKED in v.counts for v in kernels.linears.values())
+print(json.dumps({"mode": kernels.mode, "reason": kernels.reason, "seconds": time.perf_counter() - t0,
+                  "packed": packed}))
 """
 SPIN = "import time\nend = time.time() + 3600\nwhile time.time() < end:\n    pass\n"
 
@@ -62,13 +67,16 @@ def main() -> int:
                     t0 = time.monotonic()
                     results = [one(name, threads) for _ in range(args.runs)]
                     kept = sum(r["mode"] == "invariant" for r in results)
+                    packed = sum(bool(r.get("packed")) for r in results)
                     seconds = sorted(r["seconds"] for r in results if r["seconds"] is not None)
                     reasons = sorted({r["reason"] for r in results if r["mode"] != "invariant"})
                     row = {"model": name, "threads": threads, "load": load, "runs": args.runs, "invariant": kept,
+                           "packed": packed,
                            "probe_seconds_median": seconds[len(seconds) // 2] if seconds else None,
                            "reasons": reasons, "wall_seconds": time.monotonic() - t0}
                     rows.append(row)
                     print(f"{name:14s} threads={threads} {load:5s}: {kept}/{args.runs} kept the invariant kernels; "
+                          f"{packed}/{args.runs} proved the packed GEMM's {PACKED} rows on every linear; "
                           f"probe {row['probe_seconds_median']:.1f} s (median)"
                           + (f"; failed: {'; '.join(reasons)}" if reasons else ""), flush=True)
         finally:

@@ -431,3 +431,22 @@ def test_the_apps_torch_work_runs_on_its_one_compute_thread():
     assert [e["type"] for e in runner.Pump(events(), lambda: False) if e is not None] == ["turn"]
     assert len(where) == 2 and all(name.startswith(runner.COMPUTE_THREAD) for name in where), where
     assert runner.on_compute(lambda: threading.current_thread().name).startswith(runner.COMPUTE_THREAD)
+
+
+def test_a_conversations_roofline_is_this_machines_best_over_its_rows():
+    """`Conversation.roofline` (the latency plot's line): the machine measured here once per process, dtype and
+    thread count, the model's own weight bytes, over as many rows as the conversation's lanes."""
+    import torch
+
+    from kvdirect_app import roofline, service
+
+    talk = service.Conversation("tiny-llama", "cpu", "float32", ["full", "window:budget=4", "h2o:budget=4"], 2)
+    roof = talk.roofline()
+    assert roof["rows"] == 3 and roof["threads"] == talk.engine.threads
+    weights = roofline.model_side(talk.engine.loaded)
+    here = service._machine(talk.engine.threads, torch.float32)
+    assert roof == {**roofline.best_ms(weights["weight_bytes"], weights["params"], 3, here["gemm_gflops"]["float32"],
+                                       here["bandwidth_gbs"]),
+                    "gemm_gflops": here["gemm_gflops"]["float32"], "bandwidth_gbs": here["bandwidth_gbs"],
+                    "threads": talk.engine.threads}
+    assert roof["best_ms"] == max(roof["weights_read_ms"], roof["arithmetic_ms"]) > 0

@@ -345,3 +345,25 @@ def test_the_banner_and_the_panes_say_what_each_exact_strategy_holds_on_this_mod
                     "h2o:budget=4": []}
     session.config = RunConfig("another", "cpu", "float32", tuple(session.shown), 4)
     assert "kvd-memory-told" not in pane_header(session, "kvdirect:budget=4")
+
+
+def test_the_latency_plot_draws_the_machines_roofline_against_the_shared_pass(run):
+    """A live run's latency plot has a line at each pane's share of the roofline the machine allows the shared
+    pass's linears (measured here by `Conversation.roofline`, over the run's rows), where the shared pass's grey
+    part of every bar starts; a recording (measured on another machine) and a run with none measured have no line."""
+    from kvdirect_app.roofline import best_ms
+
+    engine, session = run
+    assert latency_figure(session).layout.shapes == ()
+    roof = best_ms(10_000_000, 2_500_000, len(engine.all_lanes), 100.0, 20.0)
+    session.roofline = {**roof, "gemm_gflops": 100.0, "bandwidth_gbs": 20.0, "threads": 2}
+    try:
+        figure = latency_figure(session)
+        (line,) = figure.layout.shapes
+        assert line.x0 == line.x1 == pytest.approx(roof["best_ms"] / len(engine.all_lanes))
+        assert f"roofline {roof['best_ms'] / len(engine.all_lanes):.1f} ms a pane" in figure.layout.annotations[0].text
+        assert [t.name for t in figure.data if isinstance(t.x, tuple) and t.type == "bar"][0] == "shared"
+        session.recording = {"source": "a recording"}
+        assert latency_figure(session).layout.shapes == ()
+    finally:
+        session.roofline, session.recording = None, None

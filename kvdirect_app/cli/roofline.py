@@ -56,7 +56,7 @@ def measure(args) -> dict:
     kernels = {mode: Kernels.for_model(loaded, mode, threads) for mode in ("invariant", "native")}
     here = roofline.machine(threads, loaded.dtype)
     model = roofline.model_side(loaded)
-    rate = here["gemm_gflops"].get(str(loaded.dtype).removeprefix("torch."), here["gemm_gflops"]["float32"])
+    rate = roofline.rate_for(here, loaded.dtype)
     table = []
     for n in rows:
         best = roofline.best_ms(model["weight_bytes"], model["params"], n, rate, here["bandwidth_gbs"])

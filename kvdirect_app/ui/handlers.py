@@ -37,7 +37,11 @@ from .settings import RunConfig, Settings, model_note
 log = logging.getLogger(__name__)
 FRONTIER_CURRENT = "this conversation"
 FRONTIER_BUDGETS = (16, 64)
-UI_EVERY_S = 0.12  # at most this often a streamed update (the first token of a turn always goes out)
+# At most this often a streamed update (the first token of a turn always goes out).  An update re-sends every
+# pane's chat, the scoreboard and the status, and Gradio's serialising and the browser's drawing share the cores
+# with the engine: a 64-token turn of the seven default panes took 21-22 s from Send to Done at 0.12 s here
+# (2-core CPU, Chromium on the same cores), 19.7-20.3 s at 0.5 s, 18.4 s at 1 s.
+UI_EVERY_S = 0.5
 HEARTBEAT_S = 5.0  # with no event for this long (a long message is read in pieces of minutes), the time is redrawn
 LONG_PROMPT_TOKENS = 1000  # a run that reads more prompt tokens than this asks first, with its time and memory
 PLOTS_EVERY_S = 2.0  # live plots at most this often during a turn ...
@@ -413,6 +417,11 @@ class Handlers:
                 log.error("results failed:\n%s", traceback.format_exc())
                 session.result = None
                 message, kind = f"{message} (No summary: {type(e).__name__}: {e})", "error"
+            try:  # measured once per process (~1 s after the first turn), on the compute thread
+                session.roofline = runner.on_compute(session.engine.roofline)
+            except Exception:
+                log.error("roofline failed:\n%s", traceback.format_exc())
+                session.roofline = None
         try:
             return self.render(session, busy=False, message=message, kind=kind, plots=True, final=True)
         except Exception as e:

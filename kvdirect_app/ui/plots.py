@@ -13,8 +13,10 @@ from .session import Session
 from .settings import REFERENCE, title
 
 FONT = dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", size=16, color="#111")
-OP_COLOURS = {"recompute": "#0072B2", "replay": "#56B4E9", "scoring": "#CC79A7", "attention": "#E69F00",
-              "cache_update": "#009E73", "shared": "#BBBBBB", "other": "#999999"}
+# The shared pass's share first: the part every pane pays alike lines up on the left (with the roofline's line
+# against it), each pane's own work after it.
+OP_COLOURS = {"shared": "#BBBBBB", "recompute": "#0072B2", "replay": "#56B4E9", "scoring": "#CC79A7",
+              "attention": "#E69F00", "cache_update": "#009E73", "other": "#999999"}
 OP_ORDER = list(OP_COLOURS)
 MEASURE_COLOURS = ["#6B7280", "#9CA3AF", "#4B5563", "#D1D5DB", "#374151", "#E5E7EB", "#1F2937", "#F3F4F6"]
 MARKS = 10  # markers along each line
@@ -244,6 +246,19 @@ def latency_figure(session: Session) -> go.Figure:
         fig.update_yaxes(categoryorder="array", categoryarray=["unattributed", "measurement", *names])
         fig.update_layout(uniformtext_minsize=11, uniformtext_mode="hide")  # a name only where it fits
         totals.append(measured)
+    roof = session.roofline
+    if roof is not None and "shared" in ops and session.recording is None:
+        # Each pane's share of the shared pass (the first, grey part of its bar) against its share of the best the
+        # machine allows that pass's linears: the roofline measured here, over the same rows.
+        share = roof["best_ms"] / roof["rows"]
+        fig.add_vline(x=share, line_dash="dot", line_color="#111", line_width=2,
+                      annotation_text=f"roofline {share:.1f} ms a pane", annotation_position="top",
+                      annotation_font_size=14)
+        fig.add_trace(go.Scatter(x=[share], y=[names[0]], mode="markers", marker=dict(opacity=0), showlegend=False,
+                                 hovertemplate=(f"the best this machine allows the shared pass's linears over "
+                                                f"{roof['rows']} rows: {roof['best_ms']:.1f} ms ({roof['bound']}-bound: "
+                                                f"{roof['bandwidth_gbs']:.0f} GB/s, {roof['gemm_gflops']:.0f} GFLOP/s; "
+                                                "bench roofline), per pane<extra></extra>")))
     fig.update_layout(barmode="stack")
     batched = any(op == "shared" for op in ops)
     fig.update_xaxes(title_text="ms per decode step (mean)", range=[0, 1.5 * max(totals, default=1)])

@@ -128,6 +128,9 @@ class Session:
     stopping: tuple[int, int] | None = None  # (turn, step) that Stop said the run ends after
     seen: list[dict] = field(default_factory=list)  # per turn: its first and last token's time, steps (`seen_rate`)
     memory_words: tuple[str, dict] = ("", {})  # (model, strategy -> a sentence): `geometry_panel.memory_words`
+    # This machine's best time for the live run's decode step's linears over its rows (`Conversation.roofline`):
+    # the latency plot's line.  None for a recording (measured elsewhere) and off the CPU.
+    roofline: dict | None = None
     last_plot: float = 0.0
     plot_cost: float = 0.0  # seconds the last live plots took to build (they share the cores with the engine)
 
