@@ -680,3 +680,69 @@ def test_a_png_is_drawn_with_no_script_from_the_network(tmp_path, monkeypatch):
     path = write_png(go.Figure(go.Scatter(x=[1, 2], y=[3, 4])), tmp_path / "f.png", width=200, height=100)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert pages and not [p for p in pages if re.search(r"src=[\"']?(https?:)?//", p)], pages
+
+
+def test_a_png_call_made_before_the_pages_scripts_ran_waits_for_them(tmp_path):
+    """On a loaded machine kaleido can take the blank tab's load event for its page's and call
+    `kaleido_scopes.plotly` while plotly.js is still being parsed (a CI run failed so; about one render in ten
+    here under load).  The page is served with its `kaleido_scopes.js` held back; a call made then must wait for
+    the script and return the PNG.  Catches: `write_png` back to kaleido's own page (the call, or the wait for
+    `kaleido_scopes`, fails while the script is held)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import unquote, urlparse
+
+    import plotly.graph_objects as go
+    from kaleido._utils import fig_tools
+
+    from kvdirect_app.png import page
+
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    from tests.test_browser import CHROMIUM
+
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM}")
+    html = page().generate_index()
+    files = {}
+    for uri in set(re.findall(r'src="(file://[^"]+)"', html)):
+        local = Path(unquote(urlparse(uri).path))
+        files[local.name] = local.read_bytes()
+        html = html.replace(uri, "/" + local.name)
+    assert "kaleido_scopes.js" in files and not re.search(r'src="(?!/)', html), html
+    held = threading.Event()
+
+    class Serve(BaseHTTPRequestHandler):
+        def do_GET(self):
+            name = self.path.lstrip("/")
+            if name == "kaleido_scopes.js":
+                held.wait(60)
+            body = html.encode() if name == "index.html" else files[name]
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html" if name == "index.html" else "text/javascript")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Serve)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    spec = fig_tools.coerce_for_js(go.Figure(go.Scatter(x=[1, 2], y=[3, 4])), None,
+                                   {"format": "png", "width": 200, "height": 100})
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+            tab = browser.new_page()
+            tab.goto(f"http://127.0.0.1:{server.server_address[1]}/index.html", wait_until="commit")
+            tab.wait_for_function("typeof window.kaleido_scopes === 'object'", timeout=20_000)
+            tab.evaluate("spec => { window.drawn = kaleido_scopes.plotly(spec, null, false).then(JSON.stringify); }",
+                         spec)
+            assert tab.evaluate("window.drawn instanceof Promise")  # made while kaleido_scopes.js is held back
+            held.set()
+            result = json.loads(tab.evaluate("window.drawn"))
+            browser.close()
+    finally:
+        held.set()
+        server.shutdown()
+    assert result["format"] == "png" and len(result["result"]) > 100, result
