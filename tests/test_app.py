@@ -270,12 +270,31 @@ def test_a_long_message_asks_first_with_its_time_and_memory_and_a_second_send_ru
     assert "Press Send again" in asked and session.user_turns == ["Tell me about caches."], asked
 
 
-def test_stop_names_the_step_it_ends_after_and_the_status_never_shows_a_later_one(app):
-    """Mutation: `stop` sets the flag without `Pump.stop_after` (the status counts on past the step it named)."""
-    import re
+def test_stop_names_the_step_it_ends_after_and_the_status_never_shows_a_later_one(app, monkeypatch):
+    """Mutation: `stop` sets the flag without `Pump.stop_after` (the status counts on past the step it named).
 
+    The engine's thread runs ahead of the page (the tiny model makes 64 steps in less than the page's 0.5 s
+    between updates on a fast machine), so it waits after its fourth step until Stop was pressed: the stop
+    lands in the middle of the turn on every machine."""
+    import re
+    import threading
+
+    from kvdirect_app.ui import runner
     from kvdirect_app.ui.session import Session
 
+    pressed, play = threading.Event(), runner.play
+
+    def held(*args, **kwargs):
+        events = play(*args, **kwargs)
+        try:
+            for event in events:
+                yield event
+                if event["type"] == "step" and event["index"] >= 3:
+                    pressed.wait(60)
+        finally:
+            events.close()
+
+    monkeypatch.setattr(runner, "play", held)
     demo, _ = app
     h = demo.kvd_handlers
     session = Session()
@@ -286,6 +305,7 @@ def test_stop_names_the_step_it_ends_after_and_the_status_never_shows_a_later_on
         if session.steps >= 3:
             break
     said = h.stop(session)
+    pressed.set()
     n = re.search(r"Stopping after step (\d+) of turn 1…", said)
     assert n, said
     n = int(n.group(1))
