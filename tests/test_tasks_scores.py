@@ -127,3 +127,57 @@ def test_smollm2_a_window_of_64_cannot_see_a_needle_in_the_middle_and_exact_lane
     lanes = out["cells"][0]["lanes"]
     assert lanes["full"]["score"] == 1.0, lanes["full"]["reply"]
     assert lanes["window:budget=64"]["score"] == 0.0 and lanes["kvdirect:budget=64"]["equal_full"]
+
+
+KEPT_HEAP = """
+import resource, torch
+from kvdirect_app import rss
+
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+def cycle():  # a 64 MiB block filled and freed, ten times: the page faults of it
+    before = faults()
+    for _ in range(10):
+        x = torch.ones(16 << 20)
+        del x
+    return faults() - before
+
+out = cycle()
+with rss.kept_heap() as kept:
+    cycle()  # the heap grows to hold the block once
+    inside = cycle()
+    released = rss.release()
+after = cycle()
+print(kept, released, out, inside, after)
+"""
+
+
+def test_a_task_cell_keeps_freed_blocks_in_the_heap_and_hands_them_back_after(monkeypatch):
+    """Inside `rss.kept_heap` a freed 64 MiB block's pages are used again without faulting them in afresh, and
+    `release` gives nothing back; after it, glibc's own policy again (the block is mapped and faulted in anew).
+    Every task cell runs its turn inside it.  Mutations: the trim threshold left as it was (the heap's top is
+    handed back on free); `task_cell` without it."""
+    import subprocess
+    import sys
+    from contextlib import contextmanager
+
+    done = subprocess.run([sys.executable, "-c", KEPT_HEAP], capture_output=True, text=True, timeout=120,
+                          check=True)
+    kept, released, out, inside, after = done.stdout.split()
+    assert (kept, released) == ("True", "False"), done.stdout
+    out, inside, after = int(out), int(inside), int(after)
+    assert inside * 4 < min(out, after), (out, inside, after)
+
+    entered = []
+    real = scores.rss.kept_heap
+
+    @contextmanager
+    def counted():
+        with real() as ok:
+            entered.append(ok)
+            yield ok
+
+    monkeypatch.setattr(scores.rss, "kept_heap", counted)
+    benchmarks.tasks(replace(TINY, depths="0", budgets="8", strategies="window"), say=lambda line: None)
+    assert entered == [True]

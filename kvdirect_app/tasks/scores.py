@@ -24,6 +24,7 @@ from typing import Callable
 
 from dataclasses import dataclass, replace
 
+from .. import rss
 from ..errors import UserError
 from ..strategies import parse_spec
 from . import generate
@@ -133,8 +134,9 @@ def task_cell(cell: dict) -> dict:
                     threads=cell["threads"], twins=False, kernels=cell["kernels"],
                     prefill_chunk=cell["prefill_chunk"])
     t0 = time.perf_counter()
-    for _ in engine.turn(s.user, ids=ids):
-        pass
+    with rss.kept_heap():  # the cells report the ledger's bytes, not the process's RSS
+        for _ in engine.turn(s.user, ids=ids):
+            pass
     seconds = time.perf_counter() - t0
     result = engine.results()
     full = result["strategies"]["full"]
