@@ -75,10 +75,10 @@ def kept_heap():
     For work that reports no RSS (a task benchmark's cells: their bytes are the allocator ledger's): the
     scorers' attention temporaries (H2O's prefill probabilities, ~150 MB a layer at 2k tokens) were otherwise
     mapped, zero-filled by the kernel and unmapped for every layer.  A 2k-token task cell with the default
-    strategies (SmolLM2, 2 threads, the whole command): 34.0-34.7 s, 12.6 s of it system time, against 27.5-28.0
-    s and 1.9 s inside this (peak RSS 3.5-3.6 against 4.2-4.6 GB: the heap keeps what it once held).  Transparent huge pages for large blocks cut the page faults tenfold but not the time (the
-    kernel zero-fills the same bytes).  The setting is the process's: other threads' blocks are kept too while
-    a block is open."""
+    strategies (SmolLM2, 2 threads, the whole command): 34.0-34.7 s, 12.6 s of it system time, against
+    27.5-28.0 s and 1.9 s inside this (peak RSS 3.5-3.6 against 4.2-4.6 GB: the heap keeps what it once held).
+    Transparent huge pages for large blocks cut the page faults tenfold but not the time (the kernel zero-fills
+    the same bytes).  The setting is the process's: other threads' blocks are kept too while a block is open."""
     global _KEPT
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
