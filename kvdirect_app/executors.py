@@ -1,8 +1,12 @@
 """Run independent cells (model x strategy x setting) on a bounded process pool here, or as Ray tasks.
 
-    results = run_cells(fn, cells, executor="local", workers=None, resources=None)
+    results = run_cells(fn, cells, executor="local", workers=None, resources=None, say=None)
 
 `fn(cell)` runs once per cell; the results come back in the cells' order.
+With `say`, a line per finished cell as it finishes, on either executor
+(`Ticker`): the cell, how many are done of how many, the time so far and
+an estimate of the time left (the time so far per finished cell, times the
+cells left).
 A cell is a JSON-serialisable dict (it crosses a process boundary);
 `fn` is a module-level function, importable by name in a child process
 (a lambda, a closure or a function of `__main__` is refused).
@@ -32,7 +36,8 @@ import importlib
 import json
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
@@ -91,7 +96,7 @@ def cell_name(cell: dict, index: int, total: int) -> str:
 
 
 def run_cells(fn: Callable[[dict], object], cells: list[dict], executor: str = "local", workers: int | None = None,
-              resources: Callable[[dict], dict] | None = None) -> list:
+              resources: Callable[[dict], dict] | None = None, say: Callable[[str], None] | None = None) -> list:
     """`[fn(cell) for cell in cells]`, each call in its own worker process (see the module's docstring)."""
     check_executor(executor)
     _check_fn(fn)
@@ -106,9 +111,38 @@ def run_cells(fn: Callable[[dict], object], cells: list[dict], executor: str = "
     if not cells:
         return []
     wants = [_resources(resources or default_resources, cell) for cell in cells]
+    ticker = Ticker(cells, say)
     if executor == "local":
-        return _run_local(fn, cells, wants, workers)
-    return _run_ray(fn, cells, wants)
+        return _run_local(fn, cells, wants, workers, ticker)
+    return _run_ray(fn, cells, wants, ticker)
+
+
+def clock(seconds: float) -> str:
+    """`42 s`, `3 min 05 s`, `1 h 02 min`."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds // 60 % 60:02d} min"
+
+
+class Ticker:
+    """Says a line per finished cell (`done(index)`), in the order they finish: `cell 3 of 36 (name) done: 5 of
+    36 in 1 min 02 s, about 6 min 30 s left`.  The estimate is the time so far per finished cell times the cells
+    left, so a pool of N workers is counted at its own pace.  Without `say`, it says nothing."""
+
+    def __init__(self, cells: list, say: Callable[[str], None] | None):
+        self.cells, self.say, self.finished, self.t0 = cells, say, 0, time.perf_counter()
+
+    def done(self, index: int):
+        self.finished += 1
+        if self.say is None:
+            return
+        total, seconds = len(self.cells), time.perf_counter() - self.t0
+        left = seconds / self.finished * (total - self.finished)
+        self.say(f"{cell_name(self.cells[index], index, total)} done: {self.finished} of {total} in "
+                 f"{clock(seconds)}, " + (f"about {clock(left)} left" if left else "all done"))
 
 
 # --- in a worker ------------------------------------------------------------------------------------------------
@@ -124,23 +158,28 @@ def _call(fn, cell: dict, threads: int):
 
 
 # --- local: a bounded process pool ------------------------------------------------------------------------------
-def _run_local(fn, cells: list[dict], wants: list[dict], workers: int | None) -> list:
+def _run_local(fn, cells: list[dict], wants: list[dict], workers: int | None, ticker: Ticker) -> list:
     threads = [max(1, int(round(w["num_cpus"]))) for w in wants]
     if workers is None:
         workers = max(1, (os.cpu_count() or 1) // max(threads))
     workers = min(workers, len(cells))
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
-    results = []
+    results: list = [None] * len(cells)
     try:
-        futures = [pool.submit(_call, fn, cell, n) for cell, n in zip(cells, threads)]
-        for i, future in enumerate(futures):
-            try:
-                results.append(future.result())
-            except BrokenProcessPool as e:
-                raise _cell_error(cells, i, e, "a worker process died (killed, out of memory?) while it or a cell "
-                                                 "beside it ran") from e
-            except Exception as e:
-                raise _cell_error(cells, i, e) from e
+        index = {pool.submit(_call, fn, cell, n): i for i, (cell, n) in enumerate(zip(cells, threads))}
+        pending = set(index)
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in sorted(finished, key=index.get):  # the earlier cell first where several end at once
+                i = index[future]
+                try:
+                    results[i] = future.result()
+                except BrokenProcessPool as e:
+                    raise _cell_error(cells, i, e, "a worker process died (killed, out of memory?) while it or a "
+                                                   "cell beside it ran") from e
+                except Exception as e:
+                    raise _cell_error(cells, i, e) from e
+                ticker.done(i)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     return results
@@ -160,7 +199,7 @@ def _local_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def _run_ray(fn, cells: list[dict], wants: list[dict]) -> list:
+def _run_ray(fn, cells: list[dict], wants: list[dict], ticker: Ticker) -> list:
     ray = _import_ray()
     started, address = False, os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
@@ -178,18 +217,23 @@ def _run_ray(fn, cells: list[dict], wants: list[dict]) -> list:
         refs = [task.options(num_cpus=w["num_cpus"], num_gpus=w["num_gpus"]).remote(fn, cell,
                                                                                      max(1, int(round(w["num_cpus"]))))
                 for cell, w in zip(cells, wants)]
-        results = []
-        for i, ref in enumerate(refs):
+        results: list = [None] * len(cells)
+        index = {ref: i for i, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            finished, pending = ray.wait(pending, num_returns=1)
+            i = index[finished[0]]
             try:
-                results.append(ray.get(ref))
+                results[i] = ray.get(finished[0])
             except Exception as e:
-                for rest in refs[i + 1:]:
+                for rest in pending:
                     try:
                         ray.cancel(rest, force=True)
                     except Exception:  # already finished or gone: nothing to cancel
                         pass
                 cause = getattr(e, "cause", None)
                 raise _cell_error(cells, i, cause if isinstance(cause, BaseException) else e) from e
+            ticker.done(i)
         return results
     finally:
         if started:

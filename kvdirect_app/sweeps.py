@@ -252,7 +252,7 @@ def run_sweep(config, say: Callable[[str], None]) -> dict:
         for i, cell in enumerate(cells):
             labels = ", ".join(s.label for _, s in runs[cell["budget"]])
             say(f"budget {cell['budget']} (cell {i + 1} of {len(cells)}, {config.executor}): {labels}")
-        results = run_cells(sweep_cell, cells, config.executor, config.workers)
+        results = run_cells(sweep_cell, cells, config.executor, config.workers, say=say)
         rows = [row for result in results for row in result["rows"]]
         out.update(budgets=budgets, rows=rows, plotted=rows)
         head, reference = results[0]["head"], results[0]["reference"]

@@ -74,6 +74,22 @@ def threads_seen(cell: dict):
     return cell["x"], torch.get_num_threads()
 
 
+def wait_for_file(cell: dict):
+    """Cell "slow" ends only once the file the other cell writes exists: it finishes last on any executor."""
+    import time
+    from pathlib import Path
+
+    path = Path(cell["path"])
+    if cell["name"] == "slow":
+        for _ in range(1200):
+            if path.exists():
+                break
+            time.sleep(0.05)
+        return "slow"
+    path.write_text("done")
+    return "fast"
+
+
 # --- (a) the same rows whoever runs the cells -------------------------------------------------------------------
 def test_the_in_process_sweep_has_its_rows(in_process):
     assert {(r["strategy"], r["budget"]) for r in in_process["rows"]} == {
@@ -85,6 +101,10 @@ def test_sweep_on_the_local_process_pool_gives_the_in_process_json(in_process, t
     data = sweep_json(tmp_path / "local.json", "--executor", "local", "--workers", "2")
     err = capsys.readouterr().err
     assert "budget 4 (cell 1 of 2, local)" in err and "budget 8 (cell 2 of 2, local)" in err
+    done = [line for line in err.splitlines() if " done: " in line]  # a line per finished cell, as it finishes
+    assert len(done) == 2 and done[-1].endswith("all done") and " done: 1 of 2 in " in done[0], done
+    assert {line.split(" done:")[0] for line in done} == {"cell 1 of 2 (tiny-llama budget=4)",
+                                                         "cell 2 of 2 (tiny-llama budget=8)"}
     assert [(r["strategy"], r["budget"]) for r in data["rows"]] == [(r["strategy"], r["budget"])
                                                                     for r in in_process["rows"]]
     assert not differences(untimed(data), untimed(in_process)), differences(untimed(data), untimed(in_process))
@@ -103,6 +123,38 @@ def test_run_cells_keeps_the_cells_order_and_pins_each_childs_threads():
     cells = [{"x": x, "threads": 2} for x in range(5)]
     assert run_cells(threads_seen, cells, "local", workers=2) == [(x, 2) for x in range(5)]
     assert run_cells(threads_seen, [], "local") == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_each_cell_is_said_as_it_finishes_with_the_time_left(executor, request, tmp_path):
+    """The cell that finishes first is said first, though it comes second (the pool and Ray alike), and its line
+    estimates the time left; the results still come back in the cells' order.  Mutation: the lines said after
+    every result was gathered, in the cells' order."""
+    if executor == "ray":
+        request.getfixturevalue("small_local_ray")
+    lines = []
+    cells = [{"name": "slow", "path": str(tmp_path / "flag")}, {"name": "fast", "path": str(tmp_path / "flag")}]
+    assert run_cells(wait_for_file, cells, executor, workers=2, say=lines.append) == ["slow", "fast"]
+    assert [line.split(" in ")[0] for line in lines] == ["cell 2 of 2 (fast) done: 1 of 2",
+                                                         "cell 1 of 2 (slow) done: 2 of 2"], lines
+    assert re.fullmatch(r"cell 2 of 2 \(fast\) done: 1 of 2 in \d+ s, about \d+ s left", lines[0]), lines
+    assert re.fullmatch(r"cell 1 of 2 \(slow\) done: 2 of 2 in \d+ s, all done", lines[1]), lines
+
+
+def test_the_time_left_is_the_time_so_far_per_finished_cell_times_the_cells_left(monkeypatch):
+    from kvdirect_app import executors
+
+    now = iter([100.0, 130.0, 190.0])
+    monkeypatch.setattr(executors.time, "perf_counter", lambda: next(now))
+    lines = []
+    ticker = executors.Ticker([{"name": "a"}, {"name": "b"}, {"name": "c"}, {"name": "d"}], lines.append)
+    ticker.done(2)
+    ticker.done(0)
+    assert lines == ["cell 3 of 4 (c) done: 1 of 4 in 30 s, about 1 min 30 s left",
+                     "cell 1 of 4 (a) done: 2 of 4 in 1 min 30 s, about 1 min 30 s left"]
+    assert [executors.clock(s) for s in (0.4, 59.6, 61, 3599, 3600, 7322)] == [
+        "0 s", "1 min 00 s", "1 min 01 s", "59 min 59 s", "1 h 00 min", "2 h 02 min"]
 
 
 # --- (b) bad executors: one line, status 2 ----------------------------------------------------------------------

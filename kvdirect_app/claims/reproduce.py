@@ -289,15 +289,16 @@ def _exactness_cells(model: str, k: Knobs, L: int, device: str, threads: int) ->
 
 # --- results.json ------------------------------------------------------------------------------------------------
 def gather(model: str, quick: bool, executor: str, device: str = "auto", workers: int | None = None,
-           threads: int = 1) -> dict:
-    """Run every cell; the cells, the run's facts and what follows from them, as one JSON-ready dict."""
+           threads: int = 1, say=None) -> dict:
+    """Run every cell; the cells, the run's facts and what follows from them, as one JSON-ready dict.  `say`: a
+    line per finished cell (`executors.Ticker`)."""
     import torch
 
     from ..executors import run_cells
 
     cells = plan(model, quick, device, threads)
     t0 = time.perf_counter()
-    outputs = run_cells(run_cell, cells, executor=executor, workers=workers)
+    outputs = run_cells(run_cell, cells, executor=executor, workers=workers, say=say)
     results = {"model": model, "quick": quick, "executor": executor, "device": device,
                "device_name": (torch.cuda.get_device_name() if torch.cuda.is_available() and device != "cpu"
                                else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"),

@@ -40,7 +40,7 @@ def cmd_reproduce(args) -> int:
         raise CliError(f"--out: {args.out!r} is a file; allowed: a folder (created if absent)")
     print(f"reproduce: {args.model}, {'quick' if args.quick else 'full'}, executor {args.executor}…", file=sys.stderr)
     results = reproduce.gather(args.model, args.quick, args.executor, device=args.device, workers=args.workers,
-                               threads=args.threads)
+                               threads=args.threads, say=lambda line: print(line, file=sys.stderr, flush=True))
     paths = render.write(results, out)
     print(render.render(results).split(render.DETAILS)[0])
     print(f"wrote {', '.join(str(p) for p in paths)} in {results['seconds']:.0f} s")

@@ -202,7 +202,7 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
     import torch
 
     from .. import guard, validate
-    from ..executors import check_executor, run_cells
+    from ..executors import Ticker, check_executor, run_cells
     from ..limits import limits
     from ..models import load_model
     p = plan(config)
@@ -235,14 +235,12 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
         f"{len(p.lanes) + 1} lanes each: {', '.join(['full'] + [s for _, _, s in p.lanes])}")
     t0 = time.perf_counter()
     if config.executor is None:
-        results = []
+        results, ticker = [], Ticker(cells, say)
         for i, cell in enumerate(cells):
             results.append(task_cell(cell))
-            full = results[-1]["lanes"]["full"]
-            say(f"cell {i + 1} of {len(cells)} ({cell['name']}): full cache {full['score']:.2f} "
-                f"{full['reply'][:40]!r}, {results[-1]['seconds']:.1f} s")
+            ticker.done(i)
     else:
-        results = run_cells(task_cell, cells, config.executor, config.workers)
+        results = run_cells(task_cell, cells, config.executor, config.workers, say=say)
     seconds = time.perf_counter() - t0
     mismatched = [(c["task"], c["context"], c["depth"], spec) for c in results for spec, a in c["lanes"].items()
                   if a["exact"] and not a["equal_full"]]
