@@ -68,7 +68,8 @@ def _head(results: dict) -> list[str]:
         rows.append([f"{c['title']}: \"{c['claim']}\"", paper, ours, f"**{c['verdict']}**", c["sentence"]])
     out = _table(["claim", "paper", "ours", "verdict", "why"], rows)
     out += ["", "The whole reason, claim by claim:", ""]
-    out += [f"- **{c['title']}**: {c['reason']}" for c in claims.values()]
+    out += [f"- **{c['title']}**: {c['reason']}" + (f" Rule: {c['rule']}" if c.get("rule") else "")
+            for c in claims.values()]
     out += ["", results["rule"]["text"]]
     if results["quick"]:
         left_out = "; ".join(results["plan"]["quick_leaves_out"])

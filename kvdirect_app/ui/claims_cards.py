@@ -3,7 +3,8 @@ were computed from its numbers on loading (`claims.reproduce.load`, the function
 
 Each card has the verdict large, the paper's figure and ours, what ours was measured on (model, samples, turns,
 budgets, device, kernels: whatever the claim's cells record) and the claim's one sentence, which opens with the
-same verdict words; the full table and every measured row stay below, in the report's own words.  The page's
+same verdict words, then the rule its figures were counted by where the claim's words leave it open (claim 9's
+"changes task scores"); the full table and every measured row stay below, in the report's own words.  The page's
 claims.css keeps words whole in the cards' narrow columns.
 """
 
@@ -35,7 +36,8 @@ def cards_html(results: dict) -> str:
             f'<tr><th>ours</th><td>{e(ours)} <span class="kvd-note">({e(claim["basis"])})</span></td></tr>'
             f'<tr><th>on</th><td class="kvd-note">{e(claim["scope"])}; {e(claim["measured_on"])}</td></tr></table>'
             f'<div class="kvd-card-why" title="{html.escape(claim["reason"])}">{e(claim["sentence"])}</div>'
-            f'</div>')
+            + (f'<div class="kvd-card-rule kvd-note">Rule: {e(claim["rule"])}</div>' if claim.get("rule") else "")
+            + '</div>')
     where = f'{e(results.get("device_name") or results.get("device", "?"))}, {e(results.get("date", "?"))}'
     return (f'<div class="kvd-cards-head">Measured on {where} with <code>python -m kvdirect_app.bench reproduce '
             f'{"--quick " if results.get("quick") else ""}--out DIR</code>; every number is a value of its '
