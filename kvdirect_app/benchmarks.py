@@ -223,7 +223,8 @@ class TasksConfig(_Config):
 
     model: str = "smollm2-135m"
     strategies: str = "kvdirect,anchorkv,window,streaming_llm,h2o,snapkv,tova,knorm,pyramidkv"
-    budgets: str | None = None  # unset: the grid's (tasks/scores.py DEFAULT, QUICK)
+    budgets: str | None = None  # unset: the grid's (tasks/scores.py DEFAULT, QUICK), or none beside `ratios`
+    ratios: str | None = None  # compression ratios (kvpress's), each lane's budget from its sample's prompt
     contexts: str | None = None
     depths: str | None = None
     tasks: str | None = None

@@ -74,6 +74,10 @@ def test_the_exactness_check_fails_when_a_lossy_lane_claims_to_be_exact(monkeypa
     (["--strategies", "window:budget=4"], ["budget", "remove budget="]),
     (["--strategies", "nothing"], ["nothing"]),
     (["--samples", "0"], ["samples", "1..1000"]),
+    (["--ratios", "0"], ["ratios", "above 0 and below 1"]),
+    (["--ratios", "1.5"], ["ratios", "above 0 and below 1"]),
+    (["--ratios", "half"], ["ratios", "'half'", "kvpress"]),
+    (["--ratios", "0.5,0.50"], ["ratios", "0.5 is listed twice"]),
 ])
 def test_bad_settings_get_one_line_naming_the_setting(args, words, capsys):
     code = main(["tasks", "--model", "tiny-llama", "--contexts", "512", "--tasks", "niah_single_number", *args])
@@ -181,3 +185,42 @@ def test_a_task_cell_keeps_freed_blocks_in_the_heap_and_hands_them_back_after(mo
     monkeypatch.setattr(scores.rss, "kept_heap", counted)
     benchmarks.tasks(replace(TINY, depths="0", budgets="8", strategies="window"), say=lambda line: None)
     assert entered == [True]
+
+
+def test_a_ratio_is_a_budget_from_each_samples_prompt_as_kvpress_counts_it(tmp_path):
+    """kvpress's compression ratio: the share of the prompt's K/V tokens a layer drops, int(tokens x (1 - ratio))
+    kept.  Worked out by hand for tiny-llama's 512-token samples (510 prompt tokens): ratio 0.5 keeps 255, 0.75
+    keeps int(127.5) = 127 (compression 1 - 127/510 = 0.7510); a ratio whose budget equals a listed one (255)
+    runs once and both lanes get its answer.  The leaderboard rows are kvpress's (strategy, ratio, task, score);
+    the Tasks tab offers each budget and each ratio.  Mutations: round() for int() (128 kept); the lanes of a
+    ratio shown at a budget that one sample's ratio budget happens to equal."""
+    assert (scores.ratio_budget(0.5, 510), scores.ratio_budget(0.75, 510), scores.ratio_budget(0.99, 50)) == \
+        (255, 127, 1)
+    out = benchmarks.tasks(replace(TINY, depths="0,100", budgets="255", ratios="0.5,0.75", strategies="window,kvdirect"),
+                           say=lambda line: None)
+    validate({"schema": "kvdirect-studio/tasks", "schema_version": 1, **out})
+    assert out["ratios"] == [0.5, 0.75] and out["budgets"] == [255]
+    for cell in out["cells"]:
+        assert cell["prompt_tokens"] == 510
+        lanes = cell["lanes"]
+        assert [(k, a["budget"], a["ratio"]) for k, a in lanes.items() if k != "full"] == [
+            ("window:budget=255", 255, None), ("kvdirect:budget=255", 255, None), ("window:ratio=0.5", 255, 0.5),
+            ("window:ratio=0.75", 127, 0.75), ("kvdirect:ratio=0.5", 255, 0.5), ("kvdirect:ratio=0.75", 127, 0.75)]
+        assert lanes["window:ratio=0.5"]["spec"] == "window:budget=255"
+        assert lanes["window:ratio=0.5"]["reply"] == lanes["window:budget=255"]["reply"]
+        assert lanes["window:ratio=0.75"]["held_bytes"] < lanes["window:ratio=0.5"]["held_bytes"]
+        assert lanes["kvdirect:ratio=0.75"]["equal_full"]
+    rows = {r["spec"]: r for r in out["rows"]}
+    assert rows["window:ratio=0.75"]["compression_ratio"] == pytest.approx(1 - 127 / 510)
+    assert rows["window:ratio=0.75"]["ratio"] == 0.75 and rows["window:ratio=0.75"]["budget"] is None
+    assert rows["kvdirect:ratio=0.75"]["compression_ratio"] == 0  # keeps (or rebuilds) every token's K/V
+    board = {(r["strategy"], r["ratio"]): r for r in out["leaderboard"]}
+    assert sorted(board) == [("full", 0.0), ("kvdirect", 0.5), ("kvdirect", 0.75), ("window", 0.5),
+                             ("window", 0.75)]
+    assert board[("window", 0.75)]["task"] == "niah_single_number" and board[("window", 0.75)]["cells"] == 2
+    assert board[("window", 0.75)]["score"] == rows["window:ratio=0.75"]["score"]
+    assert tasks_view.settings(out) == [("budget 255", 255), ("ratio 0.5", 0.5), ("ratio 0.75", 0.75)]
+    assert tasks_view.specs_at(out, 255) == ["full", "window:budget=255", "kvdirect:budget=255"]
+    assert tasks_view.specs_at(out, 0.75) == ["full", "window:ratio=0.75", "kvdirect:ratio=0.75"]
+    assert "ratio 0.75" in tasks_view.heatmap_figure(out, 0.75).layout.title.text
+    assert "window" in tasks_view.table_html(out, 0.75)

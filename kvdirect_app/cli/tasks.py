@@ -27,7 +27,8 @@ HERE = "here"  # --executor here: the cells in this process
 def scores_table(rows: list[dict]) -> str:
     cols = ["strategy", "budget", "kind", "score", "full cache", "below full", "= full answers", "compression",
             "held after", "peak during"]
-    body = [[r["strategy"], fmt(r["budget"], "d"), r["kind"], f"{r['score']:.3f}", f"{r['full_score']:.3f}",
+    body = [[r["strategy"], f"ratio {r['ratio']:g}" if r.get("ratio") else fmt(r["budget"], "d"), r["kind"],
+             f"{r['score']:.3f}", f"{r['full_score']:.3f}",
              f"{r['cells_below_full']}/{r['cells']}", f"{r['answers_equal_full']}/{r['cells']}",
              f"{r['compression_ratio']:.2f}", fmt_bytes(r["held_bytes_mean"]), fmt_bytes(r["peak_bytes_mean"])]
             for r in rows]
@@ -68,6 +69,11 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "full cache always runs as the reference")
     p.add_argument("--budgets", help=f"comma-separated token budgets (default {DEFAULT['budgets']}; --quick "
                                      f"{QUICK['budgets']})")
+    p.add_argument("--ratios", help="comma-separated compression ratios (kvpress's convention: the share of the "
+                                    "prompt's K/V tokens a layer drops, e.g. 0.25,0.5,0.75,0.875): each lane's budget "
+                                    "is int(prompt tokens x (1 - ratio)) of its sample; alone, it replaces the "
+                                    "default budgets; the JSON gets kvpress's leaderboard rows (strategy, ratio, "
+                                    "task, score) with the measured bytes")
     p.add_argument("--contexts", help=f"comma-separated prompt lengths in tokens (default {DEFAULT['contexts']}; "
                                       f"--quick {QUICK['contexts']}); at most the model's context")
     p.add_argument("--depths", help=f"comma-separated needle depths, percent 0..100 (default {DEFAULT['depths']})")

@@ -22,7 +22,7 @@ import statistics
 import time
 from typing import Callable
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .. import rss
 from ..errors import UserError
@@ -74,6 +74,8 @@ class Plan:
     budgets: list[int]
     names: list[str]
     lanes: list[tuple[str, int | None, str]]
+    ratios: list[float] = field(default_factory=list)
+    ratio_lanes: list[tuple[str, float, str]] = field(default_factory=list)  # (name, ratio, key) of a budgeted name
 
     def depths_for(self, task: str) -> list[int | None]:
         return [None] if task in generate.DEPTHLESS else self.depths
@@ -87,7 +89,10 @@ def plan(config) -> Plan:
     tasks = _names("tasks", config.tasks or q["tasks"], generate.TASKS)
     contexts = _ints("contexts", config.contexts or q["contexts"], generate.MIN_CONTEXT, 1 << 20, "tokens of prompt")
     depths = _ints("depths", config.depths or q["depths"], 0, 100, "percent of the context before the needle")
-    budgets = _ints("budgets", config.budgets or q["budgets"], 1, 1 << 20, "tokens per layer")
+    ratios = _ratios(config.ratios) if getattr(config, "ratios", None) else []
+    # --ratios alone replaces the grid's budgets; with --budgets both run.
+    budgets = _ints("budgets", config.budgets, 1, 1 << 20, "tokens per layer") if config.budgets else (
+        [] if ratios else _ints("budgets", q["budgets"], 1, 1 << 20, "tokens per layer"))
     if config.samples < 1 or config.samples > 1000:
         raise TaskError(f"samples: {config.samples} is not allowed; allowed: 1..1000 per cell")
     if config.haystack not in generate.HAYSTACKS:
@@ -100,10 +105,37 @@ def plan(config) -> Plan:
             if any(pair.partition("=")[0] == "budget" for pair in name.split(":")[1:]):
                 raise TaskError(f"strategies: {name!r} sets budget itself; --budgets sets it, remove budget=")
         lanes = lane_specs(names, budgets)
+        ratio_lanes = [(name, r, f"{parse_spec(name).label}:ratio={r:g}") for name in names
+                       if "budget" in parse_spec(name).settings() for r in ratios]
     except StrategyError as e:
         raise TaskError(str(e)) from None
+    if ratios and not budgets:  # the strategies without a budget setting run once, as at the budgets
+        lanes = [lane for lane in lane_specs(names, [1]) if lane[1] is None]
     seeds = [config.seed + i for i in range(config.samples)]
-    return Plan(tasks, contexts, depths, seeds, budgets, names, lanes)
+    return Plan(tasks, contexts, depths, seeds, budgets, names, lanes, ratios, ratio_lanes)
+
+
+def _ratios(text: str) -> list[float]:
+    out = []
+    for part in str(text).split(","):
+        try:
+            r = float(part)
+        except ValueError:
+            r = None
+        if r is None or not 0 < r < 1:
+            raise TaskError(f"ratios: {part.strip()!r} is not allowed; allowed: compression ratios above 0 and below 1 "
+                            "(the share of the prompt's K/V tokens a layer drops, kvpress's convention), "
+                            "comma-separated")
+        if r in out:
+            raise TaskError(f"ratios: {r:g} is listed twice")
+        out.append(r)
+    return out
+
+
+def ratio_budget(ratio: float, prompt_tokens: int) -> int:
+    """The budget of a lane at compression ratio `ratio` on a prompt of `prompt_tokens` tokens, as kvpress counts
+    it: the prompt's K/V tokens kept per layer, int(prompt_tokens * (1 - ratio)), at least 1."""
+    return max(1, int(prompt_tokens * (1 - ratio)))
 
 
 def lane_specs(names: list[str], budgets: list[int]) -> list[tuple[str, int | None, str]]:
@@ -129,9 +161,15 @@ def task_cell(cell: dict) -> dict:
     s = generate.sample(cell["task"], loaded.tokenizer, cell["context"], cell["depth"], cell["seed"],
                         haystack=cell["haystack"], chat=loaded.chat)
     ids = generate.prompt_ids(s, loaded.tokenizer)
-    lanes = cell["lanes"]
-    engine = Engine(loaded, [parse_spec("full")] + [parse_spec(spec) for _, _, spec in lanes], max_new_tokens=s.max_new_tokens,
-                    threads=cell["threads"], twins=False, kernels=cell["kernels"],
+    # (name, budget, ratio, key, spec): a lane at a ratio gets its budget from this sample's prompt; lanes whose
+    # specs coincide (a ratio's budget equal to a listed budget) run once and share the answer.
+    lanes = [(name, budget, None, spec, spec) for name, budget, spec in cell["lanes"]]
+    for name, ratio, key in cell.get("ratio_lanes", []):
+        budget = ratio_budget(ratio, len(ids))
+        lanes.append((name, budget, ratio, key, parse_spec(f"{name}:budget={budget}").label))
+    specs = list(dict.fromkeys(spec for *_, spec in lanes))
+    engine = Engine(loaded, [parse_spec("full")] + [parse_spec(spec) for spec in specs],
+                    max_new_tokens=s.max_new_tokens, threads=cell["threads"], twins=False, kernels=cell["kernels"],
                     prefill_chunk=cell["prefill_chunk"])
     t0 = time.perf_counter()
     with rss.kept_heap():  # the cells report the ledger's bytes, not the process's RSS
@@ -141,10 +179,11 @@ def task_cell(cell: dict) -> dict:
     result = engine.results()
     full = result["strategies"]["full"]
     answers = {}
-    for name, budget, spec in [("full", None, "full")] + [tuple(x) for x in lanes]:
+    for name, budget, ratio, key, spec in [("full", None, None, "full", "full")] + lanes:
         r = result["strategies"][spec]
         reply = r["turn_texts"][0]
-        answers[spec] = {"strategy": name, "budget": budget, "reply": reply, "score": generate.score(s, reply),
+        answers[key] = {"strategy": name, "budget": budget, "ratio": ratio, "spec": spec, "reply": reply,
+                         "score": generate.score(s, reply),
                          "exact": bool(parse_spec(spec).claims_exact),
                          "equal_full": r["token_ids"] == full["token_ids"],
                          "kv_exact": r["kv_exact"], "held_bytes": r["state_bytes"]["between_turns_peak"],
@@ -170,14 +209,18 @@ def _mean(values) -> float | None:
 
 def summarise(cells: list[dict]) -> dict:
     """Per lane (spec): mean score, the full cache's mean on the same cells, compression ratio, peak bytes,
-    whether an exact lane equalled the full cache everywhere; and the heatmap (context x depth) per lane."""
+    whether an exact lane equalled the full cache everywhere; and the heatmap (context x depth) per lane.  A run
+    with lanes at compression ratios also gets each row's ratio and kvpress's leaderboard rows (`leaderboard`)."""
     specs = list(cells[0]["lanes"]) if cells else []
+    ratios = any(a.get("ratio") for a in cells[0]["lanes"].values()) if cells else False  # a run at --ratios
     rows, heat = [], {}
     full_mean = statistics.fmean(c["lanes"]["full"]["score"] for c in cells) if cells else None
     for spec in specs:
         lanes = [c["lanes"][spec] for c in cells]
         first = lanes[0]
-        rows.append({"spec": spec, "strategy": first["strategy"], "budget": first["budget"],
+        ratio = first.get("ratio")
+        rows.append({"spec": spec, "strategy": first["strategy"], "budget": None if ratio else first["budget"],
+                     **({"ratio": ratio} if ratios else {}),
                      "kind": "exact" if first["exact"] else "lossy",
                      "score": statistics.fmean(a["score"] for a in lanes), "full_score": full_mean,
                      "cells": len(lanes), "cells_below_full": sum(a["score"] < c["lanes"]["full"]["score"]
@@ -185,7 +228,7 @@ def summarise(cells: list[dict]) -> dict:
                      "cells_above_full": sum(a["score"] > c["lanes"]["full"]["score"] for a, c in zip(lanes, cells)),
                      "answers_equal_full": sum(a["equal_full"] for a in lanes),
                      "compression_ratio": statistics.fmean(
-                         compression_ratio(first["budget"], c["prompt_tokens"], first["exact"]) for c in cells),
+                         compression_ratio(a["budget"], c["prompt_tokens"], a["exact"]) for a, c in zip(lanes, cells)),
                      "held_bytes_mean": _mean(a["held_bytes"] for a in lanes),
                      "peak_bytes_mean": _mean(a["peak_bytes"] for a in lanes),
                      "full_peak_bytes_mean": _mean(c["lanes"]["full"]["peak_bytes"] for c in cells)})
@@ -194,7 +237,25 @@ def summarise(cells: list[dict]) -> dict:
             grid.setdefault((c["context"], c["depth"]), []).append(c["lanes"][spec]["score"])
         heat[spec] = [{"context": k[0], "depth": k[1], "score": statistics.fmean(v), "n": len(v)}
                       for k, v in sorted(grid.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1]))]
-    return {"rows": rows, "heatmap": heat}
+    return {"rows": rows, "heatmap": heat, **({"leaderboard": leaderboard(cells)} if ratios else {})}
+
+
+def leaderboard(cells: list[dict]) -> list[dict]:
+    """kvpress's leaderboard form, for the lanes run at a compression ratio (and the full cache at 0): a row per
+    strategy, ratio and task with its mean score, and its measured bytes beside the nominal ratio."""
+    out = []
+    tasks = list(dict.fromkeys(c["task"] for c in cells))
+    keys = [k for k, a in (cells[0]["lanes"].items() if cells else []) if k == "full" or a.get("ratio")]
+    for key in keys:
+        for task in tasks:
+            mine = [c for c in cells if c["task"] == task]
+            lanes = [c["lanes"][key] for c in mine]
+            out.append({"strategy": lanes[0]["strategy"], "ratio": lanes[0].get("ratio") or 0.0, "task": task,
+                        "score": statistics.fmean(a["score"] for a in lanes), "cells": len(lanes),
+                        "compression_ratio": statistics.fmean(compression_ratio(
+                            a["budget"], c["prompt_tokens"], a["exact"]) for a, c in zip(lanes, mine)),
+                        "held_bytes_mean": _mean(a["held_bytes"] for a in lanes)})
+    return out
 
 
 def run_tasks(config, say: Callable[[str], None]) -> dict:
@@ -210,11 +271,14 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
         check_executor(config.executor)
     # Every strategy at every budget is a lane of one lockstep run (they share the prompt's forward): more lanes
     # than a page's cap, bounded by the memory guard below.
-    cap = replace(limits(), max_strategies=max(limits().max_strategies, len(p.lanes)))
-    req = validate.request(config.model, config.device, config.dtype, ",".join(s for _, _, s in p.lanes), 1,
+    top = max(p.contexts)
+    # A lane at a ratio is checked, and bounded by the guard, at the budget it has on the longest context.
+    checked = [s for _, _, s in p.lanes] + [parse_spec(f"{n}:budget={ratio_budget(r, top)}").label
+                                            for n, r, _ in p.ratio_lanes]
+    cap = replace(limits(), max_strategies=max(limits().max_strategies, len(checked)))
+    req = validate.request(config.model, config.device, config.dtype, ",".join(dict.fromkeys(checked)), 1,
                            ["task"], False, cap)
     loaded = load_model(req.model, dtype=req.dtype, device=req.device)
-    top = max(p.contexts)
     if top + ANSWER_TOKENS >= loaded.max_context:
         raise TaskError(f"contexts: {top} tokens plus the answer pass {config.model}'s context of "
                                  f"{loaded.max_context}; allowed: up to {loaded.max_context - 1 - ANSWER_TOKENS}")
@@ -229,10 +293,12 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
     cells = [{"name": f"{task} {context} tokens depth {depth} seed {seed}", "model": req.model, "dtype": req.dtype,
               "device": loaded.device.type, "threads": threads, "kernels": config.kernels,
               "prefill_chunk": config.prefill_chunk, "task": task, "context": context, "depth": depth, "seed": seed,
-              "haystack": config.haystack, "lanes": [list(x) for x in p.lanes]}
+              "haystack": config.haystack, "lanes": [list(x) for x in p.lanes],
+              "ratio_lanes": [list(x) for x in p.ratio_lanes]}
              for task in p.tasks for context in p.contexts for depth in p.depths_for(task) for seed in p.seeds]
     say(f"{len(cells)} cells ({len(p.tasks)} tasks x {len(p.contexts)} contexts x depths x {len(p.seeds)} seeds), "
-        f"{len(p.lanes) + 1} lanes each: {', '.join(['full'] + [s for _, _, s in p.lanes])}")
+        f"{len(p.lanes) + len(p.ratio_lanes) + 1} lanes each: "
+        f"{', '.join(['full'] + [s for _, _, s in p.lanes] + [k for _, _, k in p.ratio_lanes])}")
     t0 = time.perf_counter()
     if config.executor is None:
         results, ticker = [], Ticker(cells, say)
@@ -253,6 +319,6 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
             "dtype": str(loaded.dtype).removeprefix("torch."), "threads": threads, "kernels": config.kernels,
             "executor": config.executor or "in-process", "quick": config.quick, "tasks": p.tasks,
             "contexts": p.contexts, "depths": p.depths, "seeds": p.seeds, "haystack": config.haystack,
-            "budgets": p.budgets, "strategies": p.names, "seconds": seconds,
+            "budgets": p.budgets, "ratios": p.ratios, "strategies": p.names, "seconds": seconds,
             "exact_answers_equal_full": not mismatched,
             "exact_mismatches": [list(m) for m in mismatched], "cells": results, **summarise(results)}

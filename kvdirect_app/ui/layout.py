@@ -128,18 +128,19 @@ def _tasks_tab():
         gr.Markdown(f"Nothing to show ({problem}): run `python -m kvdirect_app.bench tasks --json "
                     "presets/tasks/smollm2-135m.json`.")
         return
-    budgets = result["budgets"]
+    choices = tasks_view.settings(result)
+    first = choices[0][1]
     state = gr.State(result, time_to_live=session_ttl_s())  # expires with the visitor's session, as its page does
     with gr.Row():
-        budget = gr.Dropdown(budgets, value=budgets[0], label="Budget (tokens per layer)", scale=1,
+        budget = gr.Dropdown(choices, value=first, label="Budget (tokens per layer) or compression ratio", scale=1,
                              elem_id="kvd-tasks-budget")
         task = gr.Dropdown([tasks_view.ALL, *result["tasks"]], value=tasks_view.ALL, label="Task", scale=2,
                            elem_id="kvd-tasks-task")
         upload = gr.UploadButton("📂 Open a results file (bench tasks --json)", file_types=[".json"], scale=2,
                                  type="filepath", variant="secondary", elem_id="kvd-tasks-upload")
     head = gr.HTML(tasks_view.head_html(result), elem_id="kvd-tasks-head")
-    heat = gr.Plot(tasks_view.heatmap_figure(result, budgets[0]), show_label=False, elem_id="kvd-tasks-heatmap")
-    summary = gr.HTML(tasks_view.table_html(result, budgets[0]), elem_id="kvd-tasks-summary")
+    heat = gr.Plot(tasks_view.heatmap_figure(result, first), show_label=False, elem_id="kvd-tasks-heatmap")
+    summary = gr.HTML(tasks_view.table_html(result, first), elem_id="kvd-tasks-summary")
     front = gr.Plot(tasks_view.frontier(result), show_label=False, elem_id="kvd-tasks-frontier")
 
     def draw(result, budget, task):
@@ -154,8 +155,9 @@ def _tasks_tab():
         except SchemaError as e:
             return (gr.skip(), gr.skip(), gr.skip(), f"<p class='kvd-error'>Not opened: {html.escape(str(e))}</p>"
                     + tasks_view.head_html(current), gr.skip(), gr.skip(), gr.skip())
-        b = budget if budget in mine["budgets"] else mine["budgets"][0]
-        return (mine, gr.update(choices=mine["budgets"], value=b),
+        mine_choices = tasks_view.settings(mine)
+        b = budget if budget in [v for _, v in mine_choices] else mine_choices[0][1]
+        return (mine, gr.update(choices=mine_choices, value=b),
                 gr.update(choices=[tasks_view.ALL, *mine["tasks"]], value=tasks_view.ALL), tasks_view.head_html(mine),
                 *draw(mine, b, tasks_view.ALL))
 

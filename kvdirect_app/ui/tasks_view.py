@@ -42,11 +42,25 @@ def _cells(result: dict, task: str) -> list[dict]:
     return [c for c in result["cells"] if task == ALL or c["task"] == task]
 
 
-def specs_at(result: dict, budget: int | None) -> list[str]:
-    """The lanes shown at a budget: the full cache first, then every strategy at that budget (one without a budget
-    setting always), in the run's order."""
+def settings(result: dict) -> list[tuple[str, int | float]]:
+    """The picker's choices: each budget (tokens per layer), then each compression ratio (a float) of the run."""
+    return ([(f"budget {b}", b) for b in result["budgets"]] +
+            [(f"ratio {r:g}", float(r)) for r in result.get("ratios", [])])
+
+
+def setting_words(setting: int | float | None) -> str:
+    return f"ratio {setting:g}" if isinstance(setting, float) else f"budget {setting}"
+
+
+def specs_at(result: dict, setting: int | float | None) -> list[str]:
+    """The lanes shown at a budget (an int) or a compression ratio (a float): the full cache first, then every
+    strategy at that setting (one without a budget setting always), in the run's order."""
     lanes = result["cells"][0]["lanes"] if result["cells"] else {}
-    return [REFERENCE] + [s for s, a in lanes.items() if s != REFERENCE and a["budget"] in (None, budget)]
+    if isinstance(setting, float):
+        return [REFERENCE] + [s for s, a in lanes.items() if s != REFERENCE and (
+            a.get("ratio") == setting or (a["budget"] is None and not a.get("ratio")))]
+    return [REFERENCE] + [s for s, a in lanes.items() if s != REFERENCE and not a.get("ratio")
+                          and a["budget"] in (None, setting)]
 
 
 def _score(cells: list[dict], spec: str) -> float | None:
@@ -94,8 +108,8 @@ def heatmap_figure(result: dict, budget: int | None, task: str = ALL) -> go.Figu
     where = "every task" if task == ALL else task
     fig.update_layout(template="plotly_white", font=FONT, height=190 + 230 * rows,
                       margin=dict(l=70, r=20, t=80, b=60),
-                      title=dict(text=f"Needle found, by context and depth ({where}; budget {budget}): 1 = every "
-                                      "reference in the answer", x=0.01, font=dict(size=17)))
+                      title=dict(text=f"Needle found, by context and depth ({where}; {setting_words(budget)}): 1 = "
+                                      "every reference in the answer", x=0.01, font=dict(size=17)))
     fig.update_annotations(font_size=13)
     return fig
 
