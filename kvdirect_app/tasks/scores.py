@@ -109,8 +109,6 @@ def plan(config) -> Plan:
                        if "budget" in parse_spec(name).settings() for r in ratios]
     except StrategyError as e:
         raise TaskError(str(e)) from None
-    if ratios and not budgets:  # the strategies without a budget setting run once, as at the budgets
-        lanes = [lane for lane in lane_specs(names, [1]) if lane[1] is None]
     seeds = [config.seed + i for i in range(config.samples)]
     return Plan(tasks, contexts, depths, seeds, budgets, names, lanes, ratios, ratio_lanes)
 
@@ -213,9 +211,20 @@ def summarise(cells: list[dict]) -> dict:
     with lanes at compression ratios also gets each row's ratio and kvpress's leaderboard rows (`leaderboard`)."""
     specs = list(cells[0]["lanes"]) if cells else []
     ratios = any(a.get("ratio") for a in cells[0]["lanes"].values()) if cells else False  # a run at --ratios
-    rows, heat = [], {}
-    full_mean = statistics.fmean(c["lanes"]["full"]["score"] for c in cells) if cells else None
+    heat = {}
     for spec in specs:
+        grid: dict[tuple, list[float]] = {}
+        for c in cells:
+            grid.setdefault((c["context"], c["depth"]), []).append(c["lanes"][spec]["score"])
+        heat[spec] = [{"context": k[0], "depth": k[1], "score": statistics.fmean(v), "n": len(v)}
+                      for k, v in sorted(grid.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1]))]
+    return {"rows": _rows(cells, ratios), "heatmap": heat, **({"leaderboard": leaderboard(cells)} if ratios else {})}
+
+
+def _rows(cells: list[dict], ratios: bool) -> list[dict]:
+    rows = []
+    full_mean = statistics.fmean(c["lanes"]["full"]["score"] for c in cells) if cells else None
+    for spec in (cells[0]["lanes"] if cells else []):
         lanes = [c["lanes"][spec] for c in cells]
         first = lanes[0]
         ratio = first.get("ratio")
@@ -232,29 +241,19 @@ def summarise(cells: list[dict]) -> dict:
                      "held_bytes_mean": _mean(a["held_bytes"] for a in lanes),
                      "peak_bytes_mean": _mean(a["peak_bytes"] for a in lanes),
                      "full_peak_bytes_mean": _mean(c["lanes"]["full"]["peak_bytes"] for c in cells)})
-        grid: dict[tuple, list[float]] = {}
-        for c in cells:
-            grid.setdefault((c["context"], c["depth"]), []).append(c["lanes"][spec]["score"])
-        heat[spec] = [{"context": k[0], "depth": k[1], "score": statistics.fmean(v), "n": len(v)}
-                      for k, v in sorted(grid.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1]))]
-    return {"rows": rows, "heatmap": heat, **({"leaderboard": leaderboard(cells)} if ratios else {})}
+    return rows
 
 
 def leaderboard(cells: list[dict]) -> list[dict]:
     """kvpress's leaderboard form, for the lanes run at a compression ratio (and the full cache at 0): a row per
-    strategy, ratio and task with its mean score, and its measured bytes beside the nominal ratio."""
+    strategy, ratio and task (the summary's row on that task's cells), its measured bytes beside the nominal
+    ratio."""
+    keep = ("strategy", "score", "cells", "compression_ratio", "held_bytes_mean")
     out = []
-    tasks = list(dict.fromkeys(c["task"] for c in cells))
-    keys = [k for k, a in (cells[0]["lanes"].items() if cells else []) if k == "full" or a.get("ratio")]
-    for key in keys:
-        for task in tasks:
-            mine = [c for c in cells if c["task"] == task]
-            lanes = [c["lanes"][key] for c in mine]
-            out.append({"strategy": lanes[0]["strategy"], "ratio": lanes[0].get("ratio") or 0.0, "task": task,
-                        "score": statistics.fmean(a["score"] for a in lanes), "cells": len(lanes),
-                        "compression_ratio": statistics.fmean(compression_ratio(
-                            a["budget"], c["prompt_tokens"], a["exact"]) for a, c in zip(lanes, mine)),
-                        "held_bytes_mean": _mean(a["held_bytes"] for a in lanes)})
+    for task in dict.fromkeys(c["task"] for c in cells):
+        for row in _rows([c for c in cells if c["task"] == task], True):
+            if row["spec"] == "full" or row["ratio"]:
+                out.append({**{k: row[k] for k in keep}, "ratio": row["ratio"] or 0.0, "task": task})
     return out
 
 
