@@ -228,7 +228,9 @@ class TasksConfig(_Config):
     contexts: str | None = None
     depths: str | None = None
     tasks: str | None = None
-    samples: int = 1  # seeds per (task, context, depth)
+    samples: int | None = None  # seeds per (task, context, depth), or conversations per (task, context); unset: grid's
+    multiturn: bool = False  # conversations: turn 1 a context with a needle per turn, each turn asking another
+    turns: int | None = None  # --multiturn: turns per conversation (unset: the grid's)
     seed: int = 0
     haystack: str = "noise"
     quick: bool = False

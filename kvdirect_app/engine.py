@@ -167,7 +167,7 @@ class Engine:
         return self.forwards.held(lane)
 
     # --- the run -------------------------------------------------------------
-    def turn(self, text: str, ids: list[int] | None = None) -> Iterator[dict]:
+    def turn(self, text: str, ids: list[int] | None = None, answer_prefix: str = "") -> Iterator[dict]:
         """One user turn for every strategy, continuing the conversation; yields "turn", "prefill"..., "step"...,
         "turn_end".
 
@@ -175,13 +175,17 @@ class Engine:
         per-model lock, so sessions sharing a model never see each other's
         hooks.  Closing the generator early (a stop button) ends the turn
         cleanly: every token chosen so far has been fed.  `ids` gives the first
-        turn's token ids directly (benchmarks at an exact context length).
+        turn's token ids directly (benchmarks at an exact context length);
+        `answer_prefix` opens a later turn's reply (fed after the user turn, as
+        a task's answer prefix: `bench tasks --multiturn`).
         """
         if not text or not text.strip():
             raise InputError("--prompt: empty prompt; give a non-empty user message")
         k = len(self.turn_chunks)
         if ids is not None and k != 0:
             raise InputError("token ids can only be given for the first turn")
+        if answer_prefix and k == 0:
+            raise InputError("an answer prefix opens a later turn; the first turn's ids hold its own")
         if k == 0:
             first = list(ids) if ids is not None else self.prompter.first(text)
             if len(first) >= self.loaded.max_context:
@@ -203,7 +207,7 @@ class Engine:
                 if self.parked:
                     self._resume(tap)
                     yield {"type": "resume", "lanes": {lane.label: lane.parks[-1] for lane in self.all_lanes}}
-                yield from self._turn(k, text, tap)
+                yield from self._turn(k, text, tap, answer_prefix)
             finally:
                 tap.close()
                 for lane in self.all_lanes:
@@ -334,9 +338,10 @@ class Engine:
             if total > size:
                 yield {"type": "prefill", "turn": k, "done": min(start + size, total), "total": total}
 
-    def _turn(self, k: int, text: str, tap: InputTap) -> Iterator[dict]:
+    def _turn(self, k: int, text: str, tap: InputTap, answer_prefix: str = "") -> Iterator[dict]:
         ref, lanes = self.reference, self.lanes
-        chunk = lambda lane: self.prompt_ids if k == 0 else self.prompter.next(text, lane.pending)
+        tail = self.prompter.encode(answer_prefix, False) if answer_prefix else []
+        chunk = lambda lane: self.prompt_ids if k == 0 else self.prompter.next(text, lane.pending) + tail
         ref_chunk = chunk(ref)
         if ref.cache.get_seq_length() + len(ref_chunk) >= self.loaded.max_context:
             raise InputError(f"turn {k + 1}: the conversation passes the model's context of {self.loaded.max_context}")

@@ -220,3 +220,114 @@ def test_too_small_names_the_minimum(tok):
     least = int(re.search(r"allowed: at least (\d+)$", str(info.value)).group(1))
     assert least > 150
     g.sample("niah_multiquery", tok, least, 50, 0)
+
+
+# --- conversations (bench tasks --multiturn) -----------------------------------------------------------------------
+CONVERSATIONS = [(t, h) for t in g.MULTITURN_TASKS for h in g.HAYSTACKS]
+
+
+def _turn1_context(c: g.Conversation) -> str:
+    user = c.turns[0].user
+    if c.task == "qa":
+        return user.split("The following are given documents.\n\n", 1)[1].split("\n\nAnswer the question", 1)[0]
+    return user.split("\n", 1)[1].rsplit("\n", 1)[0]
+
+
+def _asked(c: g.Conversation, n: int) -> str:
+    """The needle line (niah) or the fact's paragraph (qa) that turn n's references come from, found in the text."""
+    ctx = _turn1_context(c)
+    if c.task == "qa":
+        q = next(q for q in qa.QUESTIONS if q.question == c.turns[n].question)
+        return qa.paragraphs()[qa.fact_paragraph(q)]
+    key = c.turns[n].question.split(" for ", 1)[1].split(" mentioned")[0]
+    return next(line for line in ctx.split("\n") if line.startswith("One of the special magic") and f" {key} " in line)
+
+
+def _text_depth(c: g.Conversation, n: int, tok) -> float:
+    """An independent measure of turn n's needle depth: tokens of the context (needle lines removed, as the
+    generator counts its haystack) before that needle, in percent."""
+    ctx = _turn1_context(c)
+    at = ctx.index(_asked(c, n))
+    needles = set() if c.haystack == "document" and c.task == "qa" else {_asked(c, k) for k in range(len(c.turns))}
+    strip = lambda text: " ".join(x.strip() for x in text.split("\n") if x.strip() and x not in needles)
+    count = lambda text: len(tok(strip(text), add_special_tokens=False)["input_ids"]) if strip(text) else 0
+    return 100.0 * count(ctx[:at]) / count(ctx)
+
+
+@pytest.mark.parametrize("task, haystack", CONVERSATIONS)
+def test_a_conversation_is_seeded_and_every_later_question_is_answered_by_turn_one_alone(tok, task, haystack):
+    for context, turns in ((1024, 5), (2048, 3)):
+        random.seed(5)
+        a = g.conversation(task, tok, context, turns, 3, haystack)
+        random.seed(6)  # the global generator is not used
+        assert g.conversation(task, tok, context, turns, 3, haystack) == a
+        assert g.conversation(task, tok, context, turns, 4, haystack).turns[0].user != a.turns[0].user
+        ids = g.conversation_ids(a, tok)
+        assert context - 20 <= len(ids) <= context, len(ids)
+        assert len(a.turns) == turns and len({t.question for t in a.turns}) == turns  # each turn asks another
+        first = a.turns[0].user
+        for n, t in enumerate(a.turns):
+            assert t.question in t.user and t.answer_prefix
+            needle = _asked(a, n)
+            assert first.count(needle) == 1  # the asked needle (or paragraph) is in turn 1, once
+            if task == "qa":
+                assert qa.contains(needle, t.answers) and qa.occurrences(first, t.answers[0]) == 1
+            else:
+                assert first.count(t.answers[0]) == 1 and t.answers[0] in needle
+            if n:  # a later turn says nothing of its answer: only turn 1 holds it
+                assert not g.score_turns(a, [t.user if k == n else "" for k in range(turns)])[n]
+
+
+@pytest.mark.parametrize("task, haystack", CONVERSATIONS)
+def test_each_turns_needle_is_at_its_measured_depth_and_the_needles_spread_over_the_context(tok, task, haystack):
+    c = g.conversation(task, tok, 2048, 5, 1, haystack)
+    depths = [t.needle_depth for t in c.turns]
+    for n in range(len(c.turns)):
+        assert abs(_text_depth(c, n, tok) - depths[n]) <= 1.5, (n, depths)
+    if not (task == "qa" and haystack == "document"):  # needles at five evenly spread places, asked in any order
+        tol = 2.0 if haystack == "noise" else 4.0
+        for got, want in zip(sorted(depths), (0, 25, 50, 75, 100)):
+            assert abs(got - want) <= tol, depths
+        assert depths != sorted(depths) or g.conversation(task, tok, 2048, 5, 2, haystack).turns != c.turns
+
+
+def test_a_later_turn_fits_its_bound_in_tokens(tok):
+    from kvdirect_app.prompts import Prompter
+    from kvdirect_app.tasks.scores import LATER_TOKENS
+
+    class Loaded:
+        tokenizer, chat = tok, True
+
+    prompter = Prompter(Loaded())
+    for task, haystack in CONVERSATIONS:
+        c = g.conversation(task, tok, 2048, 8 if task == "qa" else 20, 0, haystack)
+        for t in c.turns[1:]:
+            later = prompter.next(t.user, pending=1) + prompter.encode(t.answer_prefix, False)
+            assert len(later) <= LATER_TOKENS, (task, len(later))
+
+
+def test_each_turn_is_scored_against_its_own_references(tok):
+    c = g.conversation("niah_single_number", tok, 1024, 3, 0)
+    right = [t.answers[0] for t in c.turns]
+    assert g.score_turns(c, [f" {right[0]}.", " 1234567.", f"It is {right[2]}"]) == [1.0, 0.0, 1.0]
+    assert g.score_turns(c, [right[1], right[2], right[0]]) == [0.0, 0.0, 0.0]  # another turn's answer is wrong
+    q = g.conversation("qa", tok, 2048, 3, 0, "document")
+    forms = [t.answers[-1] for t in q.turns]  # any accepted form counts, as a whole word
+    assert g.score_turns(q, [f"Answer: {forms[0]}", "no idea", forms[2].upper()]) == [1.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="2 replies for 3 turns"):
+        g.score_turns(c, ["a", "b"])
+
+
+@pytest.mark.parametrize("args, words", [
+    (("niah_multikey", 1024, 3, 0, "noise"), ["task", "no multi-turn form", "niah_single_number", "qa"]),
+    (("niah_single_number", 1024, 1, 0, "noise"), ["turns", "2..20"]),
+    (("niah_single_number", 1024, 21, 0, "noise"), ["turns", "2..20"]),
+    (("qa", 1024, 8, 0, "document"), ["context", "turns up to", "longer context"]),
+    (("qa", 2048, 9, 0, "noise"), ["turns", "qa", "up to 8"]),
+    (("qa", 300, 3, 0, "noise"), ["context", "too small", "at least"]),
+])
+def test_bad_conversation_settings_are_one_line(tok, args, words):
+    with pytest.raises(g.SampleError) as e:
+        g.conversation(args[0], tok, *args[1:])
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg

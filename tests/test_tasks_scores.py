@@ -78,6 +78,10 @@ def test_the_exactness_check_fails_when_a_lossy_lane_claims_to_be_exact(monkeypa
     (["--ratios", "1.5"], ["ratios", "above 0 and below 1"]),
     (["--ratios", "half"], ["ratios", "'half'", "kvpress"]),
     (["--ratios", "0.5,0.50"], ["ratios", "0.5 is listed twice"]),
+    (["--multiturn", "--turns", "1"], ["turns", "2..20"]),
+    (["--turns", "3"], ["turns", "--multiturn"]),
+    (["--multiturn", "--depths", "50"], ["depths", "--multiturn", "leave it out"]),
+    (["--multiturn", "--tasks", "niah_multikey"], ["tasks", "'niah_multikey'", "niah_single_number", "qa"]),
 ])
 def test_bad_settings_get_one_line_naming_the_setting(args, words, capsys):
     code = main(["tasks", "--model", "tiny-llama", "--contexts", "512", "--tasks", "niah_single_number", *args])
@@ -224,3 +228,94 @@ def test_a_ratio_is_a_budget_from_each_samples_prompt_as_kvpress_counts_it(tmp_p
     assert tasks_view.specs_at(out, 0.75) == ["full", "window:ratio=0.75", "kvdirect:ratio=0.75"]
     assert "ratio 0.75" in tasks_view.heatmap_figure(out, 0.75).layout.title.text
     assert "window" in tasks_view.table_html(out, 0.75)
+
+
+MULTI = benchmarks.TasksConfig(model="tiny-llama", multiturn=True, contexts="512", tasks="niah_single_number",
+                               turns=3, samples=2, ratios="0.5,0.875", strategies="kvdirect,anchorkv,window,snapkv",
+                               threads=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_multi():
+    return benchmarks.tasks(MULTI, say=lambda line: None)
+
+
+@pytest.mark.check
+def test_a_conversation_runs_turn_by_turn_each_turn_scored_and_exact_lanes_equal_the_full_cache(tiny_multi):
+    from kvdirect_app.models import load_model
+    from kvdirect_app.tasks import generate
+
+    out = tiny_multi
+    validate({"schema": "kvdirect-studio/tasks", "schema_version": 1, **out})
+    assert out["multiturn"] and out["turns"] == 3 and out["depths"] == [] and out["ratios"] == [0.5, 0.875]
+    assert [(c["task"], c["context"], c["seed"], c["depth"]) for c in out["cells"]] == [
+        ("niah_single_number", 512, 0, None), ("niah_single_number", 512, 1, None)]
+    loaded = load_model("tiny-llama", progress=lambda msg: None)
+    for cell in out["cells"]:
+        conv = generate.conversation("niah_single_number", loaded.tokenizer, 512, 3, cell["seed"], chat=loaded.chat)
+        assert [(t["question"], t["references"], t["needle_depth"]) for t in cell["turns"]] == [
+            (t.question, list(t.answers), t.needle_depth) for t in conv.turns]
+        full = cell["lanes"]["full"]
+        for spec, lane in cell["lanes"].items():
+            assert len(lane["replies"]) == 3 and lane["reply"] == lane["replies"][0]
+            assert lane["scores"] == generate.score_turns(conv, lane["replies"])
+            assert lane["score"] == pytest.approx(sum(lane["scores"]) / 3)
+            if lane["exact"]:
+                assert lane["equal_full_turns"] == [True] * 3 and lane["replies"] == full["replies"]
+            elif spec.startswith("window"):  # it keeps 256 or 64 of 508 prompt tokens: turn 1's reply differs
+                assert not lane["equal_full_turns"][0] and lane["held_bytes"] < full["held_bytes"]
+            assert lane["equal_full"] == all(lane["equal_full_turns"])
+    for spec, turns in out["by_turn"].items():
+        assert [t["turn"] for t in turns] == [1, 2, 3]
+        for n, t in enumerate(turns):
+            assert t["score"] == pytest.approx(sum(c["lanes"][spec]["scores"][n] for c in out["cells"]) / 2)
+            assert t["answers_equal_full"] == sum(c["lanes"][spec]["equal_full_turns"][n] for c in out["cells"])
+    assert out["exact_answers_equal_full"]
+
+
+@pytest.mark.check
+def test_an_exact_lane_whose_later_turn_differs_is_named_with_its_seed_and_turn(monkeypatch):
+    """Mutation: the window said exact.  Its answers differ from the full cache's; each differing turn is named."""
+    monkeypatch.setattr(Window, "claims_exact", True)
+    out = benchmarks.tasks(replace(MULTI, samples=1, ratios="0.875", strategies="window"), say=lambda line: None)
+    lane = out["cells"][0]["lanes"]["window:ratio=0.875"]
+    want = [["niah_single_number", 512, None, "window:ratio=0.875", 0, n + 1]
+            for n, same in enumerate(lane["equal_full_turns"]) if not same]
+    assert want and out["exact_mismatches"] == want and not out["exact_answers_equal_full"]
+
+
+@pytest.mark.check
+def test_a_later_turn_opens_its_reply_with_the_answer_prefix():
+    from kvdirect_app.engine import Engine
+    from kvdirect_app.models import load_model
+    from kvdirect_app.prompts import InputError
+    from kvdirect_app.strategies import parse_spec
+
+    loaded = load_model("tiny-llama", progress=lambda msg: None)
+    engine = Engine(loaded, [parse_spec("full"), parse_spec("window:budget=8")], max_new_tokens=3, twins=False)
+    list(engine.turn("Remember the number 42."))
+    pending = engine.reference.pending
+    list(engine.turn("Which number?", answer_prefix=" The number is"))
+    prefix = engine.prompter.encode(" The number is", False)
+    assert engine.turn_chunks[1] == engine.prompter.next("Which number?", pending) + prefix
+    with pytest.raises(InputError, match="answer prefix opens a later turn"):
+        list(Engine(loaded, [parse_spec("full")], max_new_tokens=2).turn("Hi", answer_prefix=" So"))
+
+
+def test_smollm2_over_turns_a_window_answers_only_the_needle_it_still_holds():
+    """The real model, one three-turn conversation (1,024 tokens, needles at 0, 50 and 100 percent): the full cache
+    answers every turn; a window at ratio 0.875 (the last 127 prompt tokens) answers only the turn whose needle sits
+    at the end, the others are too far back; KV-Direct answers as the full cache in every turn.  Mutation: every
+    turn scored against turn 1's references (the full cache then scores 1, 0, 0)."""
+    out = benchmarks.tasks(benchmarks.TasksConfig(multiturn=True, contexts="1024", tasks="niah_single_number",
+                                                  turns=3, samples=1, ratios="0.875", strategies="kvdirect,window"),
+                           say=lambda line: None)
+    cell = out["cells"][0]
+    lanes = cell["lanes"]
+    assert lanes["full"]["scores"] == [1.0, 1.0, 1.0], lanes["full"]["replies"]
+    assert lanes["kvdirect:ratio=0.875"]["equal_full_turns"] == [True, True, True]
+    ends = [t["needle_depth"] == 100.0 for t in cell["turns"]]
+    assert sorted(ends) == [False, False, True]
+    assert lanes["window:ratio=0.875"]["scores"] == [1.0 if end else 0.0 for end in ends], \
+        lanes["window:ratio=0.875"]["replies"]
+    assert [t["score"] for t in out["by_turn"]["window:ratio=0.875"]] == lanes["window:ratio=0.875"]["scores"]

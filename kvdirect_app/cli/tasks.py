@@ -2,12 +2,15 @@
 
     python -m kvdirect_app.bench tasks --quick --json out.json
     python -m kvdirect_app.bench tasks --json presets/tasks/smollm2-135m.json   # the shipped result (the default grid)
+    python -m kvdirect_app.bench tasks --multiturn --json presets/tasks/smollm2-135m-multiturn.json   # across turns
 
 Every strategy at every budget answers each generated sample in lockstep with the full cache (whose score is
 the ceiling); prints the score per strategy and budget beside the full cache's, the compression ratio (kvpress's
 convention), the measured bytes held after the answer and the peak during it, then the needle map (context x
 depth) per strategy; says whether every exact strategy's answers equalled the full cache's in every cell (checked
-token for token; the exit status is 1 if one did not).
+token for token; the exit status is 1 if one did not).  With --multiturn each cell is a conversation (turn 1 a
+context with a needle per turn, every turn asking about another; `generate.conversation`) and the score is
+printed by turn as well.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import argparse
 from ..benchmarks import TasksConfig, tasks
 from ..executors import EXECUTORS
 from ..tasks import generate
-from ..tasks.scores import DEFAULT, QUICK
+from ..tasks.scores import DEFAULT, MULTITURN, MULTITURN_QUICK, QUICK
 from ..units import fmt, fmt_bytes, table
 from .common import write_json
 
@@ -43,13 +46,26 @@ def heat_table(out: dict, spec: str) -> str:
     return table(cols, [[str(c)] + [fmt(cells.get((c, d)), ".2f") for d in depths] for c in contexts])
 
 
+def turns_table(out: dict) -> str:
+    """--multiturn: each lane's mean score at each turn (the full cache's first: the ceiling)."""
+    turns = len(next(iter(out["by_turn"].values())))
+    cols = ["strategy"] + [f"turn {n + 1}" for n in range(turns)] + ["= full answers"]
+    body = [[spec] + [f"{t['score']:.2f}" for t in rows] + [f"{sum(t['answers_equal_full'] for t in rows)}/"
+                                                           f"{sum(t['n'] for t in rows)}"]
+            for spec, rows in out["by_turn"].items()]
+    return table(cols, body, left=1)
+
+
 def cmd_tasks(args) -> int:
     out = tasks(TasksConfig.from_args(args, executor=None if args.executor == HERE else args.executor))
     print(f"model {out['model']} ({out['model_source']}), device {out['device']}, dtype {out['dtype']}, threads "
           f"{out['threads']}, kernels {out['kernels']}; {len(out['cells'])} cells in {out['seconds']:.0f} s "
           f"({out['executor']}); haystack {out['haystack']}")
     print(scores_table(out["rows"]))
-    for spec in out["heatmap"]:
+    if out.get("by_turn"):
+        print("\nscore by turn (mean over the conversations)")
+        print(turns_table(out))
+    for spec in out["heatmap"] if not out.get("by_turn") else []:
         print()
         print(heat_table(out, spec))
     if out["exact_answers_equal_full"]:
@@ -79,7 +95,19 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--depths", help=f"comma-separated needle depths, percent 0..100 (default {DEFAULT['depths']})")
     p.add_argument("--tasks", help=f"comma-separated, from {', '.join(generate.TASKS)} (default "
                                    f"{DEFAULT['tasks']}; --quick {QUICK['tasks']})")
-    p.add_argument("--samples", type=int, default=1, help="seeds per task x context x depth")
+    p.add_argument("--samples", type=int, default=None, help="seeds per task x context x depth (default 1), or "
+                                                             f"conversations per task x context with --multiturn "
+                                                             f"(default {MULTITURN['samples']})")
+    p.add_argument("--multiturn", action="store_true",
+                   help="conversations: turn 1 carries a context with a needle (or, --haystack document with qa, the "
+                        "report) per turn and asks about one; each later turn asks about another, answered from turn "
+                        "1 alone, the cache carried over; scored per turn. Tasks from "
+                        f"{', '.join(generate.MULTITURN_TASKS)} (default {MULTITURN['tasks']}, ratios "
+                        f"{MULTITURN['ratios']}, contexts {MULTITURN['contexts']}; --quick: " + "; ".join(
+                            f"{k} {v}" for k, v in MULTITURN_QUICK.items()) + ")")
+    p.add_argument("--turns", type=int, default=None,
+                   help=f"with --multiturn: turns per conversation, 2..{generate.MAX_TURNS} (default "
+                        f"{MULTITURN['turns']})")
     p.add_argument("--seed", type=int, default=0, help="the first seed")
     p.add_argument("--haystack", default="noise", help=f"one of {', '.join(generate.HAYSTACKS)}")
     p.add_argument("--quick", action="store_true", help="the quick grid (" + "; ".join(

@@ -432,24 +432,7 @@ def sample(task: str, tokenizer, context: int, depth: float | None, seed: int, h
         user = t.template.format(context=text)
         return user, len(_ids(tokenizer, user, prefix, chat)), (text, inserts, needle_spans, hay_spans)
 
-    smallest = build(0)[1]
-    if smallest > context:
-        raise SampleError(f"context: {context} tokens is too small for {task} (its instruction, needle(s) and "
-                          f"question take {smallest} tokens with this tokenizer and seed); "
-                          f"allowed: at least {smallest}")
-    lo, hi = 0, 64
-    while build(hi)[1] <= context:  # grow until it passes, then halve
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if build(mid)[1] <= context:
-            lo = mid
-        else:
-            hi = mid
-    for more in range(lo + 1, lo + 5):  # token counts are not quite monotonic in words: look a little further
-        if build(more)[1] <= context:
-            lo = more
-    user, _, (text, inserts, needle_spans, hay_spans) = build(lo)
+    user, text, inserts, needle_spans, hay_spans = _fit(build, context, task)
     primary = [x for _, x in inserts].index(t.needles[0])
     measured = _needle_depth(tokenizer, user, text, needle_spans, hay_spans, primary, chat)
     return Sample(task, context, None if depth is None else float(depth), seed, haystack, user, prefix,
@@ -458,7 +441,7 @@ def sample(task: str, tokenizer, context: int, depth: float | None, seed: int, h
 
 def _needle_depth(tokenizer, user, text, needle_spans, hay_spans, primary, chat) -> float | None:
     """Percent of the haystack's tokens (needles not counted) before the needle, on the prompt as tokenized: a
-    token counts where it starts."""
+    token counts where its last character is."""
     if not hay_spans:
         return 0.0
     head = _render_chat(tokenizer, user) if chat else user
@@ -476,19 +459,208 @@ def _needle_depth(tokenizer, user, text, needle_spans, hay_spans, primary, chat)
     else:
         starts = [a for a, _ in hay_spans]
         before = total = 0
-        for s, e in spans:
-            s -= offset
-            k = bisect.bisect_right(starts, s) - 1
-            if e - offset > s and k >= 0 and s < hay_spans[k][1]:
+        for s, e in spans:  # a token counts where it ends (" The" starts on the space before its sentence)
+            last = e - offset - 1
+            k = bisect.bisect_right(starts, last) - 1
+            if e > s and k >= 0 and last < hay_spans[k][1]:
                 total += 1
-                before += s < start
+                before += last < start
     return round(100.0 * before / total, 2) if total else 0.0
+
+
+def _match(task: str, answers: tuple[str, ...], reply: str) -> float:
+    if task == "qa":
+        return 1.0 if qa.contains(reply, answers) else 0.0
+    low = reply.lower()
+    return sum(a.lower() in low for a in answers) / len(answers)
 
 
 def score(sample: Sample, reply: str) -> float:
     """RULER's string_match_all (niah, variable tracking): the share of the references the reply contains,
     case-insensitive.  QA: 1.0 when the reply contains any accepted form of the answer (as a whole word), else 0."""
-    if sample.task == "qa":
-        return 1.0 if qa.contains(reply, sample.answers) else 0.0
-    low = reply.lower()
-    return sum(a.lower() in low for a in sample.answers) / len(sample.answers)
+    return _match(sample.task, sample.answers, reply)
+
+
+# --- conversations: one context in turn 1, a question about another part of it in every turn ----------------------
+MULTITURN_TASKS = ("niah_single_number", "niah_single_word", "niah_single_uuid", "qa")
+MAX_TURNS = 20
+
+_MT_TEMPLATE = ("Some special magic {kind}s are hidden within the following text. Make sure to memorize it. I will "
+                "quiz you about the {kind}s afterwards.\n{context}\n{question}")
+_MT_QUESTION = "What is the special magic {kind} for {key} mentioned in the provided text?"
+_MT_PREFIX = "The special magic {kind} for {key} mentioned in the provided text is"
+_QA_LATER = ("Answer the question based on the given documents. Only give me the answer and do not output any "
+             "other words.\n\nQuestion: {query}")
+
+
+@dataclass(frozen=True)
+class Turn:
+    user: str  # turn 1: the instruction, the context and the first question; later turns: the question alone
+    question: str  # what this turn asks (turn 1's is the end of its user message)
+    answer_prefix: str
+    answers: tuple[str, ...]  # as a Sample's: all of them (niah), any one of them (qa)
+    needle_depth: float  # measured: percent of the context's haystack tokens before the asked needle
+
+
+@dataclass(frozen=True)
+class Conversation:
+    task: str
+    context: int  # turn 1's prompt length asked for, in tokens (it has at most this many)
+    seed: int
+    haystack: str
+    turns: tuple[Turn, ...]
+    max_new_tokens: int  # per turn
+    chat: bool = True
+
+
+def conversation_ids(conv: Conversation, tokenizer) -> list[int]:
+    """Turn 1's token ids (its user turn and answer prefix, as `prompt_ids`); later turns go through the
+    engine's `Prompter.next` with their answer prefix."""
+    return _ids(tokenizer, conv.turns[0].user, conv.turns[0].answer_prefix, conv.chat)
+
+
+def score_turns(conv: Conversation, replies: list[str]) -> list[float]:
+    """Each turn's reply scored against that turn's references (`score`'s rules)."""
+    if len(replies) != len(conv.turns):
+        raise ValueError(f"{len(replies)} replies for {len(conv.turns)} turns")
+    return [_match(conv.task, t.answers, r) for t, r in zip(conv.turns, replies)]
+
+
+def _report_stream(words: int) -> tuple[tuple[str, str], ...]:
+    """The report from its start, then RULER's noise: long enough for `words` words (no fact is stated twice)."""
+    doc = _stream("document")
+    noise = _stream("noise")
+    return doc + noise * (words // 20 + 2)
+
+
+def conversation(task: str, tokenizer, context: int, turns: int, seed: int, haystack: str = "noise",
+                 chat: bool = True) -> Conversation:
+    """A conversation after SCBench's multi-turn mode (Li et al., ICLR 2025: a shared context, then a query per
+    turn) on RULER's needles: turn 1 carries a context of at most `context` tokens holding one needle per turn and
+    asks about one of them; each later turn asks about another, answerable from turn 1 alone.
+
+    niah_single_*: `turns` keys, each with its own value; the needles sit at evenly spread depths (the first at the
+    haystack's start, the last at its end), asked in an order drawn from the seed.  qa with the noise haystack:
+    `turns` questions about different paragraphs of the report, the paragraphs placed as niah's needles; qa with the
+    document haystack: the report itself from its start (then RULER's noise if the context is longer), and
+    `turns` questions whose paragraphs the context holds whole, drawn from the seed.  Everything comes from
+    generators seeded with the settings, as `sample`'s."""
+    _check(task, tokenizer, context, 0, seed, haystack, chat)
+    if task not in MULTITURN_TASKS:
+        raise SampleError(f"task: {task!r} has no multi-turn form; allowed: {', '.join(MULTITURN_TASKS)}")
+    if isinstance(turns, bool) or not isinstance(turns, int) or not 2 <= turns <= MAX_TURNS:
+        raise SampleError(f"turns: {turns!r} is not allowed; allowed: whole numbers 2..{MAX_TURNS}")
+    says = random.Random(f"{task}|{seed}|{turns}|conversation")
+    gap = "" if chat else " "  # as `sample`: in plain text the answer prefix follows the question after a space
+    order = says.sample(range(turns), turns)  # turn n asks about needle order[n] (needle i at the i-th place)
+    if task == "qa":
+        if haystack == "document":
+            return _report_conversation(tokenizer, context, turns, seed, chat, says)
+        picked = _distinct_paragraphs(says, turns, range(len(qa.QUESTIONS)))
+        if len(picked) < turns:
+            raise SampleError(f"turns: {turns} is not allowed for qa; allowed: up to {len(picked)} (the report's "
+                              "questions are about that many different paragraphs)")
+        needles = [qa.paragraphs()[qa.fact_paragraph(q)] for q in picked]
+        asks = [(_QA_LATER.format(query=q.question), _QA_PREFIX, q.answers, q.question) for q in picked]
+        template, sep = _QA_TEMPLATE.replace("{query}", picked[order[0]].question), "\n\n"
+    else:
+        kind = {"niah_single_word": "word", "niah_single_uuid": "uuid"}.get(task, "number")
+        keys = _distinct(lambda: _word(says), turns)
+        values = _distinct(lambda: _value(kind, says), turns, avoid=keys)
+        needles = [_NIAH_NEEDLE.format(kind=kind, key=k, value=v) for k, v in zip(keys, values)]
+        asks = [(_MT_QUESTION.format(kind=kind, key=k), _MT_PREFIX.format(kind=kind, key=k), (v,),
+                 _MT_QUESTION.format(kind=kind, key=k)) for k, v in zip(keys, values)]
+        template, sep = _MT_TEMPLATE.format(kind=kind, context="{context}", question=asks[order[0]][0]), "\n"
+    # The first needle at the haystack's start (depth 0), the others at evenly spread shares of its boundaries.
+    t = _Task(template, asks[order[0]][1], asks[order[0]][2], needles, "anywhere",
+              [i / (turns - 1) for i in range(1, turns)], sep)
+    weigh = _Weights(tokenizer)
+
+    def build(words: int):
+        sents, inserts = _layout(t, haystack, words, 0.0, weigh)
+        text, needle_spans, hay_spans = _render(sents, inserts, sep)
+        user = template.format(context=text)
+        return user, len(_ids(tokenizer, user, gap + t.answer_prefix, chat)), (text, inserts, needle_spans, hay_spans)
+
+    user, text, inserts, needle_spans, hay_spans = _fit(build, context, task)
+    placed = [x for _, x in inserts]
+    depth = [_needle_depth(tokenizer, user, text, needle_spans, hay_spans, placed.index(x), chat) for x in needles]
+    out = tuple(Turn(user if n == 0 else asks[i][0], asks[i][3], gap + asks[i][1], asks[i][2], depth[i])
+                for n, i in enumerate(order))
+    return Conversation(task, context, seed, haystack, out, MAX_NEW_TOKENS[task], chat)
+
+
+def _report_conversation(tokenizer, context: int, turns: int, seed: int, chat: bool, says: random.Random):
+    """qa on the document: the report from its start, and `turns` questions about paragraphs it holds whole."""
+    gap = "" if chat else " "
+    shuffled = list(range(len(qa.QUESTIONS)))
+    says.shuffle(shuffled)
+    weigh = _Weights(tokenizer)
+
+    def window(question: str):
+        template = _QA_TEMPLATE.replace("{query}", question)
+
+        def build(words: int):
+            sents = _forward(_report_stream(words), words)
+            text, _, hay_spans = _render(sents, [], "\n\n")
+            user = template.format(context=text)
+            return user, len(_ids(tokenizer, user, gap + _QA_PREFIX, chat)), (text, [], [], hay_spans)
+
+        return _fit(build, context, "qa")
+
+    # The window with the longest question asked first holds at most the paragraphs of any other first question's.
+    longest = max(qa.QUESTIONS, key=lambda q: len(_encode(tokenizer, q.question, False))).question
+    text = window(longest)[1]
+    held = [i for i in shuffled if qa.paragraphs()[qa.fact_paragraph(qa.QUESTIONS[i])] in text]
+    picked = _distinct_paragraphs(says, turns, held)
+    if len(picked) < turns:
+        raise SampleError(f"context: {context} tokens of the report hold whole paragraphs for {len(picked)} "
+                          f"different questions; allowed: turns up to {len(picked)} at this context, or a longer "
+                          "context")
+    user, text, _, _, hay_spans = window(picked[0].question)
+    out = []
+    for n, q in enumerate(picked):
+        para = text.index(qa.paragraphs()[qa.fact_paragraph(q)])
+        depth = _needle_depth(tokenizer, user, text, [(para, para)], hay_spans, 0, chat)
+        out.append(Turn(user if n == 0 else _QA_LATER.format(query=q.question), q.question, gap + _QA_PREFIX,
+                        q.answers, depth))
+    return Conversation("qa", context, seed, "document", tuple(out), MAX_NEW_TOKENS["qa"], chat)
+
+
+def _distinct_paragraphs(rng: random.Random, n: int, among) -> list[qa.Question]:
+    """`n` questions drawn from `among` (indices), no two about the same paragraph."""
+    pool = list(among)
+    rng.shuffle(pool)
+    out, seen = [], set()
+    for i in pool:
+        k = qa.fact_paragraph(qa.QUESTIONS[i])
+        if k not in seen:
+            seen.add(k)
+            out.append(qa.QUESTIONS[i])
+        if len(out) == n:
+            return out
+    return out
+
+
+def _fit(build, context: int, task: str):
+    """The most words of haystack whose prompt is at most `context` tokens (as `sample` searches)."""
+    smallest = build(0)[1]
+    if smallest > context:
+        raise SampleError(f"context: {context} tokens is too small for {task} (its instruction, needle(s) and "
+                          f"question take {smallest} tokens with this tokenizer and seed); "
+                          f"allowed: at least {smallest}")
+    lo, hi = 0, 64
+    while build(hi)[1] <= context:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if build(mid)[1] <= context:
+            lo = mid
+        else:
+            hi = mid
+    for more in range(lo + 1, lo + 5):
+        if build(more)[1] <= context:
+            lo = more
+    user, _, rest = build(lo)
+    return (user, *rest)
+

@@ -36,6 +36,12 @@ ANSWER_TOKENS = 64  # the memory guard's bound on an answer (every task's max_ne
 DEFAULT = {"contexts": "512,1024,2048", "depths": "0,50,100", "budgets": "64,256",
            "tasks": "niah_single_number,niah_multikey,niah_multivalue,qa"}
 QUICK = {"contexts": "512,2048", "depths": "0,50,100", "tasks": "niah_single_number,qa", "budgets": "64"}
+# --multiturn (and with --quick): conversations, not depths; the field's compression ratios, not budgets.
+MULTITURN = {"contexts": "1024,2048", "tasks": "niah_single_number,qa", "ratios": "0.5,0.875", "turns": 5,
+             "samples": 3}
+MULTITURN_QUICK = {"contexts": "1024", "tasks": "niah_single_number,qa", "ratios": "0.875", "turns": 3,
+                   "samples": 2}
+LATER_TOKENS = 96  # the bound on a later turn's prompt (end of reply, user turn, question, answer prefix)
 
 
 class TaskError(UserError):
@@ -76,25 +82,42 @@ class Plan:
     lanes: list[tuple[str, int | None, str]]
     ratios: list[float] = field(default_factory=list)
     ratio_lanes: list[tuple[str, float, str]] = field(default_factory=list)  # (name, ratio, key) of a budgeted name
+    turns: int | None = None  # --multiturn: turns per conversation (each cell is one conversation)
 
     def depths_for(self, task: str) -> list[int | None]:
-        return [None] if task in generate.DEPTHLESS else self.depths
+        return [None] if task in generate.DEPTHLESS or self.turns else self.depths
+
+    def tokens(self, context: int) -> int:
+        """A cell's longest conversation in tokens: the prompt, then every turn's question and answer."""
+        return context + (self.turns or 1) * ANSWER_TOKENS + max(0, (self.turns or 1) - 1) * LATER_TOKENS
 
 
 def plan(config) -> Plan:
     """The grid a `TasksConfig` asks for, every setting checked (one line each); `quick` fills the unset ones."""
     from ..strategies import StrategyError
 
-    q = QUICK if config.quick else DEFAULT
-    tasks = _names("tasks", config.tasks or q["tasks"], generate.TASKS)
+    multi = config.multiturn
+    q = (MULTITURN_QUICK if config.quick else MULTITURN) if multi else QUICK if config.quick else DEFAULT
+    tasks = _names("tasks", config.tasks or q["tasks"], generate.MULTITURN_TASKS if multi else generate.TASKS)
     contexts = _ints("contexts", config.contexts or q["contexts"], generate.MIN_CONTEXT, 1 << 20, "tokens of prompt")
-    depths = _ints("depths", config.depths or q["depths"], 0, 100, "percent of the context before the needle")
-    ratios = _ratios(config.ratios) if getattr(config, "ratios", None) else []
+    if multi and config.depths:
+        raise TaskError("depths: not a setting of --multiturn (each turn asks about its own needle, the needles "
+                        "spread from 0 to 100 percent of the context); allowed: leave it out")
+    depths = [] if multi else _ints("depths", config.depths or q["depths"], 0, 100,
+                                    "percent of the context before the needle")
+    if config.turns is not None and not multi:
+        raise TaskError("turns: a setting of --multiturn; allowed: leave it out, or add --multiturn")
+    turns = (_ints("turns", str(config.turns or q["turns"]), 2, generate.MAX_TURNS,
+                   "turns per conversation")[0] if multi else None)
+    # --multiturn's grid has ratios, not budgets: --budgets alone replaces them.
+    ratio_text = config.ratios or (q["ratios"] if multi and not config.budgets else None)
+    ratios = _ratios(ratio_text) if ratio_text else []
+    samples = config.samples if config.samples is not None else q.get("samples", 1)
     # --ratios alone replaces the grid's budgets; with --budgets both run.
     budgets = _ints("budgets", config.budgets, 1, 1 << 20, "tokens per layer") if config.budgets else (
         [] if ratios else _ints("budgets", q["budgets"], 1, 1 << 20, "tokens per layer"))
-    if config.samples < 1 or config.samples > 1000:
-        raise TaskError(f"samples: {config.samples} is not allowed; allowed: 1..1000 per cell")
+    if samples < 1 or samples > 1000:
+        raise TaskError(f"samples: {samples} is not allowed; allowed: 1..1000 per cell")
     if config.haystack not in generate.HAYSTACKS:
         raise TaskError(f"haystack: {config.haystack!r} is not allowed; allowed: {', '.join(generate.HAYSTACKS)}")
     names = [n.strip() for n in config.strategies.split(",") if n.strip() and n.strip() != "full"]
@@ -109,8 +132,8 @@ def plan(config) -> Plan:
                        if "budget" in parse_spec(name).settings() for r in ratios]
     except StrategyError as e:
         raise TaskError(str(e)) from None
-    seeds = [config.seed + i for i in range(config.samples)]
-    return Plan(tasks, contexts, depths, seeds, budgets, names, lanes, ratios, ratio_lanes)
+    seeds = [config.seed + i for i in range(samples)]
+    return Plan(tasks, contexts, depths, seeds, budgets, names, lanes, ratios, ratio_lanes, turns)
 
 
 def _ratios(text: str) -> list[float]:
@@ -151,14 +174,27 @@ def lane_specs(names: list[str], budgets: list[int]) -> list[tuple[str, int | No
 
 
 def task_cell(cell: dict) -> dict:
-    """One sample through every lane (in a worker or here): the answers, their scores, the lanes' bytes."""
+    """One sample (or, with "turns", one conversation) through every lane (in a worker or here): the answers, their
+    scores, the lanes' bytes."""
     from ..engine import Engine
     from ..models import load_model
 
     loaded = load_model(cell["model"], dtype=cell["dtype"], device=cell["device"], progress=lambda msg: None)
-    s = generate.sample(cell["task"], loaded.tokenizer, cell["context"], cell["depth"], cell["seed"],
-                        haystack=cell["haystack"], chat=loaded.chat)
-    ids = generate.prompt_ids(s, loaded.tokenizer)
+    tok = loaded.tokenizer
+    if cell.get("turns"):
+        conv = generate.conversation(cell["task"], tok, cell["context"], cell["turns"], cell["seed"],
+                                     haystack=cell["haystack"], chat=loaded.chat)
+        ids, asked, max_new = generate.conversation_ids(conv, tok), conv.turns, conv.max_new_tokens
+        scored = lambda replies: generate.score_turns(conv, replies)
+        about = {"depth": None, "needle_depth": asked[0].needle_depth, "references": list(asked[0].answers),
+                 "turns": [{"turn": n + 1, "question": t.question, "references": list(t.answers),
+                            "needle_depth": t.needle_depth} for n, t in enumerate(asked)]}
+    else:
+        s = generate.sample(cell["task"], tok, cell["context"], cell["depth"], cell["seed"],
+                            haystack=cell["haystack"], chat=loaded.chat)
+        ids, asked, max_new = generate.prompt_ids(s, tok), [s], s.max_new_tokens
+        scored = lambda replies: [generate.score(s, replies[0])]
+        about = {"depth": s.depth, "needle_depth": s.needle_depth, "references": list(s.answers)}
     # (name, budget, ratio, key, spec): a lane at a ratio gets its budget from this sample's prompt; lanes whose
     # specs coincide (a ratio's budget equal to a listed budget) run once and share the answer.
     lanes = [(name, budget, None, spec, spec) for name, budget, spec in cell["lanes"]]
@@ -167,29 +203,33 @@ def task_cell(cell: dict) -> dict:
         lanes.append((name, budget, ratio, key, parse_spec(f"{name}:budget={budget}").label))
     specs = list(dict.fromkeys(spec for *_, spec in lanes))
     engine = Engine(loaded, [parse_spec("full")] + [parse_spec(spec) for spec in specs],
-                    max_new_tokens=s.max_new_tokens, threads=cell["threads"], twins=False, kernels=cell["kernels"],
+                    max_new_tokens=max_new, threads=cell["threads"], twins=False, kernels=cell["kernels"],
                     prefill_chunk=cell["prefill_chunk"])
     t0 = time.perf_counter()
     with rss.kept_heap():  # the cells report the ledger's bytes, not the process's RSS
-        for _ in engine.turn(s.user, ids=ids):
-            pass
+        for n, turn in enumerate(asked):  # the cache carries over from turn to turn, as in the app
+            later = n > 0
+            for _ in engine.turn(turn.user, ids=None if later else ids, answer_prefix=turn.answer_prefix if later
+                                 else ""):
+                pass
     seconds = time.perf_counter() - t0
     result = engine.results()
     full = result["strategies"]["full"]
     answers = {}
     for name, budget, ratio, key, spec in [("full", None, None, "full", "full")] + lanes:
         r = result["strategies"][spec]
-        reply = r["turn_texts"][0]
-        answers[key] = {"strategy": name, "budget": budget, "ratio": ratio, "spec": spec, "reply": reply,
-                         "score": generate.score(s, reply),
-                         "exact": bool(parse_spec(spec).claims_exact),
-                         "equal_full": r["token_ids"] == full["token_ids"],
-                         "kv_exact": r["kv_exact"], "held_bytes": r["state_bytes"]["between_turns_peak"],
-                         "peak_bytes": r["state_bytes"]["peak"], "formula_peak_bytes": r["state_bytes"]["formula_peak"]}
-    return {"task": s.task, "context": s.context, "depth": s.depth, "seed": s.seed, "haystack": s.haystack,
-            "prompt_tokens": len(ids), "needle_depth": s.needle_depth, "references": list(s.answers),
-            "seconds": seconds, "kernels": result["kernels"]["mode"], "device": result["device"],
-            "lanes": answers}
+        replies, scores = r["turn_texts"], scored(r["turn_texts"])
+        equal = [a == b for a, b in zip(r["turn_token_ids"], full["turn_token_ids"])]
+        answers[key] = {"strategy": name, "budget": budget, "ratio": ratio, "spec": spec, "reply": replies[0],
+                        "score": statistics.fmean(scores),
+                        **({"replies": replies, "scores": scores, "equal_full_turns": equal} if len(asked) > 1
+                           else {}),
+                        "exact": bool(parse_spec(spec).claims_exact), "equal_full": all(equal),
+                        "kv_exact": r["kv_exact"], "held_bytes": r["state_bytes"]["between_turns_peak"],
+                        "peak_bytes": r["state_bytes"]["peak"], "formula_peak_bytes": r["state_bytes"]["formula_peak"]}
+    return {"task": cell["task"], "context": cell["context"], "seed": cell["seed"],
+            "haystack": cell["haystack"], "prompt_tokens": len(ids), **about, "seconds": seconds,
+            "kernels": result["kernels"]["mode"], "device": result["device"], "lanes": answers}
 
 
 def compression_ratio(budget: int | None, prompt_tokens: int, exact: bool) -> float:
@@ -208,7 +248,8 @@ def _mean(values) -> float | None:
 def summarise(cells: list[dict]) -> dict:
     """Per lane (spec): mean score, the full cache's mean on the same cells, compression ratio, peak bytes,
     whether an exact lane equalled the full cache everywhere; and the heatmap (context x depth) per lane.  A run
-    with lanes at compression ratios also gets each row's ratio and kvpress's leaderboard rows (`leaderboard`)."""
+    with lanes at compression ratios also gets each row's ratio and kvpress's leaderboard rows (`leaderboard`); a
+    multi-turn run, each lane's score by turn (`by_turn`; a cell's score is then the mean over its turns)."""
     specs = list(cells[0]["lanes"]) if cells else []
     ratios = any(a.get("ratio") for a in cells[0]["lanes"].values()) if cells else False  # a run at --ratios
     heat = {}
@@ -218,7 +259,19 @@ def summarise(cells: list[dict]) -> dict:
             grid.setdefault((c["context"], c["depth"]), []).append(c["lanes"][spec]["score"])
         heat[spec] = [{"context": k[0], "depth": k[1], "score": statistics.fmean(v), "n": len(v)}
                       for k, v in sorted(grid.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1]))]
-    return {"rows": _rows(cells, ratios), "heatmap": heat, **({"leaderboard": leaderboard(cells)} if ratios else {})}
+    return {"rows": _rows(cells, ratios), "heatmap": heat, **({"leaderboard": leaderboard(cells)} if ratios else {}),
+            **({"by_turn": by_turn(cells)} if cells and "turns" in cells[0] else {})}
+
+
+def by_turn(cells: list[dict]) -> dict:
+    """--multiturn: per lane (spec), the mean score of each turn's answers over the conversations (the full cache's
+    is the ceiling), and how many of them equal the full cache's."""
+    out = {}
+    for spec in cells[0]["lanes"]:
+        out[spec] = [{"turn": n + 1, "score": statistics.fmean(c["lanes"][spec]["scores"][n] for c in cells),
+                      "answers_equal_full": sum(c["lanes"][spec]["equal_full_turns"][n] for c in cells),
+                      "n": len(cells)} for n in range(len(cells[0]["turns"]))]
+    return out
 
 
 def _rows(cells: list[dict], ratios: bool) -> list[dict]:
@@ -278,24 +331,34 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
     req = validate.request(config.model, config.device, config.dtype, ",".join(dict.fromkeys(checked)), 1,
                            ["task"], False, cap)
     loaded = load_model(req.model, dtype=req.dtype, device=req.device)
-    if top + ANSWER_TOKENS >= loaded.max_context:
-        raise TaskError(f"contexts: {top} tokens plus the answer pass {config.model}'s context of "
-                                 f"{loaded.max_context}; allowed: up to {loaded.max_context - 1 - ANSWER_TOKENS}")
+    longest = p.tokens(top)  # the prompt and, with --multiturn, every later turn's question and answer
+    if longest >= loaded.max_context:
+        more = longest - top
+        raise TaskError(f"contexts: {top} tokens plus the answer{'s' if p.turns else ''} ({more} tokens) pass "
+                        f"{config.model}'s context of {loaded.max_context}; allowed: up to "
+                        f"{loaded.max_context - 1 - more}")
     validate.against_model(req, loaded, prompt_tokens=top)
-    est = guard.estimate(loaded.config, loaded.dtype, list(req.strategies), top, top + ANSWER_TOKENS,
-                         config.prefill_chunk, twins=False, compare=True, turns=1, kernels=config.kernels)
+    est = guard.estimate(loaded.config, loaded.dtype, list(req.strategies), top, longest,
+                         config.prefill_chunk, twins=False, compare=True, turns=p.turns or 1, kernels=config.kernels)
     guard.check(est, loaded.device)
     for task in p.tasks:  # a context too small for a task's needles and question: one line before any cell runs
-        generate.sample(task, loaded.tokenizer, min(p.contexts), p.depths_for(task)[0], p.seeds[0], config.haystack,
-                        chat=loaded.chat)
+        if p.turns:
+            generate.conversation(task, loaded.tokenizer, min(p.contexts), p.turns, p.seeds[0], config.haystack,
+                                  chat=loaded.chat)
+        else:
+            generate.sample(task, loaded.tokenizer, min(p.contexts), p.depths_for(task)[0], p.seeds[0],
+                            config.haystack, chat=loaded.chat)
     threads = config.threads or (1 if config.executor == "local" else torch.get_num_threads())
-    cells = [{"name": f"{task} {context} tokens depth {depth} seed {seed}", "model": req.model, "dtype": req.dtype,
+    what = f"{p.turns} turns" if p.turns else "depth {}"
+    cells = [{"name": f"{task} {context} tokens {what.format(depth)} seed {seed}", "model": req.model,
+              "dtype": req.dtype, "turns": p.turns,
               "device": loaded.device.type, "threads": threads, "kernels": config.kernels,
               "prefill_chunk": config.prefill_chunk, "task": task, "context": context, "depth": depth, "seed": seed,
               "haystack": config.haystack, "lanes": [list(x) for x in p.lanes],
               "ratio_lanes": [list(x) for x in p.ratio_lanes]}
              for task in p.tasks for context in p.contexts for depth in p.depths_for(task) for seed in p.seeds]
-    say(f"{len(cells)} cells ({len(p.tasks)} tasks x {len(p.contexts)} contexts x depths x {len(p.seeds)} seeds), "
+    say(f"{len(cells)} cells ({len(p.tasks)} tasks x {len(p.contexts)} contexts x "
+        f"{f'conversations of {p.turns} turns' if p.turns else 'depths'} x {len(p.seeds)} seeds), "
         f"{len(p.lanes) + len(p.ratio_lanes) + 1} lanes each: "
         f"{', '.join(['full'] + [s for _, _, s in p.lanes] + [k for _, _, k in p.ratio_lanes])}")
     t0 = time.perf_counter()
@@ -307,8 +370,11 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
     else:
         results = run_cells(task_cell, cells, config.executor, config.workers, say=say)
     seconds = time.perf_counter() - t0
-    mismatched = [(c["task"], c["context"], c["depth"], spec) for c in results for spec, a in c["lanes"].items()
-                  if a["exact"] and not a["equal_full"]]
+    # An exact lane's answers differing from the full cache's: (task, context, depth, spec), and with --multiturn
+    # the seed and the turn of each differing answer.
+    mismatched = [(c["task"], c["context"], c["depth"], spec, *([c["seed"], n + 1] if p.turns else []))
+                  for c in results for spec, a in c["lanes"].items() if a["exact"]
+                  for n, same in enumerate(a.get("equal_full_turns", [a["equal_full"]])) if not same]
     from ..probes import environment
     from ..recording import commit, today
 
@@ -316,7 +382,8 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
     return {"measured_at": today(), "commit": commit(), "processor": env["cpu"], "torch": env["torch"],
             "model": loaded.name, "model_source": loaded.source, "device": str(loaded.device),
             "dtype": str(loaded.dtype).removeprefix("torch."), "threads": threads, "kernels": config.kernels,
-            "executor": config.executor or "in-process", "quick": config.quick, "tasks": p.tasks,
+            "executor": config.executor or "in-process", "quick": config.quick, "multiturn": bool(p.turns),
+            "turns": p.turns, "tasks": p.tasks,
             "contexts": p.contexts, "depths": p.depths, "seeds": p.seeds, "haystack": config.haystack,
             "budgets": p.budgets, "ratios": p.ratios, "strategies": p.names, "seconds": seconds,
             "exact_answers_equal_full": not mismatched,
