@@ -8,9 +8,11 @@ demo once.
 
 The README's screenshots come from these tests: STUDIO_FIRST_SHOT=docs/first-screen.png,
 STUDIO_SCREENSHOT=docs/turn.png, STUDIO_CLAIMS_SHOT=docs/claims-tab.png, STUDIO_TASKS_SHOT=docs/tasks-tab.png,
+STUDIO_TURNS_SHOT=docs/tasks-turns.png,
 STUDIO_MAP_SHOT=docs/token-map.png (and its -attention.png beside it), STUDIO_BOARD_SHOT=docs/scoreboard-steps.png.
 """
 
+import json
 import logging
 import os
 import re
@@ -387,6 +389,43 @@ def test_every_tab_fits_and_the_tasks_tab_shows_the_shipped_result_at_once(url, 
     head = page.inner_text("#kvd-tasks-head")
     assert "expected 'kvdirect-studio/tasks'" in head and shipped["measured_at"] in head
     assert page.locator("#kvd-tasks-heatmap .heatmaplayer").count() > 0
+    assert not page.console_errors, page.console_errors
+    page.context.close()
+
+
+def test_the_tasks_tab_shows_the_shipped_answers_across_turns_and_opens_a_multiturn_file(url, browser, tmp_path):
+    """The shipped multi-turn result's chart is on the Tasks tab at once: a line per strategy at the first ratio,
+    the full cache's first (the ceiling), labelled with where and when it was measured; another ratio and a task
+    redraw it; a multi-turn file of one's own replaces it (the single-turn maps stay as they were)."""
+    page = open_page(browser, 1280, 720)
+    page.goto(url)
+    page.wait_for_selector("#kvd-send", timeout=60_000)
+    page.get_by_role("tab", name="Tasks").click()
+    page.wait_for_selector("#kvd-turns-plot .scatterlayer .trace", timeout=10_000)
+    multi = tasks_view.load(tasks_view.shipped(multiturn=True))
+    first, second = [v for _, v in tasks_view.settings(multi)][:2]
+    assert page.locator("#kvd-turns-plot .scatterlayer .trace").count() == len(tasks_view.specs_at(multi, first))
+    legend = page.locator("#kvd-turns-plot .legendtext").all_text_contents()
+    assert "ceiling" in legend[0] and len(legend) == len(tasks_view.specs_at(multi, first))
+    head = page.inner_text("#kvd-turns-head")
+    assert multi["measured_at"] in head and multi["commit"] in head and f"of {multi['turns']} turns" in head
+    shot = Path(os.environ.get("STUDIO_TURNS_SHOT") or tmp_path / "turns.png")
+    page.evaluate("document.querySelector('#kvd-turns-title').scrollIntoView({block: 'start'})")
+    page.screenshot(path=str(shot))
+    choose(page, "#kvd-turns-budget", f"ratio {second:g}")
+    page.wait_for_function(f"document.querySelector('#kvd-turns-plot .gtitle').textContent.includes("
+                           f"'ratio {second:g}')", timeout=10_000)
+    choose(page, "#kvd-turns-task", multi["tasks"][-1])
+    page.wait_for_function(f"document.querySelector('#kvd-turns-plot .gtitle').textContent.includes("
+                           f"'{multi['tasks'][-1]}')", timeout=10_000)
+    mine = {**multi, "measured_at": "1999-01-01 00:00 UTC", "cells": multi["cells"][:1]}
+    (tmp_path / "mine.json").write_text(json.dumps(mine))
+    upload(page, "#kvd-tasks-upload", tmp_path / "mine.json")
+    page.wait_for_function("document.querySelector('#kvd-turns-head').innerText.includes('1999-01-01')",
+                           timeout=10_000)
+    assert "1 conversation of" in page.inner_text("#kvd-turns-head")
+    single = tasks_view.load(tasks_view.shipped())
+    assert single["measured_at"] in page.inner_text("#kvd-tasks-head")  # the single-turn section kept its own
     assert not page.console_errors, page.console_errors
     page.context.close()
 

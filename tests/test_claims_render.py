@@ -98,7 +98,8 @@ def set_capacity(results: dict, value: float):
 
 def twenty_turns(results: dict) -> dict:
     """The report's model's twenty-turn run: its lanes by spec."""
-    return next(c for c in cells(results, "turns20") if c["json"]["model"] == results["model"])["json"]["strategies"]
+    return next(c for c in cells(results, "turns20") if c["kind"] == "run" and c["json"]["model"] == results["model"]
+                )["json"]["strategies"]
 
 
 def set_peak_ratio(results: dict, ratio: float, prefix: str = ""):
@@ -645,7 +646,8 @@ def test_each_card_reads_on_its_own(committed, tmp_path, monkeypatch):
 
     Mutation that fails it: the card showing the reason's first part (`first_sentence(claim["reason"])`, the code
     before), which names neither r nor the samples."""
-    twenty = next(c for c in cells(committed, "turns20") if c["json"]["model"] == committed["model"])["json"]
+    twenty = next(c for c in cells(committed, "turns20") if c["kind"] == "run" and c["json"]["model"] ==
+                  committed["model"])["json"]
     r = next(c for c in cells(committed, "bytes") if c["json"]["source"] == committed["model"])["json"]["ratio_r"]
     task = cells(committed, "tasks")[0]["json"]
     assert (r, twenty["max_new_tokens"], len(task["cells"]), task["contexts"]) == (1.5, 4, 6, [1024])
@@ -774,3 +776,29 @@ def test_a_png_call_made_before_the_pages_scripts_ran_waits_for_them(tmp_path):
         held.set()
         server.shutdown()
     assert result["format"] == "png" and len(result["result"]) > 100, result
+
+
+def test_the_twenty_turn_section_scores_answers_at_turns_5_10_and_20_from_the_multiturn_cell():
+    """Hand-made: a 20-turn conversation cell whose lane scores n/100 at turn n (the full cache 1 at every turn):
+    the section reads turns 5, 10 and 20, i.e. 0.05, 0.10, 0.20 (an index off by one would read 0.06...);
+    the note names the lane's equal answers.  Without the cell the section says it was not measured."""
+    from kvdirect_app.claims import sections
+
+    by_turn = {"full": [{"turn": n, "score": 1.0, "answers_equal_full": 1, "n": 1} for n in range(1, 21)],
+               "anchorkv:budget=32": [{"turn": n, "score": 1.0, "answers_equal_full": 1, "n": 1} for n in range(1, 21)],
+               "h2o:budget=32": [{"turn": n, "score": n / 100, "answers_equal_full": int(n == 1), "n": 1}
+                                 for n in range(1, 21)]}
+    rows = [{"spec": s, "kind": "lossy" if s.startswith("h2o") else "exact", "score": sum(t["score"] for t in v) / 20,
+             "held_bytes_mean": 1000} for s, v in by_turn.items()]
+    cell = {"kind": "tasks", "section": "turns20", "json": {
+        "model": "m", "turns": 20, "cells": [{}], "contexts": [1024], "budgets": [32], "by_turn": by_turn,
+        "rows": rows, "exact_answers_equal_full": True}}
+    a = sections._answers20({"cells": [cell]})
+    lanes = {r["strategy"]: r for r in a["lanes"]}
+    assert a["at"] == [5, 10, 20] and lanes["h2o:budget=32"]["scores"] == [0.05, 0.10, 0.20]
+    assert lanes["anchorkv:budget=32"]["equal_full"] == 20 and lanes["h2o:budget=32"]["equal_full"] == 1
+    note = sections._answers_note(a, "anchorkv")
+    assert "turns 5/10/20" in note and "anchorkv:budget=32 1/1/1, 20 of 20 answers equal" in note
+    assert "h2o 0.05/0.1/0.2" in note
+    assert sections._answers20({"cells": []}) is None
+    assert "not measured" in sections._answers_note(None, "kvdirect")

@@ -319,3 +319,40 @@ def test_smollm2_over_turns_a_window_answers_only_the_needle_it_still_holds():
     assert lanes["window:ratio=0.875"]["scores"] == [1.0 if end else 0.0 for end in ends], \
         lanes["window:ratio=0.875"]["replies"]
     assert [t["score"] for t in out["by_turn"]["window:ratio=0.875"]] == lanes["window:ratio=0.875"]["scores"]
+
+
+@pytest.mark.check
+def test_the_turn_chart_draws_each_lanes_score_by_turn_with_the_full_cache_as_the_ceiling(tiny_multi, tmp_path):
+    path = tmp_path / "multi.json"
+    path.write_text(json.dumps({"schema": "kvdirect-studio/tasks", "schema_version": 1, **tiny_multi}))
+    result = tasks_view.load(path)
+    fig = tasks_view.turns_figure(result, 0.875)
+    specs = tasks_view.specs_at(result, 0.875)
+    assert specs == ["full", "kvdirect:ratio=0.875", "anchorkv:ratio=0.875", "window:ratio=0.875",
+                     "snapkv:ratio=0.875"]
+    assert [t.name.split(" ")[0] for t in fig.data] == ["Full", "KV-Direct", "AnchorKV", "Sliding", "SnapKV"]
+    assert "ceiling" in fig.data[0].name and fig.data[0].line.width > fig.data[1].line.width
+    for trace, spec in zip(fig.data, specs):
+        assert list(trace.x) == [1, 2, 3]
+        assert list(trace.y) == pytest.approx([t["score"] for t in result["by_turn"][spec]])
+    assert "ratio 0.875" in fig.layout.title.text and "0.5" in tasks_view.turns_figure(result, 0.5).layout.title.text
+    assert "2 conversations of 3 turns" in tasks_view.head_html(result)
+    assert "in every turn of every conversation" in tasks_view.head_html(result)
+
+
+def test_the_shipped_multiturn_result_is_valid_and_its_exact_answers_equal_the_full_caches_in_every_turn():
+    path = tasks_view.shipped(multiturn=True)
+    assert path is not None and path.stem.endswith("-multiturn"), "presets/tasks/ ships no multi-turn result"
+    assert tasks_view.shipped() != path  # the single-turn result is another file
+    result = tasks_view.load(path)
+    validate(result)
+    assert result["multiturn"] and result["turns"] >= 5 and len(result["ratios"]) >= 2
+    assert result["exact_answers_equal_full"]
+    for cell in result["cells"]:
+        assert len(cell["turns"]) == result["turns"]
+        for lane in cell["lanes"].values():
+            assert not lane["exact"] or lane["equal_full_turns"] == [True] * result["turns"]
+    assert {r["strategy"] for r in result["rows"]} >= {"full", "kvdirect", "anchorkv", "h2o", "streaming_llm",
+                                                       "snapkv", "tova", "window", "knorm", "pyramidkv"}
+    summary = scores.summarise(result["cells"])
+    assert summary["by_turn"] == result["by_turn"] and summary["rows"] == result["rows"]

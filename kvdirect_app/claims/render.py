@@ -100,6 +100,17 @@ def _details(results: dict) -> list[str]:
         out += _table(["model", "r", "lane", "lane's peak", "full cache's peak", "full / lane", "verdict"],
                       [[m["model"], number(m["r"]), m["lane"] or "-", fmt_bytes(m["lane_peak"]),
                         fmt_bytes(m["full_peak"]), number(m["ratio"]), m["verdict"]] for m in sec[name]["by_model"]])
+    a = t.get("answers")
+    if a:
+        out += ["", f"In answers: {a['conversations']} conversation{'s' if a['conversations'] != 1 else ''} of "
+                    f"{a['turns']} turns on {a['model']} (`bench tasks --multiturn`: turn 1 holds "
+                    f"{'/'.join(map(str, a['contexts']))} tokens with a needle per turn, every turn asks about one of "
+                    f"them), budget {'/'.join(map(str, a['budgets']))}; the mean score at turns "
+                    f"{'/'.join(map(str, a['at']))} (the full cache's first: the ceiling):", ""]
+        out += _table(["strategy", "kind", *[f"turn {n}" for n in a["at"]], "every turn", "answers = full",
+                       "held after"],
+                      [[r["strategy"], r["kind"], *[number(x) for x in r["scores"]], number(r["mean"]),
+                        f"{r['equal_full']} of {r['answers']}", fmt_bytes(r["held_bytes"])] for r in a["lanes"]])
     if t["equal_memory"]:
         out += ["", "At equal measured peak:", ""]
         out += _table(["strategy", "budget", "peak", "token match"],

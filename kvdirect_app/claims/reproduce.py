@@ -67,12 +67,15 @@ class Knobs:
     real_size: bool  # the public configs built at full size with random weights (claims/realsize.py)
     task_contexts: tuple[int, ...]  # claim 9's samples: prompt lengths (tokens) ...
     task_names: tuple[str, ...]  # ... and tasks (`bench tasks`), at depths 0, 50 and 100 %
+    answer_turns: int = 20  # the twenty-turn section's answers: turns of each `bench tasks --multiturn` conversation
+    answer_conversations: int = 1  # ... and how many conversations (seeds)
 
 
 FULL = Knobs(new_tokens=24, turns_new_tokens=24, turns_lanes=tuple(LANES), equal_memory=True, budgets=(16, 32, 64, 128),
              recompute_batches=(1, 4, 16, 64), recompute_contexts=(256, 1024, 4096), replay_context=1024,
              park_context=1024, model_bf16=True, real_size=True, task_contexts=(512, 1024, 2048),
-             task_names=("niah_single_number", "niah_multikey", "niah_multivalue", "variable_tracking", "qa"))
+             task_names=("niah_single_number", "niah_multikey", "niah_multivalue", "variable_tracking", "qa"),
+             answer_conversations=3)
 # --quick: SmolLM2 within 10 minutes on 2 CPU cores.  The twenty-turn run dominates (its rebuild=step lanes
 # replay every old token at every step, so their work grows with turns x tokens): four new tokens per turn
 # instead of eight, and six of the twelve lanes (the exact lane with the lowest peak, KV-Direct's own, three
@@ -84,7 +87,8 @@ QUICK = Knobs(new_tokens=8, turns_new_tokens=4,
               task_names=("niah_single_number", "qa"))
 # The byte-level tiny models (tests) hold 1,024 tokens: short turns, small budgets and contexts.
 TINY = dict(new_tokens=4, turns_new_tokens=4, budgets=(4, 8), replay_context=128, park_context=64, model_bf16=True,
-            real_size=False, task_contexts=(512,), task_names=("niah_single_number",))
+            real_size=False, task_contexts=(512,), task_names=("niah_single_number",), answer_turns=3,
+            answer_conversations=1)
 LABELS = {"turns_new_tokens": "new tokens per turn in the twenty-turn run",
           "turns_lanes": "lanes of the twenty-turn run",
           "equal_memory": "the twenty-turn sweep of the baselines at equal measured peak",
@@ -94,6 +98,8 @@ LABELS = {"turns_new_tokens": "new tokens per turn in the twenty-turn run",
           "park_context": "tokens at which sessions are parked and measured",
           "model_bf16": "the model's own exactness run in bf16",
           "task_contexts": "contexts of the task samples (tokens)", "task_names": "tasks of the task samples",
+          "answer_turns": "turns of the conversations scored in the twenty-turn section",
+          "answer_conversations": "conversations scored in the twenty-turn section",
           "real_size": "exactness at the public configs' real size, random weights (Qwen2.5-0.5B, Llama 3.2-1B, "
                        "Qwen3-4B, Gemma 3-4B)"}
 
@@ -226,6 +232,14 @@ def plan(model: str, quick: bool, device: str = "auto", threads: int = 1) -> lis
     cells.append({"kind": "run", "section": "turns20", "name": scenario, "scenario": scenario,
                   "config": {**common, **traced, "scenario": scenario, "max_new_tokens": k.turns_new_tokens,
                              "strategies": ",".join(specs)}})
+    # The same section in answers: conversations whose turn 1 holds a needle per turn and whose every later turn asks
+    # about one of them (`bench tasks --multiturn`), at the twenty-turn run's budget and with its baselines; scored at
+    # turns 5, 10 and 20.
+    cells.append({"kind": "tasks", "section": "turns20", "name": f"answers over {k.answer_turns} turns",
+                  "config": {**common, "multiturn": True, "turns": k.answer_turns, "contexts": "512" if tiny else "1024",
+                             "tasks": "niah_single_number", "samples": k.answer_conversations, "budgets": str(budget),
+                             "strategies": ",".join(["anchorkv", "kvdirect",
+                                                     *[e for e in EVICTION if e in k.turns_lanes]])}})
     if model != MHA:  # KV-Direct's own lane where r < 1: three turns of the byte-level MHA model
         mha_layers = ModelGeometry.from_config(load_config(MHA)).num_layers
         cells.append({"kind": "run", "section": "turns20", "name": f"capitals on {MHA}", "scenario": "capitals",

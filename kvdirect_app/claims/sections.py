@@ -86,7 +86,7 @@ def _bytes(results: dict) -> dict:
 
 def _runs20(results: dict) -> list[dict]:
     """The twenty-turn section's lockstep runs (one per model), the report's model first."""
-    runs = [c for c in _cells(results, "turns20") if c["json"].get("strategies")]
+    runs = [c for c in _cells(results, "turns20") if c["kind"] == "run" and c["json"].get("strategies")]
     return sorted(runs, key=lambda c: c["json"]["model"] != results["model"])
 
 
@@ -117,7 +117,7 @@ def _turns20(results: dict, prefix: str = "kvdirect") -> dict:
     out = {"rows": rows, "scenario": runs[0].get("scenario"), "turns": turns, "tokens": len(first["prompt_ids"]),
            "new_tokens": first["max_new_tokens"], "basis": "measured", "ours": {"peak_ratio": None},
            "equal_memory": None, "lane": prefix}
-    equal = next((c for c in _cells(results, "turns20") if c["json"].get("rows")), None)
+    equal = next((c for c in _cells(results, "turns20") if c["kind"] == "sweep" and c["json"].get("rows")), None)
     if equal is not None:
         out["equal_memory"] = [{"strategy": r["strategy"], "budget": r["budget"], "peak": r["state_bytes"]["peak"],
                                 "token_match": r["token_match"]} for r in equal["json"]["rows"]]
@@ -167,7 +167,49 @@ def _turns20(results: dict, prefix: str = "kvdirect") -> dict:
         out["ours"]["peak_ratio"] = by_model[0]["ratio"]
     notes.append(f"judged on {results['model']}'s {name} lane; the paper's 42 MB and 103 MB are for its own model and "
                  "conversation, so only their ratio carries over")
+    out["answers"] = _answers20(results)
+    out["also"] = _answers_note(out["answers"], prefix)  # on the card under the verdict's sentence
+    notes.append(out["also"])
     return {**out, "notes": notes}
+
+
+ANSWER_TURNS = (5, 10, 20)  # the turns at which the twenty-turn section scores answers about turn 1
+
+
+def _answers20(results: dict) -> dict | None:
+    """The twenty-turn section in answers: the `bench tasks --multiturn` cell's conversations (turn 1 a context with a
+    needle per turn, every later turn asking about one of them), each lane's mean score at turns 5, 10 and 20 (the
+    last turn where a run has fewer), its answers equal to the full cache's, and the bytes it held."""
+    cell = next((c for c in _cells(results, "turns20") if c["kind"] == "tasks"), None)
+    if cell is None:
+        return None
+    j = cell["json"]
+    at = [t for t in ANSWER_TURNS if t <= j["turns"]] or [j["turns"]]
+    lanes = []
+    for spec, turns in j["by_turn"].items():
+        row = next(r for r in j["rows"] if r["spec"] == spec)
+        lanes.append({"strategy": spec, "kind": row["kind"], "scores": [turns[t - 1]["score"] for t in at],
+                      "mean": row["score"], "equal_full": sum(t["answers_equal_full"] for t in turns),
+                      "answers": sum(t["n"] for t in turns), "held_bytes": row["held_bytes_mean"]})
+    return {"model": j["model"], "turns": j["turns"], "at": at, "conversations": len(j["cells"]),
+            "contexts": j["contexts"], "budgets": j["budgets"], "lanes": lanes,
+            "exact_equal": j["exact_answers_equal_full"]}
+
+
+def _answers_note(a: dict | None, prefix: str) -> str:
+    if a is None:
+        return "answers: not measured (no multi-turn task cell in this report)"
+    turns = "/".join(map(str, a["at"]))  # "5/10/20": a number before ", " would read as "5," in the report
+    by = {r["strategy"].split(":")[0]: r for r in a["lanes"]}
+    scores = lambda r: "/".join(number(x) for x in r["scores"])  # noqa: E731
+    mine = by.get(prefix)
+    lossy = [r for r in a["lanes"] if r["kind"] == "lossy"]
+    return (f"answers about turn 1 at turns {turns} ({_count(a['conversations'], 'conversation')} of {a['turns']} "
+            f"turns on {a['model']}, {'/'.join(map(str, a['contexts']))} tokens, budget "
+            f"{'/'.join(map(str, a['budgets']))}): the full cache scores {scores(by['full'])}"
+            + (f"; {mine['strategy']} {scores(mine)}, {mine['equal_full']} of {mine['answers']} answers equal to the "
+               "full cache's" if mine else f"; no {prefix} lane")
+            + ("; " + ", ".join(f"{r['strategy'].split(':')[0]} {scores(r)}" for r in lossy) if lossy else ""))
 
 
 def _turns20_anchorkv(results: dict) -> dict:
@@ -584,6 +626,7 @@ def assess(results: dict) -> tuple[dict, dict]:
                         "scope": "; ".join([model, *section.pop("scope", [])]), "verdict": verdict,
                         "measured_on": section.pop("measured_on", None) or measured_on(results, section_of(name)),
                         "sentence": f"Claim {claim.title.split('.')[0]} {stated(verdict)}: {section.pop('why')}.",
-                        "reason": reason[0].upper() + reason[1:] + "."}
+                        "reason": reason[0].upper() + reason[1:] + ".",
+                        **({"also": section.pop("also")} if "also" in section else {})}
         sections[name] = {**section, "ran_on": environments(results, section_of(name))}
     return claims, sections

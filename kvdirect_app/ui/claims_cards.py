@@ -37,6 +37,7 @@ def cards_html(results: dict) -> str:
             f'<tr><th>on</th><td class="kvd-note">{e(claim["scope"])}; {e(claim["measured_on"])}</td></tr></table>'
             f'<div class="kvd-card-why" title="{html.escape(claim["reason"])}">{e(claim["sentence"])}</div>'
             + (f'<div class="kvd-card-rule kvd-note">Rule: {e(claim["rule"])}</div>' if claim.get("rule") else "")
+            + (f'<div class="kvd-card-also kvd-note">In {e(claim["also"])}</div>' if claim.get("also") else "")
             + '</div>')
     where = f'{e(results.get("device_name") or results.get("device", "?"))}, {e(results.get("date", "?"))}'
     return (f'<div class="kvd-cards-head">Measured on {where} with <code>python -m kvdirect_app.bench reproduce '

@@ -1,6 +1,7 @@
-"""The Tasks tab: a `bench tasks` result (the shipped one in presets/tasks/, or a file of one's own) as a needle
-heatmap per strategy (context x depth, the full cache's first: the ceiling) and the task-score frontier (score
-against measured peak bytes).  Plain data in, figures out: no model, no torch."""
+"""The Tasks tab: a `bench tasks --multiturn` result as the score of each turn's answers per strategy (the full
+cache's line is the ceiling), and a single-turn `bench tasks` result as a needle heatmap per strategy (context x
+depth, the full cache's first) and the task-score frontier (score against measured bytes); the shipped ones in
+presets/tasks/, or files of one's own.  Plain data in, figures out: no model, no torch."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from plotly.subplots import make_subplots
 
 from .. import schema
 from ..frontier import HELD, TASK_SCORE, Point, frontier_figure
+from ..palette import base_colour, strategy_name, symbol
 from ..paths import data
 from ..units import fmt_bytes
 from .settings import REFERENCE, title
@@ -23,8 +25,13 @@ FONT = dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", siz
 COLUMNS = 5  # heatmaps per row
 
 
-def shipped() -> Path | None:
-    files = sorted(SHIPPED.glob("*.json")) if SHIPPED.is_dir() else []
+MULTITURN = "-multiturn"  # a shipped multi-turn result's name ends so
+
+
+def shipped(multiturn: bool = False) -> Path | None:
+    """The shipped single-turn result, or with `multiturn` the shipped multi-turn one (its name ends "-multiturn")."""
+    files = sorted(p for p in SHIPPED.glob("*.json") if p.stem.endswith(MULTITURN) == multiturn) \
+        if SHIPPED.is_dir() else []
     return files[0] if files else None
 
 
@@ -114,6 +121,44 @@ def heatmap_figure(result: dict, budget: int | None, task: str = ALL) -> go.Figu
     return fig
 
 
+def turn_scores(result: dict, spec: str, task: str = ALL) -> list[float]:
+    """A lane's mean score at each turn of the conversations (of one task, or all)."""
+    cells = _cells(result, task)
+    return [sum(c["lanes"][spec]["scores"][n] for c in cells) / len(cells) for n in range(len(cells[0]["turns"]))]
+
+
+def turns_figure(result: dict, setting: int | float | None, task: str = ALL) -> go.Figure:
+    """Score against turn, a line per strategy at the setting; the full cache's is drawn first, wide and grey: the
+    ceiling, which the exact strategies' lines lie on when their answers equal it."""
+    cells = _cells(result, task)
+    turns = list(range(1, len(cells[0]["turns"]) + 1))
+    fig = go.Figure()
+    for spec in specs_at(result, setting):
+        ys = turn_scores(result, spec, task)
+        name = strategy_name(spec)
+        mean = sum(ys) / len(ys)
+        if spec == REFERENCE:
+            fig.add_trace(go.Scatter(x=turns, y=ys, mode="lines", name=f"{title(name)} (the ceiling) {mean:.2f}",
+                                     line=dict(color="rgba(60,60,60,0.28)", width=14),
+                                     hovertemplate="full cache<br>turn %{x}: score %{y:.2f}<extra></extra>"))
+            continue
+        exact = cells[0]["lanes"][spec]["exact"]
+        fig.add_trace(go.Scatter(
+            x=turns, y=ys, mode="lines+markers", name=f"{title(name)} {mean:.2f}",
+            line=dict(color=base_colour(name), width=2.5, dash="dot" if exact else "solid"),
+            marker=dict(symbol=symbol(name), size=11 if exact else 9, color=base_colour(name),
+                        line=dict(color="#fff", width=1)),
+            hovertemplate=f"{html.escape(spec)}<br>turn %{{x}}: score %{{y:.2f}}<extra></extra>"))
+    where = "every task" if task == ALL else task
+    fig.update_layout(template="plotly_white", font=FONT, height=450, margin=dict(l=70, r=20, t=70, b=55),
+                      title=dict(text=f"Answers across turns ({where}; {setting_words(setting)}): each turn asks about "
+                                      "another needle of turn 1's context", x=0.01, font=dict(size=17)),
+                      legend=dict(title=dict(text="mean over the turns"), font=dict(size=13)),
+                      xaxis=dict(title="turn", tickmode="array", tickvals=turns, range=[0.7, turns[-1] + 0.3]),
+                      yaxis=dict(title="mean score", range=[-0.04, 1.04]))
+    return fig
+
+
 def frontier_points(result: dict, task: str = ALL) -> tuple[list[Point], float | None]:
     """Every lane (strategy x budget) as a point: the bytes its cache holds after the answer (measured, mean over
     the samples: what its budget buys) and its mean score; the full cache's score."""
@@ -144,10 +189,14 @@ def provenance(result: dict) -> str:
 
 def head_html(result: dict) -> str:
     """Where and when the result was measured, what it holds, and the exactness check."""
-    exact = ("every exact strategy's answer equals the full cache's, token for token, in every cell"
+    every = "in every turn of every conversation" if result.get("multiturn") else "in every cell"
+    exact = (f"every exact strategy's answer equals the full cache's, token for token, {every}"
              if result["exact_answers_equal_full"] else
              f"<b>{len(result['exact_mismatches'])} exact answers differ from the full cache's</b>")
-    return (f"<p class='kvd-tasks-head'>{html.escape(provenance(result))}: {len(result['cells'])} samples "
+    n = len(result["cells"])
+    what = (f"{n} conversation{'' if n == 1 else 's'} of {result['turns']} turns" if result.get("multiturn") else
+            f"{n} sample{'' if n == 1 else 's'}")
+    return (f"<p class='kvd-tasks-head'>{html.escape(provenance(result))}: {what} "
             f"({', '.join(result['tasks'])}), contexts {', '.join(map(str, result['contexts']))} tokens, haystack "
             f"{html.escape(result['haystack'])}; {exact}.</p>")
 
