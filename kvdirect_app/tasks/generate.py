@@ -59,6 +59,12 @@ or a word is under 10 tokens with SmolLM2's tokenizer (digits are single tokens)
 numbers with separators ~40, so 48; five variable names ~20, so 32; a QA answer, 32 (RULER's).  The tests check
 that the references fit.
 
+Conversations (`conversation`, `bench tasks --multiturn`): after SCBench's multi-turn mode (Li et al., ICLR 2025), a
+shared context in turn 1 and a query per turn.  Turn 1 holds one needle per turn (single-key needles, or paragraphs
+of the report; or, for qa on the document haystack, the report itself) and asks about one of them; every later turn
+asks about another with its own answer prefix, answerable from turn 1 alone.  `score_turns` scores each turn's reply
+against that turn's references.
+
 Scores (`score`): RULER's string_match_all, the fraction of the references that the reply contains (case-
 insensitive): 1 or 0 for one needle, quarters for multi-value and multi-query, fifths for the chain.  QA: RULER's
 string_match_part, 1 when the reply contains any accepted form of the answer (as a whole word, qa.contains).

@@ -14,6 +14,11 @@ misses some needles with every token kept), the compression ratio by kvpress's c
 prompt's K/V tokens a layer drops: 1 - budget / prompt tokens, for an evicting strategy) and the measured bytes
 held after the answer (what the budget buys; the frontier's axis) and peak during it (for an evicting strategy,
 the whole prompt's K/V before it is trimmed); per strategy and budget, the score by context and depth (the needle heatmap).
+
+With --multiturn a cell is a conversation (`generate.conversation`): every lane answers each turn in lockstep with
+the full cache, its cache carried over between turns as in the app (SnapKV and PyramidKV compress each user turn's
+prompt); each turn is scored, an exact lane's every turn compared with the full cache's, and the summary adds each
+lane's score by turn (`by_turn`).
 """
 
 from __future__ import annotations
