@@ -231,6 +231,7 @@ class TasksConfig(_Config):
     samples: int | None = None  # seeds per (task, context, depth), or conversations per (task, context); unset: grid's
     multiturn: bool = False  # conversations: turn 1 a context with a needle per turn, each turn asking another
     turns: int | None = None  # --multiturn: turns per conversation (unset: the grid's)
+    asked: str | None = None  # --multiturn: the turns that ask about turn 1 ("5,10,20"; the others chat); unset: all
     seed: int = 0
     haystack: str = "noise"
     quick: bool = False

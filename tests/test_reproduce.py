@@ -244,26 +244,28 @@ def test_quick_runs_its_knobs_and_says_what_it_leaves_out(report):
 
 def test_the_twenty_turn_section_scores_answers_over_a_multiturn_conversation(report):
     """The section's answers come from a `bench tasks --multiturn` cell at the twenty-turn run's budget and with its
-    baselines (tiny-llama: three turns of 512 tokens, so the turn scored is the third); each exact lane's answers
+    baselines (tiny-llama: three turns of 512 tokens, turns 2 and 3 asking about turn 1); each exact lane's answers
     equal the full cache's in every turn; the report's table and both cards say so."""
     _, results, text = report
     tasks = cell(results, "turns20", "tasks")
     assert tasks["config"]["multiturn"] and tasks["config"]["turns"] == reproduce.TINY["answer_turns"]
+    assert tasks["config"]["asked"] == "2,3"
     j = tasks["json"]
     assert j["multiturn"] and j["budgets"] == [8] and j["exact_answers_equal_full"]
     run_lanes = cell(results, "turns20", "run")["config"]["strategies"]
     assert {lane["strategy"] for lane in j["cells"][0]["lanes"].values() if not lane["exact"]} == {
         e for e in reproduce.EVICTION if f"{e}:budget=8" in run_lanes} - {"full"}
     a = results["sections"]["turns20"]["answers"]
-    assert a["at"] == [3] and a["turns"] == 3 and a["conversations"] == 1
+    assert a["at"] == [2, 3] and a["turns"] == 3 and a["conversations"] == 1
     lanes = {r["strategy"]: r for r in a["lanes"]}
     for spec, turns in j["by_turn"].items():
-        assert lanes[spec]["scores"] == [turns[2]["score"]]
+        assert turns[0]["score"] is None  # turn 1 holds the needles and asks nothing
+        assert lanes[spec]["scores"] == [turns[1]["score"], turns[2]["score"]]
         if lanes[spec]["kind"] == "exact":
             assert lanes[spec]["equal_full"] == lanes[spec]["answers"] == 3
     assert "In answers: 1 conversation of 3 turns" in text
     for name in ("turns20", "turns20_anchorkv"):
-        assert results["claims"][name]["also"].startswith("answers about turn 1 at turns 3")
+        assert results["claims"][name]["also"].startswith("answers about turn 1 at turns 2/3")
 
 
 def test_the_quick_plan_keeps_the_twenty_turn_claims_lanes():

@@ -248,7 +248,8 @@ def _text_depth(c: g.Conversation, n: int, tok) -> float:
     generator counts its haystack) before that needle, in percent."""
     ctx = _turn1_context(c)
     at = ctx.index(_asked(c, n))
-    needles = set() if c.haystack == "document" and c.task == "qa" else {_asked(c, k) for k in range(len(c.turns))}
+    needles = set() if c.haystack == "document" and c.task == "qa" else {
+        _asked(c, k) for k in range(len(c.turns)) if c.turns[k].answers}
     strip = lambda text: " ".join(x.strip() for x in text.split("\n") if x.strip() and x not in needles)
     count = lambda text: len(tok(strip(text), add_special_tokens=False)["input_ids"]) if strip(text) else 0
     return 100.0 * count(ctx[:at]) / count(ctx)
@@ -318,7 +319,36 @@ def test_each_turn_is_scored_against_its_own_references(tok):
         g.score_turns(c, ["a", "b"])
 
 
+@pytest.mark.parametrize("task, haystack", CONVERSATIONS)
+def test_asked_turns_ask_about_turn_one_and_the_turns_between_chat(tok, task, haystack):
+    """The papers' setting: turn 1 holds a needle for each of turns 5, 10 and 20, which ask about them; the other
+    turns are the twenty-turn scenario's chat, in order, scored by nothing."""
+    from kvdirect_app.scenarios import scenarios
+
+    chat = scenarios()["twenty-turns"]["turns"]
+    c = g.conversation(task, tok, 1024, 20, 0, haystack, asked=(5, 10, 20))
+    assert len(c.turns) == 20 and 1000 <= len(g.conversation_ids(c, tok)) <= 1024
+    asking = [n + 1 for n, t in enumerate(c.turns) if t.answers]
+    assert asking == [5, 10, 20] and not c.turns[0].question and not c.turns[0].answer_prefix
+    assert [t.user for n, t in enumerate(c.turns[1:], 2) if n not in asking] == chat[:16]
+    first = c.turns[0].user
+    for n in (4, 9, 19):
+        t = c.turns[n]
+        assert t.question in t.user and t.answer_prefix and first.count(_asked(c, n)) == 1
+        assert abs(_text_depth(c, n, tok) - t.needle_depth) <= 1.5
+    if task != "qa":  # three needles: at the start, the middle and the end
+        assert sorted(round(c.turns[n].needle_depth, -1) for n in (4, 9, 19)) == [0, 50, 100]
+    scores = g.score_turns(c, [t.answers[0] if t.answers else "" for t in c.turns])
+    assert [n + 1 for n, x in enumerate(scores) if x is not None] == [5, 10, 20] and set(scores) == {None, 1.0}
+    both = g.conversation(task, tok, 1024, 6, 1, haystack, asked=(1, 6))  # turn 1 asks too
+    assert both.turns[0].answers and both.turns[0].question in both.turns[0].user and both.turns[5].answers
+    assert g.conversation(task, tok, 1024, 5, 0, haystack) == g.conversation(task, tok, 1024, 5, 0, haystack, asked=None)
+
+
 @pytest.mark.parametrize("args, words", [
+    (("niah_single_number", 1024, 5, 0, "noise", True, (0, 5)), ["asked", "1..5"]),
+    (("niah_single_number", 1024, 5, 0, "noise", True, (5, 3)), ["asked", "increasing"]),
+    (("niah_single_number", 1024, 5, 0, "noise", True, ()), ["asked", "at least one"]),
     (("niah_multikey", 1024, 3, 0, "noise"), ["task", "no multi-turn form", "niah_single_number", "qa"]),
     (("niah_single_number", 1024, 1, 0, "noise"), ["turns", "2..20"]),
     (("niah_single_number", 1024, 21, 0, "noise"), ["turns", "2..20"]),

@@ -82,6 +82,8 @@ def test_the_exactness_check_fails_when_a_lossy_lane_claims_to_be_exact(monkeypa
     (["--turns", "3"], ["turns", "--multiturn"]),
     (["--multiturn", "--depths", "50"], ["depths", "--multiturn", "leave it out"]),
     (["--multiturn", "--tasks", "niah_multikey"], ["tasks", "'niah_multikey'", "niah_single_number", "qa"]),
+    (["--multiturn", "--asked", "6"], ["asked", "'6'", "1..5"]),
+    (["--asked", "2"], ["asked", "--multiturn"]),
 ])
 def test_bad_settings_get_one_line_naming_the_setting(args, words, capsys):
     code = main(["tasks", "--model", "tiny-llama", "--contexts", "512", "--tasks", "niah_single_number", *args])

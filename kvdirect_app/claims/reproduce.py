@@ -69,6 +69,7 @@ class Knobs:
     task_names: tuple[str, ...]  # ... and tasks (`bench tasks`), at depths 0, 50 and 100 %
     answer_turns: int = 20  # the twenty-turn section's answers: turns of each `bench tasks --multiturn` conversation
     answer_conversations: int = 1  # ... and how many conversations (seeds)
+    answer_asked: tuple[int, ...] = (5, 10, 20)  # ... and the turns that ask about turn 1 (the others chat)
 
 
 FULL = Knobs(new_tokens=24, turns_new_tokens=24, turns_lanes=tuple(LANES), equal_memory=True, budgets=(16, 32, 64, 128),
@@ -88,7 +89,7 @@ QUICK = Knobs(new_tokens=8, turns_new_tokens=4,
 # The byte-level tiny models (tests) hold 1,024 tokens: short turns, small budgets and contexts.
 TINY = dict(new_tokens=4, turns_new_tokens=4, budgets=(4, 8), replay_context=128, park_context=64, model_bf16=True,
             real_size=False, task_contexts=(512,), task_names=("niah_single_number",), answer_turns=3,
-            answer_conversations=1)
+            answer_conversations=1, answer_asked=(2, 3))
 LABELS = {"turns_new_tokens": "new tokens per turn in the twenty-turn run",
           "turns_lanes": "lanes of the twenty-turn run",
           "equal_memory": "the twenty-turn sweep of the baselines at equal measured peak",
@@ -100,6 +101,7 @@ LABELS = {"turns_new_tokens": "new tokens per turn in the twenty-turn run",
           "task_contexts": "contexts of the task samples (tokens)", "task_names": "tasks of the task samples",
           "answer_turns": "turns of the conversations scored in the twenty-turn section",
           "answer_conversations": "conversations scored in the twenty-turn section",
+          "answer_asked": "turns asking about turn 1 in the twenty-turn section",
           "real_size": "exactness at the public configs' real size, random weights (Qwen2.5-0.5B, Llama 3.2-1B, "
                        "Qwen3-4B, Gemma 3-4B)"}
 
@@ -232,11 +234,12 @@ def plan(model: str, quick: bool, device: str = "auto", threads: int = 1) -> lis
     cells.append({"kind": "run", "section": "turns20", "name": scenario, "scenario": scenario,
                   "config": {**common, **traced, "scenario": scenario, "max_new_tokens": k.turns_new_tokens,
                              "strategies": ",".join(specs)}})
-    # The same section in answers: conversations whose turn 1 holds a needle per turn and whose every later turn asks
-    # about one of them (`bench tasks --multiturn`), at the twenty-turn run's budget and with its baselines; scored at
-    # turns 5, 10 and 20.
+    # The same section in answers (the papers' setting): conversations whose turn 1 holds a needle for each of turns 5,
+    # 10 and 20, which ask about them, the turns between the twenty-turn scenario's chat (`bench tasks --multiturn
+    # --asked 5,10,20`), at the twenty-turn run's budget and with its baselines.
     cells.append({"kind": "tasks", "section": "turns20", "name": f"answers over {k.answer_turns} turns",
-                  "config": {**common, "multiturn": True, "turns": k.answer_turns, "contexts": "512" if tiny else "1024",
+                  "config": {**common, "multiturn": True, "turns": k.answer_turns,
+                             "asked": ",".join(map(str, k.answer_asked)), "contexts": "512" if tiny else "1024",
                              "tasks": "niah_single_number", "samples": k.answer_conversations, "budgets": str(budget),
                              "strategies": ",".join(["anchorkv", "kvdirect",
                                                      *[e for e in EVICTION if e in k.turns_lanes]])}})

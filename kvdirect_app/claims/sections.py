@@ -178,13 +178,13 @@ ANSWER_TURNS = (5, 10, 20)  # the turns at which the twenty-turn section scores 
 
 def _answers20(results: dict) -> dict | None:
     """The twenty-turn section in answers: the `bench tasks --multiturn` cell's conversations (turn 1 a context with a
-    needle per turn, every later turn asking about one of them), each lane's mean score at turns 5, 10 and 20 (the
-    last turn where a run has fewer), its answers equal to the full cache's, and the bytes it held."""
+    needle for each asking turn, 5, 10 and 20, the turns between chat), each lane's mean score at the asking turns,
+    its answers equal to the full cache's in every turn, and the bytes it held."""
     cell = next((c for c in _cells(results, "turns20") if c["kind"] == "tasks"), None)
     if cell is None:
         return None
     j = cell["json"]
-    at = [t for t in ANSWER_TURNS if t <= j["turns"]] or [j["turns"]]
+    at = j.get("asked") or [t for t in ANSWER_TURNS if t <= j["turns"]] or [j["turns"]]
     lanes = []
     for spec, turns in j["by_turn"].items():
         row = next(r for r in j["rows"] if r["spec"] == spec)

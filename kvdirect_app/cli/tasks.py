@@ -50,7 +50,7 @@ def turns_table(out: dict) -> str:
     """--multiturn: each lane's mean score at each turn (the full cache's first: the ceiling)."""
     turns = len(next(iter(out["by_turn"].values())))
     cols = ["strategy"] + [f"turn {n + 1}" for n in range(turns)] + ["= full answers"]
-    body = [[spec] + [f"{t['score']:.2f}" for t in rows] + [f"{sum(t['answers_equal_full'] for t in rows)}/"
+    body = [[spec] + [fmt(t["score"], ".2f") for t in rows] + [f"{sum(t['answers_equal_full'] for t in rows)}/"
                                                            f"{sum(t['n'] for t in rows)}"]
             for spec, rows in out["by_turn"].items()]
     return table(cols, body, left=1)
@@ -105,6 +105,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                         f"{', '.join(generate.MULTITURN_TASKS)} (default {MULTITURN['tasks']}, ratios "
                         f"{MULTITURN['ratios']}, contexts {MULTITURN['contexts']}; --quick: " + "; ".join(
                             f"{k} {v}" for k, v in MULTITURN_QUICK.items()) + ")")
+    p.add_argument("--asked", default=None,
+                   help="with --multiturn: comma-separated turns that ask about turn 1, one needle each (e.g. 5,10,20); "
+                        "the others are the twenty-turn scenario's chat, scored by nothing (default: every turn asks)")
     p.add_argument("--turns", type=int, default=None,
                    help=f"with --multiturn: turns per conversation, 2..{generate.MAX_TURNS} (default "
                         f"{MULTITURN['turns']})")

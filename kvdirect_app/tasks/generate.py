@@ -77,7 +77,7 @@ import math
 import random
 import string
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..errors import UserError
@@ -497,15 +497,19 @@ _MT_QUESTION = "What is the special magic {kind} for {key} mentioned in the prov
 _MT_PREFIX = "The special magic {kind} for {key} mentioned in the provided text is"
 _QA_LATER = ("Answer the question based on the given documents. Only give me the answer and do not output any "
              "other words.\n\nQuestion: {query}")
+# Turn 1 where it asks nothing (`asked` without 1): the instruction and the context alone.
+_MT_LATER = "Remember the special magic {kind}s: I will ask you about them later."
+_QA_QUIET = ("Read the following documents: I will ask you questions about them later.\n\nThe following are given "
+             "documents.\n\n{context}")
 
 
 @dataclass(frozen=True)
 class Turn:
     user: str  # turn 1: the instruction, the context and the first question; later turns: the question alone
-    question: str  # what this turn asks (turn 1's is the end of its user message)
+    question: str  # what this turn asks (turn 1's is the end of its user message; "" where turn 1 asks nothing)
     answer_prefix: str
-    answers: tuple[str, ...]  # as a Sample's: all of them (niah), any one of them (qa)
-    needle_depth: float  # measured: percent of the context's haystack tokens before the asked needle
+    answers: tuple[str, ...]  # as a Sample's: all of them (niah), any one of them (qa); none: a turn between
+    needle_depth: float | None  # measured: percent of the context's haystack tokens before the asked needle
 
 
 @dataclass(frozen=True)
@@ -526,10 +530,11 @@ def conversation_ids(conv: Conversation, tokenizer) -> list[int]:
 
 
 def score_turns(conv: Conversation, replies: list[str]) -> list[float]:
-    """Each turn's reply scored against that turn's references (`score`'s rules)."""
+    """Each turn's reply scored against that turn's references (`score`'s rules); None for a turn that asks about no
+    needle (`asked`)."""
     if len(replies) != len(conv.turns):
         raise ValueError(f"{len(replies)} replies for {len(conv.turns)} turns")
-    return [_match(conv.task, t.answers, r) for t, r in zip(conv.turns, replies)]
+    return [_match(conv.task, t.answers, r) if t.answers else None for t, r in zip(conv.turns, replies)]
 
 
 def _report_stream(words: int) -> tuple[tuple[str, str], ...]:
@@ -540,7 +545,7 @@ def _report_stream(words: int) -> tuple[tuple[str, str], ...]:
 
 
 def conversation(task: str, tokenizer, context: int, turns: int, seed: int, haystack: str = "noise",
-                 chat: bool = True) -> Conversation:
+                 chat: bool = True, asked: tuple[int, ...] | None = None) -> Conversation:
     """A conversation after SCBench's multi-turn mode (Li et al., ICLR 2025: a shared context, then a query per
     turn) on RULER's needles: turn 1 carries a context of at most `context` tokens holding one needle per turn and
     asks about one of them; each later turn asks about another, answerable from turn 1 alone.
@@ -550,86 +555,124 @@ def conversation(task: str, tokenizer, context: int, turns: int, seed: int, hays
     `turns` questions about different paragraphs of the report, the paragraphs placed as niah's needles; qa with the
     document haystack: the report itself from its start (then RULER's noise if the context is longer), and
     `turns` questions whose paragraphs the context holds whole, drawn from the seed.  Everything comes from
-    generators seeded with the settings, as `sample`'s."""
+    generators seeded with the settings, as `sample`'s.
+
+    `asked` (turn numbers, 1-based): only these turns ask, one needle each (turn 1 then holds that many); the others
+    are the twenty-turn scenario's chat, in order, scored by nothing (the papers' setting: questions about turn 1
+    at turns 5, 10 and 20 of a conversation)."""
     _check(task, tokenizer, context, 0, seed, haystack, chat)
     if task not in MULTITURN_TASKS:
         raise SampleError(f"task: {task!r} has no multi-turn form; allowed: {', '.join(MULTITURN_TASKS)}")
     if isinstance(turns, bool) or not isinstance(turns, int) or not 2 <= turns <= MAX_TURNS:
         raise SampleError(f"turns: {turns!r} is not allowed; allowed: whole numbers 2..{MAX_TURNS}")
-    says = random.Random(f"{task}|{seed}|{turns}|conversation")
+    if asked is not None and (not asked or any(isinstance(t, bool) or not isinstance(t, int) for t in asked)
+                              or list(asked) != sorted(set(asked)) or not 1 <= asked[0] <= asked[-1] <= turns):
+        raise SampleError(f"asked: {asked!r} is not allowed; allowed: turn numbers 1..{turns}, increasing, at least one")
+    asking = list(asked) if asked else list(range(1, turns + 1))
+    n_asked = len(asking)
+    says = random.Random(f"{task}|{seed}|{turns}|conversation" if asked is None else
+                         f"{task}|{seed}|{turns}|{tuple(asked)}|conversation")
     gap = "" if chat else " "  # as `sample`: in plain text the answer prefix follows the question after a space
-    order = says.sample(range(turns), turns)  # turn n asks about needle order[n] (needle i at the i-th place)
+    order = says.sample(range(n_asked), n_asked)  # asked turn n asks about needle order[n] (needle i at place i)
     if task == "qa":
         if haystack == "document":
-            return _report_conversation(tokenizer, context, turns, seed, chat, says)
-        picked = _distinct_paragraphs(says, turns, range(len(qa.QUESTIONS)))
-        if len(picked) < turns:
-            raise SampleError(f"turns: {turns} is not allowed for qa; allowed: up to {len(picked)} (the report's "
-                              "questions are about that many different paragraphs)")
+            conv = _report_conversation(tokenizer, context, n_asked, seed, chat, says, 1 in asking)
+            return _between(conv, turns, asking) if asked else conv
+        picked = _distinct_paragraphs(says, n_asked, range(len(qa.QUESTIONS)))
+        if len(picked) < n_asked:
+            raise SampleError(f"turns: {n_asked} asking turns are not allowed for qa; allowed: up to {len(picked)} "
+                              "(the report's questions are about that many different paragraphs)")
         needles = [qa.paragraphs()[qa.fact_paragraph(q)] for q in picked]
         asks = [(_QA_LATER.format(query=q.question), _QA_PREFIX, q.answers, q.question) for q in picked]
-        template, sep = _QA_TEMPLATE.replace("{query}", picked[order[0]].question), "\n\n"
+        template = _QA_TEMPLATE.replace("{query}", picked[order[0]].question) if 1 in asking else _QA_QUIET
+        sep = "\n\n"
     else:
         kind = {"niah_single_word": "word", "niah_single_uuid": "uuid"}.get(task, "number")
-        keys = _distinct(lambda: _word(says), turns)
-        values = _distinct(lambda: _value(kind, says), turns, avoid=keys)
+        keys = _distinct(lambda: _word(says), n_asked)
+        values = _distinct(lambda: _value(kind, says), n_asked, avoid=keys)
         needles = [_NIAH_NEEDLE.format(kind=kind, key=k, value=v) for k, v in zip(keys, values)]
         asks = [(_MT_QUESTION.format(kind=kind, key=k), _MT_PREFIX.format(kind=kind, key=k), (v,),
                  _MT_QUESTION.format(kind=kind, key=k)) for k, v in zip(keys, values)]
-        template, sep = _MT_TEMPLATE.format(kind=kind, context="{context}", question=asks[order[0]][0]), "\n"
-    # The first needle at the haystack's start (depth 0), the others at evenly spread shares of its boundaries.
-    t = _Task(template, asks[order[0]][1], asks[order[0]][2], needles, "anywhere",
-              [i / (turns - 1) for i in range(1, turns)], sep)
+        question = asks[order[0]][0] if 1 in asking else _MT_LATER.format(kind=kind)
+        template, sep = _MT_TEMPLATE.format(kind=kind, context="{context}", question=question), "\n"
+    # The first needle at the haystack's start (depth 0), the others at evenly spread shares of its boundaries (one
+    # needle alone: in the middle).
+    first_prefix = asks[order[0]][1] if 1 in asking else ""
+    t = _Task(template, first_prefix, (), needles, "anywhere", [i / (n_asked - 1) for i in range(1, n_asked)], sep)
     weigh = _Weights(tokenizer)
 
     def build(words: int):
-        sents, inserts = _layout(t, haystack, words, 0.0, weigh)
+        sents, inserts = _layout(t, haystack, words, 0.0 if n_asked > 1 else 50.0, weigh)
         text, needle_spans, hay_spans = _render(sents, inserts, sep)
         user = template.format(context=text)
-        return user, len(_ids(tokenizer, user, gap + t.answer_prefix, chat)), (text, inserts, needle_spans, hay_spans)
+        prefix = gap + t.answer_prefix if t.answer_prefix else ""
+        return user, len(_ids(tokenizer, user, prefix, chat)), (text, inserts, needle_spans, hay_spans)
 
     user, text, inserts, needle_spans, hay_spans = _fit(build, context, task)
     placed = [x for _, x in inserts]
     depth = [_needle_depth(tokenizer, user, text, needle_spans, hay_spans, placed.index(x), chat) for x in needles]
-    out = tuple(Turn(user if n == 0 else asks[i][0], asks[i][3], gap + asks[i][1], asks[i][2], depth[i])
-                for n, i in enumerate(order))
-    return Conversation(task, context, seed, haystack, out, MAX_NEW_TOKENS[task], chat)
+    out = [Turn(asks[i][0], asks[i][3], gap + asks[i][1], asks[i][2], depth[i]) for i in order]
+    if 1 in asking:
+        out[0] = replace(out[0], user=user)
+    else:
+        out.insert(0, Turn(user, "", "", (), None))
+    conv = Conversation(task, context, seed, haystack, tuple(out), MAX_NEW_TOKENS[task], chat)
+    return _between(conv, turns, asking) if asked else conv
 
 
-def _report_conversation(tokenizer, context: int, turns: int, seed: int, chat: bool, says: random.Random):
-    """qa on the document: the report from its start, and `turns` questions about paragraphs it holds whole."""
+def _between(conv: Conversation, turns: int, asking: list[int]) -> Conversation:
+    """The asking turns at their numbers, the twenty-turn scenario's chat (its turns in order) in the others."""
+    from ..scenarios import scenarios
+
+    chat = iter(scenarios()["twenty-turns"]["turns"])
+    asks = iter(conv.turns[1:])  # turn 1 (asking or not) is conv.turns[0]; the other asking turns follow in order
+    out = [conv.turns[0]]
+    for n in range(2, turns + 1):
+        if n in asking:
+            out.append(next(asks))
+        else:
+            text = next(chat)
+            out.append(Turn(text, text, "", (), None))
+    return replace(conv, turns=tuple(out))
+
+
+def _report_conversation(tokenizer, context: int, n: int, seed: int, chat: bool, says: random.Random,
+                         first_asks: bool = True) -> Conversation:
+    """qa on the document: the report from its start, and `n` questions about paragraphs it holds whole (the first
+    in turn 1, or with `first_asks` False all after a turn 1 that asks nothing)."""
     gap = "" if chat else " "
     shuffled = list(range(len(qa.QUESTIONS)))
     says.shuffle(shuffled)
     weigh = _Weights(tokenizer)
 
-    def window(question: str):
-        template = _QA_TEMPLATE.replace("{query}", question)
+    def window(question: str | None):
+        template = _QA_TEMPLATE.replace("{query}", question) if question is not None else _QA_QUIET
+        prefix = gap + _QA_PREFIX if question is not None else ""
 
         def build(words: int):
             sents = _forward(_report_stream(words), words)
             text, _, hay_spans = _render(sents, [], "\n\n")
             user = template.format(context=text)
-            return user, len(_ids(tokenizer, user, gap + _QA_PREFIX, chat)), (text, [], [], hay_spans)
+            return user, len(_ids(tokenizer, user, prefix, chat)), (text, [], [], hay_spans)
 
         return _fit(build, context, "qa")
 
     # The window with the longest question asked first holds at most the paragraphs of any other first question's.
     longest = max(qa.QUESTIONS, key=lambda q: len(_encode(tokenizer, q.question, False))).question
-    text = window(longest)[1]
+    text = window(longest if first_asks else None)[1]
     held = [i for i in shuffled if qa.paragraphs()[qa.fact_paragraph(qa.QUESTIONS[i])] in text]
-    picked = _distinct_paragraphs(says, turns, held)
-    if len(picked) < turns:
+    picked = _distinct_paragraphs(says, n, held)
+    if len(picked) < n:
         raise SampleError(f"context: {context} tokens of the report hold whole paragraphs for {len(picked)} "
                           f"different questions; allowed: turns up to {len(picked)} at this context, or a longer "
                           "context")
-    user, text, _, _, hay_spans = window(picked[0].question)
-    out = []
-    for n, q in enumerate(picked):
+    user, text, _, _, hay_spans = window(picked[0].question if first_asks else None)
+    out = [] if first_asks else [Turn(user, "", "", (), None)]
+    for q in picked:
         para = text.index(qa.paragraphs()[qa.fact_paragraph(q)])
         depth = _needle_depth(tokenizer, user, text, [(para, para)], hay_spans, 0, chat)
-        out.append(Turn(user if n == 0 else _QA_LATER.format(query=q.question), q.question, gap + _QA_PREFIX,
-                        q.answers, depth))
+        out.append(Turn(_QA_LATER.format(query=q.question) if out else user, q.question, gap + _QA_PREFIX, q.answers,
+                        depth))
     return Conversation("qa", context, seed, "document", tuple(out), MAX_NEW_TOKENS["qa"], chat)
 
 

@@ -88,6 +88,7 @@ class Plan:
     ratios: list[float] = field(default_factory=list)
     ratio_lanes: list[tuple[str, float, str]] = field(default_factory=list)  # (name, ratio, key) of a budgeted name
     turns: int | None = None  # --multiturn: turns per conversation (each cell is one conversation)
+    asked: list[int] | None = None  # --asked: the turns that ask (the others chat); None: every turn
 
     def depths_for(self, task: str) -> list[int | None]:
         return [None] if task in generate.DEPTHLESS or self.turns else self.depths
@@ -118,6 +119,9 @@ def plan(config) -> Plan:
     ratio_text = config.ratios or (q["ratios"] if multi and not config.budgets else None)
     ratios = _ratios(ratio_text) if ratio_text else []
     samples = config.samples if config.samples is not None else q.get("samples", 1)
+    if config.asked and not multi:
+        raise TaskError("asked: a setting of --multiturn; allowed: leave it out, or add --multiturn")
+    asked = sorted(_ints("asked", config.asked, 1, turns, f"turns of the {turns}")) if config.asked else None
     # --ratios alone replaces the grid's budgets; with --budgets both run.
     budgets = _ints("budgets", config.budgets, 1, 1 << 20, "tokens per layer") if config.budgets else (
         [] if ratios else _ints("budgets", q["budgets"], 1, 1 << 20, "tokens per layer"))
@@ -138,7 +142,7 @@ def plan(config) -> Plan:
     except StrategyError as e:
         raise TaskError(str(e)) from None
     seeds = [config.seed + i for i in range(samples)]
-    return Plan(tasks, contexts, depths, seeds, budgets, names, lanes, ratios, ratio_lanes, turns)
+    return Plan(tasks, contexts, depths, seeds, budgets, names, lanes, ratios, ratio_lanes, turns, asked)
 
 
 def _ratios(text: str) -> list[float]:
@@ -187,17 +191,19 @@ def task_cell(cell: dict) -> dict:
     loaded = load_model(cell["model"], dtype=cell["dtype"], device=cell["device"], progress=lambda msg: None)
     tok = loaded.tokenizer
     if cell.get("turns"):
+        asked = tuple(cell["asked"]) if cell.get("asked") else None
         conv = generate.conversation(cell["task"], tok, cell["context"], cell["turns"], cell["seed"],
-                                     haystack=cell["haystack"], chat=loaded.chat)
-        ids, asked, max_new = generate.conversation_ids(conv, tok), conv.turns, conv.max_new_tokens
+                                     haystack=cell["haystack"], chat=loaded.chat, asked=asked)
+        first = next(t for t in conv.turns if t.answers)
+        ids, turns, max_new = generate.conversation_ids(conv, tok), conv.turns, conv.max_new_tokens
         scored = lambda replies: generate.score_turns(conv, replies)
-        about = {"depth": None, "needle_depth": asked[0].needle_depth, "references": list(asked[0].answers),
+        about = {"depth": None, "needle_depth": first.needle_depth, "references": list(first.answers),
                  "turns": [{"turn": n + 1, "question": t.question, "references": list(t.answers),
-                            "needle_depth": t.needle_depth} for n, t in enumerate(asked)]}
+                            "needle_depth": t.needle_depth} for n, t in enumerate(turns)]}
     else:
         s = generate.sample(cell["task"], tok, cell["context"], cell["depth"], cell["seed"],
                             haystack=cell["haystack"], chat=loaded.chat)
-        ids, asked, max_new = generate.prompt_ids(s, tok), [s], s.max_new_tokens
+        ids, turns, max_new = generate.prompt_ids(s, tok), [s], s.max_new_tokens
         scored = lambda replies: [generate.score(s, replies[0])]
         about = {"depth": s.depth, "needle_depth": s.needle_depth, "references": list(s.answers)}
     # (name, budget, ratio, key, spec): a lane at a ratio gets its budget from this sample's prompt; lanes whose
@@ -212,7 +218,7 @@ def task_cell(cell: dict) -> dict:
                     prefill_chunk=cell["prefill_chunk"])
     t0 = time.perf_counter()
     with rss.kept_heap():  # the cells report the ledger's bytes, not the process's RSS
-        for n, turn in enumerate(asked):  # the cache carries over from turn to turn, as in the app
+        for n, turn in enumerate(turns):  # the cache carries over from turn to turn, as in the app
             later = n > 0
             for _ in engine.turn(turn.user, ids=None if later else ids, answer_prefix=turn.answer_prefix if later
                                  else ""):
@@ -226,8 +232,8 @@ def task_cell(cell: dict) -> dict:
         replies, scores = r["turn_texts"], scored(r["turn_texts"])
         equal = [a == b for a, b in zip(r["turn_token_ids"], full["turn_token_ids"])]
         answers[key] = {"strategy": name, "budget": budget, "ratio": ratio, "spec": spec, "reply": replies[0],
-                        "score": statistics.fmean(scores),
-                        **({"replies": replies, "scores": scores, "equal_full_turns": equal} if len(asked) > 1
+                        "score": statistics.fmean(x for x in scores if x is not None),
+                        **({"replies": replies, "scores": scores, "equal_full_turns": equal} if len(turns) > 1
                            else {}),
                         "exact": bool(parse_spec(spec).claims_exact), "equal_full": all(equal),
                         "kv_exact": r["kv_exact"], "held_bytes": r["state_bytes"]["between_turns_peak"],
@@ -272,8 +278,8 @@ def by_turn(cells: list[dict]) -> dict:
     """--multiturn: per lane (spec), the mean score of each turn's answers over the conversations (the full cache's
     is the ceiling), and how many of them equal the full cache's."""
     out = {}
-    for spec in cells[0]["lanes"]:
-        out[spec] = [{"turn": n + 1, "score": statistics.fmean(c["lanes"][spec]["scores"][n] for c in cells),
+    for spec in cells[0]["lanes"]:  # a turn that asks nothing (--asked) has no score
+        out[spec] = [{"turn": n + 1, "score": _mean(c["lanes"][spec]["scores"][n] for c in cells),
                       "answers_equal_full": sum(c["lanes"][spec]["equal_full_turns"][n] for c in cells),
                       "n": len(cells)} for n in range(len(cells[0]["turns"]))]
     return out
@@ -349,14 +355,15 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
     for task in p.tasks:  # a context too small for a task's needles and question: one line before any cell runs
         if p.turns:
             generate.conversation(task, loaded.tokenizer, min(p.contexts), p.turns, p.seeds[0], config.haystack,
-                                  chat=loaded.chat)
+                                  chat=loaded.chat, asked=tuple(p.asked) if p.asked else None)
         else:
             generate.sample(task, loaded.tokenizer, min(p.contexts), p.depths_for(task)[0], p.seeds[0],
                             config.haystack, chat=loaded.chat)
     threads = config.threads or (1 if config.executor == "local" else torch.get_num_threads())
-    what = f"{p.turns} turns" if p.turns else "depth {}"
+    what = (f"{p.turns} turns" + (f" asking at {'/'.join(map(str, p.asked))}" if p.asked else "")) if p.turns else \
+        "depth {}"
     cells = [{"name": f"{task} {context} tokens {what.format(depth)} seed {seed}", "model": req.model,
-              "dtype": req.dtype, "turns": p.turns,
+              "dtype": req.dtype, "turns": p.turns, "asked": p.asked,
               "device": loaded.device.type, "threads": threads, "kernels": config.kernels,
               "prefill_chunk": config.prefill_chunk, "task": task, "context": context, "depth": depth, "seed": seed,
               "haystack": config.haystack, "lanes": [list(x) for x in p.lanes],
@@ -388,7 +395,7 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
             "model": loaded.name, "model_source": loaded.source, "device": str(loaded.device),
             "dtype": str(loaded.dtype).removeprefix("torch."), "threads": threads, "kernels": config.kernels,
             "executor": config.executor or "in-process", "quick": config.quick, "multiturn": bool(p.turns),
-            "turns": p.turns, "tasks": p.tasks,
+            "turns": p.turns, "asked": p.asked, "tasks": p.tasks,
             "contexts": p.contexts, "depths": p.depths, "seeds": p.seeds, "haystack": config.haystack,
             "budgets": p.budgets, "ratios": p.ratios, "strategies": p.names, "seconds": seconds,
             "exact_answers_equal_full": not mismatched,

@@ -122,9 +122,11 @@ def heatmap_figure(result: dict, budget: int | None, task: str = ALL) -> go.Figu
 
 
 def turn_scores(result: dict, spec: str, task: str = ALL) -> list[float]:
-    """A lane's mean score at each turn of the conversations (of one task, or all)."""
+    """A lane's mean score at each turn of the conversations (of one task, or all); None at a turn that asks
+    nothing (--asked)."""
     cells = _cells(result, task)
-    return [sum(c["lanes"][spec]["scores"][n] for c in cells) / len(cells) for n in range(len(cells[0]["turns"]))]
+    scores = [[c["lanes"][spec]["scores"][n] for c in cells] for n in range(len(cells[0]["turns"]))]
+    return [None if None in v else sum(v) / len(v) for v in scores]
 
 
 def turns_figure(result: dict, setting: int | float | None, task: str = ALL) -> go.Figure:
@@ -132,19 +134,21 @@ def turns_figure(result: dict, setting: int | float | None, task: str = ALL) -> 
     ceiling, which the exact strategies' lines lie on when their answers equal it."""
     cells = _cells(result, task)
     turns = list(range(1, len(cells[0]["turns"]) + 1))
-    fig = go.Figure()
+    fig = go.Figure()  # a turn that asks nothing (--asked) is a gap in every line; connectgaps joins the asked ones
     for spec in specs_at(result, setting):
         ys = turn_scores(result, spec, task)
         name = strategy_name(spec)
-        mean = sum(ys) / len(ys)
+        asked = [y for y in ys if y is not None]
+        mean = sum(asked) / len(asked)
         if spec == REFERENCE:
             fig.add_trace(go.Scatter(x=turns, y=ys, mode="lines", name=f"{title(name)} (the ceiling) {mean:.2f}",
+                                     connectgaps=True,
                                      line=dict(color="rgba(60,60,60,0.28)", width=14),
                                      hovertemplate="full cache<br>turn %{x}: score %{y:.2f}<extra></extra>"))
             continue
         exact = cells[0]["lanes"][spec]["exact"]
         fig.add_trace(go.Scatter(
-            x=turns, y=ys, mode="lines+markers", name=f"{title(name)} {mean:.2f}",
+            x=turns, y=ys, mode="lines+markers", name=f"{title(name)} {mean:.2f}", connectgaps=True,
             line=dict(color=base_colour(name), width=2.5, dash="dot" if exact else "solid"),
             marker=dict(symbol=symbol(name), size=11 if exact else 9, color=base_colour(name),
                         line=dict(color="#fff", width=1)),
@@ -194,7 +198,8 @@ def head_html(result: dict) -> str:
              if result["exact_answers_equal_full"] else
              f"<b>{len(result['exact_mismatches'])} exact answers differ from the full cache's</b>")
     n = len(result["cells"])
-    what = (f"{n} conversation{'' if n == 1 else 's'} of {result['turns']} turns" if result.get("multiturn") else
+    asking = f" (turns {'/'.join(map(str, result['asked']))} ask; the others chat)" if result.get("asked") else ""
+    what = (f"{n} conversation{'' if n == 1 else 's'} of {result['turns']} turns{asking}" if result.get("multiturn") else
             f"{n} sample{'' if n == 1 else 's'}")
     return (f"<p class='kvd-tasks-head'>{html.escape(provenance(result))}: {what} "
             f"({', '.join(result['tasks'])}), contexts {', '.join(map(str, result['contexts']))} tokens, haystack "
