@@ -102,12 +102,16 @@ def _details(results: dict) -> list[str]:
                         fmt_bytes(m["full_peak"]), number(m["ratio"]), m["verdict"]] for m in sec[name]["by_model"]])
     a = t.get("answers")
     if a:
+        at = "/".join(map(str, a["at"]))
+        how = (f"turn 1 holds {'/'.join(map(str, a['contexts']))} tokens with a needle for each of turns {at} (they "
+               "ask about them; the turns between chat)" if a.get("asked") else
+               f"turn 1 holds {'/'.join(map(str, a['contexts']))} tokens with a needle per turn, every turn asks about "
+               "one of them")
         out += ["", f"In answers: {a['conversations']} conversation{'s' if a['conversations'] != 1 else ''} of "
-                    f"{a['turns']} turns on {a['model']} (`bench tasks --multiturn`: turn 1 holds "
-                    f"{'/'.join(map(str, a['contexts']))} tokens with a needle per turn, every turn asks about one of "
-                    f"them), budget {'/'.join(map(str, a['budgets']))}; the mean score at turns "
-                    f"{'/'.join(map(str, a['at']))} (the full cache's first: the ceiling):", ""]
-        out += _table(["strategy", "kind", *[f"turn {n}" for n in a["at"]], "every turn", "answers = full",
+                    f"{a['turns']} turns on {a['model']} (`bench tasks --multiturn`: {how}), budget "
+                    f"{'/'.join(map(str, a['budgets']))}; the mean score at turns {at} (the full cache's first: the "
+                    "ceiling) and the answers equal to the full cache's in every turn:", ""]
+        out += _table(["strategy", "kind", *[f"turn {n}" for n in a["at"]], "mean", "answers = full",
                        "held after"],
                       [[r["strategy"], r["kind"], *[number(x) for x in r["scores"]], number(r["mean"]),
                         f"{r['equal_full']} of {r['answers']}", fmt_bytes(r["held_bytes"])] for r in a["lanes"]])

@@ -191,7 +191,8 @@ def _answers20(results: dict) -> dict | None:
         lanes.append({"strategy": spec, "kind": row["kind"], "scores": [turns[t - 1]["score"] for t in at],
                       "mean": row["score"], "equal_full": sum(t["answers_equal_full"] for t in turns),
                       "answers": sum(t["n"] for t in turns), "held_bytes": row["held_bytes_mean"]})
-    return {"model": j["model"], "turns": j["turns"], "at": at, "conversations": len(j["cells"]),
+    return {"model": j["model"], "turns": j["turns"], "at": at, "asked": j.get("asked"),
+            "conversations": len(j["cells"]),
             "contexts": j["contexts"], "budgets": j["budgets"], "lanes": lanes,
             "exact_equal": j["exact_answers_equal_full"]}
 
