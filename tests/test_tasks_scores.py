@@ -358,3 +358,16 @@ def test_the_shipped_multiturn_result_is_valid_and_its_exact_answers_equal_the_f
                                                        "snapkv", "tova", "window", "knorm", "pyramidkv"}
     summary = scores.summarise(result["cells"])
     assert summary["by_turn"] == result["by_turn"] and summary["rows"] == result["rows"]
+
+
+@pytest.mark.check
+def test_a_missing_shipped_result_says_which_command_makes_it(monkeypatch):
+    from kvdirect_app.ui import layout
+
+    monkeypatch.setattr(tasks_view, "shipped", lambda multiturn=False: None)
+    for multiturn, flags, name in ((True, "--multiturn ", "smollm2-135m-multiturn.json"),
+                                   (False, "", "smollm2-135m.json")):
+        result, problem = layout._shipped_tasks(multiturn)
+        assert result is None and ("multi-turn" in problem) == multiturn
+        said = layout._nothing(problem, flags, name)
+        assert f"bench tasks {flags}--json presets/tasks/{name}" in said and problem in said

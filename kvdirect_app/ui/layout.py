@@ -122,6 +122,11 @@ def _shipped_tasks(multiturn: bool) -> tuple[dict | None, str]:
     return result, "" if result else f"no {'multi-turn ' if multiturn else ''}result is shipped in presets/tasks/"
 
 
+def _nothing(problem: str, flags: str, name: str) -> str:
+    return (f"<p class='kvd-tasks-head'>Nothing to show ({html.escape(problem)}): run `python -m kvdirect_app.bench "
+            f"tasks {flags}--json presets/tasks/{name}`.</p>")
+
+
 def _tasks_tab():
     """The shipped `bench tasks` results (presets/tasks/): the multi-turn one's score by turn, then the single-turn
     one's needle heatmaps, task-score frontier and table; a setting (budget or ratio) and a task to look at in each,
@@ -146,9 +151,9 @@ def _tasks_tab():
     gr.Markdown("### Answers across turns", elem_id="kvd-turns-title")
     turns_state = gr.State(multi, time_to_live=ttl)
     turn_setting, turn_task = pickers(multi, "kvd-turns")
-    turns_head = gr.HTML(tasks_view.head_html(multi) if multi else f"<p class='kvd-tasks-head'>Nothing to show "
-                         f"({html.escape(multi_problem)}): run `python -m kvdirect_app.bench tasks --multiturn --json "
-                         "presets/tasks/smollm2-135m-multiturn.json`.</p>", elem_id="kvd-turns-head")
+    turns_head = gr.HTML(tasks_view.head_html(multi) if multi else _nothing(multi_problem, "--multiturn ",
+                                                                                "smollm2-135m-multiturn.json"),
+                         elem_id="kvd-turns-head")
     first = turn_setting.value
     turns_plot = gr.Plot(tasks_view.turns_figure(multi, first) if multi else None, show_label=False,
                          elem_id="kvd-turns-plot")
@@ -158,9 +163,8 @@ def _tasks_tab():
     state = gr.State(single, time_to_live=ttl)
     budget, task = pickers(single, "kvd-tasks")
     first = budget.value
-    head = gr.HTML(tasks_view.head_html(single) if single else f"<p class='kvd-tasks-head'>Nothing to show "
-                   f"({html.escape(single_problem)}): run `python -m kvdirect_app.bench tasks --json "
-                   "presets/tasks/smollm2-135m.json`.</p>", elem_id="kvd-tasks-head")
+    head = gr.HTML(tasks_view.head_html(single) if single else _nothing(single_problem, "", "smollm2-135m.json"),
+                   elem_id="kvd-tasks-head")
     heat = gr.Plot(tasks_view.heatmap_figure(single, first) if single else None, show_label=False,
                    elem_id="kvd-tasks-heatmap")
     summary = gr.HTML(tasks_view.table_html(single, first) if single else "", elem_id="kvd-tasks-summary")
