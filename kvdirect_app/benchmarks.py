@@ -232,6 +232,8 @@ class TasksConfig(_Config):
     multiturn: bool = False  # conversations: turn 1 a context with a needle per turn, each turn asking another
     turns: int | None = None  # --multiturn: turns per conversation (unset: the grid's)
     asked: str | None = None  # --multiturn: the turns that ask about turn 1 ("5,10,20"; the others chat); unset: all
+    question: str | None = None  # "after" or "with-context" (tasks/scores.QUESTIONS); unset: after with ratios
+    history: str | None = None  # --multiturn: "keep" (unset) or "drop" (tasks/scores.HISTORIES)
     seed: int = 0
     haystack: str = "noise"
     quick: bool = False

@@ -52,6 +52,8 @@ from .threads import one_thread, pin, probe_determinism
 __all__ = ["Engine", "InputError", "InputTap", "Prompter", "model_lock", "run_to_end", "MEMORY_MODES"]
 
 PREFILL_CHUNK = 1024
+# Whose bytes a saved context is (`Engine.turn(save_context=True)`): the engine's copy, kept for later turns, no lane's.
+CONTEXT = Owner("saved context", "engine")
 
 
 class Engine:
@@ -119,6 +121,8 @@ class Engine:
         self.turn_chunks: list[list[int]] = []
         self.turn_seconds: list[float] = []  # wall time of each turn, from its first forward to its last
         self.parked = False
+        self.saved_context: dict | None = None  # label -> (cache, history length, forwards): `turn(save_context=)`
+        self.observer.register(CONTEXT)
         self.determinism = probe_determinism(loaded.device, loaded.dtype, self.threads)
 
     def about(self) -> dict:
@@ -167,7 +171,8 @@ class Engine:
         return self.forwards.held(lane)
 
     # --- the run -------------------------------------------------------------
-    def turn(self, text: str, ids: list[int] | None = None, answer_prefix: str = "") -> Iterator[dict]:
+    def turn(self, text: str, ids: list[int] | None = None, answer_prefix: str = "", question: list[int] | None = None,
+             save_context: bool = False, from_context: bool = False) -> Iterator[dict]:
         """One user turn for every strategy, continuing the conversation; yields "turn", "prefill"..., "step"...,
         "turn_end".
 
@@ -178,6 +183,14 @@ class Engine:
         turn's token ids directly (benchmarks at an exact context length);
         `answer_prefix` opens a later turn's reply (fed after the user turn, as
         a task's answer prefix: `bench tasks --multiturn`).
+
+        `question` (token ids) is read after the prompt, which the strategies compress at its end as usual, and
+        nothing is evicted from then until the turn ends: kvpress's setting (`bench tasks --question after`), where
+        the context is compressed alone and the question and the answer are read with the press off.
+        `save_context` keeps every lane's cache as it stands after the prompt, before the question (the engine's
+        own copy, whose bytes are no lane's); a later turn `from_context` starts every lane from that copy, its
+        earlier questions and answers cut, and reads `question` alone as its prompt, nothing evicted (kvpress's
+        multi-question mode: `bench tasks --multiturn --history drop`).
         """
         if not text or not text.strip():
             raise InputError("--prompt: empty prompt; give a non-empty user message")
@@ -186,6 +199,13 @@ class Engine:
             raise InputError("token ids can only be given for the first turn")
         if answer_prefix and k == 0:
             raise InputError("an answer prefix opens a later turn; the first turn's ids hold its own")
+        if question is not None and not question:
+            raise InputError("question: empty; give the token ids read after the prompt, or None")
+        if save_context and question is None:
+            raise InputError("save_context: the context is what precedes a question; give question= too")
+        if from_context and (self.saved_context is None or question is None or answer_prefix):
+            raise InputError("from_context: needs a context saved by an earlier turn (save_context=True) and the "
+                             "question's ids (question=), which hold their own answer prefix")
         if k == 0:
             first = list(ids) if ids is not None else self.prompter.first(text)
             if len(first) >= self.loaded.max_context:
@@ -207,7 +227,7 @@ class Engine:
                 if self.parked:
                     self._resume(tap)
                     yield {"type": "resume", "lanes": {lane.label: lane.parks[-1] for lane in self.all_lanes}}
-                yield from self._turn(k, text, tap, answer_prefix)
+                yield from self._turn(k, text, tap, answer_prefix, question, save_context, from_context)
             finally:
                 tap.close()
                 for lane in self.all_lanes:
@@ -237,6 +257,7 @@ class Engine:
         if self.memory == "trace" and obs.meter is not None:  # the meter beside the trace, between turns too
             lane.book.audit("between turns", seen, obs.held(lane.owner), None, held, None)
         lane.book.between_turns(seen, held, formula)
+        lane.keeping = False
         if self.instruments.digests:
             lane.kv_digest = obs.digest(lane.cache)
 
@@ -327,28 +348,60 @@ class Engine:
             yield from self.turn(text)
         yield {"type": "done", "result": self.results()}
 
-    def _prefill(self, k: int, items: list[Item], tap: InputTap) -> Iterator[dict]:
-        """Every lane's prompt, in pieces of at most `prefill_chunk` tokens; an event after each piece."""
+    def _prefill(self, k: int, items: list[Item], tap: InputTap, first_piece: int = 0) -> Iterator[dict]:
+        """Every lane's prompt, in pieces of at most `prefill_chunk` tokens; an event after each piece.
+        `first_piece`: the pieces already fed in this turn (a question read after the prompt continues them)."""
         total = max(len(item.ids) for item in items)
         size = self.prefill_chunk
         for piece, start in enumerate(range(0, total, size)):
             pieces = [Item(item.lane, item.ids[start:start + size], item.twin, start + size < len(item.ids))
                       for item in items if item.ids[start:start + size]]
-            self.forwards.run(pieces, tap, turn_start=True, piece=piece)
+            self.forwards.run(pieces, tap, turn_start=True, piece=first_piece + piece)
             if total > size:
                 yield {"type": "prefill", "turn": k, "done": min(start + size, total), "total": total}
 
-    def _turn(self, k: int, text: str, tap: InputTap, answer_prefix: str = "") -> Iterator[dict]:
+    def _save_context(self):
+        """Every lane's cache as it stands now, with the length of its history: the engine's copy (its bytes are
+        `CONTEXT`'s, no lane's), from which `_from_context` starts a later turn."""
+        saved = {}
+        for lane in self.all_lanes:
+            with self.observer.region(CONTEXT, "save"):
+                saved[lane.label] = (lane.cache.fork(), len(lane.history), list(lane.forwards))
+        self.saved_context = saved
+
+    def _from_context(self):
+        """Every lane back at the saved context: a copy of its saved cache in place of its own (the copy is the
+        lane's work and its bytes; its old cache is dropped), its history cut to the context's, its free run on the
+        reference's history again (a teacher-forced twin goes with the answers it followed)."""
+        for lane in self.all_lanes:
+            cache, history, forwards = self.saved_context[lane.label]
+            with self._work(lane.owner, "restore"):
+                lane.cache = cache.fork()
+            lane.history, lane.forwards, lane.pending = lane.history[:history], list(forwards), None
+            lane.tf_cache = lane.tf_logits = None
+            lane.diverged = False
+        if self.instruments.compare and not self.solo:
+            for lane in self.lanes:
+                if lane.strategy.kv_comparable:
+                    self.observer.compare_with(lane.owner, self.reference.cache)
+
+    def _turn(self, k: int, text: str, tap: InputTap, answer_prefix: str = "", question: list[int] | None = None,
+              save_context: bool = False, from_context: bool = False) -> Iterator[dict]:
         ref, lanes = self.reference, self.lanes
+        if from_context:
+            self._from_context()
         tail = self.prompter.encode(answer_prefix, False) if answer_prefix else []
-        chunk = lambda lane: self.prompt_ids if k == 0 else self.prompter.next(text, lane.pending) + tail
+        after = [] if from_context or question is None else list(question)  # read after the prompt, nothing evicted
+        chunk = lambda lane: (list(question) if from_context else self.prompt_ids if k == 0 else
+                              self.prompter.next(text, lane.pending) + tail)
         ref_chunk = chunk(ref)
-        if ref.cache.get_seq_length() + len(ref_chunk) >= self.loaded.max_context:
+        if ref.cache.get_seq_length() + len(ref_chunk) + len(after) >= self.loaded.max_context:
             raise InputError(f"turn {k + 1}: the conversation passes the model's context of {self.loaded.max_context}")
-        self.turn_chunks.append(ref_chunk)
-        yield {"type": "turn", "turn": k, "user": text, "chunk_ids": ref_chunk}
+        self.turn_chunks.append(ref_chunk + after)
+        yield {"type": "turn", "turn": k, "user": text, "chunk_ids": ref_chunk + after}
         for lane in self.all_lanes:
             lane.book.turns.append(TurnBytes(k))
+            lane.keeping = from_context
         obs = self.observer
         started = obs.now()
         items = [Item(ref, ref_chunk)]
@@ -357,6 +410,13 @@ class Engine:
             if lane.tf_cache is not None:
                 items.append(Item(lane, ref_chunk, twin=True))
         yield from self._prefill(k, items, tap)
+        if save_context:
+            self._save_context()
+        if after:
+            for lane in self.all_lanes:
+                lane.keeping = True
+            pieces = -(-len(ref_chunk) // self.prefill_chunk)
+            yield from self._prefill(k, [Item(item.lane, after, item.twin) for item in items], tap, pieces)
         for lane in self.all_lanes:
             lane.tokens.append([])
             lane.texts.append("")

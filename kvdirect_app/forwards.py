@@ -106,7 +106,8 @@ class Forwards:
     def _pass(self, items: list[Item], tap: InputTap, turn_start: bool, piece: int):
         """One pass of the model over `items` (same token count)."""
         obs = self.observer
-        rows = [Row(item.owner, item.cache, item.ids, item.cache.get_seq_length(), item.more_prompt) for item in items]
+        rows = [Row(item.owner, item.cache, item.ids, item.cache.get_seq_length(), item.more_prompt, item.lane.keeping)
+                for item in items]
         for row, item in zip(rows, items):
             # The last query of a turn's prompt (what reads the question): its attention at every layer, kept as
             # the lane's attention snapshot.
@@ -156,7 +157,7 @@ class Forwards:
         lane, q = item.lane, len(item.ids)
         obs = self.observer
         lane.history.extend(item.ids)
-        lane.forwards.append(Forward(q, prompt=turn_start, open=item.more_prompt))
+        lane.forwards.append(Forward(q, prompt=turn_start, open=item.more_prompt, keep=lane.keeping))
         lane.times.add(times, prefill=turn_start, piece=piece)
         if not turn_start:
             lane.book.turns[-1].decode_ms.append(1e3 * times["total"])

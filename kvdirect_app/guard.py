@@ -164,8 +164,9 @@ def lane_bytes(strategy: Strategy, config, geom: ModelGeometry, prompt: int, tok
 
 def estimate(config, dtype: torch.dtype, strategies: list[Strategy], prompt: int, tokens: int, chunk: int,
              twins: bool = True, compare: bool = True, weights: int = 0, kernels: str = "invariant",
-             turns: int = 1) -> Estimate:
-    """The run's peak: `prompt` tokens read in pieces of `chunk`, then up to `tokens` in all, over `turns` turns."""
+             turns: int = 1, saved_context: bool = False) -> Estimate:
+    """The run's peak: `prompt` tokens read in pieces of `chunk`, then up to `tokens` in all, over `turns` turns;
+    `saved_context`: the engine keeps a copy of every lane's state after the prompt (`Engine.turn(save_context=)`)."""
     geom = ModelGeometry.from_config(config, dtype)
     lanes = list(strategies)
     if compare and not any(s.spec() == Full().spec() for s in lanes):
@@ -176,6 +177,10 @@ def estimate(config, dtype: torch.dtype, strategies: list[Strategy], prompt: int
                                         turns=turns)
         if compare and twins and not s.claims_exact and s.spec() != Full().spec():
             out.lanes[f"{s.label} (twin)"] = out.lanes[s.label]
+        if saved_context:
+            pieces = [Forward(min(chunk, prompt - start), prompt=True, open=start + chunk < prompt)
+                      for start in range(0, prompt, chunk)]
+            out.lanes[f"{s.label} (saved context)"] = s.formula_persistent(geom, prompt, pieces)
     return out
 
 

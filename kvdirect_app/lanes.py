@@ -184,6 +184,7 @@ class Lane:
     logits: torch.Tensor | None = None
     active: bool = False
     pending: int | None = None  # last generated token not yet fed (reply cut by max_new_tokens)
+    keeping: bool = False  # nothing is evicted until the turn ends: its question was read after the compressed prompt
     tf_cache: StrategyCache | None = None  # teacher-forced twin after the first divergence
     tf_logits: torch.Tensor | None = None
     diverged: bool = False

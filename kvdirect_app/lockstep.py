@@ -70,6 +70,7 @@ class Row:
     ids: list[int]
     seen: int = 0
     more_prompt: bool = False  # a piece of a turn's prompt, more pieces follow
+    keep: bool = False  # nothing is evicted in this forward (`strategies.base.Forward.keep`)
     masks: dict = field(default_factory=dict)  # layer type -> the mask the model builds for this cache alone
     kv: dict = field(default_factory=dict)  # layer -> the K/V this cache handed attention
     logits: torch.Tensor | None = None
@@ -293,7 +294,7 @@ def run_batch(model: torch.nn.Module, rows: list[Row], observer: Observer, tap, 
     observer.keep_handed = {id(layer) for row in rows if row.snapshot for layer in row.cache.layers}
     for i, row in enumerate(rows):
         with batch.owned(i, "other"):
-            row.cache.begin_step(row.ids, row.more_prompt)
+            row.cache.begin_step(row.ids, row.more_prompt, row.keep)
             for t in () if kernels.invariant else set(batch.layer_types):  # the block attention needs no mask
                 row.masks[t] = compat.mask_function(t)(config=config, inputs_embeds=like, attention_mask=None,
                                                        cache=row.cache, position_ids=positions[i:i + 1])

@@ -29,7 +29,7 @@ VERSIONS = {
     "breakeven": 1,  # bench breakeven --json
     "replay": 1,  # bench replay --json
     "capacity": 1,  # bench capacity --json
-    "tasks": 1,  # bench tasks --json, presets/tasks/*.json (the Tasks tab)
+    "tasks": 2,  # bench tasks --json, presets/tasks/*.json (the Tasks tab) (2: question, context_tokens, scores from the context)
     "roofline": 1,  # bench roofline --json
 }
 

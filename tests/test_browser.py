@@ -368,7 +368,8 @@ def test_every_tab_fits_and_the_tasks_tab_shows_the_shipped_result_at_once(url, 
     page.wait_for_selector("#kvd-tasks-heatmap .heatmaplayer", timeout=10_000)
     shipped = tasks_view.load(tasks_view.shipped())
     titles = page.locator("#kvd-tasks-heatmap .annotation-text").all_text_contents()
-    assert titles[0].startswith(title("full")) and len(titles) == len(tasks_view.specs_at(shipped, shipped["budgets"][0]))
+    first = tasks_view.settings(shipped)[0][1]
+    assert titles[0].startswith(title("full")) and len(titles) == len(tasks_view.specs_at(shipped, first))
     assert shipped["measured_at"] in page.inner_text("#kvd-tasks-head")
     assert page.locator("#kvd-tasks-frontier .scatterlayer .trace").count() > 0
     shot = Path(os.environ.get("STUDIO_TASKS_SHOT") or tmp_path / "tasks.png")
@@ -377,10 +378,11 @@ def test_every_tab_fits_and_the_tasks_tab_shows_the_shipped_result_at_once(url, 
     choose(page, "#kvd-tasks-task", shipped["tasks"][-1])
     page.wait_for_function(f"document.querySelector('#kvd-tasks-heatmap .gtitle').textContent.includes("
                            f"'{shipped['tasks'][-1]}')", timeout=10_000)
-    if len(shipped["budgets"]) > 1:
-        choose(page, "#kvd-tasks-budget", str(shipped["budgets"][1]))
+    if len(tasks_view.settings(shipped)) > 1:
+        words = tasks_view.settings(shipped)[1][0]
+        choose(page, "#kvd-tasks-budget", words)
         page.wait_for_function(f"document.querySelector('#kvd-tasks-heatmap .gtitle').textContent.includes("
-                               f"'budget {shipped['budgets'][1]}')", timeout=10_000)
+                               f"'{words}')", timeout=10_000)
     other = tmp_path / "sweep.json"
     other.write_text('{"schema": "kvdirect-studio/sweep", "schema_version": 1}')
     upload(page, "#kvd-tasks-upload", other)
@@ -395,8 +397,10 @@ def test_every_tab_fits_and_the_tasks_tab_shows_the_shipped_result_at_once(url, 
 
 def test_the_tasks_tab_shows_the_shipped_answers_across_turns_and_opens_a_multiturn_file(url, browser, tmp_path):
     """The shipped multi-turn result's chart is on the Tasks tab at once: a line per strategy at the first ratio,
-    the full cache's first (the ceiling), labelled with where and when it was measured; another ratio and a task
-    redraw it; a multi-turn file of one's own replaces it (the single-turn maps stay as they were)."""
+    the full cache's first (the reference), found in the context by default, labelled with where and when it was
+    measured; the raw score, another ratio and a task redraw it; the other history shows the other shipped
+    result; another model shows its own results in both sections; a multi-turn file of one's own replaces the
+    chart (the single-turn maps stay as they were)."""
     page = open_page(browser, 1280, 720)
     page.goto(url)
     page.wait_for_selector("#kvd-send", timeout=60_000)
@@ -406,7 +410,8 @@ def test_the_tasks_tab_shows_the_shipped_answers_across_turns_and_opens_a_multit
     first, second = [v for _, v in tasks_view.settings(multi)][:2]
     assert page.locator("#kvd-turns-plot .scatterlayer .trace").count() == len(tasks_view.specs_at(multi, first))
     legend = page.locator("#kvd-turns-plot .legendtext").all_text_contents()
-    assert "ceiling" in legend[0] and len(legend) == len(tasks_view.specs_at(multi, first))
+    assert "reference" in legend[0] and len(legend) == len(tasks_view.specs_at(multi, first))
+    assert "found in the context" in page.inner_text("#kvd-turns-plot .gtitle")
     head = page.inner_text("#kvd-turns-head")
     assert multi["measured_at"] in head and multi["commit"] in head and f"of {multi['turns']} turns" in head
     shot = Path(os.environ.get("STUDIO_TURNS_SHOT") or tmp_path / "turns.png")
@@ -418,6 +423,22 @@ def test_the_tasks_tab_shows_the_shipped_answers_across_turns_and_opens_a_multit
     choose(page, "#kvd-turns-task", multi["tasks"][-1])
     page.wait_for_function(f"document.querySelector('#kvd-turns-plot .gtitle').textContent.includes("
                            f"'{multi['tasks'][-1]}')", timeout=10_000)
+    page.locator("#kvd-turns-score").get_by_text(tasks_view.RAW, exact=True).click()
+    page.wait_for_function("document.querySelector('#kvd-turns-plot .gtitle').textContent.includes('raw:')",
+                           timeout=10_000)
+    page.locator("#kvd-turns-history").get_by_text("dropped", exact=False).click()
+    dropped = tasks_view.load(tasks_view.shipped(multiturn=True, history=tasks_view.DROP))
+    page.wait_for_function(f"document.querySelector('#kvd-turns-head').innerText.includes("
+                           f"'{dropped['measured_at']}') && document.querySelector('#kvd-turns-head').innerText"
+                           ".includes('history dropped')", timeout=10_000)
+    other = next(m for m in tasks_view.models(tasks_view.shipped_results()[0]) if m != multi["model"])
+    choose(page, "#kvd-tasks-model", other)
+    page.wait_for_function(f"document.querySelector('#kvd-tasks-head').innerText.includes('{other}') && "
+                           f"document.querySelector('#kvd-turns-head').innerText.includes('{other}')", timeout=10_000)
+    choose(page, "#kvd-tasks-model", multi["model"])
+    page.locator("#kvd-turns-history").get_by_text("kept", exact=False).click()
+    page.wait_for_function(f"document.querySelector('#kvd-turns-head').innerText.includes('{multi['measured_at']}')",
+                           timeout=10_000)
     mine = {**multi, "measured_at": "1999-01-01 00:00 UTC", "cells": multi["cells"][:1]}
     (tmp_path / "mine.json").write_text(json.dumps(mine))
     upload(page, "#kvd-tasks-upload", tmp_path / "mine.json")

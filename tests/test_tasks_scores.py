@@ -11,7 +11,7 @@ import pytest
 
 from kvdirect_app import benchmarks
 from kvdirect_app.cli import main
-from kvdirect_app.schema import SchemaError, validate
+from kvdirect_app.schema import SchemaError, stamp, validate
 from kvdirect_app.strategies.window import Window
 from kvdirect_app.tasks import scores
 from kvdirect_app.ui import tasks_view
@@ -50,7 +50,7 @@ def test_every_lane_answers_every_sample_and_exact_lanes_equal_the_full_cache(ti
         sum(1 - 8 / c["prompt_tokens"] for c in out["cells"]) / 2)
     assert rows["kvdirect:budget=8"]["compression_ratio"] == 0  # keeps (or rebuilds) every token's K/V
     assert [h["depth"] for h in out["heatmap"]["full"]] == [0, 100]
-    validate({"schema": "kvdirect-studio/tasks", "schema_version": 1, **out})
+    validate(stamp("tasks", out))
 
 
 @pytest.mark.check
@@ -95,7 +95,7 @@ def test_bad_settings_get_one_line_naming_the_setting(args, words, capsys):
 @pytest.mark.check
 def test_the_tasks_tab_draws_from_a_file_and_refuses_another_kind(tiny_result, tmp_path):
     path = tmp_path / "tasks.json"
-    path.write_text(json.dumps({"schema": "kvdirect-studio/tasks", "schema_version": 1, **tiny_result}))
+    path.write_text(json.dumps(stamp("tasks", tiny_result)))
     result = tasks_view.load(path)
     fig = tasks_view.heatmap_figure(result, 8)
     names = [t.hovertemplate.split("<br>")[0] for t in fig.data]
@@ -126,7 +126,9 @@ def test_the_shipped_result_is_a_valid_tasks_file_whose_exact_answers_equal_the_
             assert not lane["exact"] or lane["equal_full"]
     assert {r["strategy"] for r in result["rows"]} >= {"full", "kvdirect", "anchorkv", "h2o", "streaming_llm", "snapkv",
                                                        "tova", "window", "knorm", "pyramidkv"}
-    assert scores.summarise(result["cells"]) == {"rows": result["rows"], "heatmap": result["heatmap"]}
+    assert scores.summarise(result["cells"], result["question"]) == {
+        "rows": result["rows"], "heatmap": result["heatmap"],
+        **({"leaderboard": result["leaderboard"]} if result.get("ratios") else {})}
 
 
 def test_smollm2_a_window_of_64_cannot_see_a_needle_in_the_middle_and_exact_lanes_answer_as_the_full_cache():
@@ -193,18 +195,18 @@ def test_a_task_cell_keeps_freed_blocks_in_the_heap_and_hands_them_back_after(mo
     assert entered == [True]
 
 
-def test_a_ratio_is_a_budget_from_each_samples_prompt_as_kvpress_counts_it(tmp_path):
-    """kvpress's compression ratio: the share of the prompt's K/V tokens a layer drops, int(tokens x (1 - ratio))
-    kept.  Worked out by hand for tiny-llama's 512-token samples (510 prompt tokens): ratio 0.5 keeps 255, 0.75
+def test_a_ratio_is_a_budget_from_each_samples_prompt_with_the_question_in_it(tmp_path):
+    """With --question with-context a ratio counts the whole prompt: the share of its K/V tokens a layer drops,
+    int(tokens x (1 - ratio)) kept.  Worked out by hand for tiny-llama's 512-token samples (510 prompt tokens): ratio 0.5 keeps 255, 0.75
     keeps int(127.5) = 127 (compression 1 - 127/510 = 0.7510); a ratio whose budget equals a listed one (255)
     runs once and both lanes get its answer.  The leaderboard rows are kvpress's (strategy, ratio, task, score);
     the Tasks tab offers each budget and each ratio.  Mutations: round() for int() (128 kept); the lanes of a
     ratio shown at a budget that one sample's ratio budget happens to equal."""
     assert (scores.ratio_budget(0.5, 510), scores.ratio_budget(0.75, 510), scores.ratio_budget(0.99, 50)) == \
         (255, 127, 1)
-    out = benchmarks.tasks(replace(TINY, depths="0,100", budgets="255", ratios="0.5,0.75", strategies="window,kvdirect"),
-                           say=lambda line: None)
-    validate({"schema": "kvdirect-studio/tasks", "schema_version": 1, **out})
+    out = benchmarks.tasks(replace(TINY, depths="0,100", budgets="255", ratios="0.5,0.75", strategies="window,kvdirect",
+                                   question="with-context"), say=lambda line: None)
+    validate(stamp("tasks", out))
     assert out["ratios"] == [0.5, 0.75] and out["budgets"] == [255]
     for cell in out["cells"]:
         assert cell["prompt_tokens"] == 510
@@ -248,7 +250,7 @@ def test_a_conversation_runs_turn_by_turn_each_turn_scored_and_exact_lanes_equal
     from kvdirect_app.tasks import generate
 
     out = tiny_multi
-    validate({"schema": "kvdirect-studio/tasks", "schema_version": 1, **out})
+    validate(stamp("tasks", out))
     assert out["multiturn"] and out["turns"] == 3 and out["depths"] == [] and out["ratios"] == [0.5, 0.875]
     assert [(c["task"], c["context"], c["seed"], c["depth"]) for c in out["cells"]] == [
         ("niah_single_number", 512, 0, None), ("niah_single_number", 512, 1, None)]
@@ -324,19 +326,24 @@ def test_smollm2_over_turns_a_window_answers_only_the_needle_it_still_holds():
 
 
 @pytest.mark.check
-def test_the_turn_chart_draws_each_lanes_score_by_turn_with_the_full_cache_as_the_ceiling(tiny_multi, tmp_path):
+def test_the_turn_chart_draws_each_lanes_score_by_turn_with_the_full_cache_as_the_reference(tiny_multi, tmp_path):
     path = tmp_path / "multi.json"
-    path.write_text(json.dumps({"schema": "kvdirect-studio/tasks", "schema_version": 1, **tiny_multi}))
+    path.write_text(json.dumps(stamp("tasks", tiny_multi)))
     result = tasks_view.load(path)
     fig = tasks_view.turns_figure(result, 0.875)
     specs = tasks_view.specs_at(result, 0.875)
     assert specs == ["full", "kvdirect:ratio=0.875", "anchorkv:ratio=0.875", "window:ratio=0.875",
                      "snapkv:ratio=0.875"]
     assert [t.name.split(" ")[0] for t in fig.data] == ["Full", "KV-Direct", "AnchorKV", "Sliding", "SnapKV"]
-    assert "ceiling" in fig.data[0].name and fig.data[0].line.width > fig.data[1].line.width
-    for trace, spec in zip(fig.data, specs):
-        assert list(trace.x) == [1, 2, 3]
-        assert list(trace.y) == pytest.approx([t["score"] for t in result["by_turn"][spec]])
+    assert "reference" in fig.data[0].name and fig.data[0].line.width > fig.data[1].line.width
+    raw = tasks_view.turns_figure(result, 0.875, score=tasks_view.RAW)
+    for trace, raw_trace, spec in zip(fig.data, raw.data, specs):
+        assert [round(x) for x in trace.x] == [1, 2, 3]  # the strategies side by side within a turn
+        assert list(trace.y) == pytest.approx([t["from_context"] for t in result["by_turn"][spec]])
+        assert list(raw_trace.y) == pytest.approx([t["score"] for t in result["by_turn"][spec]])
+        assert list(trace.error_y.array) == pytest.approx(
+            [t["from_context_high"] - t["from_context"] for t in result["by_turn"][spec]])
+        assert [d[3] for d in trace.customdata] == [t["copies"] for t in result["by_turn"][spec]]
     assert "ratio 0.875" in fig.layout.title.text and "0.5" in tasks_view.turns_figure(result, 0.5).layout.title.text
     assert "2 conversations of 3 turns" in tasks_view.head_html(result)
     assert "in every turn of every conversation" in tasks_view.head_html(result)
@@ -356,18 +363,14 @@ def test_the_shipped_multiturn_result_is_valid_and_its_exact_answers_equal_the_f
             assert not lane["exact"] or lane["equal_full_turns"] == [True] * result["turns"]
     assert {r["strategy"] for r in result["rows"]} >= {"full", "kvdirect", "anchorkv", "h2o", "streaming_llm",
                                                        "snapkv", "tova", "window", "knorm", "pyramidkv"}
-    summary = scores.summarise(result["cells"])
+    summary = scores.summarise(result["cells"], result["question"])
     assert summary["by_turn"] == result["by_turn"] and summary["rows"] == result["rows"]
 
 
 @pytest.mark.check
-def test_a_missing_shipped_result_says_which_command_makes_it(monkeypatch):
-    from kvdirect_app.ui import layout
+def test_a_missing_shipped_result_says_which_command_makes_it():
+    from kvdirect_app.ui import tasks_tab
 
-    monkeypatch.setattr(tasks_view, "shipped", lambda multiturn=False: None)
-    for multiturn, flags, name in ((True, "--multiturn ", "smollm2-135m-multiturn.json"),
-                                   (False, "", "smollm2-135m.json")):
-        result, problem = layout._shipped_tasks(multiturn)
-        assert result is None and ("multi-turn" in problem) == multiturn
-        said = layout._nothing(problem, flags, name)
-        assert f"bench tasks {flags}--json presets/tasks/{name}" in said and problem in said
+    said = tasks_tab._nothing("no result is shipped in presets/tasks/", "--multiturn ", "smollm2-135m-multiturn.json")
+    assert "bench tasks --multiturn --json presets/tasks/smollm2-135m-multiturn.json" in said
+    assert "no result is shipped" in said

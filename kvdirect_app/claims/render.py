@@ -109,11 +109,13 @@ def _details(results: dict) -> list[str]:
                "one of them")
         out += ["", f"In answers: {a['conversations']} conversation{'s' if a['conversations'] != 1 else ''} of "
                     f"{a['turns']} turns on {a['model']} (`bench tasks --multiturn`: {how}), budget "
-                    f"{'/'.join(map(str, a['budgets']))}; the mean score at turns {at} (the full cache's first: the "
-                    "ceiling) and the answers equal to the full cache's in every turn:", ""]
-        out += _table(["strategy", "kind", *[f"turn {n}" for n in a["at"]], "mean", "answers = full",
-                       "held after"],
+                    f"{'/'.join(map(str, a['budgets']))}; the mean score at turns {at}, found in the context (an answer "
+                    "copied from the lane's own earlier replies scores 0; the full cache's first: the reference) and the "
+                    "answers equal to the full cache's in every turn:", ""]
+        out += _table(["strategy", "kind", *[f"turn {n}" for n in a["at"]], "mean", "raw", "copied answers",
+                       "answers = full", "held after"],
                       [[r["strategy"], r["kind"], *[number(x) for x in r["scores"]], number(r["mean"]),
+                        "/".join(number(x) for x in r.get("raw_scores", r["scores"])), r.get("copies", 0),
                         f"{r['equal_full']} of {r['answers']}", fmt_bytes(r["held_bytes"])] for r in a["lanes"]])
     if t["equal_memory"]:
         out += ["", "At equal measured peak:", ""]
@@ -169,7 +171,7 @@ def _details(results: dict) -> list[str]:
     out += ["", "![patching](patching.png)"]
     t = sec["tasks"]
     out += ["", *title("tasks"), "Each strategy's mean task score over the samples beside the full cache's (the "
-            "ceiling); an exact lane's answers are compared with the full cache's token for token.", ""]
+            "reference); an exact lane's answers are compared with the full cache's token for token.", ""]
     out += _table(["strategy", "budget", "kind", "score", "full cache", "cells below full", "answers = full",
                    "compression"],
                   [[r["strategy"], r["budget"] if r["budget"] is not None else "-", r["kind"], number(r["score"]),

@@ -241,6 +241,7 @@ def plan(model: str, quick: bool, device: str = "auto", threads: int = 1) -> lis
                   "config": {**common, "multiturn": True, "turns": k.answer_turns,
                              "asked": ",".join(map(str, k.answer_asked)), "contexts": "512" if tiny else "1024",
                              "tasks": "niah_single_number", "samples": k.answer_conversations, "budgets": str(budget),
+                             "question": "after",
                              "strategies": ",".join(["anchorkv", "kvdirect",
                                                      *[e for e in EVICTION if e in k.turns_lanes]])}})
     if model != MHA:  # KV-Direct's own lane where r < 1: three turns of the byte-level MHA model
@@ -268,7 +269,7 @@ def plan(model: str, quick: bool, device: str = "auto", threads: int = 1) -> lis
     cells += _exactness_cells(model, k, L, device, threads)
     cells.append({"kind": "tasks", "section": "tasks", "name": "task scores",
                   "config": {**common, "contexts": ",".join(map(str, k.task_contexts)), "depths": "0,50,100",
-                             "tasks": ",".join(k.task_names), "budgets": "8" if tiny else "64",
+                             "tasks": ",".join(k.task_names), "budgets": "8" if tiny else "64", "question": "after",
                              "strategies": ",".join(["anchorkv", "kvdirect", *EVICTION])}})
     if k.real_size:  # the full run: the four public configs with random weights (fp32 where it fits in time)
         cells.append({"kind": "realsize", "section": "exactness", "name": "random weights at the real configs",

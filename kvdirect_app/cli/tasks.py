@@ -5,7 +5,7 @@
     python -m kvdirect_app.bench tasks --multiturn --json presets/tasks/smollm2-135m-multiturn.json   # across turns
 
 Every strategy at every budget answers each generated sample in lockstep with the full cache (whose score is
-the ceiling); prints the score per strategy and budget beside the full cache's, the compression ratio (kvpress's
+the reference); prints the score per strategy and budget beside the full cache's, the compression ratio (kvpress's
 convention), the measured bytes held after the answer and the peak during it, then the needle map (context x
 depth) per strategy; says whether every exact strategy's answers equalled the full cache's in every cell (checked
 token for token; the exit status is 1 if one did not).  With --multiturn each cell is a conversation (turn 1 a
@@ -25,6 +25,10 @@ from ..units import fmt, fmt_bytes, table
 from .common import write_json
 
 HERE = "here"  # --executor here: the cells in this process
+QUESTION_WORDS = {"after": "after the context was compressed (kvpress's setting)",
+                  "with-context": "as the end of the compressed prompt (the SnapKV paper's setting)"}
+HISTORY_WORDS = {"keep": "kept (a conversation: each lane's own earlier answers stay in its cache)",
+                 "drop": "dropped (every question from the compressed context, kvpress's multi-question mode)"}
 
 
 def scores_table(rows: list[dict]) -> str:
@@ -46,12 +50,17 @@ def heat_table(out: dict, spec: str) -> str:
     return table(cols, [[str(c)] + [fmt(cells.get((c, d)), ".2f") for d in depths] for c in contexts])
 
 
-def turns_table(out: dict) -> str:
-    """--multiturn: each lane's mean score at each turn (the full cache's first: the ceiling)."""
+def turns_table(out: dict, key: str = "from_context") -> str:
+    """--multiturn: each lane's mean score at each turn (the full cache's first: the reference), found in the context
+    (`key` "from_context": an answer copied from the lane's own earlier replies scores 0) or raw ("score"), with its
+    95 % bootstrap interval over the conversations, the copied answers, and the answers equal to the full cache's."""
     turns = len(next(iter(out["by_turn"].values())))
-    cols = ["strategy"] + [f"turn {n + 1}" for n in range(turns)] + ["= full answers"]
-    body = [[spec] + [fmt(t["score"], ".2f") for t in rows] + [f"{sum(t['answers_equal_full'] for t in rows)}/"
-                                                           f"{sum(t['n'] for t in rows)}"]
+    low, high = ("from_context_low", "from_context_high") if key == "from_context" else ("low", "high")
+    cols = ["strategy"] + [f"turn {n + 1}" for n in range(turns)] + ["copied", "= full answers"]
+    body = [[spec] + [f"{fmt(t[key], '.2f')} [{fmt(t[low], '.2f')}, {fmt(t[high], '.2f')}]"
+                      if t[key] is not None else "-" for t in rows]
+            + [str(sum(t["copies"] for t in rows)),
+               f"{sum(t['answers_equal_full'] for t in rows)}/{sum(t['n'] for t in rows)}"]
             for spec, rows in out["by_turn"].items()]
     return table(cols, body, left=1)
 
@@ -60,11 +69,15 @@ def cmd_tasks(args) -> int:
     out = tasks(TasksConfig.from_args(args, executor=None if args.executor == HERE else args.executor))
     print(f"model {out['model']} ({out['model_source']}), device {out['device']}, dtype {out['dtype']}, threads "
           f"{out['threads']}, kernels {out['kernels']}; {len(out['cells'])} cells in {out['seconds']:.0f} s "
-          f"({out['executor']}); haystack {out['haystack']}")
+          f"({out['executor']}); haystack {out['haystack']}; the question read {QUESTION_WORDS[out['question']]}"
+          + (f"; history {HISTORY_WORDS[out['history']]}" if out.get("history") else ""))
     print(scores_table(out["rows"]))
     if out.get("by_turn"):
-        print("\nscore by turn (mean over the conversations)")
+        print("\nscore by turn, found in the context (an answer that stood in the lane's own earlier replies scores "
+              "0), mean over the conversations [95 % bootstrap interval]")
         print(turns_table(out))
+        print("\nscore by turn, raw (every answer that holds the reference)")
+        print(turns_table(out, "score"))
     for spec in out["heatmap"] if not out.get("by_turn") else []:
         print()
         print(heat_table(out, spec))
@@ -83,13 +96,15 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--strategies", default=TasksConfig.strategies,
                    help="comma-separated name[:key=value]...; :budget=B is appended to each that has a budget; the "
                         "full cache always runs as the reference")
-    p.add_argument("--budgets", help=f"comma-separated token budgets (default {DEFAULT['budgets']}; --quick "
-                                     f"{QUICK['budgets']})")
+    p.add_argument("--budgets", help="comma-separated token budgets per layer; alone, they replace the grid's ratios "
+                                     "(the question is then read inside the compressed prompt unless --question "
+                                     "after)")
     p.add_argument("--ratios", help="comma-separated compression ratios (kvpress's convention: the share of the "
-                                    "prompt's K/V tokens a layer drops, e.g. 0.25,0.5,0.75,0.875): each lane's budget "
-                                    "is int(prompt tokens x (1 - ratio)) of its sample; alone, it replaces the "
-                                    "default budgets; the JSON gets kvpress's leaderboard rows (strategy, ratio, "
-                                    "task, score) with the measured bytes")
+                                    "compressed tokens' K/V a layer drops, e.g. 0.25,0.5,0.75,0.875): each lane's "
+                                    "budget is max(1, int(tokens x (1 - ratio))) of its sample's context (--question "
+                                    "after) or prompt (with-context); default "
+                                    f"{DEFAULT['ratios']}, --quick {QUICK['ratios']}; the JSON gets kvpress's "
+                                    "leaderboard rows (strategy, ratio, task, score) with the measured bytes")
     p.add_argument("--contexts", help=f"comma-separated prompt lengths in tokens (default {DEFAULT['contexts']}; "
                                       f"--quick {QUICK['contexts']}); at most the model's context")
     p.add_argument("--depths", help=f"comma-separated needle depths, percent 0..100 (default {DEFAULT['depths']})")
@@ -111,6 +126,16 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=None,
                    help=f"with --multiturn: turns per conversation, 2..{generate.MAX_TURNS} (default "
                         f"{MULTITURN['turns']})")
+    p.add_argument("--question", default=None, choices=None,
+                   help="where the question is read: after (the context compressed alone, then the question and the "
+                        "answer read with nothing evicted: kvpress's pipeline; a ratio's budget counts the context's "
+                        "tokens) or with-context (the question is the end of the compressed prompt: the SnapKV "
+                        "paper's setting; a ratio's budget counts the whole prompt); default: after where the lanes run "
+                        "at ratios (the grids' default), with-context with --budgets alone")
+    p.add_argument("--history", default=None,
+                   help="with --multiturn: keep (default: each lane's cache carries its own earlier answers from turn "
+                        "to turn, as in a conversation) or drop (every question from the compressed context, the "
+                        "earlier questions and answers cut: kvpress's multi-question mode; needs --question after)")
     p.add_argument("--seed", type=int, default=0, help="the first seed")
     p.add_argument("--haystack", default="noise", help=f"one of {', '.join(generate.HAYSTACKS)}")
     p.add_argument("--quick", action="store_true", help="the quick grid (" + "; ".join(

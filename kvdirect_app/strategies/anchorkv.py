@@ -233,8 +233,8 @@ class AnchorCache(StrategyCache):
     def replaying(self) -> bool:
         return self.store.replaying
 
-    def begin_step(self, ids: list[int], more_prompt: bool = False):
-        super().begin_step(ids, more_prompt)
+    def begin_step(self, ids: list[int], more_prompt: bool = False, keep: bool = False):
+        super().begin_step(ids, more_prompt, keep)
         span = self.globals[0].rebuild_span(len(ids)) if self.globals else (0, 0)
         self.store.begin_step(ids, self.device, span)
 

@@ -29,11 +29,13 @@ from ..geometry import ModelGeometry
 
 class Forward(typing.NamedTuple):
     """One forward of a lane, as the formulas see it: `q` tokens; `prompt`: part of a user turn's prompt (a
-    prompt fed in pieces is several); `open`: more pieces of that prompt follow."""
+    prompt fed in pieces is several); `open`: more pieces of that prompt follow; `keep`: nothing is evicted in it
+    (the question and answer read after a compressed context, kvpress's setting: `Engine.turn(question=...)`)."""
 
     q: int
     prompt: bool = False
     open: bool = False
+    keep: bool = False
 
 
 class StrategyError(UserError):
@@ -125,12 +127,13 @@ class StrategyCache(Cache):
     def before_layer(self, index: int, x: torch.Tensor):
         """Decoder layer `index` is about to run on `x` (1, q, d)."""
 
-    def begin_step(self, ids: list[int], more_prompt: bool = False):
+    def begin_step(self, ids: list[int], more_prompt: bool = False, keep: bool = False):
         """Called with the token ids of a forward, before it runs; `more_prompt`: this forward is a piece of a
-        turn's prompt and more pieces follow (layers that evict wait for the last one)."""
+        turn's prompt and more pieces follow (layers that evict wait for the last one); `keep`: layers that evict
+        keep every token of this forward (`Forward.keep`)."""
         for layer in self.layers:
             if hasattr(layer, "prompt_open"):
-                layer.prompt_open = more_prompt
+                layer.prompt_open, layer.keep_all = more_prompt, keep
 
     def end_step(self):
         """Called after a forward: drop whatever the step needed and the next one does not."""

@@ -204,6 +204,7 @@ class ScoredLayer(CacheLayerMixin):
         self.seen = 0
         self.prefill = True  # the next forward starts (or continues) a turn's prompt
         self.prompt_open = False  # set by the cache before a forward: more pieces of this prompt follow
+        self.keep_all = False  # set by the cache before a forward: nothing is evicted in it (`Forward.keep`)
         self.prompt_tokens = 0
         self.prompt_tail: torch.Tensor | None = None  # (1, <= prompt_window, d): the open prompt's last inputs
         self.pending: torch.Tensor | None = None
@@ -253,7 +254,8 @@ class ScoredLayer(CacheLayerMixin):
         buffers = {name: torch.cat([buf, buf.new_zeros(1, rows, q)], dim=-1) for name, buf in self.buffers.items()}
         self.seen += q
         self.prompt_tokens = self.prompt_tokens + q if self.prefill else 0
-        limits = self.strategy.limits(Forward(q, self.prefill, self.prompt_open), self.seen, self.count)
+        limits = self.strategy.limits(Forward(q, self.prefill, self.prompt_open, self.keep_all), self.seen,
+                                      self.count)
         limit = None if limits is None else per_layer(limits, self.rank)
         evicts = limit is not None and keys.shape[-2] > limit
         earlier = self.prompt_tail
@@ -353,8 +355,8 @@ class Scored(Strategy):
 
     def limits(self, forward: Forward, seen: int, count: int = 1) -> tuple[int, ...] | None:
         """`layer_budgets` after `forward`, which ends at `seen` tokens; None keeps every candidate (a prompt piece
-        that more pieces follow, or a forward the strategy does not hold)."""
-        if forward.open or not self.holds(forward.prompt):
+        that more pieces follow, a forward that keeps everything, or one the strategy does not hold)."""
+        if forward.open or forward.keep or not self.holds(forward.prompt):
             return None
         return self.layer_budgets(count, seen)
 

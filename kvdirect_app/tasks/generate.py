@@ -137,6 +137,7 @@ class Sample:
     seed: int
     haystack: str
     user: str  # the user message (instruction + context + question), fed through the chat template
+    tail: str  # the end of `user` after the context (the question, and the instruction around it)
     answer_prefix: str  # fed as the start of the assistant's reply (chat off: after the user message, from a space)
     answers: tuple[str, ...]  # references: all must be in the reply (niah, vt); any one of them (qa)
     needle_depth: float | None  # measured: percent of the haystack's tokens before the (asked or first) needle
@@ -154,16 +155,37 @@ def _encode(tokenizer, text: str, special: bool) -> list[int]:
     return tokenizer(text, add_special_tokens=special)["input_ids"]
 
 
-def _ids(tokenizer, user: str, answer_prefix: str, chat: bool) -> list[int]:
-    # As the Studio feeds a sample (prompts.Prompter.first, then the prefix encoded on its own).
-    first = _encode(tokenizer, _render_chat(tokenizer, user), False) if chat else _encode(tokenizer, user, True)
-    return first + _encode(tokenizer, answer_prefix, False)
+def _parts(tokenizer, user: str, tail: str, answer_prefix: str, chat: bool) -> tuple[list[int], list[int]]:
+    """(context ids, question ids): the prompt as the Studio feeds it (the user turn through the chat template, or
+    plain text with the tokenizer's special tokens; then the answer prefix), cut where the context ends and `tail`,
+    the rest of the user message, begins.  Each part is encoded on its own, as kvpress's pipeline encodes the
+    context and the question, so the two settings of `bench tasks --question` feed the same ids."""
+    head = _render_chat(tokenizer, user) if chat else user
+    at = head.rfind(user)
+    if at < 0 or not user.endswith(tail):
+        raise SampleError("chat: this tokenizer's chat template changes the user message, so the context cannot be "
+                          "cut from the question; allowed: chat=False")
+    at += len(user) - len(tail)
+    return (_encode(tokenizer, head[:at], not chat),
+            _encode(tokenizer, head[at:], False) + _encode(tokenizer, answer_prefix, False))
+
+
+def _ids(tokenizer, user: str, tail: str, answer_prefix: str, chat: bool) -> list[int]:
+    context, question = _parts(tokenizer, user, tail, answer_prefix, chat)
+    return context + question
+
+
+def prompt_parts(sample: Sample, tokenizer) -> tuple[list[int], list[int]]:
+    """(context ids, question ids): the context (the chat template's start, the instruction, the haystack with its
+    needles) and what follows it (the question, the chat template's end, the answer prefix).  `bench tasks
+    --question after` compresses the first and feeds the second after it, as kvpress's pipeline does."""
+    return _parts(tokenizer, sample.user, sample.tail, sample.answer_prefix, sample.chat)
 
 
 def prompt_ids(sample: Sample, tokenizer) -> list[int]:
-    """The token ids the model is fed before it answers: the user turn (chat template or plain text with the
-    tokenizer's special tokens), then the answer prefix.  len() <= sample.context."""
-    return _ids(tokenizer, sample.user, sample.answer_prefix, sample.chat)
+    """The token ids the model is fed before it answers: `prompt_parts` one after the other.
+    len() <= sample.context."""
+    return _ids(tokenizer, sample.user, sample.tail, sample.answer_prefix, sample.chat)
 
 
 def prompt_text(sample: Sample, tokenizer) -> str:
@@ -432,16 +454,18 @@ def sample(task: str, tokenizer, context: int, depth: float | None, seed: int, h
     prefix = t.answer_prefix if chat else " " + t.answer_prefix
     weigh = _Weights(tokenizer)
 
+    tail = t.template.partition("{context}")[2]
+
     def build(words: int):
         sents, inserts = _layout(t, haystack, words, d, weigh)
         text, needle_spans, hay_spans = _render(sents, inserts, t.needle_sep)
         user = t.template.format(context=text)
-        return user, len(_ids(tokenizer, user, prefix, chat)), (text, inserts, needle_spans, hay_spans)
+        return user, len(_ids(tokenizer, user, tail, prefix, chat)), (text, inserts, needle_spans, hay_spans)
 
     user, text, inserts, needle_spans, hay_spans = _fit(build, context, task)
     primary = [x for _, x in inserts].index(t.needles[0])
     measured = _needle_depth(tokenizer, user, text, needle_spans, hay_spans, primary, chat)
-    return Sample(task, context, None if depth is None else float(depth), seed, haystack, user, prefix,
+    return Sample(task, context, None if depth is None else float(depth), seed, haystack, user, tail, prefix,
                   t.answers, measured, MAX_NEW_TOKENS[task], chat)
 
 
@@ -510,6 +534,9 @@ class Turn:
     answer_prefix: str
     answers: tuple[str, ...]  # as a Sample's: all of them (niah), any one of them (qa); none: a turn between
     needle_depth: float | None  # measured: percent of the context's haystack tokens before the asked needle
+    # The end of turn 1's user message after the context, had turn 1 asked this turn's question (turn 1's own: the
+    # end of its message): what follows the context when the earlier turns are cut (`question_ids`).
+    tail: str = ""
 
 
 @dataclass(frozen=True)
@@ -523,10 +550,25 @@ class Conversation:
     chat: bool = True
 
 
+def conversation_parts(conv: Conversation, tokenizer) -> tuple[list[int], list[int]]:
+    """Turn 1's (context ids, question ids), as `prompt_parts`; later turns go through the engine's
+    `Prompter.next` with their answer prefix."""
+    first = conv.turns[0]
+    return _parts(tokenizer, first.user, first.tail, first.answer_prefix, conv.chat)
+
+
 def conversation_ids(conv: Conversation, tokenizer) -> list[int]:
-    """Turn 1's token ids (its user turn and answer prefix, as `prompt_ids`); later turns go through the
-    engine's `Prompter.next` with their answer prefix."""
-    return _ids(tokenizer, conv.turns[0].user, conv.turns[0].answer_prefix, conv.chat)
+    """Turn 1's token ids: `conversation_parts` one after the other."""
+    return sum(conversation_parts(conv, tokenizer), [])
+
+
+def question_ids(conv: Conversation, tokenizer, n: int) -> list[int]:
+    """What follows turn 1's context when turn `n` (0-based) asks its question right after it, every earlier
+    question and answer cut (kvpress's multi-question mode; `bench tasks --multiturn --history drop`): the question
+    ids turn 1 would have had, asking it."""
+    first, turn = conv.turns[0], conv.turns[n]
+    context = first.user[:len(first.user) - len(first.tail)]
+    return _parts(tokenizer, context + turn.tail, turn.tail, turn.answer_prefix, conv.chat)[1]
 
 
 def score_turns(conv: Conversation, replies: list[str]) -> list[float]:
@@ -535,6 +577,34 @@ def score_turns(conv: Conversation, replies: list[str]) -> list[float]:
     if len(replies) != len(conv.turns):
         raise ValueError(f"{len(replies)} replies for {len(conv.turns)} turns")
     return [_match(conv.task, t.answers, r) if t.answers else None for t, r in zip(conv.turns, replies)]
+
+
+def score_from_context(task: str, answers: tuple[str, ...], reply: str, earlier: list[str]) -> tuple[float, bool]:
+    """(score, copied): a reply's score counting only what it found in the context, not in front of it already.
+
+    A reference that stands in one of the lane's own `earlier` replies is not found from the context (a small model
+    often answers turn 1 with another needle's value; a lossy cache keeps its own recent reply, and "finds" that
+    needle later by copying it).  niah: the share of the references the reply holds that no earlier reply held;
+    qa: 1 when the reply holds an accepted form of the answer and no earlier reply held one.  `copied`: the reply
+    holds a reference that stood earlier."""
+    if task == "qa":
+        found = qa.contains(reply, answers)
+        stood = any(qa.contains(e, answers) for e in earlier)
+        return (1.0 if found and not stood else 0.0), found and stood
+    low, before = reply.lower(), [e.lower() for e in earlier]
+    held = [a.lower() in low for a in answers]
+    stood = [any(a.lower() in e for e in before) for a in answers]
+    return sum(h and not s for h, s in zip(held, stood)) / len(answers), any(h and s for h, s in zip(held, stood))
+
+
+def score_turns_from_context(conv: Conversation, replies: list[str]) -> tuple[list[float | None], list[bool]]:
+    """Each turn's `score_from_context` against the lane's own replies before it: (scores, copied); None and False
+    for a turn that asks about no needle."""
+    if len(replies) != len(conv.turns):
+        raise ValueError(f"{len(replies)} replies for {len(conv.turns)} turns")
+    scored = [score_from_context(conv.task, t.answers, r, replies[:n]) if t.answers else (None, False)
+              for n, (t, r) in enumerate(zip(conv.turns, replies))]
+    return [s for s, _ in scored], [c for _, c in scored]
 
 
 def _report_stream(words: int) -> tuple[tuple[str, str], ...]:
@@ -584,6 +654,7 @@ def conversation(task: str, tokenizer, context: int, turns: int, seed: int, hays
                               "(the report's questions are about that many different paragraphs)")
         needles = [qa.paragraphs()[qa.fact_paragraph(q)] for q in picked]
         asks = [(_QA_LATER.format(query=q.question), _QA_PREFIX, q.answers, q.question) for q in picked]
+        tails = [_qa_tail(q.question) for q in picked]
         template = _QA_TEMPLATE.replace("{query}", picked[order[0]].question) if 1 in asking else _QA_QUIET
         sep = "\n\n"
     else:
@@ -595,27 +666,31 @@ def conversation(task: str, tokenizer, context: int, turns: int, seed: int, hays
                  _MT_QUESTION.format(kind=kind, key=k)) for k, v in zip(keys, values)]
         question = asks[order[0]][0] if 1 in asking else _MT_LATER.format(kind=kind)
         template, sep = _MT_TEMPLATE.format(kind=kind, context="{context}", question=question), "\n"
+        tails = [_MT_TEMPLATE.format(kind=kind, context="{context}", question=a[0]).partition("{context}")[2]
+                 for a in asks]
     # The first needle at the haystack's start (depth 0), the others at evenly spread shares of its boundaries (one
     # needle alone: in the middle).
     first_prefix = asks[order[0]][1] if 1 in asking else ""
     t = _Task(template, first_prefix, (), needles, "anywhere", [i / (n_asked - 1) for i in range(1, n_asked)], sep)
     weigh = _Weights(tokenizer)
 
+    tail = template.partition("{context}")[2]
+
     def build(words: int):
         sents, inserts = _layout(t, haystack, words, 0.0 if n_asked > 1 else 50.0, weigh)
         text, needle_spans, hay_spans = _render(sents, inserts, sep)
         user = template.format(context=text)
         prefix = gap + t.answer_prefix if t.answer_prefix else ""
-        return user, len(_ids(tokenizer, user, prefix, chat)), (text, inserts, needle_spans, hay_spans)
+        return user, len(_ids(tokenizer, user, tail, prefix, chat)), (text, inserts, needle_spans, hay_spans)
 
     user, text, inserts, needle_spans, hay_spans = _fit(build, context, task)
     placed = [x for _, x in inserts]
     depth = [_needle_depth(tokenizer, user, text, needle_spans, hay_spans, placed.index(x), chat) for x in needles]
-    out = [Turn(asks[i][0], asks[i][3], gap + asks[i][1], asks[i][2], depth[i]) for i in order]
+    out = [Turn(asks[i][0], asks[i][3], gap + asks[i][1], asks[i][2], depth[i], tails[i]) for i in order]
     if 1 in asking:
         out[0] = replace(out[0], user=user)
     else:
-        out.insert(0, Turn(user, "", "", (), None))
+        out.insert(0, Turn(user, "", "", (), None, tail))
     conv = Conversation(task, context, seed, haystack, tuple(out), MAX_NEW_TOKENS[task], chat)
     return _between(conv, turns, asking) if asked else conv
 
@@ -648,12 +723,13 @@ def _report_conversation(tokenizer, context: int, n: int, seed: int, chat: bool,
     def window(question: str | None):
         template = _QA_TEMPLATE.replace("{query}", question) if question is not None else _QA_QUIET
         prefix = gap + _QA_PREFIX if question is not None else ""
+        tail = template.partition("{context}")[2]
 
         def build(words: int):
             sents = _forward(_report_stream(words), words)
             text, _, hay_spans = _render(sents, [], "\n\n")
             user = template.format(context=text)
-            return user, len(_ids(tokenizer, user, prefix, chat)), (text, [], [], hay_spans)
+            return user, len(_ids(tokenizer, user, tail, prefix, chat)), (text, [], [], hay_spans)
 
         return _fit(build, context, "qa")
 
@@ -667,13 +743,18 @@ def _report_conversation(tokenizer, context: int, n: int, seed: int, chat: bool,
                           f"different questions; allowed: turns up to {len(picked)} at this context, or a longer "
                           "context")
     user, text, _, _, hay_spans = window(picked[0].question if first_asks else None)
-    out = [] if first_asks else [Turn(user, "", "", (), None)]
+    out = [] if first_asks else [Turn(user, "", "", (), None, _QA_QUIET.partition("{context}")[2])]
     for q in picked:
         para = text.index(qa.paragraphs()[qa.fact_paragraph(q)])
         depth = _needle_depth(tokenizer, user, text, [(para, para)], hay_spans, 0, chat)
         out.append(Turn(_QA_LATER.format(query=q.question) if out else user, q.question, gap + _QA_PREFIX, q.answers,
-                        depth))
+                        depth, _qa_tail(q.question)))
     return Conversation("qa", context, seed, "document", tuple(out), MAX_NEW_TOKENS["qa"], chat)
+
+
+def _qa_tail(question: str) -> str:
+    """The end of the QA template after the documents, asking `question`."""
+    return _QA_TEMPLATE.replace("{query}", question).partition("{context}")[2]
 
 
 def _distinct_paragraphs(rng: random.Random, n: int, among) -> list[qa.Question]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import html
 import re
 
 import gradio as gr
@@ -15,15 +14,15 @@ from ..hosted import hosted
 from ..limits import limits
 from ..paths import data
 from ..scenarios import scenarios
-from ..schema import SchemaError
 from . import runner
 from ..recording import RecordingError
-from . import playback, tasks_view, views
+from . import playback, views
 from .claims_cards import cards_html
 from .components import Actions, Controls, FrontierTab, Pane, Recordings, Studio, Views
 from .handlers import FRONTIER_CURRENT, RECALL, Handlers, session_ttl_s
 from .plots import agreement_figure, latency_figure, memory_figure
 from .scoreboard import scoreboard_html
+from .tasks_tab import tasks_tab
 from .session import Session
 from .settings import (any_declares, catalogue, default_model, default_names, max_panes, missing_models_note,
                        model_choices, title)
@@ -111,105 +110,6 @@ def _claims_tab():
                     elem_id="kvd-claims-table")
     with gr.Accordion("Details: every measured row", open=False):
         gr.Markdown(re.sub(r"!\[[^\]]*\]\([^)]*\)", "", details))
-
-
-def _shipped_tasks(multiturn: bool) -> tuple[dict | None, str]:
-    path = tasks_view.shipped(multiturn)
-    try:
-        result = tasks_view.load(path) if path else None
-    except SchemaError as e:
-        return None, str(e)
-    return result, "" if result else f"no {'multi-turn ' if multiturn else ''}result is shipped in presets/tasks/"
-
-
-def _nothing(problem: str, flags: str, name: str) -> str:
-    return (f"<p class='kvd-tasks-head'>Nothing to show ({html.escape(problem)}): run `python -m kvdirect_app.bench "
-            f"tasks {flags}--json presets/tasks/{name}`.</p>")
-
-
-def _tasks_tab():
-    """The shipped `bench tasks` results (presets/tasks/): the multi-turn one's score by turn, then the single-turn
-    one's needle heatmaps, task-score frontier and table; a setting (budget or ratio) and a task to look at in each,
-    or a results file of one's own (a multi-turn file goes to the turn chart, a single-turn one to the maps).
-    Drawn from the files alone, no model."""
-    single, single_problem = _shipped_tasks(False)
-    multi, multi_problem = _shipped_tasks(True)
-    gr.Markdown(asset("tasks.md"))
-    upload = gr.UploadButton("📂 Open a results file (bench tasks --json, with or without --multiturn)",
-                             file_types=[".json"], type="filepath", variant="secondary", elem_id="kvd-tasks-upload")
-    ttl = session_ttl_s()  # a visitor's file expires with their session, as their page does
-
-    def pickers(result, prefix: str):
-        choices = tasks_view.settings(result) if result else []
-        with gr.Row():
-            setting = gr.Dropdown(choices, value=choices[0][1] if choices else None, scale=1,
-                                  label="Budget (tokens per layer) or compression ratio", elem_id=f"{prefix}-budget")
-            task = gr.Dropdown([tasks_view.ALL, *(result["tasks"] if result else [])], value=tasks_view.ALL,
-                               label="Task", scale=2, elem_id=f"{prefix}-task")
-        return setting, task
-
-    gr.Markdown("### Answers across turns", elem_id="kvd-turns-title")
-    turns_state = gr.State(multi, time_to_live=ttl)
-    turn_setting, turn_task = pickers(multi, "kvd-turns")
-    turns_head = gr.HTML(tasks_view.head_html(multi) if multi else _nothing(multi_problem, "--multiturn ",
-                                                                                "smollm2-135m-multiturn.json"),
-                         elem_id="kvd-turns-head")
-    first = turn_setting.value
-    turns_plot = gr.Plot(tasks_view.turns_figure(multi, first) if multi else None, show_label=False,
-                         elem_id="kvd-turns-plot")
-    turns_table = gr.HTML(tasks_view.table_html(multi, first) if multi else "", elem_id="kvd-turns-summary")
-
-    gr.Markdown("### One question per context", elem_id="kvd-single-title")
-    state = gr.State(single, time_to_live=ttl)
-    budget, task = pickers(single, "kvd-tasks")
-    first = budget.value
-    head = gr.HTML(tasks_view.head_html(single) if single else _nothing(single_problem, "", "smollm2-135m.json"),
-                   elem_id="kvd-tasks-head")
-    heat = gr.Plot(tasks_view.heatmap_figure(single, first) if single else None, show_label=False,
-                   elem_id="kvd-tasks-heatmap")
-    summary = gr.HTML(tasks_view.table_html(single, first) if single else "", elem_id="kvd-tasks-summary")
-    front = gr.Plot(tasks_view.frontier(single) if single else None, show_label=False, elem_id="kvd-tasks-frontier")
-
-    def draw_turns(result, setting, task):
-        if not result:
-            return gr.skip(), gr.skip()
-        return tasks_view.table_html(result, setting, task), tasks_view.turns_figure(result, setting, task)
-
-    def draw(result, budget, task):
-        if not result:
-            return gr.skip(), gr.skip(), gr.skip()
-        return (tasks_view.table_html(result, budget, task), tasks_view.heatmap_figure(result, budget, task),
-                tasks_view.frontier(result, task))
-
-    def opened(path, budget, turn_setting, current, current_multi):
-        skip = [gr.skip()] * 13
-        if not path:
-            return skip
-        try:
-            mine = tasks_view.load(path)
-        except SchemaError as e:  # said where the single-turn result's provenance is; nothing shown changes
-            shown = current or current_multi
-            skip[6] = (f"<p class='kvd-error'>Not opened: {html.escape(str(e))}</p>"
-                       + (tasks_view.head_html(shown) if shown else ""))
-            return skip
-        choices = tasks_view.settings(mine)
-        tasks = gr.update(choices=[tasks_view.ALL, *mine["tasks"]], value=tasks_view.ALL)
-        if mine.get("multiturn"):
-            b = turn_setting if turn_setting in [v for _, v in choices] else choices[0][1]
-            return [mine, gr.update(choices=choices, value=b), tasks, tasks_view.head_html(mine),
-                    *draw_turns(mine, b, tasks_view.ALL), *skip[:7]]
-        b = budget if budget in [v for _, v in choices] else choices[0][1]
-        return [*skip[:6], tasks_view.head_html(mine), mine, gr.update(choices=choices, value=b), tasks,
-                *draw(mine, b, tasks_view.ALL)]
-
-    for control in (turn_setting, turn_task):
-        control.change(draw_turns, [turns_state, turn_setting, turn_task], [turns_table, turns_plot], queue=False,
-                       show_progress="hidden")
-    for control in (budget, task):
-        control.change(draw, [state, budget, task], [summary, heat, front], queue=False, show_progress="hidden")
-    upload.upload(opened, [upload, budget, turn_setting, state, turns_state],
-                  [turns_state, turn_setting, turn_task, turns_head, turns_table, turns_plot,
-                   head, state, budget, task, summary, heat, front], queue=False)
 
 
 def _panes(first: Session) -> list[Pane]:
@@ -339,7 +239,7 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
             with gr.Tab(TABS[4], elem_id="kvd-tab-geometry"):
                 geometry = gr.HTML(elem_id="kvd-geometry")
             with gr.Tab(TABS[5], elem_id="kvd-tasks"):
-                _tasks_tab()
+                tasks_tab()
             with gr.Tab(TABS[6], elem_id="kvd-claims"):
                 _claims_tab()
             with gr.Tab(TABS[7], elem_id="kvd-tab-export"):

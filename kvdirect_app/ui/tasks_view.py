@@ -1,7 +1,8 @@
 """The Tasks tab: a `bench tasks --multiturn` result as the score of each turn's answers per strategy (the full
-cache's line is the ceiling), and a single-turn `bench tasks` result as a needle heatmap per strategy (context x
-depth, the full cache's first) and the task-score frontier (score against measured bytes); the shipped ones in
-presets/tasks/, or files of one's own.  Plain data in, figures out: no model, no torch."""
+cache's line is the reference), found in the context or raw, with 95 % bootstrap intervals over the conversations;
+and a single-turn `bench tasks` result as a needle heatmap per strategy (context x depth, the full cache's first)
+and the task-score frontier (score against measured bytes); the shipped ones in presets/tasks/ (per model, and for
+multi-turn per history: kept or dropped), or files of one's own.  Plain data in, figures out: no model, no torch."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .. import schema
+from .. import schema, stats
 from ..frontier import HELD, TASK_SCORE, Point, frontier_figure
 from ..palette import base_colour, strategy_name, symbol
 from ..paths import data
@@ -25,14 +26,45 @@ FONT = dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", siz
 COLUMNS = 5  # heatmaps per row
 
 
-MULTITURN = "-multiturn"  # a shipped multi-turn result's name ends so
+SINGLE, KEEP, DROP = "single", "keep", "drop"  # a result's kind: single-turn, multi-turn with the history kept/dropped
+FROM_CONTEXT, RAW = "found in the context", "raw"  # the turn chart's two scores
+DEFAULT_MODEL = "smollm2-135m"  # shown first where its results are shipped
 
 
-def shipped(multiturn: bool = False) -> Path | None:
-    """The shipped single-turn result, or with `multiturn` the shipped multi-turn one (its name ends "-multiturn")."""
-    files = sorted(p for p in SHIPPED.glob("*.json") if p.stem.endswith(MULTITURN) == multiturn) \
-        if SHIPPED.is_dir() else []
-    return files[0] if files else None
+def kind(result: dict) -> str:
+    return (result.get("history") or KEEP) if result.get("multiturn") else SINGLE
+
+
+def shipped_results() -> tuple[dict[tuple[str, str], dict], list[str]]:
+    """Every shipped result in presets/tasks/, by (model, kind), and a line per file that could not be read."""
+    found, problems = {}, []
+    for path in sorted(SHIPPED.glob("*.json")) if SHIPPED.is_dir() else []:
+        try:
+            result = load(path)
+        except schema.SchemaError as e:
+            problems.append(str(e))
+            continue
+        found[(result["model"], kind(result))] = result
+    return found, problems
+
+
+def models(found: dict) -> list[str]:
+    """The models with a shipped result, the default first."""
+    names = sorted({m for m, _ in found}, key=lambda m: (m != DEFAULT_MODEL, m))
+    return names
+
+
+def shipped(multiturn: bool = False, model: str = DEFAULT_MODEL, history: str = KEEP) -> Path | None:
+    """The shipped file of `model`: its single-turn result, or with `multiturn` its multi-turn one of `history`."""
+    want = (history if multiturn else SINGLE)
+    for path in sorted(SHIPPED.glob("*.json")) if SHIPPED.is_dir() else []:
+        try:
+            result = load(path)
+        except schema.SchemaError:
+            continue
+        if result["model"] == model and kind(result) == want:
+            return path
+    return None
 
 
 def load(path: str | Path) -> dict:
@@ -121,46 +153,90 @@ def heatmap_figure(result: dict, budget: int | None, task: str = ALL) -> go.Figu
     return fig
 
 
-def turn_scores(result: dict, spec: str, task: str = ALL) -> list[float]:
-    """A lane's mean score at each turn of the conversations (of one task, or all); None at a turn that asks
-    nothing (--asked)."""
+def turn_scores(result: dict, spec: str, task: str = ALL, key: str = "scores_from_context") -> list[float | None]:
+    """A lane's mean score at each turn of the conversations (of one task, or all), found in the context (`key`
+    "scores_from_context") or raw ("scores"); None at a turn that asks nothing (--asked)."""
     cells = _cells(result, task)
-    scores = [[c["lanes"][spec]["scores"][n] for c in cells] for n in range(len(cells[0]["turns"]))]
+    scores = [[c["lanes"][spec][key][n] for c in cells] for n in range(len(cells[0]["turns"]))]
     return [None if None in v else sum(v) / len(v) for v in scores]
 
 
-def turns_figure(result: dict, setting: int | float | None, task: str = ALL) -> go.Figure:
-    """Score against turn, a line per strategy at the setting; the full cache's is drawn first, wide and grey: the
-    ceiling, which the exact strategies' lines lie on when their answers equal it."""
+def turn_intervals(result: dict, spec: str, task: str = ALL, key: str = "scores_from_context"):
+    """Per turn, the 95 % bootstrap interval (low, high) of the lane's mean over the conversations; None at a turn
+    that asks nothing."""
     cells = _cells(result, task)
+    out = []
+    for n in range(len(cells[0]["turns"])):
+        v = [c["lanes"][spec][key][n] for c in cells]
+        out.append(None if None in v else stats.bootstrap_interval(v))
+    return out
+
+
+def copies_at(result: dict, spec: str, task: str = ALL) -> list[int]:
+    """Per turn, the conversations whose answer copied the lane's own earlier replies."""
+    cells = _cells(result, task)
+    return [sum(c["lanes"][spec]["copied_turns"][n] for c in cells) for n in range(len(cells[0]["turns"]))]
+
+
+def turns_figure(result: dict, setting: int | float | None, task: str = ALL, score: str = FROM_CONTEXT) -> go.Figure:
+    """Score against turn, a line per strategy at the setting, each point with its 95 % bootstrap interval over the
+    conversations (the strategies side by side within a turn, so that no bar hides another); the full cache's
+    line is drawn first, wide and grey: the reference, which the exact strategies' lines lie on when their
+    answers equal it.  `score`: found in the context (an answer that stood in the lane's own earlier replies
+    scores 0) or raw; the hover counts the copies either way."""
+    key = "scores" if score == RAW else "scores_from_context"
+    cells = _cells(result, task)
+    n = len(cells)
     turns = list(range(1, len(cells[0]["turns"]) + 1))
+    specs = specs_at(result, setting)
     fig = go.Figure()  # a turn that asks nothing (--asked) is a gap in every line; connectgaps joins the asked ones
-    for spec in specs_at(result, setting):
-        ys = turn_scores(result, spec, task)
+    for i, spec in enumerate(specs):
+        ys = turn_scores(result, spec, task, key)
+        spans = turn_intervals(result, spec, task, key)
+        copies = copies_at(result, spec, task)
         name = strategy_name(spec)
         asked = [y for y in ys if y is not None]
         mean = sum(asked) / len(asked)
+        shift = 0.3 * (i / max(1, len(specs) - 1) - 0.5) if len(specs) > 1 else 0.0
+        xs = [t + shift for t in turns]
+        bars = dict(type="data", symmetric=False, thickness=1.2, width=3,
+                    array=[None if y is None else sp[1] - y for y, sp in zip(ys, spans)],
+                    arrayminus=[None if y is None else y - sp[0] for y, sp in zip(ys, spans)])
+        hover = (f"{html.escape(spec)}<br>turn %{{customdata[0]}}: score %{{y:.2f}} (95 % interval "
+                 f"%{{customdata[1]:.2f}}-%{{customdata[2]:.2f}}, {n} conversation{'' if n == 1 else 's'})<br>"
+                 "answers copied from the lane's own earlier replies: %{customdata[3]}<extra></extra>")
+        data = [[t, sp[0] if sp else None, sp[1] if sp else None, c] for t, sp, c in zip(turns, spans, copies)]
         if spec == REFERENCE:
-            fig.add_trace(go.Scatter(x=turns, y=ys, mode="lines", name=f"{title(name)} (the ceiling) {mean:.2f}",
-                                     connectgaps=True,
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=f"{title(name)} (the reference) "
+                                                                            f"{mean:.2f}",
+                                     connectgaps=True, error_y={**bars, "color": "rgba(60,60,60,0.6)"},
                                      line=dict(color="rgba(60,60,60,0.28)", width=14),
-                                     hovertemplate="full cache<br>turn %{x}: score %{y:.2f}<extra></extra>"))
+                                     marker=dict(color="rgba(60,60,60,0.5)", size=6), customdata=data,
+                                     hovertemplate=hover))
             continue
         exact = cells[0]["lanes"][spec]["exact"]
         fig.add_trace(go.Scatter(
-            x=turns, y=ys, mode="lines+markers", name=f"{title(name)} {mean:.2f}", connectgaps=True,
+            x=xs, y=ys, mode="lines+markers", name=f"{title(name)} {mean:.2f}", connectgaps=True,
             line=dict(color=base_colour(name), width=2.5, dash="dot" if exact else "solid"),
             marker=dict(symbol=symbol(name), size=11 if exact else 9, color=base_colour(name),
                         line=dict(color="#fff", width=1)),
-            hovertemplate=f"{html.escape(spec)}<br>turn %{{x}}: score %{{y:.2f}}<extra></extra>"))
+            error_y={**bars, "color": base_colour(name)}, customdata=data, hovertemplate=hover))
     where = "every task" if task == ALL else task
-    fig.update_layout(template="plotly_white", font=FONT, height=450, margin=dict(l=70, r=20, t=70, b=55),
-                      title=dict(text=f"Answers across turns ({where}; {setting_words(setting)}): each turn asks about "
-                                      "another needle of turn 1's context", x=0.01, font=dict(size=17)),
+    what = ("found in the context: an answer copied from the lane's own earlier replies scores 0" if score != RAW else
+            "raw: every answer that holds the reference")
+    fig.update_layout(template="plotly_white", font=FONT, height=470, margin=dict(l=70, r=20, t=80, b=55),
+                      title=dict(text=f"Answers across turns ({where}; {setting_words(setting)}; "
+                                      f"{HISTORY_WORDS[kind(result)]})<br><sup>score {what}; bars: 95 % bootstrap "
+                                      f"interval over {n} conversation{'' if n == 1 else 's'}</sup>", x=0.01,
+                                 font=dict(size=17)),
                       legend=dict(title=dict(text="mean over the turns"), font=dict(size=13)),
-                      xaxis=dict(title="turn", tickmode="array", tickvals=turns, range=[0.7, turns[-1] + 0.3]),
+                      xaxis=dict(title="turn", tickmode="array", tickvals=turns, range=[0.6, turns[-1] + 0.4]),
                       yaxis=dict(title="mean score", range=[-0.04, 1.04]))
     return fig
+
+
+HISTORY_WORDS = {KEEP: "history kept: a conversation", DROP: "history dropped: each question from the compressed "
+                                                             "context", SINGLE: "one question"}
 
 
 def frontier_points(result: dict, task: str = ALL) -> tuple[list[Point], float | None]:
@@ -174,7 +250,7 @@ def frontier_points(result: dict, task: str = ALL) -> tuple[list[Point], float |
         held = [c["lanes"][spec]["held_bytes"] for c in cells if c["lanes"][spec]["held_bytes"] is not None]
         if held:
             points.append(Point(spec, int(sum(held) / len(held)), _score(cells, spec), None,
-                                instrument="tensor storages", axis=HELD))
+                                instrument=result["memory_instrument"], axis=HELD))
     return points, _score(cells, REFERENCE)
 
 
@@ -191,8 +267,13 @@ def provenance(result: dict) -> str:
             f"commit {result.get('commit') or '?'}")
 
 
+QUESTION_WORDS = {"after": "the question read after the context was compressed alone (kvpress's setting)",
+                  "with-context": "the question inside the compressed prompt (the SnapKV paper's setting)"}
+
+
 def head_html(result: dict) -> str:
-    """Where and when the result was measured, what it holds, and the exactness check."""
+    """Where and when the result was measured, what it holds, where the question was read, the history, how long
+    it took, and the exactness check."""
     every = "in every turn of every conversation" if result.get("multiturn") else "in every cell"
     exact = (f"every exact strategy's answer equals the full cache's, token for token, {every}"
              if result["exact_answers_equal_full"] else
@@ -201,9 +282,34 @@ def head_html(result: dict) -> str:
     asking = f" (turns {'/'.join(map(str, result['asked']))} ask; the others chat)" if result.get("asked") else ""
     what = (f"{n} conversation{'' if n == 1 else 's'} of {result['turns']} turns{asking}" if result.get("multiturn") else
             f"{n} sample{'' if n == 1 else 's'}")
+    history = f"; {HISTORY_WORDS[kind(result)]}" if result.get("multiturn") else ""
     return (f"<p class='kvd-tasks-head'>{html.escape(provenance(result))}: {what} "
             f"({', '.join(result['tasks'])}), contexts {', '.join(map(str, result['contexts']))} tokens, haystack "
-            f"{html.escape(result['haystack'])}; {exact}.</p>")
+            f"{html.escape(result['haystack'])}; {QUESTION_WORDS[result['question']]}{history}; "
+            f"{result['seconds'] / 60:.0f} min on {result['executor']}; {exact}.</p>")
+
+
+def turns_table_html(result: dict, setting: int | float | None, task: str = ALL) -> str:
+    """A row per lane at the setting: its mean score over the turns found in the context beside its raw score,
+    the answers that copied its own earlier replies, the full cache's, and the answers equal to the full cache's."""
+    cells = _cells(result, task)
+    mean = lambda spec, key: sum(c["lanes"][spec][key] for c in cells) / len(cells)  # noqa: E731
+    full_own, full_raw = mean(REFERENCE, "score_from_context"), mean(REFERENCE, "score")
+    rows = []
+    by_spec = {r["spec"]: r for r in result["rows"]}
+    for spec in specs_at(result, setting):
+        r = by_spec.get(spec, {})
+        asked = sum(x is not None for c in cells for x in c["lanes"][spec]["scores"])
+        same = sum(sum(c["lanes"][spec]["equal_full_turns"]) for c in cells)
+        turns = sum(len(c["lanes"][spec]["equal_full_turns"]) for c in cells)
+        rows.append(f"<tr><td>{html.escape(title(spec.split(':')[0]))}</td><td>{html.escape(r.get('kind', ''))}</td>"
+                    f"<td><b>{mean(spec, 'score_from_context'):.2f}</b></td><td>{mean(spec, 'score'):.2f}</td>"
+                    f"<td>{sum(c['lanes'][spec]['copies'] for c in cells)}/{asked}</td>"
+                    f"<td>{full_own:.2f} / {full_raw:.2f}</td><td>{same}/{turns}</td>"
+                    f"<td>{r.get('compression_ratio', 0):.2f}</td><td>{fmt_bytes(r.get('held_bytes_mean'))}</td></tr>")
+    return ("<table class='kvd-tasks-table'><tr><th>strategy</th><th>kind</th><th>found in the context</th>"
+            "<th>raw</th><th>copied answers</th><th>full cache (context / raw)</th><th>= full answers</th>"
+            "<th>compression</th><th>held after</th></tr>" + "".join(rows) + "</table>")
 
 
 def table_html(result: dict, budget: int | None, task: str = ALL) -> str:
