@@ -309,32 +309,38 @@ def replay(config: ReplayConfig) -> dict:
     against the full cache."""
     import torch
 
+    from . import validate
     from .engine import model_lock
     from .geometry import ModelGeometry
     from .models import load_model
     from .strategies.anchorkv import AnchorKV, rebuild_all
 
+    validate.threads(config.threads)
     loaded = load_model(config.model, dtype=config.dtype, device=config.device)
     geom = ModelGeometry.from_config(loaded.config, loaded.dtype)
     if not 1 <= config.spacing <= geom.num_layers:
         raise BenchError(f"--spacing: {config.spacing} must be between 1 and L={geom.num_layers}")
     strategy = AnchorKV(spacing=config.spacing, budget=1)
-    torch.set_num_threads(config.threads or torch.get_num_threads())
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     engine = _context_engine(loaded, [strategy], config.context)
     cache, reference = engine.lanes[0].cache, engine.reference.cache
     anchors = strategy.anchor_layers(geom)
     rows = {}
+    lane, observer = engine.lanes[0], engine.observer
     with model_lock(loaded.model), torch.inference_mode(), engine.kernel_scope():
         for kind in ("cascade", "naive"):
-            replayer = cache.store.replayer
-            replayer.passes = replayer.calls = 0
+            observer.tallies[lane.label].clear()  # the observer counts the replay's passes and calls
             t0 = time.perf_counter()
-            kv = rebuild_all(cache, kind)
+            with observer.region(lane.owner, "replay"):
+                kv = rebuild_all(cache, kind)
             elapsed = time.perf_counter() - t0
             exact = all(torch.equal(k, reference.layers[g].keys) and torch.equal(v, reference.layers[g].values)
                         for g, (k, v) in kv.items())
-            rows[kind] = {"seconds": elapsed, "layer_passes": replayer.passes, "layer_calls": replayer.calls,
-                          "kv_exact": exact, "expected_passes": geom.replay_passes(anchors, cascade=kind == "cascade")}
+            tally = observer.tallies[lane.label]
+            rows[kind] = {"seconds": elapsed, "layer_passes": tally["layer passes"],
+                          "layer_calls": tally["layer calls"], "kv_exact": exact,
+                          "expected_passes": geom.replay_passes(anchors, cascade=kind == "cascade")}
             del kv
     speedup = rows["naive"]["seconds"] / rows["cascade"]["seconds"]
     ideal = rows["naive"]["layer_passes"] / rows["cascade"]["layer_passes"]
@@ -412,9 +418,11 @@ def capacity(config: CapacityConfig, say: Callable[[str], None] = _stderr) -> di
     import psutil
     import torch
 
+    from . import validate
     from .geometry import ModelGeometry
     from .models import load_model
 
+    validate.threads(config.threads)
     if config.context < 2:
         raise BenchError(f"--context: {config.context} must be >= 2")
     if config.measure < 0:
@@ -444,6 +452,7 @@ def capacity(config: CapacityConfig, say: Callable[[str], None] = _stderr) -> di
                      else m["next_ttft_ms"] * config.context / n,
                      "estimated": n < config.context})
     return {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device),
-            "threads": config.threads or torch.get_num_threads(), "context": config.context, "memory_bytes": memory,
+            "threads": torch.get_num_threads() if config.threads is None else config.threads,
+            "context": config.context, "memory_bytes": memory,
             "full_kv_bytes": full_bytes, "budget": config.budget, "kernels": kernels, "rows": rows,
             "max_context": loaded.max_context}

@@ -122,8 +122,10 @@ class Engine:
         self.turn_seconds: list[float] = []  # wall time of each turn, from its first forward to its last
         self.parked = False
         self.saved_context: dict | None = None  # label -> (cache, history length, forwards): `turn(save_context=)`
+        self.unattributed_peak = 0  # the most bytes no lane's work held after a step (`_unattributed`)
         self.observer.register(CONTEXT)
         self.determinism = probe_determinism(loaded.device, loaded.dtype, self.threads)
+        self.observer.count_unattributed_from_now()  # the model's and the probe's blocks are no run's
 
     def about(self) -> dict:
         """Per shown strategy: the first line of its docstring and the settings it adapted (plain data, for a page
@@ -256,7 +258,7 @@ class Engine:
             lane.book.declared(formula, obs.declared(lane.cache))
         if self.memory == "trace" and obs.meter is not None:  # the meter beside the trace, between turns too
             lane.book.audit("between turns", seen, obs.held(lane.owner), None, held, None)
-        lane.book.between_turns(seen, held, formula)
+        lane.book.between_turns(seen, held, formula, obs.outside(lane.owner) if self.memory != "none" else None)
         lane.keeping = False
         if self.instruments.digests:
             lane.kv_digest = obs.digest(lane.cache)
@@ -306,7 +308,17 @@ class Engine:
         if probed.mode != self.kernels.mode:
             raise InputError(f"threads: {threads} would change the kernels ({probed.reason}); allowed: a count where "
                              f"the {self.kernels.mode} kernels' probe passes")
-        self.threads = self.forwards.threads = self.kernels.threads = threads
+        # The verdicts proven at `threads` from now on, everywhere the old ones were: the forwards, every cache
+        # (its rebuilds and replays), the saved context's copies.
+        self.kernels = self.forwards.kernels = probed
+        for lane in self.all_lanes:
+            for _, cache in self._caches(lane):
+                cache.use_kernels(probed)
+        for cache, _, _ in (self.saved_context or {}).values():
+            cache.use_kernels(probed)
+        self.threads = self.forwards.threads = threads
+        if not probed.invariant:
+            self.forwards.check_native()
 
     @contextlib.contextmanager
     def kernel_scope(self):
@@ -497,9 +509,19 @@ class Engine:
         engine = {op: ms for op, ms in engine.items() if ms}
         figures = {"step_ms": wall, "lanes_ms": lanes, "measurement_ms": measured, "engine_ms": engine,
                    "shared_ms": self.forwards.step_shared_ms,
-                   "unattributed_ms": wall - sum(lanes.values()) - sum(measured.values()) - sum(engine.values())}
+                   "unattributed_ms": wall - sum(lanes.values()) - sum(measured.values()) - sum(engine.values()),
+                   "unattributed_bytes": self._unattributed()}
         self.steps.append(figures)
         return figures
+
+    def _unattributed(self) -> dict | None:
+        """No lane's bytes now (`Observer.unattributed`), and the most they reached in this run."""
+        if self.memory == "none":
+            return None
+        now = self.observer.unattributed()
+        if now is not None:
+            self.unattributed_peak = max(self.unattributed_peak, now["bytes"])
+        return now
 
     def _choose(self, lane: Lane, index: int) -> int:
         """Greedy token at `index` of the current turn; ends the lane's turn on EOS, the token limit or the context."""
@@ -655,6 +677,10 @@ class Engine:
             "max_new_tokens": self.max_new_tokens,
             "process_rss_peak_bytes": self.forwards.rss_peak,
             "memory_instrument": self.instrument,
+            # Bytes no lane's work holds, now and at most after a step (process-wide: blocks allocated outside every
+            # region, the measurement's own, shared memory); None where no meter reads them.
+            "unattributed_bytes": None if (now := self._unattributed()) is None else {
+                **now, "peak": max(self.unattributed_peak, now["bytes"])},
             "determinism": self.determinism,
             "kernels": self.kernels.report(),
             "strategies": {label: self._summary(by_label[label]) for label in self.show if label in by_label},

@@ -42,7 +42,8 @@ from .memory import AllocationTracer
 from .metrics import OPS
 from .observe import SHARED, Observer, instrument
 from .replay import check_rows_kernels
-from .strategies.base import Forward
+from .strategies.base import ContractError, Forward
+from .strategies.scored import Scored, over_budget
 from .threads import pin
 
 
@@ -75,13 +76,18 @@ class Forwards:
         self.rss = self.rss_peak = None
         self.shared_ms: list[float] = []  # per decode pass of several rows: the pass's own work
         self.step_shared_ms = 0.0  # the shared pass's time in the passes since `run` was last called
-        if not kernels.invariant:  # now, not inside the first timed step; at the run's thread count, which is the
-            previous = torch.get_num_threads()  # process's (torch's count is global): given back after
-            pin(threads)
-            try:
-                check_rows_kernels(model)
-            finally:
-                pin(previous)
+        if not kernels.invariant:
+            self.check_native()
+
+    def check_native(self):
+        """The native path's row kernels checked at the run's thread count, now (not inside the first timed step);
+        torch's count is the process's: given back after."""
+        previous = torch.get_num_threads()
+        pin(self.threads)
+        try:
+            check_rows_kernels(self.model)
+        finally:
+            pin(previous)
 
     # Inference mode is entered per call, not around a turn: it is per thread, and a turn's generator may be
     # advanced from different threads.
@@ -158,6 +164,10 @@ class Forwards:
         obs = self.observer
         lane.history.extend(item.ids)
         lane.forwards.append(Forward(q, prompt=turn_start, open=item.more_prompt, keep=lane.keeping))
+        if isinstance(lane.strategy, Scored):  # the budget, checked from outside the strategy's code
+            why = over_budget(lane.cache, seen_before + q, lane.forwards)
+            if why is not None:
+                raise ContractError(why)
         lane.times.add(times, prefill=turn_start, piece=piece)
         if not turn_start:
             lane.book.turns[-1].decode_ms.append(1e3 * times["total"])
@@ -165,11 +175,12 @@ class Forwards:
         seen = seen_before + q
         formula = strategy.formula_persistent(geom, seen, lane.forwards)
         transient = strategy.formula_transient(geom, seen_before, q, turn_start and piece == 0, lane.forwards)
-        state = peak = None
+        state = peak = outside = None
         if self.instruments.memory != "none":
             declared = obs.declared(lane.cache)
             lane.book.declared(formula, declared)
             state = self.held(lane)
+            outside = obs.outside(lane.owner)
             if self.instruments.memory == "allocator":
                 peak = obs.peak(lane.owner)
             elif self.instruments.memory == "trace":
@@ -178,7 +189,7 @@ class Forwards:
                     lane.book.audit("step", seen, obs.held(lane.owner), obs.peak(lane.owner), state, peak)
             if peak is None:  # no peak to read here: the held bytes and the formula's buffers, labelled so
                 peak = state + transient
-        lane.book.step(seen, state, peak, formula, transient)
+        lane.book.step(seen, state, peak, formula, transient, outside)
         if self.instruments.rss:
             with obs.region(instrument("rss"), "read"):
                 obs.counts["rss"] += 1

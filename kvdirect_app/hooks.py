@@ -82,7 +82,8 @@ class InputTap:
                 # One cache's own forward (`strategy_cache`, the model's own attention): the mask is sized by the
                 # layer type's first layer; a layer holding fewer tokens takes its rightmost columns.
                 keys = self.caches[0].layers[index].get_mask_sizes(x.shape[1])[0]
-                return args, {**kwargs, "attention_mask": fit_mask(kwargs["attention_mask"], keys)}
+                return args, {**kwargs, "attention_mask": fit_mask(kwargs["attention_mask"], keys,
+                                                                    self.caches[0].strategy.label, index)}
 
         return hook
 

@@ -2,7 +2,7 @@
 
 The engine runs lanes; the instruments observe them at fixed points of a step
 and a turn, in regions of their own (`observe.py`), so their time is never a
-lane's (nor the shared pass's) and their allocations nobody's:
+lane's (nor the shared pass's) and their allocations their own (no lane's):
 
 * ``compare``: each K/V an exact strategy hands attention against what the
   full cache holds for the same step (`Observer.compare`: this is what

@@ -25,9 +25,10 @@ Two modes for a run (`--kernels`):
 every linear layer's row counts at the run's thread count (and its large call at one thread),
 the block attention's row counts and its one-query/many-queries
 equality for each attention geometry of the model, and the model's RMSNorm
-rows; the verdicts are kept on disk and re-checked at the next start.  A
-failed probe means ``native``, said aloud in the run's JSON (`kernels`), the
-CLI's first lines and the page.
+rows, at every start; the verdicts are kept on disk, and a stored one that the
+probe does not find here is said (`file_notes`).  A failed probe means
+``native``, said aloud in the run's JSON (`kernels`), the CLI's first lines and
+the page.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ class Kernels:
     # --- the probe ---------------------------------------------------------------------------------------
     def _linear_verdict(self, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Verdict:
         return self.store.get(linear_key(weight, bias, threads), lambda: probes.probe_linear(weight, bias, threads),
-                              lambda v: probes.recheck(v, weight, bias))
+                              keep=True)
 
     def _probe(self, model, device, dtype) -> str | None:
         """None when every kernel of the model passed at this thread count and across thread counts."""
@@ -240,7 +241,7 @@ class Kernels:
                 continue
             seen.add(geometry)
             rows = self.store.get(attention_rows_key(attn.head_dim, dtype, device),
-                                  lambda: probes.probe_attention_rows(attn.head_dim, dtype, device), probes.recheck)
+                                  lambda: probes.probe_attention_rows(attn.head_dim, dtype, device), keep=True)
             if not rows.counts:
                 return f"the block attention's GEMMs have no invariant row count here ({', '.join(map(str, rows.failed))})"
             group = geometry[0] // geometry[1]
@@ -288,7 +289,7 @@ class Kernels:
         if self.rows is None or self.rows.key != attention_rows_key(query.shape[-1], query.dtype, query.device):
             self.rows = self.store.get(attention_rows_key(query.shape[-1], query.dtype, query.device),
                                        lambda: probes.probe_attention_rows(query.shape[-1], query.dtype, query.device),
-                                       probes.recheck)
+                                       keep=True)
         return self.rows
 
     def attention(self, query, key, value, end: int, scaling: float, softcap=None, window=None) -> torch.Tensor:
@@ -310,7 +311,9 @@ class Kernels:
         verdicts = self.verdicts
         return {"mode": self.mode, "requested": self.requested, "reason": self.reason, "threads": self.threads,
                 "rows": list(ROWS), "probe_file": None if self.store is None or self.store.path is None
-                else str(self.store.path.name), "from_file": 0 if self.store is None else self.store.read_from_file,
+                else str(self.store.path.name),
+                "file_confirmed": 0 if self.store is None else self.store.confirmed,
+                "file_notes": [] if self.store is None else list(self.store.notes),
                 "probes": [{"shape": list(v.key[1]), "bias": v.key[2], "dtype": v.key[3], "device": v.key[4],
                             "threads": v.key[5], "proven": list(v.counts), "failed": list(v.failed),
                             "across_threads": v.across_threads}
@@ -323,7 +326,9 @@ class Kernels:
 def brief(report: dict) -> str:
     """The same in a few words, for the page's status line."""
     if report["mode"] == "invariant":
-        return f"kernels: invariant (probe passed at {report['threads']} thread(s))"
+        stale = " · the probe file disagreed with the probe here: its verdicts replaced" if report.get("file_notes") \
+            else ""
+        return f"kernels: invariant (probe passed at {report['threads']} thread(s)){stale}"
     if report["requested"] == "invariant":
         return f"kernels: NATIVE, the invariance probe failed here: {report['reason']}"
     return "kernels: native"

@@ -8,7 +8,7 @@ Bytes come from independent sources, kept side by side:
   lane's own work (its cache updates, rebuilds, replays, scoring, attention,
   setup; its fork, park and resume) and has not taken back, and the highest
   that went during each forward (state + its own buffers; the pass's shared
-  activations are nobody's).  With ``--memory trace`` the allocation trace
+  activations are the shared pass's).  With ``--memory trace`` the allocation trace
   (`memory.AllocationTracer`) is the measurement and audits the meter beside it
   (`audit`);
 * declared: the distinct storages of the tensors the strategy lists
@@ -16,7 +16,12 @@ Bytes come from independent sources, kept side by side:
   where no allocator can be read; it is never called measured);
 * formula: the strategy's own arithmetic from the config alone (persistent
   state; transient = the strategy's buffers, no activations, so a lower bound
-  of the measured peak).
+  of the measured peak);
+* outside torch: what the lane's work holds beside its tensors, by the same
+  ledger: numpy's array data and Python's objects (a strategy that keeps a
+  numpy copy or a list of its keys holds them here).  The held and peak
+  figures above are torch's (compared with the formula like for like); these
+  sit beside them (held after each forward, and the most of that).
 
 Where measured state and formula disagree (a hidden copy, a wrong formula), or
 declared and formula (a wrong list), the book records it; the tables show all.
@@ -46,12 +51,14 @@ class TurnBytes:
     formula_peak: int = 0
     between: int | None = None  # held after the turn ended
     formula_between: int = 0
+    outside_between: int | None = None  # held outside torch after the turn ended
     decode_ms: list[float] = field(default_factory=list)
 
     def summary(self) -> dict:
         ms = sum(self.decode_ms) / len(self.decode_ms) if self.decode_ms else None
         return {"turn": self.turn, "peak_during_turn": self.peak, "formula_peak_during_turn": self.formula_peak,
                 "between_turns": self.between, "formula_between_turns": self.formula_between,
+                "outside_torch_between_turns": self.outside_between,
                 "decode_ms_per_token": ms}
 
 
@@ -73,6 +80,8 @@ class ByteBook:
     peak_below_formula: int = 0  # steps whose measured peak was below the formula's lower bound
     last: dict = field(default_factory=dict)
     turns: list[TurnBytes] = field(default_factory=list)
+    outside: int | None = None  # held outside torch after the last forward (numpy's data, Python's objects)
+    outside_peak: int | None = None  # the most held outside torch after a forward
     # On CUDA: the exact sizes of the tensors the lane's cache holds (see memory.py: block rounding).
     held_sizes: Callable[[], list[int]] | None = None
     # ``--memory trace``: the trace's audit of the meter: (where, seen, meter, traced), the first few, and peaks
@@ -118,7 +127,8 @@ class ByteBook:
         if declared is not None and declared != formula:
             self.declared_mismatch_count += 1
 
-    def step(self, seen: int, state: int | None, peak: int | None, formula_state: int, formula_transient: int):
+    def step(self, seen: int, state: int | None, peak: int | None, formula_state: int, formula_transient: int,
+             outside: int | None = None):
         """After one forward of the lane (not its teacher-forced twin): its held bytes and peak as measured.
 
         The formula's peak (the state after the step + the largest buffer of a layer) bounds the measured peak from
@@ -135,12 +145,15 @@ class ByteBook:
         turn = self.turns[-1]
         turn.peak = self._max(turn.peak, peak)
         turn.formula_peak = max(turn.formula_peak, formula_peak)
+        self.outside, self.outside_peak = outside, self._max(self.outside_peak, outside)
         self.last = {"persistent_bytes": state, "peak_bytes": peak, "formula_bytes": formula_state,
                      "formula_peak_bytes": formula_peak, "peak_source": self.peak_source,
-                     "formula_agrees": None if state is None else self.agrees(state, formula_state)}
+                     "formula_agrees": None if state is None else self.agrees(state, formula_state),
+                     "outside_bytes": outside}
 
-    def between_turns(self, seen: int, state: int | None, formula: int):
+    def between_turns(self, seen: int, state: int | None, formula: int, outside: int | None = None):
         self.check("between turns", seen, state, formula)
+        self.turns[-1].outside_between = outside
         self.between_turns_peak = self._max(self.between_turns_peak, state)
         self.formula_between_turns_peak = max(self.formula_between_turns_peak, formula)
         self.turns[-1].between, self.turns[-1].formula_between = state, formula
@@ -161,6 +174,9 @@ class ByteBook:
             "peak_below_formula_steps": self.peak_below_formula,
             "peak_source": self.peak_source,
             "declared_mismatch_count": self.declared_mismatch_count,
+            # Beside the tensors: numpy's data and Python's objects the lane's work holds (the ledger's; None where
+            # no meter reads them).
+            "outside_torch": {"held": self.outside, "peak": self.outside_peak},
             # ``--memory trace`` only: the meter audited by the allocation trace.
             "meter_audit": {"steps": self.audit_steps, "held_mismatches": self.audit_count,
                             "first_mismatches": [list(m) for m in self.audits],

@@ -1,12 +1,21 @@
-// The CPU allocator's own ledger: every block a tensor gets, counted for the owner whose work asked for it.
+// The CPU allocator's own ledger: every block a tensor gets, counted for the owner whose work asked for it, and the
+// blocks a numpy array or a Python object gets beside it.
 //
 // Installed in torch's default CPU allocator itself (every CPU tensor's storage then passes through
 // `Ledger::allocate`: the ops' blocks, asked of `GetCPUAllocator()`, and the blocks Python's storage
-// constructors ask of `GetDefaultCPUAllocator()` by name, as `copy.deepcopy` and unpickling do).  A thread names the owner of its work with `kv_enter`; a block allocated while
-// a thread works for owner N is N's until it is freed, on whatever thread and whenever that happens.  Per
-// owner: the bytes live now, the highest they went since `kv_reset_peak`, and the blocks live.  Owner 0 is
-// nobody (nothing is recorded: the shared pass's activations, the measurement's own work, other threads).
-// kvdirect_app/ledger.py builds this file with the machine's C++ compiler against torch's headers and loads it.
+// constructors ask of `GetDefaultCPUAllocator()` by name, as `copy.deepcopy` and unpickling do).  A thread names
+// the owner of its work with `kv_enter`; a block allocated while a thread works for owner N is N's until it is
+// freed, on whatever thread and whenever that happens.  Owner 0 is no one's work: a torch block allocated outside
+// every owner's work (another thread, code outside every region) is counted there, as unattributed, never dropped.
+//
+// Beside torch's: numpy's array data (a `PyDataMem_Handler`, which numpy keeps per Python context: `kv_numpy_here`
+// puts it in the calling context) and Python's objects and buffers (hooks on Python's object and memory domains,
+// process-wide), counted per owner as "outside torch"; Python's blocks only for a named owner (every thread's
+// objects would otherwise be unattributed noise).  Per owner: torch's live bytes, the highest they went since
+// `kv_reset_peak` and torch's live blocks (the figures compared with a strategy's formula, like for like), and the
+// live bytes outside torch beside them.
+// kvdirect_app/ledger.py builds this file with the machine's C++ compiler against torch's (and, where numpy is
+// there, Python's and numpy's) headers and loads it.
 #include <c10/core/CPUAllocator.h>
 
 #include <atomic>
@@ -15,15 +24,25 @@
 #include <mutex>
 #include <unordered_map>
 
+#ifdef KV_PYTHON
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#endif
+#ifdef KV_NUMPY
+#define NPY_NO_DEPRECATED_API NPY_1_22_API_VERSION
+#include <numpy/arrayobject.h>
+#endif
+
 namespace {
 
 struct Owner {
-  std::atomic<int64_t> live{0};
-  std::atomic<int64_t> peak{0};
-  std::atomic<int64_t> blocks{0};
+  std::atomic<int64_t> live{0};     // torch's blocks
+  std::atomic<int64_t> outside{0};  // numpy's data and Python's objects
+  std::atomic<int64_t> peak{0};     // the highest torch's live bytes went
+  std::atomic<int64_t> blocks{0};   // torch's blocks
 };
 
-constexpr int32_t kOwners = 1 << 20;  // ids are handed out and taken back by ledger.py
+constexpr int32_t kOwners = 1 << 20;  // ids are handed out and taken back by ledger.py; 0 is unattributed
 Owner owners[kOwners];                // zero pages until an owner is used
 thread_local int32_t current = 0;
 
@@ -32,14 +51,23 @@ struct Block {
   int32_t owner;
 };
 
+void grow(Owner& owner, int64_t torch_bytes, int64_t outside_bytes) {
+  owner.outside += outside_bytes;
+  if (!torch_bytes) return;
+  int64_t now = (owner.live += torch_bytes);
+  int64_t high = owner.peak.load();
+  while (now > high && !owner.peak.compare_exchange_weak(high, now)) {
+  }
+}
+
 std::mutex table_mutex;
-std::unordered_map<void*, Block> table;  // the blocks of owners other than 0
+std::unordered_map<void*, Block> table;  // torch's blocks, of every owner (0: unattributed)
 c10::Allocator* base = nullptr;          // torch's default allocator, as it was (a copy of it: see kv_install)
 c10::DeleterFnPtr base_delete = nullptr;
 alignas(alignof(std::max_align_t)) unsigned char base_copy[sizeof(void*)];
 
 void release(void* ptr) {
-  Block block{0, 0};
+  Block block{0, -1};
   {
     std::lock_guard<std::mutex> guard(table_mutex);
     auto it = table.find(ptr);
@@ -48,7 +76,7 @@ void release(void* ptr) {
       table.erase(it);
     }
   }
-  if (block.owner) {
+  if (block.owner >= 0) {
     owners[block.owner].live -= block.bytes;
     owners[block.owner].blocks -= 1;
   }
@@ -61,17 +89,13 @@ struct Ledger final : c10::Allocator {
     void* ptr = data.get();
     data.release_context();  // torch's block, freed by `release` through torch's own deleter
     int32_t who = current;
-    if (who && n) {
+    if (n) {
       {
         std::lock_guard<std::mutex> guard(table_mutex);
         table[ptr] = Block{static_cast<int64_t>(n), who};
       }
-      Owner& owner = owners[who];
-      int64_t now = (owner.live += static_cast<int64_t>(n));
-      owner.blocks += 1;
-      int64_t high = owner.peak.load();
-      while (now > high && !owner.peak.compare_exchange_weak(high, now)) {
-      }
+      owners[who].blocks += 1;
+      grow(owners[who], static_cast<int64_t>(n), 0);
     }
     return {ptr, ptr, &release, c10::Device(c10::DeviceType::CPU)};
   }
@@ -82,6 +106,138 @@ struct Ledger final : c10::Allocator {
 };
 
 Ledger ledger;
+
+// --- outside torch -------------------------------------------------------------------------------------------------
+// Blocks outside torch of an owner: (address -> bytes, owner).  Python's object and memory domains are called with
+// the GIL held, so their table needs no lock of its own; numpy may allocate without the GIL, so its table has one.
+struct Outside {
+  std::unordered_map<void*, Block> table;
+  std::mutex* lock;  // null: the GIL serialises every call
+
+  void add(void* ptr, size_t n, int32_t who) {
+    if (!ptr) return;
+    if (lock) {
+      std::lock_guard<std::mutex> guard(*lock);
+      table[ptr] = Block{static_cast<int64_t>(n), who};
+    } else {
+      table[ptr] = Block{static_cast<int64_t>(n), who};
+    }
+    grow(owners[who], 0, static_cast<int64_t>(n));
+  }
+
+  // The block's (bytes, owner) if it was counted, removed from the table (and from its owner's count when `drop`);
+  // owner -1 if not.
+  Block take(void* ptr, bool drop) {
+    Block block{0, -1};
+    if (!ptr) return block;
+    if (lock) {
+      std::lock_guard<std::mutex> guard(*lock);
+      block = find(ptr);
+    } else {
+      block = find(ptr);
+    }
+    if (drop && block.owner >= 0) owners[block.owner].outside -= block.bytes;
+    return block;
+  }
+
+  void put_back(void* ptr, Block block) {
+    if (block.owner < 0) return;
+    if (lock) {
+      std::lock_guard<std::mutex> guard(*lock);
+      table[ptr] = block;
+    } else {
+      table[ptr] = block;
+    }
+  }
+
+ private:
+  Block find(void* ptr) {
+    if (table.empty()) return Block{0, -1};
+    auto it = table.find(ptr);
+    if (it == table.end()) return Block{0, -1};
+    Block block = it->second;
+    table.erase(it);
+    return block;
+  }
+};
+
+#ifdef KV_PYTHON
+Outside py_blocks{{}, nullptr};
+PyMemAllocatorEx py_base[2];  // Python's allocators as they were (mem, obj domains): the hooks call them
+PyMemAllocatorEx py_hook[2];
+bool py_installed = false;
+
+void* py_malloc(void* ctx, size_t n) {
+  auto* a = static_cast<PyMemAllocatorEx*>(ctx);
+  void* p = a->malloc(a->ctx, n);
+  if (current > 0) py_blocks.add(p, n, current);
+  return p;
+}
+
+void* py_calloc(void* ctx, size_t count, size_t size) {
+  auto* a = static_cast<PyMemAllocatorEx*>(ctx);
+  void* p = a->calloc(a->ctx, count, size);
+  if (current > 0) py_blocks.add(p, count * size, current);
+  return p;
+}
+
+void* py_realloc(void* ctx, void* ptr, size_t n) {
+  auto* a = static_cast<PyMemAllocatorEx*>(ctx);
+  Block was = py_blocks.take(ptr, false);
+  void* p = a->realloc(a->ctx, ptr, n);
+  if (!p) {  // the old block stands, still counted
+    py_blocks.put_back(ptr, was);
+    return p;
+  }
+  if (was.owner >= 0) owners[was.owner].outside -= was.bytes;
+  int32_t who = was.owner >= 0 ? was.owner : current;  // a block moved stays its owner's
+  if (who > 0) py_blocks.add(p, n, who);
+  return p;
+}
+
+void py_free(void* ctx, void* ptr) {
+  auto* a = static_cast<PyMemAllocatorEx*>(ctx);
+  py_blocks.take(ptr, true);
+  a->free(a->ctx, ptr);
+}
+#endif
+
+#ifdef KV_NUMPY
+std::mutex np_mutex;
+Outside np_blocks{{}, &np_mutex};
+
+void* np_malloc(void*, size_t n) {
+  void* p = std::malloc(n ? n : 1);
+  np_blocks.add(p, n, current);
+  return p;
+}
+
+void* np_calloc(void*, size_t count, size_t size) {
+  void* p = std::calloc(count ? count : 1, size ? size : 1);
+  np_blocks.add(p, count * size, current);
+  return p;
+}
+
+void* np_realloc(void*, void* ptr, size_t n) {
+  Block was = np_blocks.take(ptr, false);
+  void* p = std::realloc(ptr, n ? n : 1);
+  if (!p) {
+    np_blocks.put_back(ptr, was);
+    return p;
+  }
+  if (was.owner >= 0) owners[was.owner].outside -= was.bytes;
+  np_blocks.add(p, n, was.owner >= 0 ? was.owner : current);
+  return p;
+}
+
+void np_free(void*, void* ptr, size_t) {
+  np_blocks.take(ptr, true);
+  std::free(ptr);
+}
+
+PyDataMem_Handler np_handler = {"kvdirect_ledger", 1, {nullptr, np_malloc, np_calloc, np_realloc, np_free}};
+PyObject* np_capsule = nullptr;
+#endif
 
 }  // namespace
 
@@ -110,6 +266,56 @@ int kv_install() {
   return 0;
 }
 
+// Python's object and memory domains through the hooks (call with the GIL held: ctypes.PyDLL).  0: done (or
+// already); -1: built without Python's headers.  The raw domain is left alone: it is called without the GIL, and
+// Python's objects and buffers come from the other two.
+int kv_python_install() {
+#ifdef KV_PYTHON
+  if (py_installed) return 0;
+  const PyMemAllocatorDomain domains[2] = {PYMEM_DOMAIN_MEM, PYMEM_DOMAIN_OBJ};
+  for (int i = 0; i < 2; ++i) {
+    PyMem_GetAllocator(domains[i], &py_base[i]);
+    py_hook[i] = {&py_base[i], py_malloc, py_calloc, py_realloc, py_free};
+    PyMem_SetAllocator(domains[i], &py_hook[i]);
+  }
+  py_installed = true;
+  return 0;
+#else
+  return -1;
+#endif
+}
+
+// numpy's data allocations in the calling Python context through the ledger (with the GIL held).  0: in place (or
+// already); -1: built without numpy; -2: numpy's C API could not be had.
+int kv_numpy_here() {
+#ifdef KV_NUMPY
+  if (!np_capsule) {
+    if (PyArray_ImportNumPyAPI() < 0) {
+      PyErr_Clear();
+      return -2;
+    }
+    np_capsule = PyCapsule_New(&np_handler, "mem_handler", nullptr);
+    if (!np_capsule) {
+      PyErr_Clear();
+      return -2;
+    }
+  }
+  PyObject* now = PyDataMem_GetHandler();
+  bool ours = now == np_capsule;
+  Py_XDECREF(now);
+  if (ours) return 0;
+  PyObject* old = PyDataMem_SetHandler(np_capsule);
+  if (!old) {
+    PyErr_Clear();
+    return -2;
+  }
+  Py_DECREF(old);
+  return 0;
+#else
+  return -1;
+#endif
+}
+
 int32_t kv_owners() { return kOwners; }
 int32_t kv_enter(int32_t owner) {
   int32_t before = current;
@@ -117,6 +323,7 @@ int32_t kv_enter(int32_t owner) {
   return before;
 }
 int64_t kv_live(int32_t owner) { return owners[owner].live.load(); }
+int64_t kv_outside(int32_t owner) { return owners[owner].outside.load(); }
 int64_t kv_peak(int32_t owner) { return owners[owner].peak.load(); }
 int64_t kv_blocks(int32_t owner) { return owners[owner].blocks.load(); }
 void kv_reset_peak(int32_t owner) { owners[owner].peak.store(owners[owner].live.load()); }

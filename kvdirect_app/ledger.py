@@ -1,16 +1,24 @@
-"""The allocator's ledger of CPU tensor memory, by owner: the default memory instrument on the CPU.
+"""The allocator's ledger of CPU memory, by owner: the default memory instrument on the CPU.
 
 `ledger.cpp` is installed in torch's default CPU allocator: every CPU tensor's storage passes through it, the
-ops' and those Python's storage constructors make (`copy.deepcopy`, unpickling).  The engine names the owner of each piece of work (`Ledger.enter`: a lane's cache update, its
-attention, its replay...); a block allocated inside an owner's work is that owner's until it is freed, on
-whatever thread and whenever that happens.  So a lane's held bytes are what the allocator handed out for its
-work and has not taken back, its peak the highest that went since `reset_peak`: nothing a strategy lists,
-declares or hides changes that (a copy kept in an attribute, a closure or a module global was allocated like
-any other block).  Other threads (the web server's) work for nobody unless they say so, and owner 0 is nobody:
-their blocks are not recorded.
+ops' and those Python's storage constructors make (`copy.deepcopy`, unpickling).  The engine names the owner of
+each piece of work (`Ledger.enter`: a lane's cache update, its attention, its replay...); a block allocated
+inside an owner's work is that owner's until it is freed, on whatever thread and whenever that happens.  So a
+lane's held bytes are what the allocator handed out for its work and has not taken back, its peak the highest
+that went since `reset_peak`: nothing a strategy lists, declares or hides changes that (a copy kept in an
+attribute, a closure or a module global was allocated like any other block).
 
-It costs a table insert per block of a named owner and a look-up per free (~0.1 µs); naming an owner is one
-call (~0.5 µs).  glibc's `mallinfo2()` was the other candidate: as cheap, but process-wide, with no peak and no
+Nothing is left out.  Owner 0 is no one's work, and its blocks are counted too: a tensor allocated on a thread
+a strategy started, or by code outside every region, is unattributed, and a run reports it as such
+(`observe.Observer.unattributed`).  There is no way to work for nobody.  Beside torch's blocks the ledger counts,
+per owner, the bytes outside torch: numpy's array data (numpy's allocation handler, put in place in each Python
+context where an owner's work runs: `numpy_here`) and Python's objects and buffers (hooks on Python's object and
+memory domains, for named owners): a strategy that keeps a numpy copy or a list of its keys holds those bytes
+in its lane's figures.  Memory that no allocator hands out (a tensor moved to shared memory) is read from the
+process (`shared_memory_bytes`) and reported as unattributed.
+
+It costs a table insert per block of an owner and a look-up per free (~0.1 µs); naming an owner is one call
+(~0.5 µs).  glibc's `mallinfo2()` was the other candidate: as cheap, but process-wide, with no peak and no
 owner, so the web server's threads would have counted as the lanes'.
 
 The library is built once per torch build with the machine's C++ compiler (``$CXX``, else ``c++``) against
@@ -29,6 +37,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 from pathlib import Path
@@ -39,7 +48,7 @@ from .paths import cache
 
 SOURCE = Path(__file__).with_name("ledger.cpp")
 CACHE_ENV = "KVDIRECT_LEDGER_CACHE"
-NOBODY = 0
+UNATTRIBUTED = 0  # the owner of every block allocated outside a named owner's work
 
 
 class Unavailable(RuntimeError):
@@ -51,10 +60,21 @@ def _compiler() -> str | None:
     return shutil.which(name)
 
 
+def _python_flags() -> list[str]:
+    """Python's and (where numpy is there) numpy's headers: the hooks outside torch are built with them."""
+    flags = [f"-I{sysconfig.get_paths()['include']}", "-DKV_PYTHON"]
+    try:
+        import numpy
+    except ImportError:
+        return flags
+    return flags + [f"-I{numpy.get_include()}", "-DKV_NUMPY"]
+
+
 def _library_path(compiler: str) -> Path:
     torch_dir = Path(torch.__file__).parent
     key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, str(torch.version.git_version),
-                                    compiler, str(torch_dir), sys.platform]).encode()).hexdigest()[:16]
+                                    compiler, str(torch_dir), sys.platform, *_python_flags()]).encode()
+                         ).hexdigest()[:16]
     folder = cache(CACHE_ENV, "ledger") or Path(tempfile.gettempdir()) / "kvdirect-ledger"
     return folder / key / "libkvledger.so"
 
@@ -74,8 +94,8 @@ def build() -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-               f"-I{torch_dir / 'include'}", str(SOURCE), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-lc10",
-               f"-Wl,-rpath,{torch_dir / 'lib'}"]
+               f"-I{torch_dir / 'include'}", *_python_flags(), str(SOURCE), "-o", str(tmp), f"-L{torch_dir / 'lib'}",
+               "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -89,8 +109,8 @@ class Ledger:
     """The installed ledger: owners, their live bytes, blocks and peaks."""
 
     def __init__(self, path: Path):
-        lib = ctypes.CDLL(str(path))
-        for name in ("kv_live", "kv_peak", "kv_blocks"):
+        lib = ctypes.PyDLL(str(path))  # the GIL held in every call: the hooks outside torch use Python's C API
+        for name in ("kv_live", "kv_outside", "kv_peak", "kv_blocks"):
             getattr(lib, name).restype = ctypes.c_int64
             getattr(lib, name).argtypes = [ctypes.c_int32]
         lib.kv_enter.restype = ctypes.c_int32
@@ -101,9 +121,13 @@ class Ledger:
             raise Unavailable("torch's CPU allocator is not its default one, or hands out blocks the ledger "
                               "cannot follow" if status == 1 else f"install failed ({status})")
         self.path = path
+        self.python = lib.kv_python_install() == 0  # Python's objects counted per owner
+        self._numpy_here = lib.kv_numpy_here
+        self.numpy = self._numpy_here() == 0  # numpy's data counted (in each context where work is named)
         self.enter = lib.kv_enter  # enter(owner) -> the owner this thread worked for before
-        self.live = lib.kv_live
-        self.peak = lib.kv_peak
+        self.live = lib.kv_live  # torch's bytes
+        self.outside = lib.kv_outside  # numpy's and Python's bytes
+        self.peak = lib.kv_peak  # the highest torch's went
         self.blocks = lib.kv_blocks
         self.reset_peak = lib.kv_reset_peak
         self._free: list[int] = []
@@ -124,19 +148,30 @@ class Ledger:
     def release(self, owner: int):
         """Give an owner id back; one whose blocks are still alive (a cache that outlived its engine) is never
         reused, so its count cannot mix with another's."""
-        if owner and self.blocks(owner) == 0:
+        if owner and self.blocks(owner) == 0 and self.outside(owner) == 0:
             self.reset_peak(owner)
             with self._lock:
                 self._free.append(owner)
 
+    def numpy_here(self):
+        """numpy's data allocations in this Python context go through the ledger from now on (numpy keeps its
+        handler per context: a thread or a task starts with numpy's own)."""
+        if self.numpy:
+            self._numpy_here()
+
     @contextlib.contextmanager
     def working_for(self, owner: int):
-        """Inside: this thread's blocks are `owner`'s (NOBODY: recorded for no one)."""
+        """Inside: this thread's blocks are `owner`'s."""
+        self.numpy_here()
         before = self.enter(owner)
         try:
             yield
         finally:
             self.enter(before)
+
+    def unattributed(self) -> int:
+        """Live bytes of blocks allocated outside every named owner's work (torch's and numpy's), process-wide."""
+        return self.live(UNATTRIBUTED) + self.outside(UNATTRIBUTED)
 
 
 _LEDGER: Ledger | None = None
@@ -172,9 +207,39 @@ def installed() -> Ledger | None:
     return _LEDGER
 
 
-def nobody():
-    """Work whose blocks are nobody's (the measurement's own, a one-time check): no-op before the ledger is in."""
-    return _LEDGER.working_for(NOBODY) if _LEDGER is not None else contextlib.nullcontext()
+_MEASUREMENT: int | None = None
+
+
+def measurement():
+    """The measurement's own work outside an engine (a shadow full cache, a one-time check): its blocks are the
+    process's "measurement" owner's, counted like any other (no-op before the ledger is in)."""
+    global _MEASUREMENT
+    if _LEDGER is None:
+        return contextlib.nullcontext()
+    with _LOAD:
+        if _MEASUREMENT is None:
+            _MEASUREMENT = _LEDGER.owner()
+    return _LEDGER.working_for(_MEASUREMENT)
+
+
+def measurement_bytes() -> int:
+    """Live bytes of the measurement's own work outside an engine (`measurement`)."""
+    if _LEDGER is None or _MEASUREMENT is None:
+        return 0
+    return _LEDGER.live(_MEASUREMENT) + _LEDGER.outside(_MEASUREMENT)
+
+
+def shared_memory_bytes() -> int | None:
+    """The process's resident shared memory (RssShmem, Linux): a tensor moved to shared memory
+    (`share_memory_()`) leaves every allocator; None where it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssShmem:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 if __name__ == "__main__":

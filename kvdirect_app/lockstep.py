@@ -157,7 +157,7 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
         # an earlier row's output allocate nothing: the lane that computed it would otherwise carry it alone).
         with batch.observer.region(row.owner, "attention", memory=SHARED):
             k, v = row.kv.pop(j)
-            mask = None if block else fit_mask(row.masks[layer_type], k.shape[-2])
+            mask = None if block else fit_mask(row.masks[layer_type], k.shape[-2], row.cache.strategy.label, j)
             out = None
             if q > 1:
                 out = next((o for (qr, kr, vr, mr, o) in done if torch.equal(qr, query[i]) and _same(kr, k)
@@ -312,5 +312,5 @@ def run_batch(model: torch.nn.Module, rows: list[Row], observer: Observer, tap, 
         with batch.owned(i, "other"):
             row.cache.end_step()
             row.masks = {}  # freed inside the row's region, like every other part of its forward
-        with observer.region(ENGINE, "logits"):  # the engine's copy of the row's logits: nobody's bytes
+        with observer.region(ENGINE, "logits"):  # the engine's copy of the row's logits: the engine's bytes
             row.logits = logits[i].clone()

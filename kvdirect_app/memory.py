@@ -26,8 +26,9 @@ owner.  From the ledger:
   them in a batched forward of N lanes: the stated rule).
 
 Work the measurement itself does inside a lane's forward (comparing K/V with
-the reference, copying the logits the engine keeps) runs in `harness()`
-scopes; what it allocates there belongs to no lane.
+the reference, copying the logits the engine keeps) runs in an instrument's
+region, whose scope here is marked as the harness's; what it allocates there
+belongs to no lane.
 
 On CUDA the caching allocator reports its blocks, not the bytes asked
 for: each allocation rounded up to a multiple of 512 bytes, and a block
@@ -120,9 +121,10 @@ def _marked(name: str):
 
 @contextlib.contextmanager
 def harness():
-    """Marks work the measurement does inside a lane's forward (or a one-time check): its allocations belong to no
-    lane, for the trace and for the allocator's ledger."""
-    with _marked(HARNESS), ledger.nobody():
+    """Marks the measurement's own work outside an engine's regions (the shadow cache of `strategy_cache`): its
+    allocations belong to no lane, for the trace, and are the ledger's "measurement" owner's (counted, reported
+    as no lane's)."""
+    with _marked(HARNESS), ledger.measurement():
         yield
 
 
@@ -199,12 +201,12 @@ class AllocationTracer:
 
     def scope(self, owner):
         """The scope of a region of `owner` (an `observe.Owner`): a lane's or a twin's own, the session's shared
-        work as it is, anyone else's (an instrument's, the engine's) nobody's."""
+        work as it is, anyone else's (an instrument's, the engine's) no lane's."""
         if owner.kind in ("lane", "twin"):
             return self.owner(owner.label)
         if owner.kind == "shared":
             return contextlib.nullcontext()
-        return harness()
+        return _marked(HARNESS)  # the trace only: the ledger already counts the owner's work as its own
 
     @contextlib.contextmanager
     def owner(self, name: str):

@@ -7,6 +7,9 @@ gives no cheap peak: the figure is then the formula's, and labelled so).
 
 * `LedgerMeter` (CPU): the allocator's own ledger (`ledger.py`): every block is tagged with its owner when it is
   allocated and untagged when it is freed, wherever that happens; the peak is the owner's highest live bytes.
+  Every owner whose work runs in a region gets a tag (the shared pass, an instrument, the engine too), and the
+  bytes of each beside torch's (numpy's, Python's) are `outside(owner)`; what no region's work allocated is the
+  ledger's unattributed count.
 * `DeltaMeter` (CUDA, MPS): the device allocator's counters read around each stretch of an owner's work; what
   they moved by in that stretch is the owner's (the engine is the only one allocating on the device), and the
   caching allocator's peak, reset at each stretch's start, gives the highest it went (CUDA; MPS has none).
@@ -24,8 +27,8 @@ from . import ledger
 
 
 class LedgerMeter:
-    """The CPU allocator's ledger (`ledger.Ledger`): owners registered with `register` get a tag of their own;
-    work of any other owner (the shared pass, an instrument, the engine) is nobody's."""
+    """The CPU allocator's ledger (`ledger.Ledger`): every owner gets a tag of its own, on registering or on its
+    first region; work outside every region is the ledger's unattributed owner's."""
 
     kind = "allocator"
     has_peak = True
@@ -43,13 +46,26 @@ class LedgerMeter:
             self.tags[label] = self.ledger.owner()
 
     def enter(self, label: str) -> int:
-        return self.ledger.enter(self.tags.get(label, ledger.NOBODY))
+        tag = self.tags.get(label)
+        if tag is None:
+            self.register(label)
+            tag = self.tags[label]
+        self.ledger.numpy_here()
+        return self.ledger.enter(tag)
 
     def leave(self, token: int):
         self.ledger.enter(token)
 
     def held(self, label: str) -> int:
         return self.ledger.live(self.tags[label])
+
+    def outside(self, label: str) -> int:
+        """The owner's live bytes outside torch: numpy's array data and Python's objects."""
+        return self.ledger.outside(self.tags[label]) if label in self.tags else 0
+
+    def unattributed(self) -> int:
+        """Live bytes (torch's and numpy's) allocated outside every owner's work, process-wide."""
+        return self.ledger.unattributed()
 
     def peak(self, label: str) -> int:
         return self.ledger.peak(self.tags[label])
@@ -120,6 +136,14 @@ class DeltaMeter:
 
     def held(self, label: str) -> int:
         return self.live[label]
+
+    def outside(self, label: str) -> int:
+        """Nothing outside the device's allocator is read here (the host's bytes are the CPU ledger's)."""
+        return 0
+
+    def unattributed(self) -> int | None:
+        """Not read: the device's counters move only with the work the meter is told of."""
+        return None
 
     def peak(self, label: str) -> int | None:
         return self.peaks[label] if self._max is not None else None

@@ -52,7 +52,8 @@ class Owner:
 
 SHARED = Owner("shared pass", "shared")
 ENGINE = Owner("engine", "engine")
-INSTRUMENTS = ("compare", "twins", "agreement", "snapshot", "digest", "allocator", "storage", "trace", "rss")
+INSTRUMENTS = ("compare", "twins", "agreement", "snapshot", "digest", "allocator", "storage", "trace", "rss",
+               "rows check")
 INSTRUMENT = {name: Owner(name, "instrument") for name in INSTRUMENTS}
 
 
@@ -113,9 +114,11 @@ class Observer:
         self.references: dict[str, object] = {}  # owner label -> the reference cache it is compared with
         self.kv: dict[str, KVRecord] = defaultdict(KVRecord)
         self.rebuilt: Counter = Counter()  # owner label -> token-layers rebuilt or replayed
+        self.tallies: dict[str, Counter] = defaultdict(Counter)  # owner label -> counted seams (`TALLIED`)
         self.keep_handed: set[int] = set()  # ids of layers whose candidates' positions a snapshot needs
         self.handed: dict[int, torch.Tensor] = {}
         self._stack: list[list] = []  # [owner, op, started, meter token, trace scope, memory owner]
+        self._unattributed_start = _unattributed(meter.ledger) if hasattr(meter, "ledger") else {}
 
     # --- clocks and regions ------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -200,6 +203,31 @@ class Observer:
         with self.region(instrument("allocator"), "read"):
             self.counts["allocator"] += 1
             return self.meter.held(owner.label)
+
+    def outside(self, owner: Owner) -> int | None:
+        """The owner's live bytes outside torch (numpy's data, Python's objects), where the meter reads them."""
+        if self.meter is None:
+            return None
+        with self.region(instrument("allocator"), "read"):
+            return self.meter.outside(owner.label)
+
+    def count_unattributed_from_now(self):
+        """What no owner's work holds is counted from here on (the engine, once built: the model's blocks and the
+        probe's packed weights were there before it)."""
+        if hasattr(self.meter, "ledger"):
+            self._unattributed_start = _unattributed(self.meter.ledger)
+
+    def unattributed(self) -> dict | None:
+        """What no owner's work holds, since this observer began (process-wide, so another run's blocks outside
+        its regions would show here too): blocks allocated outside every region (torch's and numpy's: a thread a
+        strategy started, code outside every region), the measurement's own work outside an engine, and memory
+        no allocator handed out (shared memory); None without a meter that can read them."""
+        if self.meter is None or not hasattr(self.meter, "ledger"):
+            return None
+        with self.region(instrument("allocator"), "read"):
+            now = _unattributed(self.meter.ledger)
+        parts = {k: max(0, now[k] - self._unattributed_start[k]) for k in now}
+        return {"bytes": sum(parts.values()), **parts}
 
     def peak(self, owner: Owner) -> int | None:
         if self.meter is None:
@@ -302,6 +330,15 @@ class _Region:
         return False
 
 
+def _unattributed(book) -> dict[str, int]:
+    """The ledger's counts of bytes no run's owner holds, now: outside every region, the measurement's own work,
+    shared memory."""
+    from . import ledger
+
+    return {"outside_regions": book.unattributed(), "measurement": ledger.measurement_bytes(),
+            "shared_memory": ledger.shared_memory_bytes() or 0}
+
+
 def storage_sizes(*tensors: torch.Tensor | None) -> dict[int, int]:
     """Address -> bytes of the distinct storages behind `tensors` (a view counts its whole buffer, once)."""
     out = {}
@@ -316,7 +353,13 @@ def storage_sizes(*tensors: torch.Tensor | None) -> dict[int, int]:
 # method name -> the op it is timed as (None: the object's own `rebuild_op`, "recompute" or "replay").  A method
 # that rebuilds K/V counts its tokens: `rebuild_old(end, capacity)` rebuilds tokens 0..end-1 of one layer,
 # `rebuild_all(end)` tokens 0..end-1 of every layer it returns.
-SEAMS = {"rebuild_old": None, "carry": "replay", "rebuild_all": "replay", "score": "scoring"}
+SEAMS = {"rebuild_old": None, "carry": "replay", "rebuild_all": "replay", "score": "scoring",
+         "replay_layer": "replay", "_call": "replay", "_check_rows": None}
+# Seams counted (per owner, `Observer.tallies`): a replay's decoder-layer passes and its layer calls.
+TALLIED = {"replay_layer": "layer passes", "_call": "layer calls"}
+# Seams that are the measurement's, not the strategy's: a replay's one-time check that rows in one call give the
+# bits of separate calls runs as that instrument's work (its time and its blocks are no lane's).
+CHECKS = {"_check_rows": "rows check"}
 _OBSERVED: dict[type, type] = {}
 
 
@@ -329,6 +372,11 @@ def _seam(name: str, base: type):
         if found is None:
             return method(self, *args, **kwargs)
         observer, owner, _ = found
+        if name in CHECKS:
+            with observer.region(instrument(CHECKS[name]), "check"):
+                return method(self, *args, **kwargs)
+        if name in TALLIED:
+            observer.tallies[owner.label][TALLIED[name]] += 1
         with observer.op(SEAMS[name] or self.rebuild_op):
             out = method(self, *args, **kwargs)
         if name == "rebuild_old":
@@ -353,12 +401,18 @@ def _observed_class(cls: type) -> type:
 
 def watch(cache):
     """Put observed subclasses in place of the classes of the cache's layers and of every object the cache holds
-    that has a seam (AnchorKV's store): the same objects, whose seams time themselves inside a region.  A fork
-    (`copy.deepcopy`) keeps the classes.  Returns the cache."""
-    for obj in [*cache.layers, *vars(cache).values()]:
+    that has a seam, and of those such an object holds (AnchorKV's store's replayer): the same objects,
+    whose seams time (and count) themselves inside a region.  A fork (`copy.deepcopy`) keeps the classes.  Returns
+    the cache."""
+    def observable(obj) -> bool:
         cls = type(obj)
-        if isinstance(obj, (Strategy, torch.Tensor, type)) or getattr(cls, "__observed__", False):
-            continue
-        if any(callable(getattr(cls, name, None)) for name in SEAMS):
-            obj.__class__ = _observed_class(cls)
+        return (not isinstance(obj, (Strategy, torch.Tensor, type, torch.nn.Module))
+                and not getattr(cls, "__observed__", False)
+                and any(callable(getattr(cls, name, None)) for name in SEAMS))
+
+    held = [*cache.layers, *vars(cache).values()]
+    for obj in held + [inner for obj in held if not isinstance(obj, (torch.Tensor, torch.nn.Module, type))
+                       for inner in getattr(obj, "__dict__", {}).values()]:
+        if observable(obj):
+            obj.__class__ = _observed_class(type(obj))
     return cache

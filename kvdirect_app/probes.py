@@ -19,13 +19,13 @@ only for the shapes, dtype, device and thread count it was proven for.
 
 Verdicts are kept on disk (`Store`), one file per model, dtype and device in a folder per machine and build
 (CPU model and flags, torch's version and build, `VERSION`); the file holds the verdicts of every thread count
-run here (a write merges this process's into it).  The file is not trusted: a stored verdict is used only if
-its counts, proven and failed, are the ones the probe tries for its key (`candidates_of`) and the rest of the
-entry is well formed, and if, at the next start, every proven count passes the probe's own comparison again
-(every offset, twice) and the large call still gives the same bits at one thread where the verdict says so
-(`recheck`), on the verdict's device.  Anything else is probed afresh and the file rewritten; a stored verdict
-is never a claim by itself.  The re-check repeats the probe's work for the proven counts: where every count
-passes, it costs about what the probe does.
+run here (a write merges this process's into it).  The file proves nothing by itself: every start probes afresh
+(every count, proven and failed, at every offset, twice, and the large call at one thread and at the run's count,
+on the verdict's device), and a stored verdict is only compared with what the probe finds here.  Where they
+differ (an edited file, or a machine that changed under the same name), the probe's verdict is the one used, the
+file is rewritten and the run says so (`Store.notes`, in the kernels' report); a file that cannot be read, or an
+entry the probe could not have written, is said too.  A re-check of the stored counts would cost what the probe
+does, so the probe is the re-check.
 `KVDIRECT_PROBE_CACHE` names the folder (default beside the models' cached copies:
 ``~/.cache/kvdirect-studio/probes``); ``off`` keeps verdicts in memory only.
 """
@@ -246,18 +246,6 @@ def probe_rows(module: torch.nn.Module, width: int, dtype: torch.dtype, device, 
     return True, None
 
 
-def recheck(verdict: Verdict, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> bool:
-    """Whether a stored verdict holds here: every proven count by the probe's own comparison, at the probe's
-    misaligned offset, once (a start re-checks every linear shape of the model: the probe's every offset, twice,
-    cost as much as probing afresh), on the verdict's device (a linear verdict's: its weight's; the attention's:
-    its key's), and the large call's bits at one thread and at the verdict's count where it claims them equal.  A
-    stored verdict is read only after this agrees."""
-    if verdict.key[0] == "linear":
-        passed, across = _linear_rows(weight, bias, verdict.threads, verdict.counts, OFFSETS[1:2], 1)
-        return passed == verdict.counts and (across or not verdict.across_threads)
-    return _attention_rows(verdict.key[1], verdict.key[3], verdict.counts) == verdict.counts
-
-
 # --- the verdicts kept -----------------------------------------------------------------------------------------
 def environment(device) -> dict:
     """What the verdicts depend on besides the shapes: the processor, torch's build, this module's version."""
@@ -287,10 +275,10 @@ def root() -> Path | None:
 
 
 class Store:
-    """The verdicts of one loaded model: probed here, or read from its file and re-checked once per process.
+    """The verdicts of one loaded model: probed here at every start, and compared with its file's.
 
     Only GEMM verdicts (`Verdict`: a linear shape's or the attention's row counts) go to the file; the block
-    attention's and the norms' ((ok, why): a few milliseconds each) are probed at every start."""
+    attention's and the norms' ((ok, why)) are probed at every start and kept in memory."""
 
     def __init__(self, name: str, dtype: torch.dtype, device):
         env = environment(device)
@@ -301,21 +289,29 @@ class Store:
         self.environment = env
         self.verdicts: dict[tuple, object] = {}  # key -> Verdict or (ok, why)
         self.packed: dict[int, torch.Tensor] = {}  # a weight's data_ptr -> pack(weight), for its PACKED-row calls
-        self.stored: dict[tuple, object] = self._read()  # from the file, until re-checked
-        self.read_from_file = 0  # verdicts taken from the file (and re-checked) in this process
+        self.notes: list[str] = []  # what the file said that the probe here did not find (the run says so)
+        self.stored: dict[tuple, object] = self._read(self.notes)  # from the file, until compared with the probe
+        self.confirmed = 0  # stored verdicts the probe found again in this process
 
-    def _read(self) -> dict:
-        """The file's verdicts for this environment, each one the probe could have written (`_stored`)."""
+    def _read(self, notes: list | None = None) -> dict:
+        """The file's verdicts for this environment, each one the probe could have written (`_stored`); a file that
+        cannot be read, or an entry the probe could not have written, is noted in `notes`."""
         if self.path is None or not self.path.is_file():
             return {}
+        say = notes.append if notes is not None else (lambda line: None)
         try:
             data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError) as e:
+            say(f"probe file {self.path.name}: not readable ({type(e).__name__}): every verdict probed afresh")
             return {}
         if not isinstance(data, dict) or data.get("environment") != self.environment:
+            say(f"probe file {self.path.name}: not this machine's and build's: every verdict probed afresh")
             return {}
         entries = data.get("verdicts")
-        verdicts = [_stored(entry) for entry in entries] if isinstance(entries, list) else []
+        verdicts = [_stored(entry) for entry in entries] if isinstance(entries, list) else [None]
+        if any(v is None for v in verdicts):
+            say(f"probe file {self.path.name}: {sum(v is None for v in verdicts)} entry(ies) the probe could not have "
+                "written (edited?): ignored")
         return {v.key: v for v in verdicts if v is not None}
 
     def _write(self):
@@ -331,25 +327,36 @@ class Store:
         except OSError:
             pass  # a folder that cannot be written: the verdicts stay in memory
 
-    def get(self, key: tuple, probe, check=None):
-        """The verdict for `key`: known in this process, else the file's if `check(verdict)` agrees, else
-        `probe()`.  Only verdicts with a `check` are written to the file: the others (the block attention's and
-        the norms', each a few milliseconds) are probed at every start."""
+    def get(self, key: tuple, probe, keep: bool = False):
+        """The verdict for `key`: known in this process, else `probe()` here.  `keep`: a verdict the file holds (a
+        GEMM's); the file's, if any, is compared with the probe's, and where they differ the probe's is used, the
+        file rewritten and a note made."""
         if key in self.verdicts:
             return self.verdicts[key]
-        stored = self.stored.pop(key, None)
-        if stored is not None and check is not None and check(stored):
-            self.verdicts[key] = stored
-            self.read_from_file += 1
-            return stored
-        self.verdicts[key] = probe()
-        if check is not None:
+        fresh = self.verdicts[key] = probe()
+        if keep:
+            stored = self.stored.pop(key, None)
+            if stored == fresh:
+                self.confirmed += 1
+                return fresh
+            if stored is not None:
+                self.notes.append(f"the probe file said {describe(stored)}; the probe here finds {describe(fresh)}: "
+                                  "the file was edited or the machine changed; the probe's verdict is used, the file "
+                                  "rewritten")
             self._write()
-        return self.verdicts[key]
+        return fresh
 
     def clear(self):
         self.verdicts.clear()
         self.stored.clear()
+
+
+def describe(v: Verdict) -> str:
+    """A verdict in words: its shape or geometry, thread count, proven and failed counts, the thread equality."""
+    what = (f"a {'x'.join(map(str, v.key[1]))} GEMM{' with bias' if v.key[2] else ''} at {v.threads} thread(s)"
+            if v.key[0] == "linear" else f"the attention's GEMMs (head size {v.key[1]})")
+    return (f"{what} proven at {ranges(v.counts)}, failing at {ranges(v.failed)}"
+            + (f", {'the same' if v.across_threads else 'other'} bits at 1 thread" if v.key[0] == "linear" else ""))
 
 
 def _stored(entry) -> Verdict | None:

@@ -30,11 +30,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from . import jsonfile
 from .errors import UserError
 from .paths import data
 
 FORMAT = "kvdirect-studio-recording"
 VERSION = 1
+EXPECTED = "a recording (bench run --record FILE, bench record, or the Export tab's .json.gz)"
 STATE_CODES = {"kv": "k", "residual": "r", "anchor": "a", "replayed": "p", "evicted": "e"}
 STATE_NAMES = {code: name for name, code in STATE_CODES.items()}
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,16 +183,18 @@ def parse(data: bytes, name: str = "recording") -> dict:
         if len(data) > 8 * MAX_BYTES:
             raise RecordingError(f"{name}: more than {8 * MAX_BYTES:,} bytes uncompressed")
     try:
-        recording = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RecordingError(f"{name}: not JSON ({e.__class__.__name__}); expected a {FORMAT} file "
-                             f"(bench run --record, bench record, or the app's Export tab)") from None
+        recording = jsonfile.parse(data, name, EXPECTED)
+    except ValueError as e:
+        raise RecordingError(str(e)) from None
     return check(recording, name)
 
 
 def check(recording, name: str = "recording") -> dict:
-    if not isinstance(recording, dict) or recording.get("format") != FORMAT:
-        found = recording.get("format") if isinstance(recording, dict) else type(recording).__name__
+    problem = jsonfile.not_an_object(recording, name, EXPECTED)
+    if problem:
+        raise RecordingError(problem)
+    if recording.get("format") != FORMAT:
+        found = recording.get("format")
         results = isinstance(recording, dict) and ("strategies" in recording or "schema_version" in recording)
         what = (f"a results file, {recording.get('schema')} version {recording.get('schema_version')}"
                 if results and "schema_version" in recording else "a bench run --json results file")

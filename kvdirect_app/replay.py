@@ -32,7 +32,6 @@ from torch import nn
 from . import compat
 from .kernels import INVARIANT_ATTENTION, invariant_attention, native_now
 from .kernels import active as active_kernels
-from .memory import harness
 from .rows import RowsContext
 from .rows import rows as rows_scope
 
@@ -106,7 +105,7 @@ def _kernel(weight: torch.Tensor, bias: torch.Tensor | None, n_rows: int | None 
             gen = torch.Generator(device="cpu").manual_seed(0)
             rows = torch.randn(n_rows, weight.shape[1], generator=gen).to(weight)
             candidates = ([_rows_blocked] if weight.numel() >= BLOCK_FROM else []) + [_rows_batched]
-            with torch.inference_mode(), harness():
+            with torch.inference_mode():
                 want = _rows_loop(weight, bias, rows)
                 kernel = next((k for k in candidates if torch.equal(k(weight, bias, rows), want)), _rows_loop)
         _KERNELS[key] = kernel
@@ -276,7 +275,8 @@ class LayerReplayer:
     once the first such call of each layer type was checked bit-equal to
     separate calls here; `rows_exact` records the check.
 
-    Counts decoder-layer passes (one per replayed layer) and layer calls.
+    The engine's observer counts its decoder-layer passes (`replay_layer`, one per replayed layer) and layer
+    calls (`_call`), and runs the one-time rows check (`_check_rows`) as the measurement's own work.
     """
 
     def __init__(self, model: nn.Module):
@@ -286,8 +286,6 @@ class LayerReplayer:
         self.specs = compat.layer_specs(model.config)
         self.embed = compat.input_embeddings(model)
         self.rotary = {s.layer_type: compat.rotary_for_layer(model, s.layer_type) for s in self.specs}
-        self.passes = 0
-        self.calls = 0
         self.rows_exact: dict[str, bool] = {}  # layer type -> rows in one call checked bit-equal to separate calls
         # The model's own attention implementation, set explicitly for every replayed call: a replay may run
         # inside a batched pass of several lanes, whose attention function is another (lockstep.py).
@@ -367,7 +365,6 @@ class LayerReplayer:
                 hidden[:, start:start + n] = out
         except _ReplayStop:
             pass
-        self.calls += 1
 
     def replay_layer(self, j: int, hidden: torch.Tensor, chunks: list[tuple[int, int]], capacity: int | None = None,
                      carry: bool = True):
@@ -379,9 +376,8 @@ class LayerReplayer:
         for start, n, is_rows in self._groups(chunks):
             if (is_rows and n > 1 and not spec.is_sliding and not (self.invariant and not native_now())
                     and self.rows_exact.get(spec.layer_type) is not False):
-                if spec.layer_type not in self.rows_exact:
-                    with harness():  # a one-time check, not the strategy's state
-                        self._check_rows(j, hidden, start, n, target, carry)
+                if spec.layer_type not in self.rows_exact:  # once per layer type (the observer's, not the lane's)
+                    self._check_rows(j, hidden, start, n, target, carry)
                 if self.rows_exact[spec.layer_type]:
                     self._call(j, hidden, start, n, cache, carry, rows=True)
                     for layer in stand_ins:
@@ -391,7 +387,6 @@ class LayerReplayer:
                 self._call(j, hidden, s, q, cache, carry)
                 for layer in stand_ins:
                     layer.count += q
-        self.passes += 1
         if spec.is_sliding or capacity is None:
             return None
         return target.keys, target.values

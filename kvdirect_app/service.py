@@ -268,12 +268,13 @@ class FrontierRun:
         self.sweep = Sweep(_loaded(model, dtype, device), list(turns), raw=raw,
                            options={"max_new_tokens": max_new_tokens})
 
-    def run(self, entries: list[tuple[str, str, int | None]]) -> list[dict]:
-        """entries: (name, spec, budget); their rows (the engine's summary per strategy, plus name and budget)."""
+    def run(self, entries: list[tuple[str, str, int | None]], should_stop=None) -> list[dict] | None:
+        """entries: (name, spec, budget); their rows (the engine's summary per strategy, plus name and budget); None
+        where `should_stop()` ended the run."""
         from .strategies import parse_spec
 
         with _memory():
-            return self.sweep.run([(name, parse_spec(spec), budget) for name, spec, budget in entries])
+            return self.sweep.run([(name, parse_spec(spec), budget) for name, spec, budget in entries], should_stop)
 
     @property
     def head(self) -> dict:

@@ -43,10 +43,22 @@ class Sweep:
     head: dict | None = None  # the first run's model, device, dtype...
     rows: list[dict] = field(default_factory=list)
 
-    def run(self, entries: list[tuple[str, Strategy, int | None]]) -> list[dict]:
-        """entries: (name, strategy, budget); one lockstep run of all of them; their rows."""
+    def run(self, entries: list[tuple[str, Strategy, int | None]],
+            should_stop: Callable[[], bool] | None = None) -> list[dict] | None:
+        """entries: (name, strategy, budget); one lockstep run of all of them; their rows.  `should_stop`, asked
+        after every event: True ends the run there (its turn closed cleanly) and returns None."""
         engine = Engine(self.loaded, [parse_spec("full")] + [s for _, s, _ in entries], raw=self.raw, **self.options)
-        result = run_to_end(engine, self.turns)
+        if should_stop is None:
+            result = run_to_end(engine, self.turns)
+        else:
+            events = engine.run(self.turns)
+            result = None
+            for event in events:
+                if should_stop():
+                    events.close()
+                    return None
+                if event["type"] == "done":
+                    result = event["result"]
         if self.reference is None:
             self.reference = result["strategies"]["full"]
             self.head = {k: v for k, v in result.items() if k != "strategies"}
@@ -131,7 +143,10 @@ def budget_cells(runs: dict, req, loaded, turns: list[str], raw: bool, options: 
     """The cells of a fixed-budget sweep, one per budget that has strategies, in the budgets' order.  The thread
     count is resolved here (torch's count in this process when --threads is not given), so a worker runs with the
     count an in-process run would have used."""
-    threads = options.get("threads") or torch.get_num_threads()
+    from . import validate
+
+    threads = validate.threads(options.get("threads"))
+    threads = torch.get_num_threads() if threads is None else threads
     return [{"name": f"{req.model} budget={budget}", "model": req.model, "dtype": req.dtype,
              "device": loaded.device.type, "threads": threads, "turns": list(turns), "raw": raw,
              "options": {**options, "threads": threads}, "budget": budget, "strategies": [n for n, _ in entries]}

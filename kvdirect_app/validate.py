@@ -24,6 +24,15 @@ from .prompts import Prompter
 from .strategies import Strategy, parse_specs
 
 
+MAX_THREADS = 1024
+
+
+def threads(value, setting: str = "threads") -> int | None:
+    """A thread count a caller gave (None: the caller's default, resolved where it runs): a whole number >= 1,
+    never silently replaced (0 or -1 is an error, not "the default")."""
+    return None if value is None else integer(setting, value, 1, MAX_THREADS, "torch threads")
+
+
 @dataclass(frozen=True)
 class Request:
     """A run's settings after the first stage: every value of an allowed type and range."""

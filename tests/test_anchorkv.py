@@ -73,21 +73,23 @@ def test_cascade_and_naive_rebuild_the_same_kv_with_the_predicted_pass_counts(fa
     lanes = {lane.label: lane for lane in engine.lanes}
     shallow, deep = (lanes[f"anchorkv:spacing={s}:budget=2:rebuild=step"] for s in (1, L))
     reference = engine.reference.cache
+    observer = engine.observer
     for lane in (shallow, deep):
         anchors = lane.strategy.anchor_layers(geom)
-        replayer = lane.cache.store.replayer
-        kept = replayer.passes
+        kept = observer.tallies[lane.label].copy()
         try:
             with torch.inference_mode(), engine.kernel_scope():
                 for kind in ("cascade", "naive"):
-                    replayer.passes = 0
-                    kv = rebuild_all(lane.cache, kind)
-                    assert replayer.passes == geom.replay_passes(anchors, cascade=kind == "cascade")
+                    observer.tallies[lane.label].clear()  # the observer counts a replay's passes
+                    with observer.region(lane.owner, "replay"):
+                        kv = rebuild_all(lane.cache, kind)
+                    assert observer.tallies[lane.label]["layer passes"] == geom.replay_passes(
+                        anchors, cascade=kind == "cascade")
                     assert kv and len(kv) == len(geom.global_layers)
                     for g, (k, v) in kv.items():
                         assert torch.equal(k, reference.layers[g].keys) and torch.equal(v, reference.layers[g].values)
         finally:
-            replayer.passes = kept
+            observer.tallies[lane.label] = kept
     deep_anchors = deep.strategy.anchor_layers(geom)
     assert geom.replay_passes(deep_anchors, cascade=False) > geom.replay_passes(deep_anchors, cascade=True)
 

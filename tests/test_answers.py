@@ -91,21 +91,19 @@ def test_with_the_question_after_a_ratio_counts_the_context_alone(tiny):
         ["window:budget=255", "window:budget=63"]
 
 
-class Peek(Scored):
-    """Keeps the newest tokens, and notes the newest candidate of every step that evicts (test only)."""
-
-    name = "peek-test"
-    seen_at_eviction: list = []
-
-    def score(self, step):
-        if step.evicts:
-            Peek.seen_at_eviction.append(int(step.positions.max()))
-        return step.positions.float()
-
-
 @pytest.fixture
 def peek():
-    Peek.seen_at_eviction = []
+    """A strategy that keeps the newest tokens and notes the newest candidate of every step that evicts, registered
+    for the test only."""
+    class Peek(Scored):
+        name = "peek-test"
+        seen_at_eviction: list = []
+
+        def score(self, step):
+            if step.evicts:
+                Peek.seen_at_eviction.append(int(step.positions.max()))
+            return step.positions.float()
+
     yield Peek
     Strategy.registry.pop(Peek.name, None)
 

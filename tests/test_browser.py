@@ -684,3 +684,83 @@ def test_run_it_live_runs_the_recorded_conversation_here(visitor):
     assert "recorded on" not in page.inner_text("#kvd-board")
     assert "says 4127?" in page.inner_text("#kvd-board")
     assert len(replies(page)) == 8 * len(default_names())
+
+
+# --- what long work holds up, said; what cannot act, disabled -----------------------------------------------------
+def test_a_send_behind_a_frontier_drawing_says_what_it_waits_for_and_the_drawing_can_be_cancelled(visitor):
+    """The reviewer's case: a Send after "Draw the frontier" sat at "Starting…" for minutes.  Now the status says,
+    every second, that it waits for the frontier drawing (the visitor's own), which run it is on, and where to
+    cancel it; Cancel ends the drawing after the step in progress, and the turn then runs to Done.  Regenerate is
+    disabled until a turn exists."""
+    page = visitor
+    assert not page.locator("#kvd-regenerate").is_enabled()
+    page.get_by_role("tab", name="Frontier").click()
+    page.click("#kvd-tab-frontier input")
+    page.get_by_role("option", name="capitals").first.click()
+    page.click("#kvd-draw")
+    page.wait_for_function("document.querySelector('#kvd-frontier-status').innerText.includes('Run 1/')",
+                           timeout=120_000)
+    assert page.locator("#kvd-frontier-cancel").is_enabled()
+    page.get_by_role("tab", name="Chat").click()
+    send(page, "Hello there.")
+    page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('Waiting for the frontier "
+                           "drawing (yours): run')", timeout=30_000)
+    said = status(page)
+    assert "Cancel the drawing on the Frontier tab" in said and "Yours is next" in said, said
+    page.get_by_role("tab", name="Frontier").click()
+    page.click("#kvd-frontier-cancel")
+    page.wait_for_function("document.querySelector('#kvd-frontier-status').innerText.includes('Cancelled')",
+                           timeout=120_000)
+    page.get_by_role("tab", name="Chat").click()
+    assert "Done: 1 turn(s)" in ended(page, 300), status(page)
+    assert page.locator("#kvd-regenerate").is_enabled()
+
+
+def test_two_visitors_at_once_the_second_is_told_what_runs_now(url, browser):
+    """The reviewer's case: the second of two visitors sending at once read "position 2; 0 run(s) in progress, 1
+    waiting ahead" while a run was in progress.  Now it reads what holds the slot (a turn of N panes, its step) and
+    that its own run is next; both runs end in Done."""
+    pages = [open_page(browser, 1280, 720) for _ in range(2)]
+    for p in pages:
+        p.goto(url)
+        p.wait_for_selector("#kvd-send", timeout=60_000)
+        p.wait_for_function("document.querySelector('#kvd-status').innerText.includes('ready')", timeout=180_000)
+    for p in pages:
+        send(p, "Name three colours.")
+    second = pages[1]
+    second.wait_for_function("document.querySelector('#kvd-status').innerText.match(/Waiting for a turn of \\d+ "
+                             "pane\\(s\\): (turn \\d|starting)/)", timeout=60_000)
+    said = status(second)
+    assert "0 run(s) in progress" not in said and "Yours is next" in said, said
+    for p in pages:
+        assert "Done: 1 turn(s)" in ended(p, 300), status(p)
+        assert not p.console_errors, p.console_errors
+        p.context.close()
+
+
+def test_uploads_that_are_not_what_the_page_opens_are_told_in_the_visitors_words(url, browser, tmp_path):
+    """The reviewer's four uploads, as a recording and as a tasks file: an empty file, a binary one, a JSON list
+    and broken JSON, each told as what it is ("the file is empty", "not a text file"), never an exception's class
+    name; the page goes on working."""
+    cases = {"empty.json": b"", "binary.json": bytes(range(256)), "list.json": b"[1, 2]", "broken.json": b"{no"}
+    words = {"empty.json": "the file is empty", "binary.json": "not a text file", "list.json": "holds a list",
+             "broken.json": "not JSON (line 1"}
+    page = open_page(browser, 1280, 720)
+    page.goto(url)
+    page.wait_for_selector("#kvd-upload", timeout=60_000)
+    for name, data in cases.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        settings(page)
+        upload(page, "#kvd-upload", path)
+        page.wait_for_function(f"document.querySelector('#kvd-status').innerText.includes({words[name]!r})",
+                               timeout=60_000)
+        assert "Error" not in status(page), status(page)
+        settings(page, False)
+    page.get_by_role("tab", name="Tasks").click()
+    for name in cases:
+        upload(page, "#kvd-tasks-upload", tmp_path / name)
+        page.wait_for_function(f"document.querySelector('#kvd-tasks-head').innerText.includes({words[name]!r})",
+                               timeout=30_000)
+        assert "Error" not in page.inner_text("#kvd-tasks-head")
+    page.context.close()

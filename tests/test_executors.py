@@ -27,10 +27,11 @@ RAY_MISSING = "error: executor: ray is not installed; install it: pip install -r
 
 
 def untimed(value):
-    """The JSON without its timing fields (ms, tokens/s, seconds, RSS) and the kernels' provenance (`from_file`:
-    verdicts read from disk rather than probed, which depends on which process probed first)."""
+    """The JSON without its timing fields (ms, tokens/s, seconds, RSS) and the probe file's provenance
+    (`file_confirmed`, `file_notes`: stored verdicts found again, which depends on which process probed first)."""
     if isinstance(value, dict):
-        return {k: untimed(v) for k, v in value.items() if not TIMING.search(k) and k != "from_file"}
+        return {k: untimed(v) for k, v in value.items()
+                if not TIMING.search(k) and k not in ("file_confirmed", "file_notes")}
     if isinstance(value, list):
         return [untimed(v) for v in value]
     return value

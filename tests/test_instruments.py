@@ -140,6 +140,9 @@ CASES = {
                      _owned("engine", op="detokenize"), ("engine", "detokenize")),
     "events": ("auto", lambda mp, e, c: _delay(mp, Engine, "_lane_event", c),
                _owned("engine", op="events"), ("engine", "events")),
+    "the logits' copy": ("auto", lambda mp, e, c: _delay(mp, torch.Tensor, "clone", c,
+                                                         _inside(kind="engine", op="logits")),
+                         _owned("engine", op="logits"), ("engine", "logits")),
 }
 
 
@@ -180,6 +183,26 @@ def test_a_delay_in_one_part_of_a_step_shows_in_that_part_and_no_other(case, mon
         assert not others, (step, others)
     shown = sum(s["shared_ms"] if where == ("shared",) else s["step_ms"] for s in steps)
     assert (shown > 0) == (where is not None), "the delay showed in the steps" if where is None else "it never did"
+
+
+def test_a_delay_outside_every_region_shows_as_the_steps_unattributed_time_and_nowhere_else(monkeypatch):
+    """The rest no clock covered is a figure of its own, not whatever is left to make the parts add up: a delay in
+    the engine's step loop outside every region (before each pass enters its regions) lands in no part, and each
+    step's unattributed time is exactly the delays of that step.  Mutation: unattributed forced to 0 (the step's
+    parts then fall short of its wall time, and this fails)."""
+    from kvdirect_app.forwards import Forwards
+
+    engine = Engine(tiny("tiny-llama"), parse_specs(SPECS), max_new_tokens=6, threads=1)
+    clock = StillClock()
+    engine.observer.clock = clock
+    engine.observer.parts.clear()
+    calls = _delay(monkeypatch, Forwards, "run", clock, lambda: current() is None)
+    steps = [e for e in engine.run(TURNS) if e["type"] == "step"]
+    assert calls and steps
+    assert not {key: s for key, s in engine.observer.parts.items() if abs(s) > 1e-12}
+    for step in steps:  # one pass a step (ms)
+        assert step["unattributed_ms"] == pytest.approx(1e3 * DELAY) == pytest.approx(step["step_ms"])
+        assert not any(step["lanes_ms"].values()) and not step["measurement_ms"] and not step["engine_ms"]
 
 
 def test_the_observer_reads_the_real_clock():

@@ -131,33 +131,23 @@ def test_the_probe_checks_every_rmsnorm_and_a_row_wise_reduction_that_is_not_fai
     assert not ok and "row 0 alone differs" in why
 
 
-def test_verdicts_are_kept_on_disk_rechecked_at_the_next_start_and_a_wrong_one_is_probed_again(tmp_path, monkeypatch):
+def test_verdicts_are_kept_on_disk_and_found_again_by_the_next_starts_probe(tmp_path, monkeypatch):
     monkeypatch.setenv(probes.CACHE_ENV, str(tmp_path))
     loaded = tiny("tiny-llama")
     first = probes.Store(loaded.name, loaded.dtype, loaded.device)
     K.Kernels.for_model(SimpleNamespace(model=loaded.model, device=loaded.device, dtype=loaded.dtype, probes=first),
                         "invariant", 1)
-    assert first.path.is_file() and first.read_from_file == 0 and len(first.verdicts) > 5
+    assert first.path.is_file() and first.confirmed == 0 and len(first.verdicts) > 5
     data = json.loads(first.path.read_text())
     assert data["environment"]["torch_build"] == torch.version.git_version and data["environment"]["cpu"]
 
-    # A second start reads every verdict from the file (each linear one re-checked on a few rows).
-    calls = []
-    real = probes.probe_linear
-    monkeypatch.setattr(probes, "probe_linear", lambda *a: calls.append(a) or real(*a))
+    # A second start probes again and finds every stored verdict (nothing said).
     second = probes.Store(loaded.name, loaded.dtype, loaded.device)
     kernels = K.Kernels.for_model(SimpleNamespace(model=loaded.model, device=loaded.device, dtype=loaded.dtype,
                                                   probes=second), "invariant", 1)
     kept = [v for v in first.verdicts.values() if isinstance(v, probes.Verdict)]  # the GEMMs' (the rest: every start)
     assert len(data["verdicts"]) == len(kept) > 3
-    assert kernels.invariant and not calls and second.read_from_file == len(kept)
-
-    # A stored verdict that the re-check does not confirm is probed again (the mutation: every re-check fails).
-    monkeypatch.setattr(probes, "recheck", lambda v, *a: False)
-    third = probes.Store(loaded.name, loaded.dtype, loaded.device)
-    K.Kernels.for_model(SimpleNamespace(model=loaded.model, device=loaded.device, dtype=loaded.dtype, probes=third),
-                        "invariant", 1)
-    assert calls and third.read_from_file == 0
+    assert kernels.invariant and second.confirmed == len(kept) and not kernels.report()["file_notes"]
     # Another machine or build does not read this file at all.
     monkeypatch.setattr(probes, "environment", lambda device: {"cpu": "another"})
     assert probes.Store(loaded.name, loaded.dtype, loaded.device).stored == {}
@@ -289,6 +279,23 @@ def test_rebuilt_at_one_thread_what_two_threads_computed(dtype):
     result = engine.results()
     assert result["threads"] == 1 and result["kernels"]["mode"] == "invariant"
     _exact(result, specs)
+
+
+def test_set_threads_runs_on_verdicts_proven_at_the_new_count():
+    """After `set_threads(1)` every GEMM's row counts are those proven at 1 thread, in the forwards, the rebuilds and
+    the replays (one `Kernels`, the new one, everywhere), and its thread check holds the new count.  Mutation (the
+    code before): the thread count overwritten on the old kernels, whose verdicts were proven at 2 threads."""
+    engine = Engine(tiny("tiny-llama"), parse_specs(EXACT), max_new_tokens=2, threads=2)
+    assert {v.threads for v in engine.kernels.linears.values()} == {2}
+    for _ in engine.turn(TURNS[0]):
+        pass
+    engine.set_threads(1)
+    assert engine.kernels.threads == 1 and {v.threads for v in engine.kernels.linears.values()} == {1}
+    assert engine.forwards.kernels is engine.kernels
+    assert all(lane.cache.kernels is engine.kernels for lane in engine.all_lanes)
+    for _ in engine.turn(TURNS[1]):
+        pass
+    _exact(engine.results(), EXACT)
 
 
 def test_set_threads_refuses_bad_counts():

@@ -99,9 +99,7 @@ def test_cli_answers_a_good_request_after_bad_ones(capsys):
 
 @pytest.mark.check
 def test_cli_argparse_errors_are_one_line_too(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        bench.main(["run", "--max-new-tokens", "lots"])
-    assert exit_.value.code == 2
+    assert bench.main(["run", "--max-new-tokens", "lots"]) == 2
     err = capsys.readouterr().err
     assert "--max-new-tokens: invalid int value: 'lots'" in err
     clean(err)

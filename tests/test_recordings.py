@@ -388,3 +388,22 @@ def test_the_scoreboard_tells_speeds_as_seen_and_own_times_that_add_up(recorded)
     rate = (len(steps) - 1) / (steps[-1] - steps[0])
     assert re.search(r'kvd-seen"><b>([\d.]+) tok/s', board)[1] == f"{rate:.1f}"
     assert board.count("tok/s") == 1
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"", "the file is empty"),
+    (b"  \n", "the file is empty"),
+    (bytes(range(256)), "not a text file (it holds binary data)"),
+    (b"[1, 2, 3]", "the file holds a list, not an object"),
+    (b'"text"', "the file holds a string, not an object"),
+    (b"{not json", "not JSON (line 1, column 2"),
+])
+def test_an_upload_that_is_not_a_recording_is_told_in_the_visitors_words(data, words):
+    """The reviewer's four uploads (empty, binary, a list; and broken JSON): what the visitor did and what was
+    expected, never an exception's class name ("JSONDecodeError", "UnicodeDecodeError") or a field's ("format
+    'list'")."""
+    with pytest.raises(RecordingError) as info:
+        recording.parse(data, "mine.json")
+    said = str(info.value)
+    assert words in said and "expected a recording" in said and "\n" not in said
+    assert "Error" not in said and "format 'list'" not in said

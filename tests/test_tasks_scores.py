@@ -84,6 +84,11 @@ def test_the_exactness_check_fails_when_a_lossy_lane_claims_to_be_exact(monkeypa
     (["--multiturn", "--tasks", "niah_multikey"], ["tasks", "'niah_multikey'", "niah_single_number", "qa"]),
     (["--multiturn", "--asked", "6"], ["asked", "'6'", "1..5"]),
     (["--asked", "2"], ["asked", "--multiturn"]),
+    (["--multiturn", "--turns", "0"], ["--turns", "0 is not allowed", "2..20"]),
+    (["--threads", "0"], ["--threads", "0 is not allowed", ">= 1"]),
+    (["--threads", "-1"], ["--threads", "-1 is not allowed", ">= 1"]),
+    (["--workers", "0"], ["--workers", ">= 1"]),
+    (["--multiturn", "--turns", "20", "--asked", "5,10,20"], ["turns", "leave no room", "allowed: up to", "turns"]),
 ])
 def test_bad_settings_get_one_line_naming_the_setting(args, words, capsys):
     code = main(["tasks", "--model", "tiny-llama", "--contexts", "512", "--tasks", "niah_single_number", *args])
@@ -374,3 +379,32 @@ def test_a_missing_shipped_result_says_which_command_makes_it():
     said = tasks_tab._nothing("no result is shipped in presets/tasks/", "--multiturn ", "smollm2-135m-multiturn.json")
     assert "bench tasks --multiturn --json presets/tasks/smollm2-135m-multiturn.json" in said
     assert "no result is shipped" in said
+
+
+@pytest.mark.check
+@pytest.mark.parametrize("argv, words", [
+    (["roofline", "--threads", "-1"], ["--threads", "-1 is not allowed", ">= 1"]),
+    (["roofline", "--max-new-tokens", "1"], ["--max-new-tokens", "2"]),
+    (["run", "--threads", "0", "--prompt", "Hi"], ["--threads", "0 is not allowed"]),
+    (["sweep", "--workers", "-1", "--prompt", "Hi"], ["--workers", "-1 is not allowed"]),
+    (["reproduce", "--threads", "-1", "--out", "x"], ["--threads", "-1 is not allowed"]),
+    (["replay", "--spacing", "0"], ["--spacing", "0 is not allowed", ">= 1"]),
+])
+def test_every_number_is_checked_where_it_is_parsed(argv, words, capsys):
+    """No number is silently replaced: a thread count of 0 or -1 is an error, never "the default" (the reviewer's
+    cases: roofline --threads -1 ended in a traceback; tasks and roofline took 0 as the default)."""
+    code = main([*argv, "--model", "tiny-llama"] if argv[0] != "reproduce" else argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert all(w in err for w in words), err
+
+
+@pytest.mark.check
+def test_a_thread_count_given_in_code_is_checked_too():
+    from kvdirect_app import sweeps
+    from kvdirect_app.errors import UserError
+
+    with pytest.raises(UserError, match="threads: 0 is not allowed; allowed: whole numbers >= 1"):
+        benchmarks.tasks(replace(TINY, threads=0), say=lambda line: None)
+    with pytest.raises(UserError, match="threads: -1 is out of range"):
+        sweeps.budget_cells({}, None, None, [], False, {"threads": -1})

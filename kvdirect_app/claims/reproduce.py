@@ -138,7 +138,7 @@ def environment(device: str | None, threads: int | None = None) -> dict:
     env = {"device": device or "none (arithmetic on a config)", "processor": platform.processor() or platform.machine(),
            "cpus": os.cpu_count(), "torch": torch.__version__.split("+")[0]}
     if device:  # the benchmark's own pinned count where it reports one, else what the worker runs with
-        env["threads"] = threads or torch.get_num_threads()
+        env["threads"] = torch.get_num_threads() if threads is None else threads
     if device and device.startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return env
@@ -314,7 +314,9 @@ def gather(model: str, quick: bool, executor: str, device: str = "auto", workers
 
     from ..executors import run_cells
 
-    cells = plan(model, quick, device, threads)
+    from .. import validate
+
+    cells = plan(model, quick, device, validate.threads(threads))
     t0 = time.perf_counter()
     outputs = run_cells(run_cell, cells, executor=executor, workers=workers, say=say)
     results = {"model": model, "quick": quick, "executor": executor, "device": device,

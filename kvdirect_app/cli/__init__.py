@@ -31,7 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse's own exit (a bad option, --help): its status, its line already printed
+        return e.code if isinstance(e.code, int) else 2
     try:
         return args.func(args)
     except UserError as e:

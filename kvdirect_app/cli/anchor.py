@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..benchmarks import (BreakevenConfig, CapacityConfig, ReplayConfig, breakeven, capacity, replay)
 from ..models import DTYPES
 from ..units import fmt, fmt_bytes, table
-from .common import write_json
+from .common import THREADS, TOKENS, whole, write_json
 
 
 def _kib(n: float) -> str:
@@ -104,8 +104,8 @@ def register(sub):
     p.add_argument("--model")
     p.add_argument("--config", help="a config.json")
     p.add_argument("--dtype", default="bfloat16", help=f"one of {', '.join(DTYPES)}")
-    p.add_argument("--context", type=int, default=32768, help="context for the sliding-window view")
-    p.add_argument("--max-passes", type=int, default=None, help="replay bound for the DP anchor placement")
+    p.add_argument("--context", type=TOKENS, default=32768, help="context for the sliding-window view")
+    p.add_argument("--max-passes", type=whole(1, None, "layer passes"), default=None, help="replay bound for the DP anchor placement")
     p.add_argument("--json")
     p.set_defaults(func=cmd_breakeven)
     for name, func, helptext in (("replay", cmd_replay, "naive vs cascade reconstruction, timed side by side"),
@@ -114,19 +114,19 @@ def register(sub):
         p.add_argument("--model", **common_model)
         p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
         p.add_argument("--device", default="auto")
-        p.add_argument("--threads", type=int, default=None)
+        p.add_argument("--threads", type=THREADS, default=None)
         p.add_argument("--json")
         p.set_defaults(func=func)
         if name == "replay":
-            p.add_argument("--context", type=int, default=1024)
-            p.add_argument("--spacing", type=int, required=True)
+            p.add_argument("--context", type=TOKENS, default=1024)
+            p.add_argument("--spacing", type=whole(1, None, "layers between anchors"), required=True)
         else:
-            p.add_argument("--context", type=int, default=32768)
+            p.add_argument("--context", type=TOKENS, default=32768)
             p.add_argument("--memory-gb", type=float, default=None, help="default: this machine's memory")
-            p.add_argument("--measure-context", type=int, default=1024,
+            p.add_argument("--measure-context", type=TOKENS, default=1024,
                            help="sessions are parked and resumed at min(context, this) tokens; beyond, by formula "
                                 "(bytes) and a linear lower bound (time)")
-            p.add_argument("--measure", type=int, default=0,
+            p.add_argument("--measure", type=whole(0, None, "sessions"), default=0,
                            help="park this many sessions of each strategy in this process (default: one)")
-            p.add_argument("--budget", type=int, default=64, help="hot window of KV-Direct and AnchorKV")
+            p.add_argument("--budget", type=TOKENS, default=64, help="hot window of KV-Direct and AnchorKV")
     return sub

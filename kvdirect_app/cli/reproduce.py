@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .. import validate
 from ..executors import check_executor
-from .common import CliError
+from .common import THREADS, WORKERS, CliError
 
 
 def cmd_reproduce(args) -> int:
@@ -55,8 +55,8 @@ def register(sub):
                                                         "grids (minutes on a CPU; the report lists what it leaves out)")
     p.add_argument("--executor", default="local", help="local (a bounded process pool here) or ray (RAY_ADDRESS, "
                                                        "or a local Ray started for the run)")
-    p.add_argument("--workers", type=int, default=None, help="local pool size (default: cores / threads per cell)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per cell")
+    p.add_argument("--workers", type=WORKERS, default=None, help="local pool size (default: cores / threads per cell)")
+    p.add_argument("--threads", type=THREADS, default=1, help="torch threads per cell")
     p.add_argument("--device", default="auto", help="device of every cell: auto, cpu, cuda")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--out", help="folder for report.md, results.json and the plots")

@@ -22,7 +22,7 @@ from ..kernels import Kernels
 from ..models import DTYPES, load_model
 from ..strategies import parse_specs
 from ..threads import pin
-from .common import write_json
+from .common import THREADS, whole, write_json
 
 PANES = "full,kvdirect:budget=64,anchorkv:spacing=30:budget=64,h2o,streaming_llm,snapkv,tova"
 PROMPT = "Tell me a short story about a lighthouse keeper who finds a message in a bottle, and what happens next."
@@ -50,7 +50,7 @@ def measure(args) -> dict:
     if args.max_new_tokens < 2:
         raise UserError(f"--max-new-tokens: {args.max_new_tokens} is not allowed; allowed: 2 or more (decode steps)")
     loaded = load_model(args.model, dtype=args.dtype)
-    threads = args.threads or __import__("torch").get_num_threads()
+    threads = __import__("torch").get_num_threads() if args.threads is None else args.threads
     pin(threads)
     parse_specs(args.strategies)  # a bad spec is refused before anything is measured
     kernels = {mode: Kernels.for_model(loaded, mode, threads) for mode in ("invariant", "native")}
@@ -115,10 +115,10 @@ def register(sub):
     p = sub.add_parser("roofline", help="this machine's roofline for a decode step, and the shared pass against it")
     p.add_argument("--model", default="smollm2-135m", help="preset name, Hub id or local path")
     p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=THREADS, default=None, help="torch threads (default: torch's)")
     p.add_argument("--rows", default=",".join(map(str, roofline.ROWS)), help="row counts of the table")
     p.add_argument("--strategies", default=PANES, help="the panes timed against the plain full cache")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=whole(2, None, "decode steps"), default=16)
     p.add_argument("--json")
     p.set_defaults(func=cmd_roofline)
     return sub

@@ -50,9 +50,17 @@ def output_table(result: dict) -> str:
     return table(cols, rows)
 
 
+def byte_source(result: dict) -> str:
+    """How the run's bytes were had, in one word: measured (an allocator's meter or trace), declared (the tensors the
+    strategies list: no allocator could be read) or formula (no memory instrument ran)."""
+    mode = result["instruments"]["memory"]
+    return {"allocator": "measured", "trace": "measured", "storage": "declared"}.get(mode, "formula")
+
+
 def cost_table(result: dict) -> str:
+    source = byte_source(result)
     cols = ["strategy", "between turns", "peak in turn", "ms/token", "tok/s", "TTFT ms", "recompute", "replay",
-            "scoring", "attention", "shared", "formula between", "formula peak", "formula = measured"]
+            "scoring", "attention", "shared", "formula between", "formula peak", f"formula = {source}"]
     rows = []
     for spec, r in result["strategies"].items():
         sb, lat = r["state_bytes"], r["latency_ms"]
@@ -70,7 +78,7 @@ def notes(result: dict) -> list[str]:
     instrument = result["memory_instrument"]
     source = next((r["state_bytes"]["peak_source"] for r in result["strategies"].values()), None)
     peak = {"measured": "the highest the lane's own allocations went during a forward (its state and buffers; the "
-                        "pass's shared activations are nobody's)",
+                        "pass's shared activations are the shared pass's)",
             "trace": "the highest the allocation trace saw during a forward (state + buffers + 1/N of the "
                      "activations)",
             "formula": "the held bytes plus the formula's buffers (not measured: no peak can be read here)"}.get(
@@ -83,6 +91,7 @@ def notes(result: dict) -> list[str]:
                    "`run --alone` gives each strategy as deployed alone")
     if not result["teacher_forced_twins"]:
         out.append("no teacher-forced twins: agreement and KL cover the steps before each strategy's first divergence")
+    out += [f"kernels: {line}" for line in result["kernels"].get("file_notes", [])]
     determinism = result["determinism"]
     if not determinism["deterministic"]:
         out.append(f"NO EXACT MODE HERE: {determinism['reason']}")
@@ -95,8 +104,9 @@ def notes(result: dict) -> list[str]:
         sb = r["state_bytes"]
         if sb["formula_matches_measurement"] is False:
             where, seen, measured, formula = sb["mismatches"][0]
-            out.append(f"{spec}: MEASURED STATE DIFFERS FROM THE FORMULA at {sb['mismatch_count']} points, first "
-                       f"({where}, {seen} tokens): {measured} B measured, {formula} B by formula"
+            word = byte_source(result)
+            out.append(f"{spec}: {word.upper()} STATE DIFFERS FROM THE FORMULA at {sb['mismatch_count']} points, "
+                       f"first ({where}, {seen} tokens): {measured} B {word}, {formula} B by formula"
                        + ("" if sb["declared_mismatch_count"] else "; the tensors it lists agree with the formula, "
                           "so it holds something it does not list"))
         if sb["declared_mismatch_count"]:
@@ -123,7 +133,8 @@ def print_result(result: dict):
               f"{steps['engine_ms_mean']:.1f} ({ops or 'none'}) + unattributed {steps['unattributed_ms_mean']:.1f}")
     print("\nwhat it changes (against the full cache):")
     print(output_table(result))
-    print("\nwhat it costs (between turns, peak during a turn and ms per token: measured; then the formula):")
+    print(f"\nwhat it costs (between turns, peak during a turn: {byte_source(result)}; ms per token: measured; then "
+          "the formula):")
     print(cost_table(result))
     for line in notes(result):
         print(f"note: {line}")

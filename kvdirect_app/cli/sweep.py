@@ -45,7 +45,7 @@ from ..benchmarks import SweepConfig, sweep
 from ..executors import EXECUTORS
 from ..frontier import frontier_figure, points_from_rows, write_frontier
 from ..units import fmt, fmt_bytes, table
-from .common import add_conversation_options, write_json
+from .common import WORKERS, add_conversation_options, write_json
 
 DEFAULT_STRATEGIES = SweepConfig.strategies
 DEFAULT_BUDGETS = SweepConfig.budgets
@@ -131,7 +131,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help=f"one of {', '.join(EXECUTORS)}: run each budget's lockstep run as a cell on a process pool "
                         "here (local) or as a Ray task (ray: the cluster at RAY_ADDRESS, else a local Ray started for "
                         "the run; pip install -r requirements-ray.txt); default: one after another in this process")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=WORKERS, default=None,
                    help="with --executor local: processes at most (default: cores // threads per cell)")
     p.set_defaults(func=cmd_sweep)
     return p

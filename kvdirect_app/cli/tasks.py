@@ -22,7 +22,7 @@ from ..executors import EXECUTORS
 from ..tasks import generate
 from ..tasks.scores import DEFAULT, MULTITURN, MULTITURN_QUICK, QUICK
 from ..units import fmt, fmt_bytes, table
-from .common import write_json
+from .common import THREADS, TOKENS, WORKERS, whole, write_json
 
 HERE = "here"  # --executor here: the cells in this process
 QUESTION_WORDS = {"after": "after the context was compressed (kvpress's setting)",
@@ -110,7 +110,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--depths", help=f"comma-separated needle depths, percent 0..100 (default {DEFAULT['depths']})")
     p.add_argument("--tasks", help=f"comma-separated, from {', '.join(generate.TASKS)} (default "
                                    f"{DEFAULT['tasks']}; --quick {QUICK['tasks']})")
-    p.add_argument("--samples", type=int, default=None, help="seeds per task x context x depth (default 1), or "
+    p.add_argument("--samples", type=whole(1, 1000, "samples per cell"), default=None, help="seeds per task x context x depth (default 1), or "
                                                              f"conversations per task x context with --multiturn "
                                                              f"(default {MULTITURN['samples']})")
     p.add_argument("--multiturn", action="store_true",
@@ -123,7 +123,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--asked", default=None,
                    help="with --multiturn: comma-separated turns that ask about turn 1, one needle each (e.g. 5,10,20); "
                         "the others are the twenty-turn scenario's chat, scored by nothing (default: every turn asks)")
-    p.add_argument("--turns", type=int, default=None,
+    p.add_argument("--turns", type=whole(2, generate.MAX_TURNS, "turns per conversation"), default=None,
                    help=f"with --multiturn: turns per conversation, 2..{generate.MAX_TURNS} (default "
                         f"{MULTITURN['turns']})")
     p.add_argument("--question", default=None, choices=None,
@@ -136,21 +136,21 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="with --multiturn: keep (default: each lane's cache carries its own earlier answers from turn "
                         "to turn, as in a conversation) or drop (every question from the compressed context, the "
                         "earlier questions and answers cut: kvpress's multi-question mode; needs --question after)")
-    p.add_argument("--seed", type=int, default=0, help="the first seed")
+    p.add_argument("--seed", type=whole(), default=0, help="the first seed")
     p.add_argument("--haystack", default="noise", help=f"one of {', '.join(generate.HAYSTACKS)}")
     p.add_argument("--quick", action="store_true", help="the quick grid (" + "; ".join(
         f"{k} {v}" for k, v in QUICK.items()) + ")")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=THREADS, default=None,
                    help="torch threads per cell (default: 1 with --executor local, else torch's)")
     p.add_argument("--kernels", default="invariant", help="invariant (exact answers hold by construction) or native")
-    p.add_argument("--prefill-chunk", type=int, default=TasksConfig.prefill_chunk)
+    p.add_argument("--prefill-chunk", type=TOKENS, default=TasksConfig.prefill_chunk)
     p.add_argument("--executor", default="local",
                    help=f"one of {', '.join(EXECUTORS)}, {HERE}: each sample a cell on a process pool here (local, the "
                         "default: the block attention runs on one thread, so one-thread workers fill the cores), a "
                         f"Ray task, or one after another in this process with a line per sample ({HERE})")
-    p.add_argument("--workers", type=int, default=None, help="with --executor local: processes at most")
+    p.add_argument("--workers", type=WORKERS, default=None, help="with --executor local: processes at most")
     p.add_argument("--json", help="write every cell, answer and score here (the Tasks tab reads such a file)")
     p.set_defaults(func=cmd_tasks)
     return p

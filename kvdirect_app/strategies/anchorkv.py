@@ -262,9 +262,6 @@ class AnchorCache(StrategyCache):
         for layer in self.globals:
             layer.active = kv.pop(layer.index)
 
-    def replay_counts(self) -> dict:
-        return {"layer_passes": self.store.replayer.passes, "layer_calls": self.store.replayer.calls}
-
 
 def rebuild_all(cache: AnchorCache, replay: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """K/V of every seen token at every global layer from the anchors alone, with `replay` (cascade|naive)."""

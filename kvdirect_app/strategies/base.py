@@ -42,6 +42,12 @@ class StrategyError(UserError):
     """A strategy spec that cannot be built; the message names the setting and its allowed values."""
 
 
+class ContractError(UserError):
+    """A strategy broke what the engine relies on (its scores' shape, finite scores, its budget, masks that fit);
+    one line naming the strategy, the rule and the step.  The run stops: a figure past it would not mean what it
+    says."""
+
+
 class FullLayer(DynamicLayer):
     """transformers' `DynamicLayer`: every token's K/V."""
 

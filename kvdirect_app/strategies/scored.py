@@ -78,7 +78,7 @@ from .. import compat
 from ..compat import CacheLayerMixin
 from ..geometry import ModelGeometry
 from ..replay import HeadProjection
-from .base import (Forward, FullLayer, SlidingLayer, Strategy, StrategyCache, window_layer_bytes,
+from .base import (ContractError, Forward, FullLayer, SlidingLayer, Strategy, StrategyCache, window_layer_bytes,
                    window_layer_transient)
 
 POSITION_DTYPE = torch.int32
@@ -128,11 +128,39 @@ def attention_probs(queries: torch.Tensor, keys: torch.Tensor, query_positions: 
     return torch.softmax(logits, dim=-1)
 
 
-def fit_mask(mask: torch.Tensor | None, keys: int) -> torch.Tensor | None:
+def fit_mask(mask: torch.Tensor | None, keys: int, who: str = "a cache", layer: int | None = None
+             ) -> torch.Tensor | None:
     """The mask of a layer type (sized by its first layer, which holds the most keys) for a layer handing attention
     `keys` keys: its rightmost columns.  Every cache hands attention its stored keys, all before the queries, then
-    the step's own, so those columns say: stored keys visible, the chunk's own keys causal."""
-    return mask if mask is None or mask.shape[-1] == keys else mask[..., -keys:]
+    the step's own, so those columns say: stored keys visible, the chunk's own keys causal.  A layer handing
+    attention more keys than the mask has columns breaks the rule that budgets never grow with depth
+    (`ContractError`, naming `who`)."""
+    if mask is None or mask.shape[-1] == keys:
+        return mask
+    if mask.shape[-1] < keys:
+        raise ContractError(f"{who}: layer {layer} hands attention {keys} keys, more than the {mask.shape[-1]} its "
+                            "layer type's first layer holds (the mask is built once per layer type, sized by that "
+                            "layer); allowed: budgets that never grow with depth (`Scored.layer_budgets`)")
+    return mask[..., -keys:]
+
+
+def over_budget(cache, seen: int, forwards: list) -> str | None:
+    """Why a scored strategy's cache holds more tokens than its budget allows after `forwards` (the engine asks,
+    outside the strategy's code, after every forward): the first evicting layer holding more than `Scored.stored`
+    gives it; None where every layer is within it."""
+    strategy = cache.strategy
+    layers = [layer for layer in cache.layers if isinstance(layer, ScoredLayer)]
+    if not layers:
+        return None
+    allowed = strategy.stored(seen, forwards, len(layers))
+    for layer in layers:
+        held = 0 if layer.keys is None else layer.keys.shape[-2]
+        limit = per_layer(allowed, layer.rank)
+        if held > limit:
+            return (f"{strategy.label}: evicting layer {layer.rank + 1} of {layer.count} holds {held} tokens after "
+                    f"{seen} seen, more than the {limit} its budget allows there; allowed: at most its budget "
+                    "(`Scored.layer_budgets`, `limits`)")
+    return None
 
 
 def per_layer(values: tuple | list, rank: int):
@@ -262,6 +290,7 @@ class ScoredLayer(CacheLayerMixin):
         step = Step(positions, keys, self.seen, q, self.prefill, evicts, self.prompt_tokens, buffers, self.state,
                     self._attend(keys, positions, x, earlier) if self.projector is not None else None)
         scores = self.score(step)
+        self._check(scores, step, limit)
         window = self.strategy.prompt_window
         if self.prompt_open and window and x is not None:  # the end of this prompt may need these queries
             inputs = x if earlier is None else torch.cat([earlier, x], dim=1)
@@ -278,6 +307,28 @@ class ScoredLayer(CacheLayerMixin):
         else:
             self.keys, self.values, self.positions, self.buffers = keys, values, positions, step.buffers
         return keys, values
+
+    def _where(self, step: Step) -> str:
+        what = "a prompt piece" if step.prefill else "a decode step" if step.q == 1 else "a forward"
+        return (f"evicting layer {self.rank + 1} of {self.count}, at {what} of {step.q} token(s) ending at token "
+                f"{step.seen}")
+
+    def _check(self, scores, step: Step, limit: int | None):
+        """The contract of `score()`, checked where it is cheap (every forward): one score per candidate and
+        selection row, no NaN, and scores wherever the step evicts."""
+        want = tuple(step.positions.shape)
+        if scores is None:
+            if step.evicts:
+                raise ContractError(f"{self.strategy.label}: score() returned None at {self._where(step)}, which "
+                                    f"evicts to {limit}; allowed: scores of shape {want} where the step evicts")
+            return
+        if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != want:
+            got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+            raise ContractError(f"{self.strategy.label}: score() returned {got} at {self._where(step)}; allowed: "
+                                f"shape {want}, one score per candidate (1, selection rows, candidates)")
+        if scores.is_floating_point() and bool(torch.isnan(scores).any()):
+            raise ContractError(f"{self.strategy.label}: score() returned NaN at {self._where(step)}; allowed: "
+                                "numbers, or +inf to protect a token")
 
     def end_turn(self):
         self.prefill, self.prompt_open, self.prompt_tokens, self.prompt_tail = True, False, 0, None

@@ -125,7 +125,7 @@ def plan(config) -> Plan:
                                     "percent of the context before the needle")
     if config.turns is not None and not multi:
         raise TaskError("turns: a setting of --multiturn; allowed: leave it out, or add --multiturn")
-    turns = (_ints("turns", str(config.turns or q["turns"]), 2, generate.MAX_TURNS,
+    turns = (_ints("turns", str(q["turns"] if config.turns is None else config.turns), 2, generate.MAX_TURNS,
                    "turns per conversation")[0] if multi else None)
     # The grids have ratios, not budgets: --budgets alone replaces them.
     ratio_text = config.ratios or (q["ratios"] if not config.budgets else None)
@@ -136,6 +136,10 @@ def plan(config) -> Plan:
     asked = sorted(_ints("asked", config.asked, 1, turns, f"turns of the {turns}")) if config.asked else None
     # --ratios alone replaces the grid's budgets; with --budgets both run.
     budgets = _ints("budgets", config.budgets, 1, 1 << 20, "tokens per layer") if config.budgets else []
+    if config.threads is not None and (isinstance(config.threads, bool) or not isinstance(config.threads, int)
+                                       or config.threads < 1):
+        raise TaskError(f"threads: {config.threads!r} is not allowed; allowed: whole numbers >= 1 (torch threads per "
+                        "cell), or leave it out")
     if samples < 1 or samples > 1000:
         raise TaskError(f"samples: {samples} is not allowed; allowed: 1..1000 per cell")
     if config.haystack not in generate.HAYSTACKS:
@@ -411,9 +415,15 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
     longest = p.tokens(top)  # the prompt and, with --multiturn, every later turn's question and answer
     if longest >= loaded.max_context:
         more = longest - top
+        room = loaded.max_context - 1 - more  # the longest context that leaves room for the answers
+        if room < generate.MIN_CONTEXT:  # no context fits beside the answers: the turns are what to cut
+            fits = max((t for t in range(2, generate.MAX_TURNS + 1)
+                        if replace(p, turns=t).tokens(generate.MIN_CONTEXT) < loaded.max_context), default=None)
+            raise TaskError(f"turns: {p.turns} turns' questions and answers ({more} tokens) leave no room for a "
+                            f"context in {config.model}'s context of {loaded.max_context} tokens; allowed: "
+                            + (f"up to {fits} turns" if fits else "a model with a longer context"))
         raise TaskError(f"contexts: {top} tokens plus the answer{'s' if p.turns else ''} ({more} tokens) pass "
-                        f"{config.model}'s context of {loaded.max_context}; allowed: up to "
-                        f"{loaded.max_context - 1 - more}")
+                        f"{config.model}'s context of {loaded.max_context}; allowed: up to {room}")
     validate.against_model(req, loaded, prompt_tokens=top)
     est = guard.estimate(loaded.config, loaded.dtype, list(req.strategies), top, longest,
                          config.prefill_chunk, twins=False, compare=True, turns=p.turns or 1, kernels=config.kernels,
@@ -426,7 +436,8 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
         else:
             generate.sample(task, loaded.tokenizer, min(p.contexts), p.depths_for(task)[0], p.seeds[0],
                             config.haystack, chat=loaded.chat)
-    threads = config.threads or (1 if config.executor == "local" else torch.get_num_threads())
+    threads = config.threads if config.threads is not None else (
+        1 if config.executor == "local" else torch.get_num_threads())
     what = (f"{p.turns} turns" + (f" asking at {'/'.join(map(str, p.asked))}" if p.asked else "")) if p.turns else \
         "depth {}"
     cells = [{"name": f"{task} {context} tokens {what.format(depth)} seed {seed}", "model": req.model,

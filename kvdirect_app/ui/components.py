@@ -85,10 +85,11 @@ class Views:
 
 @dataclass
 class FrontierTab:
-    """The trade-off frontier: which conversation, the button, progress, the figure."""
+    """The trade-off frontier: which conversation, the buttons (draw, cancel), progress, the figure."""
 
     source: gr.Dropdown
     draw: gr.Button
+    cancel: gr.Button
     status: gr.HTML
     plot: gr.Plot
 

@@ -47,6 +47,8 @@ LONG_PROMPT_TOKENS = 1000  # a run that reads more prompt tokens than this asks 
 PLOTS_EVERY_S = 2.0  # live plots at most this often during a turn ...
 PLOTS_SHARE = 0.05  # ... and, when building them takes longer, never more than this share of the turn's time
 RECALL = "recall"  # the scenario the Recall demo button plays
+FRONTIER_JOB = "the frontier drawing"
+WAITING_EVERY_S = 1.0  # a waiting visitor's place in line is said again this often
 MAX_WAITING = 24  # runs waiting in line beyond which a new one is refused as busy (hosted: 8)
 
 
@@ -55,17 +57,32 @@ def session_ttl_s() -> int:
     return 15 * 60 if hosted() else 2 * 3600
 
 
-class Line:
-    """Who waits for the one run slot: a place in line per session, said at once when a run is asked for.
+class Job:
+    """What holds the run slot now, in a visitor's words: "a turn of 7 panes" or "the frontier drawing", and how
+    far it is (the runner updates `doing`: "step 30 of at most 64, about 20 s left")."""
 
-    Gradio's queue runs the runs; this only counts, so that a visitor sees "queued, position N" (or "busy")
-    instead of a silent wait.  A ticket leaves when its run starts, when its session closes, or after an hour.
+    def __init__(self, what: str, owner: Session | None = None):
+        self.what, self.owner, self.doing = what, owner, "starting"
+
+    def words(self, session: Session | None) -> str:
+        whose = " (yours)" if session is not None and self.owner is session else ""
+        return f"{self.what}{whose}: {self.doing}"
+
+
+class Line:
+    """Who waits for the one run slot: a place in line per session, said at once when a run is asked for and kept
+    up to date while it waits (`waiting`).
+
+    Gradio's queue runs the runs (a turn, a frontier drawing); this counts them and says what holds the slot, so
+    that a visitor sees "waiting for the frontier drawing, run 3 of 8, about 2 min left" (or "busy") instead of a
+    silent wait.  A ticket leaves when its run starts, when its session closes, or after an hour.
     """
 
     def __init__(self):
         self.lock = threading.Lock()
         self.tickets: dict[int, float] = {}  # id(session) -> when it joined (insertion order is the line)
         self.running = 0
+        self.jobs: list[Job] = []  # what runs now (oldest first)
         self.took: list[float] = []  # seconds of the last runs, for the expected wait
         self.begun: list[float] = []
 
@@ -88,16 +105,42 @@ class Line:
         with self.lock:
             self.tickets.pop(id(session), None)
 
-    def started(self):
+    def waits(self, session: Session) -> bool:
+        with self.lock:
+            return id(session) in self.tickets
+
+    def started(self, job: Job | None = None) -> Job:
+        job = job or Job("a run")
         with self.lock:
             self.running += 1
             self.begun.append(time.monotonic())
+            self.jobs.append(job)
+        return job
 
-    def ended(self):
+    def ended(self, job: Job | None = None):
         with self.lock:
             self.running -= 1
+            if job in self.jobs:
+                self.jobs.remove(job)
             if self.begun:
                 self.took = (self.took + [time.monotonic() - self.begun.pop(0)])[-10:]
+
+    def words(self, session: Session) -> str | None:
+        """Where `session` stands, said for it: what holds the slot now, how many wait ahead, the expected wait;
+        None once its run has started (or it left the line)."""
+        with self.lock:
+            if id(session) not in self.tickets:
+                return None
+            ahead = list(self.tickets).index(id(session))
+            jobs = list(self.jobs)
+            running = self.running
+        if not jobs and not ahead:
+            return "Starting…"
+        holding = "; ".join(job.words(session) for job in jobs) or "a run that is starting"
+        line = f"Waiting for {holding}." + (f" Then {ahead} run(s) ahead of yours." if ahead else " Yours is next.")
+        if any(job.owner is session and job.what == FRONTIER_JOB for job in jobs):
+            line += " Cancel the drawing on the Frontier tab to go first."
+        return line + self.expected_wait(ahead, running)
 
     def expected_wait(self, ahead: int, running: int) -> str:
         """What a queued visitor can expect, from the last runs' measured durations (capped by the time budget)."""
@@ -152,16 +195,34 @@ class Handlers:
                 holder.time_last_used.pop(key, None)
 
     def enqueue(self, session: Session, request: gr.Request = None) -> str:
-        """Said the moment a run is asked for: where it stands in line."""
+        """Said the moment a run is asked for: where it stands in line (`waiting` keeps it up to date)."""
         self._seen(session, request)
         if session.busy:
             return views.status("A turn is still running: wait for it or press Stop.", "error")
-        ahead, running = LINE.join(session)
-        if ahead == 0 and running == 0:
-            return views.status("Starting…", "busy")
-        return views.status(f"Queued: position {ahead + 1}; {running} run(s) in progress, {ahead} waiting ahead of "
-                            f"you.{LINE.expected_wait(ahead, running)} Meanwhile, ▶ Replay it plays a recorded run "
-                            "at once.", "busy")
+        LINE.join(session)
+        return self._waiting_status(session) or views.status("Starting…", "busy")
+
+    @staticmethod
+    def _waiting_status(session: Session) -> str | None:
+        words = LINE.words(session)
+        if words is None:
+            return None
+        if words != "Starting…":
+            words += " Meanwhile, ▶ Replay it plays a recorded run at once."
+        return views.status(words, "busy")
+
+    def waiting(self, session: Session) -> Iterator[str]:
+        """While this session's run waits for the slot: its place, what holds the slot and how far that is, every
+        second; nothing once its run has started."""
+        said = None
+        while True:
+            time.sleep(WAITING_EVERY_S)
+            now = self._waiting_status(session)
+            if now is None:
+                return
+            if now != said:
+                said = now
+                yield now
 
     # --- drawing ---------------------------------------------------------------
     def render(self, session: Session, *, busy: bool, message: str | None = None, kind: str = "info",
@@ -177,8 +238,9 @@ class Handlers:
             else:
                 out[pane.box] = gr.Column(visible=False)
         r = self.s.recordings
-        for button in (a.send, a.regenerate, a.clear, a.play, a.recall, r.replay, r.live):
+        for button in (a.send, a.clear, a.play, a.recall, r.replay, r.live):
             out[button] = gr.Button(interactive=not busy)
+        out[a.regenerate] = gr.Button(interactive=self._regenerable(session, busy))
         out[r.line] = views.recording_line(session)
         out[r.live] = gr.Button(interactive=not busy, visible=bool(session.recording))  # reruns what is on screen
         c = self.s.controls
@@ -313,12 +375,22 @@ class Handlers:
     def _runs_enabled(self, session: Session) -> dict:
         """The buttons that start a run, shown disabled until a model is ready (a click before it would only wait)."""
         a, r = self.s.actions, self.s.recordings
-        return {b: gr.Button(interactive=not session.busy) for b in (a.send, a.recall, a.regenerate, a.play, r.live)}
+        return {**{b: gr.Button(interactive=not session.busy) for b in (a.send, a.recall, a.play, r.live)},
+                a.regenerate: gr.Button(interactive=self._regenerable(session, session.busy))}
+
+    @staticmethod
+    def _regenerable(session: Session, busy: bool) -> bool:
+        """Regenerate can act: a live conversation to replay, nothing running (before a turn it would only say
+        "nothing to regenerate yet"; on a recording, that it is one)."""
+        return not busy and bool(session.user_turns) and not session.recording
 
     # --- a run -----------------------------------------------------------------
     def _stream(self, session: Session, config: RunConfig, turns: list[str], fresh: bool,
-                note: str, expect: tuple[int, str] | None = None, scenario: str | None = None) -> Iterator[dict]:
-        """Play `turns` (all of them on a fresh engine, else only the new one) and stream the panes."""
+                note: str, expect: tuple[int, str] | None = None, scenario: str | None = None,
+                job: Job | None = None) -> Iterator[dict]:
+        """Play `turns` (all of them on a fresh engine, else only the new one) and stream the panes; `job` says how
+        far it is to whoever waits for the slot."""
+        job = job or Job("a turn")
         session.busy, session.stop_requested, session.stopping = True, False, None
         yield {**self.render(session, busy=True, message=note, kind="busy"),
                self.s.actions.prompt: gr.Textbox(value="", interactive=False)}
@@ -354,6 +426,8 @@ class Handlers:
                     event = session.recorder.events[-1]
                 session.apply(event)
                 progress.add(event, now)
+                doing = self._progress(session, progress, turns, fresh, now).rstrip("…")
+                job.doing = doing[:1].lower() + doing[1:]
                 stopped = session.stop_requested
                 if budget is not None and not stopped and now - t_start > budget:
                     session.stop_requested = timed_out = True  # the engine's thread ends the turn after this step
@@ -464,12 +538,12 @@ class Handlers:
             yield {self.s.views.status: views.status(self._long_run(config, reads, len(turns) if fresh else 1,
                                                                     cost["bytes"]), "info")}
             return
-        LINE.started()
+        job = LINE.started(Job(f"a turn of {len(config.specs)} pane(s)", session))
         try:
             yield from self._stream(session, config, turns, fresh, note(fresh),
-                                    expect if fresh else session.expect, scenario if fresh else session.scenario)
+                                    expect if fresh else session.expect, scenario if fresh else session.scenario, job)
         finally:
-            LINE.ended()
+            LINE.ended(job)
 
     @staticmethod
     def _long_run(config: RunConfig, reads: int, turns: int, peak: int) -> str:
@@ -631,10 +705,14 @@ class Handlers:
 
     # --- the frontier ----------------------------------------------------------
     def frontier(self, session: Session, source: str, **controls) -> Iterator[dict]:
-        """Every ticked strategy at a few settings on one conversation; the frontier plot when done."""
+        """Every ticked strategy at a few settings on one conversation, run after run; the frontier plot when done
+        (or, cancelled, of the runs done).  Whoever waits for the slot meanwhile is told it is the frontier drawing
+        and how far it is; its Cancel ends it after the step in progress."""
         f = self.s.frontier
-        busy = lambda message: {f.status: views.status(message, "busy"), f.draw: gr.Button(interactive=False)}
-        done = lambda message, kind: {f.status: views.status(message, kind), f.draw: gr.Button(interactive=True)}
+        busy = lambda message: {f.status: views.status(message, "busy"), f.draw: gr.Button(interactive=False),
+                                f.cancel: gr.Button(interactive=True)}
+        done = lambda message, kind: {f.status: views.status(message, kind), f.draw: gr.Button(interactive=True),
+                                      f.cancel: gr.Button(interactive=False)}
         session.asked = None
         if session.busy:
             yield done("A turn is still running: wait for it or press Stop.", "error")
@@ -658,10 +736,19 @@ class Handlers:
         sweep = runner.frontier_run(config, turns)
         rows = []
         t0 = time.monotonic()
+        session.frontier_cancel = False
+        job = LINE.started(Job(FRONTIER_JOB, session))
+        cancelled = False
         try:
             for i, entries in enumerate(plan):
-                yield busy(f"Run {i + 1}/{len(plan)}: {len(entries)} strategies on {len(turns)} turn(s)…")
-                rows += sweep.run(entries)
+                left = "" if not i else f", about {runner.duration((time.monotonic() - t0) / i * (len(plan) - i))} left"
+                job.doing = f"run {i + 1} of {len(plan)}{left}"
+                yield busy(f"Run {i + 1}/{len(plan)}: {len(entries)} strategies on {len(turns)} turn(s){left}…")
+                ran = sweep.run(entries, lambda: session.frontier_cancel)
+                if ran is None:
+                    cancelled = True
+                    break
+                rows += ran
         except runner.USER_ERRORS as e:
             yield done(str(e), "error")
             return
@@ -669,9 +756,23 @@ class Handlers:
             log.error("frontier failed:\n%s", traceback.format_exc())
             yield done(f"Frontier failed: {type(e).__name__}: {e}", "error")
             return
-        figure = runner.frontier_plot(rows, sweep, source)
-        yield {**done(f"{len(rows)} points from {len(plan)} runs in {time.monotonic() - t0:.0f} s.", "ok"),
-               f.plot: figure}
+        finally:
+            LINE.ended(job)
+        took = time.monotonic() - t0
+        if cancelled:
+            words = (f"Cancelled after {len(rows)} point(s) of {sum(map(len, plan))} ({took:.0f} s): the points of "
+                     "the runs that finished are drawn." if rows else f"Cancelled before a run finished ({took:.0f} s).")
+            yield {**done(words, "ok"), **({f.plot: runner.frontier_plot(rows, sweep, source)} if rows else {})}
+            return
+        yield {**done(f"{len(rows)} points from {len(plan)} runs in {took:.0f} s.", "ok"),
+               f.plot: runner.frontier_plot(rows, sweep, source)}
+
+    def cancel_frontier(self, session: Session) -> str:
+        """The frontier drawing ends after the step in progress (its finished runs are drawn)."""
+        if not any(job.owner is session and job.what == FRONTIER_JOB for job in list(LINE.jobs)):
+            return views.status("No frontier drawing is running.", "info")
+        session.frontier_cancel = True
+        return views.status("Cancelling after the step in progress…", "busy")
 
     def token_map(self, session: Session, label: str | None, layer: int, other: str | None = None) -> tuple:
         """The token maps of `label` (beside `other`) at `layer`, and the attention snapshot there."""

@@ -234,6 +234,8 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
                     source = gr.Dropdown([FRONTIER_CURRENT, *table], value=FRONTIER_CURRENT, scale=3,
                                          label="Conversation")
                     draw = gr.Button("Draw the frontier", variant="secondary", scale=1, elem_id="kvd-draw")
+                    cancel = gr.Button("Cancel the drawing", variant="stop", scale=1, interactive=False,
+                                       elem_id="kvd-frontier-cancel")
                 frontier_status = gr.HTML("", elem_id="kvd-frontier-status")
                 frontier_plot = gr.Plot(frontier_figure([]), show_label=False, elem_id="kvd-frontier")
             with gr.Tab(TABS[4], elem_id="kvd-tab-geometry"):
@@ -255,7 +257,7 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
         shown = Views(status, board, memory, latency, agreement, map_label, map_other, map_layer, token_map, attention, geometry,
                       *downloads, banner)
         studio = Studio(session, controls, actions, shown, panes,
-                        FrontierTab(source, draw, frontier_status, frontier_plot),
+                        FrontierTab(source, draw, cancel, frontier_status, frontier_plot),
                         Recordings(line, picker, speed, upload, replay, live, record))
         handlers.s = studio
         _wire(demo, studio, handlers)
@@ -280,10 +282,13 @@ def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
     run = dict(outputs=out, concurrency_id="generate", trigger_mode="once", show_progress="hidden")
 
     def queued(trigger, fn, inputs, **kw):
-        """Say the run's place in line at once (no queue), then run it in the queue."""
+        """Say the run's place in line at once (no queue), then run it in the queue, and while it waits say again,
+        every second, what holds the slot and how far that is (a queue of its own: it never waits itself)."""
         first = trigger(h.enqueue, inputs=[studio.session], outputs=[v.status], queue=False,
                         api_visibility="private", show_progress="hidden")
         first.success(fn, inputs=inputs, inputs_kwargs=c.by_name(), **run, **kw)
+        first.success(h.waiting, inputs=[studio.session], outputs=[v.status], concurrency_id="line",
+                      concurrency_limit=None, api_visibility="private", show_progress="hidden")
 
     # The API's endpoints (send, regenerate, play_scenario) are the runs themselves; API clients see the queue's
     # own rank, and a full queue answers with Gradio's "queue is full".
@@ -296,8 +301,10 @@ def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
     a.clear.click(h.clear, inputs=[studio.session], outputs=out, api_visibility="private")
     f = studio.frontier
     f.draw.click(h.frontier, inputs=[studio.session, f.source], inputs_kwargs=c.by_name(),
-                 outputs=[f.status, f.plot, f.draw], concurrency_id="generate", trigger_mode="once",
+                 outputs=[f.status, f.plot, f.draw, f.cancel], concurrency_id="generate", trigger_mode="once",
                  show_progress="hidden", api_name="frontier")
+    f.cancel.click(h.cancel_frontier, inputs=[studio.session], outputs=[f.status], queue=False,
+                   api_visibility="private")
     demo.unload(h.closed)
     for trigger in (v.map_label.input, v.map_other.input, v.map_layer.release, v.map_layer.input):  # arrow keys too
         trigger(h.token_map, inputs=[studio.session, v.map_label, v.map_layer, v.map_other],

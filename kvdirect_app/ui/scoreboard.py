@@ -17,6 +17,7 @@ from __future__ import annotations
 import html
 
 from ..palette import colours
+from ..units import fmt_bytes
 from .session import Session
 from .settings import REFERENCE, title
 from .views import BYTE_SOURCES, byte_figure, memory_instrument, own_cost, source_legend
@@ -67,6 +68,7 @@ def scoreboard_html(session: Session) -> str:
                       f'holds ≠ its formula ({off} steps)</span>')
         between, source = byte_figure(f.get("between"), f.get("formula_between"), "held after the last finished turn",
                                       instrument)
+        between += _outside(f.get("outside"), f.get("between"))
         sources["between"].add(source)
         peak, source = byte_figure(f.get("peak"), f.get("formula_peak"), "highest during a forward of this turn",
                                    instrument, f.get("peak_source"))
@@ -100,6 +102,22 @@ def scoreboard_html(session: Session) -> str:
             '<th title="its own ms per step as a share of the step\'s wall time: every pane waits for the whole step, '
             'so this is what it costs, not how fast it streamed">share of step</th></tr>')
     return f'<table class="kvd-board">{head}{"".join(rows)}{_step_rows(session, bool(session.expect))}</table>'
+
+
+# Beside a pane's held bytes (its tensors'), what its work holds outside torch (numpy's data, Python's objects) is
+# written out when it is this large a share of them; below that (a few KB of Python objects: the tensors' own
+# wrappers), in the figure's tooltip.  Either way it is in the run's JSON (`state_bytes.outside_torch`).
+OUTSIDE_SHOWN = 0.1
+
+
+def _outside(outside: int | None, held: int | None) -> str:
+    """The bytes a pane holds outside torch after the last step, beside its held figure."""
+    if not outside:
+        return ""
+    words = f"held outside torch (numpy's data, Python's objects) after the last step: {fmt_bytes(outside)}"
+    if held is not None and outside < OUTSIDE_SHOWN * held:
+        return f' <span class="kvd-note" title="{html.escape(words)}">·</span>'
+    return f' <span class="kvd-bad kvd-outside" title="{html.escape(words)}">+{fmt_bytes(outside)} outside torch</span>'
 
 
 def _named(sources: set, instrument: str) -> list[str]:
@@ -153,4 +171,22 @@ def _step_rows(session: Session, asked: bool) -> str:
     return (f'<tr class="kvd-step-row" title="{html.escape(title)}"><td><b>every pane, as seen</b></td>'
             f'<td colspan="{4 if asked else 3}" class="kvd-note">{html.escape(words)}</td>'
             f'<td class="kvd-num"><b>{wall:.0f}</b></td>'
-            f'<td class="kvd-num kvd-seen"><b>{seen}</b></td></tr>' if wall > 0 else "")
+            f'<td class="kvd-num kvd-seen"><b>{seen}</b></td></tr>' if wall > 0 else "") + _unattributed_row(session, asked)
+
+
+def _unattributed_row(session: Session, asked: bool) -> str:
+    """Bytes no pane's work holds (process-wide): blocks allocated outside every region (a thread a strategy
+    started), the measurement's own, shared memory.  Shown whenever a meter reads them, 0 B included."""
+    now = session.unattributed
+    if now is None:
+        return ""
+    parts = {"outside_regions": "allocated outside every pane's work (another thread, code outside every region)",
+             "measurement": "the measurement's own work", "shared_memory": "shared memory (no allocator's)"}
+    words = "; ".join(f"{what} {fmt_bytes(now.get(key, 0))}" for key, what in parts.items())
+    kind = "kvd-bad" if now["bytes"] else "kvd-note"
+    title = html.escape("no pane holds these bytes (process-wide, since the run began): " + words)
+    return (f'<tr class="kvd-unattributed-row" title="{title}"><td><b>unattributed</b></td>'
+            f'<td class="kvd-note">bytes no pane\'s work holds: {html.escape(words)}</td>'
+            + ('<td></td>' if asked else '')
+            + f'<td class="kvd-num {kind}">{fmt_bytes(now["bytes"])}</td>'
+            f'<td class="kvd-num {kind}">{fmt_bytes(session.unattributed_peak)}</td><td></td><td></td></tr>')

@@ -76,6 +76,7 @@ class LaneView:
                 "peak": max(peaks) if peaks else None,
                 "formula_peak": max(formula_peaks) if formula_peaks else None,
                 "peak_source": current[-1].get("peak_source") if current else None,
+                "outside": current[-1].get("outside") if current else None,
                 "ms_per_token": sum(ms) / len(ms) if ms else None}
 
     def disagreements(self) -> int:
@@ -102,6 +103,10 @@ class Session:
     rss: list[dict] = field(default_factory=list)
     # Per decode step, as a visitor sees it: its wall time, each lane's own ms, the instruments' ms and the rest.
     step_times: list[dict] = field(default_factory=list)
+    # No lane's bytes after the last step (blocks outside every region, the measurement's own, shared memory) and
+    # the most they reached: the board's "unattributed" row; None where no meter reads them.
+    unattributed: dict | None = None
+    unattributed_peak: int = 0
     steps: int = 0
     # Tokens of the conversation so far on the engine's clock: every prompt (the full cache's) plus one per step,
     # the same for every lane at a step.  A lane's own `seen` (its cache's length) differs: it counts its own
@@ -112,6 +117,7 @@ class Session:
     attention_maps: dict | None = None  # the same, for the attention snapshots (`Engine.attention_maps`)
     busy: bool = False
     stop_requested: bool = False
+    frontier_cancel: bool = False  # the frontier drawing's Cancel: it ends after the step in progress
     workdir: str | None = None
     load_number: int = 0  # the newest model choice of this session (an older load's result is not shown)
     expect: tuple[int, str] | None = None  # a played scenario's (turn, the words its right answer contains)
@@ -171,6 +177,7 @@ class Session:
         if kind == "start":
             self.user_turns, self.steps, self.position, self.rss, self.result, self.token_maps = [], 0, 0, [], None, None
             self.step_times = []
+            self.unattributed, self.unattributed_peak = None, 0  # no lane's bytes (`Engine._unattributed`)
             self.seen = []
             self.attention_maps = None
             self.shown = list(event["strategies"])
@@ -223,7 +230,8 @@ class Session:
                                     "persistent": ev["persistent_bytes"], "peak": ev["peak_bytes"],
                                     "formula": ev["formula_bytes"], "formula_peak": ev["formula_peak_bytes"],
                                     # (recordings made before the allocator's figures have neither)
-                                    "peak_source": ev.get("peak_source"), "agrees": ev.get("formula_agrees")})
+                                    "peak_source": ev.get("peak_source"), "agrees": ev.get("formula_agrees"),
+                                    "outside": ev.get("outside_bytes")})
                 if ev["active"]:  # the token was fed: the step's timings are of this token's forward
                     lane.latency.append({"step": self.steps, "turn": turn, **ev["latency_ms"]})
             else:
@@ -241,6 +249,9 @@ class Session:
         rss = next(iter(events.values())).get("rss_bytes") if events else None  # read after the step
         if rss is not None:
             self.rss.append({"step": self.steps, "position": self.position, "rss": rss})
+        if event.get("unattributed_bytes") is not None:  # (none without a meter, or in an older recording)
+            self.unattributed = event["unattributed_bytes"]
+            self.unattributed_peak = max(self.unattributed_peak, self.unattributed["bytes"])
         if "step_ms" in event:  # (a recording made before step times has none)
             self.step_times.append({"step": self.steps, "turn": turn, "step_ms": event["step_ms"],
                                     "lanes_ms": event["lanes_ms"], "measurement_ms": event["measurement_ms"],

@@ -173,14 +173,15 @@ class Settings:
         for key, allowed in (("mode", MODES), ("rebuild", REBUILDS)):
             if v[key] not in allowed:
                 raise SettingError(f"{key}: {str(v[key])[:40]!r} is not allowed; allowed: {', '.join(allowed)}")
-        v["kernels"] = v["kernels"] or "invariant"
+        v["kernels"] = "invariant" if v["kernels"] is None else v["kernels"]
         if v["kernels"] not in KERNELS:
             raise SettingError(f"kernels: {str(v['kernels'])[:40]!r} is not allowed; allowed: {', '.join(KERNELS)}")
         v["twins"] = True if v["twins"] is None else v["twins"]
         if not isinstance(v["twins"], bool):
             raise SettingError("twins: expected true or false")
         if len(v["extra_specs"]) > 2_000:
-            raise SettingError("extra_specs: longer than 2,000 characters")
+            raise SettingError(f"The extra specs box holds {len(v['extra_specs']):,} characters; allowed: at most "
+                               "2,000")
         return cls(**v)
 
     @property

@@ -7,13 +7,12 @@ multi-turn per history: kept or dropped), or files of one's own.  Plain data in,
 from __future__ import annotations
 
 import html
-import json
 from pathlib import Path
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .. import schema, stats
+from .. import jsonfile, schema, stats
 from ..frontier import HELD, TASK_SCORE, Point, frontier_figure
 from ..palette import base_colour, strategy_name, symbol
 from ..paths import data
@@ -70,10 +69,16 @@ def shipped(multiturn: bool = False, model: str = DEFAULT_MODEL, history: str = 
 def load(path: str | Path) -> dict:
     """A tasks results file, checked to be one this build reads (one line naming what it is, else)."""
     path = Path(path)
+    expected = "a bench tasks --json results file"
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise schema.SchemaError(f"{path.name}: not a readable JSON file ({type(e).__name__})") from None
+        document = jsonfile.parse(path.read_bytes(), path.name, expected)
+    except OSError:
+        raise schema.SchemaError(f"{path.name}: the file could not be read; expected {expected}") from None
+    except ValueError as e:
+        raise schema.SchemaError(str(e)) from None
+    problem = jsonfile.not_an_object(document, path.name, expected)
+    if problem:
+        raise schema.SchemaError(problem)
     return schema.check(document, "tasks", path.name)
 
 
