@@ -50,7 +50,9 @@ browser:
 # Two workers (pytest-xdist): tests that share a process-wide fixture run together (tests/conftest.py).
 WORKERS := -n 2
 
+# The README's and docs/'s measured figures against their results files first (one line per figure that disagrees).
 test: install $(RAY_STAMP) browser
+	$(BIN)/python -m kvdirect_app.bench docs --check
 	$(BIN)/python -m pytest $(WORKERS)
 
 # The inner loop (a few minutes): model-free tests, the tiny families' exactness, one SmolLM2 exactness run, the

@@ -17,46 +17,47 @@ the formula (`lanes.ByteBook`); a prompt longer than `prefill_chunk` tokens
 is fed in pieces, with a progress event per piece.  Sessions can be parked
 between turns and resumed.
 
-The engine yields plain dict events and never imports gradio.
+The engine yields plain dict events and never imports gradio.  It is built of parts, one reason each: the turn and
+its steps (here), the state between turns (`between.py`: park, resume, a saved context, the thread count), the
+lanes' token maps and attention snapshots (`lanemaps.py`), a step's figures and the run's summary (`summary.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections import defaultdict
 from typing import Callable, Iterator
 
 import torch
 
-from . import ledger, meters
+from .between import CONTEXT, BetweenTurns
 from .forwards import Forwards, Item
 from .geometry import ModelGeometry
 from .hooks import InputTap, model_lock
 from .instruments import MEMORY_MODES, Instruments
 from .kernels import Kernels
 from .kernels import brief as kernels_brief
-from .lockstep import batch_linears
+from .lanemaps import LaneMaps
 from .lanes import ByteBook, Lane, TurnBytes
+from .lockstep import batch_linears
 from .memory import AllocationTracer
-from .metrics import token_match
 from .models import LoadedModel
 from .observe import ENGINE, Observer, Owner, instrument, storage_sizes, watch
 from .prompts import InputError, Prompter
 from .strategies import Strategy
 from .strategies.full import Full
-from .teacher import agree, kv_summary, observe
+from .summary import Summary, memory_instrument, step_summary
+from .teacher import agree, observe
 from .text import ReplyText
 from .threads import one_thread, pin, probe_determinism
 
-__all__ = ["Engine", "InputError", "InputTap", "Prompter", "model_lock", "run_to_end", "MEMORY_MODES"]
+__all__ = ["Engine", "InputError", "InputTap", "Prompter", "model_lock", "run_to_end", "MEMORY_MODES",
+           "memory_instrument", "step_summary"]
 
 PREFILL_CHUNK = 1024
-# Whose bytes a saved context is (`Engine.turn(save_context=True)`): the engine's copy, kept for later turns, no lane's.
-CONTEXT = Owner("saved context", "engine")
 
 
-class Engine:
+class Engine(BetweenTurns, LaneMaps, Summary):
     """Lockstep runner.  `run(turns)` yields events; `results()` gives the summary afterwards.
 
     Parameters
@@ -114,6 +115,9 @@ class Engine:
             self.show = [strategies[0].label]
         else:
             ref = Full()
+            specs = [s.spec() for s in strategies if s.spec() != ref.spec()]
+            if len(set(specs)) != len(specs):  # two lanes of one spec would share one owner's bytes
+                raise InputError(f"strategies: {next(x for x in specs if specs.count(x) > 1)!r} is listed twice")
             self.reference = self._lane(ref)
             self.lanes = [self._lane(s) for s in strategies if s.spec() != ref.spec()]
             self.show = [s.label if s.spec() != ref.spec() else ref.label for s in strategies]
@@ -263,92 +267,12 @@ class Engine:
         if self.instruments.digests:
             lane.kv_digest = obs.digest(lane.cache)
 
-    def park(self) -> dict:
-        """Between turns: every cache keeps only its persistent state (full KV, inputs, anchors or token ids).
-
-        The next `turn()` resumes each cache first (timed), rebuilding K/V exactly where the strategy
-        rebuilds on resume.  Returns a "park" event with the parked bytes per strategy, measured and by formula.
-        """
-        if any(lane.active for lane in self.all_lanes):
-            raise InputError("park: a turn is still running")
-        event = {"type": "park", "lanes": {}}
-        for lane in self.all_lanes:
-            for owner, cache in self._caches(lane):
-                with self._work(owner, "park"):
-                    cache.park()
-            seen = lane.cache.get_seq_length()
-            record = {"seen": seen, "bytes": self._held(lane),
-                      "formula_bytes": lane.strategy.formula_parked(self.geometry, seen, lane.forwards),
-                      "resume_ms": None, "resume_peak_bytes": None}
-            lane.book.check("parked", seen, record["bytes"], record["formula_bytes"])
-            lane.parks.append(record)
-            event["lanes"][lane.label] = record
-        self.parked = True
-        return event
-
-    def resume(self) -> dict:
-        """Rebuild every parked cache now (`turn()` does this itself when needed); returns a "resume" event."""
-        with model_lock(self.model):
-            tap = InputTap(self.model, self.loaded.device)
-            try:
-                self._resume(tap)
-            finally:
-                tap.close()
-        return {"type": "resume", "lanes": {lane.label: lane.parks[-1] for lane in self.all_lanes}}
-
-    def set_threads(self, threads: int) -> None:
-        """Between turns: the forwards, rebuilds and replays that follow run at `threads`.  With invariant kernels
-        the probe must pass at that count too (it runs now if it has not); a count where it fails is refused,
-        not switched to other kernels."""
-        if any(lane.active for lane in self.all_lanes):
-            raise InputError("threads: a turn is still running")
-        if threads < 1:
-            raise InputError(f"threads: {threads} must be >= 1")
-        probed = Kernels.for_model(self.loaded, self.kernels.requested, threads)
-        if probed.mode != self.kernels.mode:
-            raise InputError(f"threads: {threads} would change the kernels ({probed.reason}); allowed: a count where "
-                             f"the {self.kernels.mode} kernels' probe passes")
-        # The verdicts proven at `threads` from now on, everywhere the old ones were: the forwards, every cache
-        # (its rebuilds and replays), the saved context's copies.
-        self.kernels = self.forwards.kernels = probed
-        for lane in self.all_lanes:
-            for _, cache in self._caches(lane):
-                cache.use_kernels(probed)
-        for cache, _, _ in (self.saved_context or {}).values():
-            cache.use_kernels(probed)
-        self.threads = self.forwards.threads = threads
-        if not probed.invariant:
-            self.forwards.check_native()
-
     @contextlib.contextmanager
     def kernel_scope(self):
         """The run's kernels around work outside a step's pass (a resume, a benchmark's rebuild): every linear of
         the model and the replays' attention as the forwards computed them."""
         with batch_linears(self.model, 1, self.kernels), self.kernels.applied():
             yield
-
-    @torch.inference_mode()
-    def _resume(self, tap: InputTap):
-        pin(self.threads)
-        with self.kernel_scope():
-            self._resume_lanes(tap)
-        self.parked = False
-
-    def _resume_lanes(self, tap: InputTap):
-        obs = self.observer
-        for lane in self.all_lanes:
-            for owner, cache in self._caches(lane):
-                tap.target(cache)
-                obs.reset_peaks([owner])
-                mark = obs.mark()
-                with self._work(owner, "resume"):
-                    cache.resume()
-                if owner is lane.owner:
-                    spent = obs.since(mark)
-                    lane.parks[-1]["resume_ms"] = 1e3 * sum(s for (o, _), s in spent.items() if o == owner)
-                    lane.parks[-1]["resume_peak_bytes"] = (self.tracer.windows[owner.label].peak if self.tracer.enabled
-                                                           else obs.peak(owner) if self.peak_source == "measured"
-                                                           else None)
 
     def run(self, turns: list[str], park: bool = False) -> Iterator[dict]:
         """Every turn in order (parking every session between turns when `park`), then "done" with `results()`."""
@@ -371,31 +295,6 @@ class Engine:
             self.forwards.run(pieces, tap, turn_start=True, piece=first_piece + piece)
             if total > size:
                 yield {"type": "prefill", "turn": k, "done": min(start + size, total), "total": total}
-
-    def _save_context(self):
-        """Every lane's cache as it stands now, with the length of its history: the engine's copy (its bytes are
-        `CONTEXT`'s, no lane's), from which `_from_context` starts a later turn."""
-        saved = {}
-        for lane in self.all_lanes:
-            with self.observer.region(CONTEXT, "save"):
-                saved[lane.label] = (lane.cache.fork(), len(lane.history), list(lane.forwards))
-        self.saved_context = saved
-
-    def _from_context(self):
-        """Every lane back at the saved context: a copy of its saved cache in place of its own (the copy is the
-        lane's work and its bytes; its old cache is dropped), its history cut to the context's, its free run on the
-        reference's history again (a teacher-forced twin goes with the answers it followed)."""
-        for lane in self.all_lanes:
-            cache, history, forwards = self.saved_context[lane.label]
-            with self._work(lane.owner, "restore"):
-                lane.cache = cache.fork()
-            lane.history, lane.forwards, lane.pending = lane.history[:history], list(forwards), None
-            lane.tf_cache = lane.tf_logits = None
-            lane.diverged = False
-        if self.instruments.compare and not self.solo:
-            for lane in self.lanes:
-                if lane.strategy.kv_comparable:
-                    self.observer.compare_with(lane.owner, self.reference.cache)
 
     def _turn(self, k: int, text: str, tap: InputTap, answer_prefix: str = "", question: list[int] | None = None,
               save_context: bool = False, from_context: bool = False) -> Iterator[dict]:
@@ -488,41 +387,6 @@ class Engine:
         if self.instruments.compare and lane.strategy.kv_comparable:
             self.observer.compare_with(lane.twin, self.reference.cache)
 
-    def _step_figures(self, started: float, mark: dict, fed: set[str]) -> dict:
-        """The step as a visitor sees it, every part as its clock read it: each fed lane's own time (its regions
-        and its share of the shared pass), the instruments' (the twins' rows among them), the engine's own
-        (choosing tokens, detokenising, events), and the rest no clock covered; `shared_ms` is the shared pass
-        before it was charged to the rows."""
-        wall = 1e3 * (self.observer.now() - started)
-        lanes, measured, engine = {label: 0.0 for label in fed}, defaultdict(float), defaultdict(float)
-        for (owner, op), s in self.observer.since(mark).items():
-            if owner.kind == "lane":
-                lanes[owner.label] = lanes.get(owner.label, 0.0) + 1e3 * s
-            elif owner.kind == "twin":
-                measured["twins"] += 1e3 * s
-            elif owner.kind == "instrument":
-                measured[owner.label] += 1e3 * s
-            elif owner.kind == "engine":
-                engine[op] += 1e3 * s
-            # (the shared pass's time was charged to its rows: none of it is left here)
-        measured = {name: ms for name, ms in measured.items() if ms}
-        engine = {op: ms for op, ms in engine.items() if ms}
-        figures = {"step_ms": wall, "lanes_ms": lanes, "measurement_ms": measured, "engine_ms": engine,
-                   "shared_ms": self.forwards.step_shared_ms,
-                   "unattributed_ms": wall - sum(lanes.values()) - sum(measured.values()) - sum(engine.values()),
-                   "unattributed_bytes": self._unattributed()}
-        self.steps.append(figures)
-        return figures
-
-    def _unattributed(self) -> dict | None:
-        """No lane's bytes now (`Observer.unattributed`), and the most they reached in this run."""
-        if self.memory == "none":
-            return None
-        now = self.observer.unattributed()
-        if now is not None:
-            self.unattributed_peak = max(self.unattributed_peak, now["bytes"])
-        return now
-
     def _choose(self, lane: Lane, index: int) -> int:
         """Greedy token at `index` of the current turn; ends the lane's turn on EOS, the token limit or the context."""
         with self.observer.region(ENGINE, "choose"):
@@ -556,180 +420,6 @@ class Engine:
             "diverged": lane.diverged,
             "kl_mean": lane.kl_sum / lane.tf_steps if lane.tf_steps else 0.0,
         }
-
-    def token_map(self, label: str, layer: int) -> dict:
-        """Per fed token of a strategy's free run at `layer`: its text and what is kept of it
-        ("kv", "residual", "anchor", "replayed" (rebuilt from an anchor below), "evicted"), as plain lists."""
-        lane = self.reference if label == self.reference.label else next(l for l in self.lanes if l.label == label)
-        states = lane.cache.layers[layer].token_states()
-        pieces = [self.loaded.tokenizer.decode([t]) for t in lane.history[:len(states)]]
-        return {"tokens": pieces, "states": states}
-
-    def token_maps(self) -> dict:
-        """Every layer's token states of every shown lane: {label: {"tokens": [...], "states": [[...] per layer]}}."""
-        out = {}
-        for label in self.show:
-            first = self.token_map(label, 0)
-            layers = len(self.reference.cache.layers)
-            out[label] = {"tokens": first["tokens"],
-                          "states": [first["states"]] + [self.token_map(label, i)["states"] for i in range(1, layers)]}
-        return out
-
-    def attention_map(self, label: str, layer: int) -> dict | None:
-        """The attention snapshot of a shown lane at `layer`: the last query of the latest turn's prompt (what reads
-        the question), heads averaged (`lockstep.last_query_attention`); None before the first turn.
-
-        {"position": p, "turn": t (1-based), "tokens": [p + 1 token texts], "weights": [p + 1 entries]}, an entry
-        the weight in [0, 1] of a position the layer handed attention, None for one it did not (evicted, or
-        outside a sliding window); the weights sum to 1."""
-        lane = self.reference if label == self.reference.label else next(l for l in self.lanes if l.label == label)
-        snap = lane.attention
-        if snap is None:
-            return None
-        p = snap["position"]
-        handed, probs = snap["layers"][layer]
-        return {"position": p, "turn": snap["turn"],
-                "tokens": [self.loaded.tokenizer.decode([t]) for t in lane.history[:p + 1]],
-                "weights": [float(w) if h else None for h, w in zip(handed.tolist(), probs.tolist())]}
-
-    def attention_maps(self) -> dict:
-        """Every shown lane's snapshot at every layer: {label: {"position", "turn", "tokens", "layers": [weights
-        per layer]}}; lanes without a snapshot are left out."""
-        out = {}
-        for label in self.show:
-            first = self.attention_map(label, 0)
-            if first is None:
-                continue
-            layers = [first["weights"]] + [self.attention_map(label, j)["weights"]
-                                            for j in range(1, len(self.reference.cache.layers))]
-            out[label] = {"position": first["position"], "turn": first["turn"], "tokens": first["tokens"],
-                          "layers": layers}
-        return out
-
-    # --- summary -------------------------------------------------------------
-    def _summary(self, lane: Lane) -> dict:
-        ref = self.reference
-        is_ref = lane is ref and not self.solo
-        match, first = token_match(ref.tokens, lane.tokens) if not self.solo else (None, None)
-        if self.solo:
-            kv = {"kv_exact": None, "max_abs_dk": None, "max_abs_dv": None, "layers_compared": 0,
-                  "rebuilt_token_layers": None, "shape_mismatches": 0}
-        elif is_ref:
-            kv = {"kv_exact": True, "max_abs_dk": 0.0, "max_abs_dv": 0.0, "layers_compared": len(lane.cache.layers),
-                  "rebuilt_token_layers": 0, "shape_mismatches": 0}
-        else:
-            kv = kv_summary(lane, self.observer)
-        decode_s = sum(step["total"] for step in lane.times.decode)
-        return {
-            "token_ids": [t for turn in lane.tokens for t in turn],
-            "turn_token_ids": lane.tokens,
-            "text": "\n\n".join(lane.texts),
-            "turn_texts": lane.texts,
-            "token_match": match,
-            "first_divergence": first,
-            "teacher_forced_agreement": 1.0 if is_ref else (lane.tf_agree / lane.tf_steps if lane.tf_steps else None),
-            "kl_mean": 0.0 if is_ref else (lane.kl_sum / lane.tf_steps if lane.tf_steps else None),
-            "max_abs_dlogit": 0.0 if is_ref else (lane.max_dlogit if lane.tf_steps else None),
-            "teacher_forced_steps": None if is_ref or self.solo else lane.tf_steps,
-            **kv,
-            "kv_digest": lane.kv_digest,
-            "canonical_spec": lane.strategy.spec(),
-            "mode": getattr(lane.strategy, "mode", None),  # "exact" | "fast" for rebuilding strategies, else None
-            "kernels": self._lane_kernels(lane),
-            "notes": lane.strategy.notes,
-            "claims_exact": lane.strategy.claims_exact and self.determinism["deterministic"],
-            "exact_unavailable": None if not lane.strategy.claims_exact or self.determinism["deterministic"]
-            else self.determinism["reason"],
-            "state_bytes": lane.book.summary(self._held(lane), self.instrument),
-            "turns": [t.summary() for t in lane.book.turns],
-            "latency_ms": lane.times.summary(),
-            "parks": lane.parks,
-            "tokens_per_s": len(lane.times.decode) / decode_s if decode_s > 0 else None,
-        }
-
-    def _lane_kernels(self, lane: Lane) -> dict:
-        """What computed this lane: its forwards (the run's kernels) and its rebuilt K/V (the run's in exact mode,
-        the model's own in one call with `mode=fast`, nothing for a strategy that rebuilds nothing)."""
-        mode = getattr(lane.strategy, "mode", None)
-        return {"forward": self.kernels.mode,
-                "rebuild": None if mode is None else "native, one call" if mode == "fast" else self.kernels.mode}
-
-    def results(self) -> dict:
-        by_label = {self.reference.label: self.reference, **{lane.label: lane for lane in self.lanes}}
-        shared = self.forwards.shared_ms
-        out = {
-            "model": self.loaded.name,
-            "model_source": self.loaded.source,
-            "device": str(self.loaded.device),
-            "dtype": str(self.loaded.dtype).removeprefix("torch."),
-            "threads": self.threads,
-            "compared_with_full_cache": not self.solo,
-            "batched": self.forwards.batch,
-            "teacher_forced_twins": self.twins,
-            "shared_pass_ms_mean": sum(shared) / len(shared) if shared else None,
-            "shared_rule": "the pass's shared work (linears, norms, embedding, head) charged by rows: 1/N to each "
-                           "of its N rows (a lane's forward or a twin's)",
-            "instruments": self.instruments.describe(),
-            "steps": step_summary(self.steps),
-            "turn_seconds": self.turn_seconds,
-            "prompt_ids": self.prompt_ids,
-            "turn_chunk_ids": self.turn_chunks,
-            "max_new_tokens": self.max_new_tokens,
-            "process_rss_peak_bytes": self.forwards.rss_peak,
-            "memory_instrument": self.instrument,
-            # Bytes no lane's work holds, now and at most after a step (process-wide: blocks allocated outside every
-            # region, the measurement's own, shared memory); None where no meter reads them.
-            "unattributed_bytes": None if (now := self._unattributed()) is None else {
-                **now, "peak": max(self.unattributed_peak, now["bytes"])},
-            "determinism": self.determinism,
-            "kernels": self.kernels.report(),
-            "strategies": {label: self._summary(by_label[label]) for label in self.show if label in by_label},
-        }
-        if self.loaded.device.type == "cuda":
-            out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.loaded.device)
-        return out
-
-
-def memory_instrument(requested: str, device: torch.device) -> tuple[str, str, object]:
-    """The memory mode a run asked for, resolved here: (mode, the instrument's name, the meter or None).
-    "auto" is the allocator where its meter can be read (`meters.for_device`), else the declared storage count,
-    whose name says why; an explicit "allocator" that cannot be read is one error line."""
-    if requested == "none":
-        return "none", "none (formula only)", None
-    if requested == "storage":
-        return "storage", f"tensor storages the strategies list ({device.type}; declared, not measured)", None
-    try:
-        meter = meters.for_device(device)
-    except ledger.Unavailable as e:
-        if requested == "allocator":
-            raise InputError(f"--memory: allocator cannot be read here ({e}); allowed: auto, trace, storage, "
-                             "none") from None
-        if requested == "trace":
-            return "trace", f"allocator trace ({device.type})", None
-        return "storage", f"tensor storages the strategies list (declared, not measured: {e})", None
-    if requested == "trace":
-        return "trace", f"allocator trace ({device.type}), auditing the {meter.name}", meter
-    return "allocator", meter.name, meter
-
-
-def step_summary(steps: list[dict]) -> dict | None:
-    """Means over the decode steps of the step figures (`Engine._step_figures`), ms."""
-    if not steps:
-        return None
-    n = len(steps)
-    names = sorted({name for step in steps for name in step["measurement_ms"]})
-    ops = sorted({op for step in steps for op in step["engine_ms"]})
-    return {"steps": n,
-            "wall_ms_mean": sum(s["step_ms"] for s in steps) / n,
-            "lanes_ms_mean": sum(sum(s["lanes_ms"].values()) for s in steps) / n,
-            "shared_ms_mean": sum(s["shared_ms"] for s in steps) / n,
-            "measurement_ms_mean": sum(sum(s["measurement_ms"].values()) for s in steps) / n,
-            "measurement_by_instrument_ms_mean": {name: sum(s["measurement_ms"].get(name, 0.0) for s in steps) / n
-                                                  for name in names},
-            "engine_ms_mean": sum(sum(s["engine_ms"].values()) for s in steps) / n,
-            "engine_by_op_ms_mean": {op: sum(s["engine_ms"].get(op, 0.0) for s in steps) / n for op in ops},
-            "unattributed_ms_mean": sum(s["unattributed_ms"] for s in steps) / n,
-            "measurement_ms_per_step": [round(sum(s["measurement_ms"].values()), 3) for s in steps]}
 
 
 def run_to_end(engine: Engine, turns: list[str], park: bool = False,

@@ -16,7 +16,8 @@ A cell is a JSON-serialisable dict (it crosses a process boundary);
   (default: `max(1, os.cpu_count() // threads_per_cell)`, never more than
   the cells).  Each child pins torch's intra-op threads to the cell's CPU
   count before running it.
-* `ray`: each cell is a Ray task with `num_cpus`/`num_gpus` from
+* `ray`: each cell is a Ray task (carrying the text of any strategy file it
+  names: `strategies.external.carry`) with `num_cpus`/`num_gpus` from
   `resources(cell)` (default: the cell's `threads`, or 1 CPU, and a GPU
   fraction when the cell's `device` is cuda).  With `RAY_ADDRESS` set, the
   run connects to that cluster (whose workers must be able to import this
@@ -147,7 +148,11 @@ class Ticker:
 
 # --- in a worker ------------------------------------------------------------------------------------------------
 def _call(fn, cell: dict, threads: int):
-    """Run one cell in a worker: torch's threads pinned to the cell's CPU count first."""
+    """Run one cell in a worker: the strategy files it carries made known, torch's threads pinned to the cell's CPU
+    count first."""
+    from .strategies.external import provided
+
+    cell = provided(cell)
     try:
         import torch
     except ImportError:  # a cell function that needs no torch
@@ -213,7 +218,10 @@ def _run_ray(fn, cells: list[dict], wants: list[dict], ticker: Ticker) -> list:
     try:
         if started and not address:
             _fits(wants, ray.cluster_resources(), ("num_gpus", "GPU"))
+        from .strategies.external import carry
+
         task = ray.remote(_call)
+        cells = [carry(cell) for cell in cells]  # a strategy file a cell names travels with it
         refs = [task.options(num_cpus=w["num_cpus"], num_gpus=w["num_gpus"]).remote(fn, cell,
                                                                                      max(1, int(round(w["num_cpus"]))))
                 for cell, w in zip(cells, wants)]

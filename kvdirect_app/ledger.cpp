@@ -9,9 +9,9 @@
 // every owner's work (another thread, code outside every region) is counted there, as unattributed, never dropped.
 //
 // Beside torch's: numpy's array data (a `PyDataMem_Handler`, which numpy keeps per Python context: `kv_numpy_here`
-// puts it in the calling context) and Python's objects and buffers (hooks on Python's object and memory domains,
-// process-wide), counted per owner as "outside torch"; Python's blocks only for a named owner (every thread's
-// objects would otherwise be unattributed noise).  Per owner: torch's live bytes, the highest they went since
+// puts it in the calling context) and Python's buffers (a hook on Python's memory domain, process-wide: a list's
+// array of items), counted per owner as "outside torch"; Python's blocks only for a named owner (every thread's
+// would otherwise be unattributed noise).  Per owner: torch's live bytes, the highest they went since
 // `kv_reset_peak` and torch's live blocks (the figures compared with a strategy's formula, like for like), and the
 // live bytes outside torch beside them.
 // kvdirect_app/ledger.py builds this file with the machine's C++ compiler against torch's (and, where numpy is
@@ -163,8 +163,8 @@ struct Outside {
 
 #ifdef KV_PYTHON
 Outside py_blocks{{}, nullptr};
-PyMemAllocatorEx py_base[2];  // Python's allocators as they were (mem, obj domains): the hooks call them
-PyMemAllocatorEx py_hook[2];
+PyMemAllocatorEx py_base;  // Python's memory domain's allocator as it was: the hooks call it
+PyMemAllocatorEx py_hook;
 bool py_installed = false;
 
 void* py_malloc(void* ctx, size_t n) {
@@ -266,18 +266,18 @@ int kv_install() {
   return 0;
 }
 
-// Python's object and memory domains through the hooks (call with the GIL held: ctypes.PyDLL).  0: done (or
-// already); -1: built without Python's headers.  The raw domain is left alone: it is called without the GIL, and
-// Python's objects and buffers come from the other two.
+// Python's memory domain through the hooks (call with the GIL held: ctypes.PyDLL).  0: done (or already); -1:
+// built without Python's headers.  The memory domain holds Python's buffers: a list's array of items (a list of a
+// tensor's values is one), an array's data.  The object domain (the objects themselves) is left alone: Python
+// keeps freed objects in free lists and hands them out again without asking the allocator, so whose they are
+// cannot be told (a lane would be charged for another's floats and tuples).  The raw domain is called without
+// the GIL.
 int kv_python_install() {
 #ifdef KV_PYTHON
   if (py_installed) return 0;
-  const PyMemAllocatorDomain domains[2] = {PYMEM_DOMAIN_MEM, PYMEM_DOMAIN_OBJ};
-  for (int i = 0; i < 2; ++i) {
-    PyMem_GetAllocator(domains[i], &py_base[i]);
-    py_hook[i] = {&py_base[i], py_malloc, py_calloc, py_realloc, py_free};
-    PyMem_SetAllocator(domains[i], &py_hook[i]);
-  }
+  PyMem_GetAllocator(PYMEM_DOMAIN_MEM, &py_base);
+  py_hook = {&py_base, py_malloc, py_calloc, py_realloc, py_free};
+  PyMem_SetAllocator(PYMEM_DOMAIN_MEM, &py_hook);
   py_installed = true;
   return 0;
 #else

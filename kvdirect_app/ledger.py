@@ -12,9 +12,10 @@ Nothing is left out.  Owner 0 is no one's work, and its blocks are counted too: 
 a strategy started, or by code outside every region, is unattributed, and a run reports it as such
 (`observe.Observer.unattributed`).  There is no way to work for nobody.  Beside torch's blocks the ledger counts,
 per owner, the bytes outside torch: numpy's array data (numpy's allocation handler, put in place in each Python
-context where an owner's work runs: `numpy_here`) and Python's objects and buffers (hooks on Python's object and
-memory domains, for named owners): a strategy that keeps a numpy copy or a list of its keys holds those bytes
-in its lane's figures.  Memory that no allocator hands out (a tensor moved to shared memory) is read from the
+context where an owner's work runs: `numpy_here`) and Python's buffers (a hook on Python's memory domain, for
+named owners: a list's array of items): a strategy that keeps a numpy copy or a list of its keys holds those
+bytes in its lane's figures.  Python's objects themselves are not counted: Python keeps freed ones in free
+lists and hands them out again without asking the allocator, so whose they are cannot be told.  Memory that no allocator hands out (a tensor moved to shared memory) is read from the
 process (`shared_memory_bytes`) and reported as unattributed.
 
 It costs a table insert per block of an owner and a look-up per free (~0.1 µs); naming an owner is one call
@@ -121,12 +122,12 @@ class Ledger:
             raise Unavailable("torch's CPU allocator is not its default one, or hands out blocks the ledger "
                               "cannot follow" if status == 1 else f"install failed ({status})")
         self.path = path
-        self.python = lib.kv_python_install() == 0  # Python's objects counted per owner
+        self.python = lib.kv_python_install() == 0  # Python's buffers counted per owner
         self._numpy_here = lib.kv_numpy_here
         self.numpy = self._numpy_here() == 0  # numpy's data counted (in each context where work is named)
         self.enter = lib.kv_enter  # enter(owner) -> the owner this thread worked for before
         self.live = lib.kv_live  # torch's bytes
-        self.outside = lib.kv_outside  # numpy's and Python's bytes
+        self.outside = lib.kv_outside  # numpy's data and Python's buffers
         self.peak = lib.kv_peak  # the highest torch's went
         self.blocks = lib.kv_blocks
         self.reset_peak = lib.kv_reset_peak

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import zlib
 
+from .specs import name_of
+
 REFERENCE_COLOUR = "#333333"
 COLOURS = {
     "full": REFERENCE_COLOUR,
@@ -40,7 +42,8 @@ SHADES = (0.0, -0.3, 0.3, -0.5, 0.45, -0.15, 0.15, -0.65)
 
 
 def strategy_name(label: str) -> str:
-    return label.split(":", 1)[0]
+    """A spec's strategy: its registered name, or the class of a file's or module's (`specs.name_of`)."""
+    return name_of(label)
 
 
 def _spare(name: str, options: list[str]) -> str:

@@ -59,6 +59,20 @@ def _machine(threads: int, dtype) -> dict:
     return roofline.machine(threads, dtype, repeats=2, mib=256)
 
 
+def strategy_settings(head: str) -> list[str]:
+    """The settings of a registered strategy's name or a file's or module's class (`PATH.py:Class`); [] for an
+    unknown one (the spec's own check then says why)."""
+    from .strategies import StrategyError, parse_spec, registry
+
+    cls = registry().get(head)
+    if cls is None:
+        try:
+            cls = type(parse_spec(head))
+        except StrategyError:
+            return []
+    return list(cls.settings())
+
+
 def check_specs(specs: list[str]) -> None:
     """Raises the registry's one-line error for unknown names, settings or duplicates."""
     from .strategies import parse_specs

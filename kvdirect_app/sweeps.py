@@ -24,6 +24,7 @@ from .errors import UserError
 from .executors import check_executor, run_cells
 from .models import LoadedModel, load_model
 from .prompts import InputError
+from .specs import external, settings_of
 from .strategies import Strategy, StrategyError, parse_spec, registry
 
 GRID = [1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256, 362, 512, 724, 1024, 1448, 2048, 2896, 4096]
@@ -95,8 +96,9 @@ def check_names(names: list[str], allow_missing: bool) -> tuple[list[str], list[
     known = registry()
     keep, skipped = [], []
     for name in names:
-        base = name.split(":")[0]
-        cls = known.get(base)
+        outside = external(name)  # a file's or module's class: loaded (an error where it cannot be)
+        base = ":".join(outside) if outside else name.split(":")[0]
+        cls = type(parse_spec(base)) if outside else known.get(base)
         if cls is None:
             if not allow_missing:
                 raise StrategyError(f"--strategies: {base!r} is not a registered strategy (known: "
@@ -106,7 +108,7 @@ def check_names(names: list[str], allow_missing: bool) -> tuple[list[str], list[
         if "budget" not in cls.settings():
             raise StrategyError(f"--strategies: {base!r} has no budget setting to sweep (the full cache is always "
                                 "the reference)")
-        if any(pair.partition("=")[0] == "budget" for pair in name.split(":")[1:]):
+        if any(pair.partition("=")[0] == "budget" for pair in settings_of(name)):
             raise StrategyError(f"--strategies: {name!r} sets budget itself; the sweep sets it, remove budget=")
         keep.append(name)
     return keep, skipped
@@ -143,8 +145,6 @@ def budget_cells(runs: dict, req, loaded, turns: list[str], raw: bool, options: 
     """The cells of a fixed-budget sweep, one per budget that has strategies, in the budgets' order.  The thread
     count is resolved here (torch's count in this process when --threads is not given), so a worker runs with the
     count an in-process run would have used."""
-    from . import validate
-
     threads = validate.threads(options.get("threads"))
     threads = torch.get_num_threads() if threads is None else threads
     return [{"name": f"{req.model} budget={budget}", "model": req.model, "dtype": req.dtype,
@@ -241,7 +241,7 @@ def run_sweep(config, say: Callable[[str], None]) -> dict:
         runs, skipped = plan(names, budgets, config.allow_missing)
         if not any(runs.values()):
             raise StrategyError("--strategies: nothing left to run")
-    known = [n for n in names if n.split(":")[0] in registry()]  # the rest were skipped (or refused) above
+    known = [n for n in names if external(n) or n.split(":")[0] in registry()]  # the rest were skipped or refused
     req = validate.request(config.model, config.device, config.dtype, ",".join(known) or "full",
                            config.max_new_tokens, turns, raw)
     loaded = load_model(req.model, dtype=req.dtype, device=req.device)

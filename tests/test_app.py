@@ -21,9 +21,11 @@ from .runs import differences  # noqa: E402
 from kvdirect_app.ui.settings import catalogue, default_names, expand  # noqa: E402
 
 TINY = "tiny-llama"
-# Timings and process memory differ from run to run; everything else must be identical.
+# Timings and process memory differ from run to run, and so do the bytes outside torch (Python's buffers a first
+# call caches, the process's unattributed blocks); everything else must be identical.
 VOLATILE = {"latency_ms", "tokens_per_s", "process_rss_peak_bytes", "threads", "shared_pass_ms_mean", "turn_seconds",
-            "steps"}
+            "steps", "unattributed_bytes"}
+OUTSIDE = {"outside_torch", "outside_torch_between_turns"}
 
 
 def stable(result: dict) -> dict:
@@ -31,7 +33,9 @@ def stable(result: dict) -> dict:
     out["strategies"] = {label: {k: v for k, v in r.items() if k not in VOLATILE}
                          for label, r in result["strategies"].items()}
     for r in out["strategies"].values():
-        r["turns"] = [{k: v for k, v in t.items() if k != "decode_ms_per_token"} for t in r["turns"]]
+        r["turns"] = [{k: v for k, v in t.items() if k != "decode_ms_per_token" and k not in OUTSIDE}
+                      for t in r["turns"]]
+        r["state_bytes"] = {k: v for k, v in r["state_bytes"].items() if k not in OUTSIDE}
     return out
 
 

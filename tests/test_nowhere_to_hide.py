@@ -1,5 +1,5 @@
 """Memory with nowhere to hide: what a lane's own code allocates counts as that lane's wherever it comes from
-(numpy's data, Python's objects), and what no lane's work holds (a tensor made on another thread, shared memory,
+(numpy's data, Python's buffers: a list's array of items), and what no lane's work holds (a tensor made on another thread, shared memory,
 the measurement's own) is reported as unattributed, never as nothing; there is no way to work for nobody.
 
 Each strategy below is a plain window whose score() also keeps a copy of the candidates' keys somewhere the
@@ -44,7 +44,7 @@ def _numpy(self, keys):
 
 def _list(self, keys):
     self.kept = getattr(self, "kept", []) + [keys.tolist()]
-    return keys.numel() * 24  # a Python float each: 24 bytes (the lists' own arrays on top)
+    return keys.numel() * 8  # the lists' arrays of items: 8 bytes a value (the floats themselves on top, uncounted)
 
 
 def _thread(self, keys):

@@ -25,6 +25,7 @@ from .. import compat
 from ..compat import Cache, DynamicLayer
 from ..errors import UserError
 from ..geometry import ModelGeometry
+from ..specs import external, settings_of
 
 
 class Forward(typing.NamedTuple):
@@ -218,6 +219,8 @@ class Strategy:
     """Base of all strategies.  Subclasses set `name` and implement `build_cache` and the formulas."""
 
     name: ClassVar[str] = ""
+    # A class from a file or module of one's own: "PATH.py:Class" or "module:Class" (`external.load`), its spec's head.
+    _source: ClassVar[str | None] = None
     exact: ClassVar[bool] = False  # claims K/V bit-equal to the full cache (tests hold it to that)
     # Hands attention every token's K/V (kept or rebuilt), so they can be compared with the full cache's; an
     # eviction strategy hands fewer and is not compared.
@@ -225,9 +228,13 @@ class Strategy:
     registry: ClassVar[dict[str, type["Strategy"]]] = {}
 
     def __init_subclass__(cls, **kwargs):
+        """A class that names itself (`name` in its own body) is registered under that name, unless another class
+        holds it: a subclass never takes a registered strategy's place (a file's `class Mine(Window)` that keeps
+        the window's name, or names itself "window", is reached by its file spec, not by "window")."""
         super().__init_subclass__(**kwargs)
-        if cls.name:
+        if "name" in cls.__dict__ and cls.name and Strategy.registry.get(cls.name, cls) is cls:
             Strategy.registry[cls.name] = cls
+        cls._source = None  # set by `external.load` for the class it loads
 
     # --- settings ------------------------------------------------------------
     @classmethod
@@ -235,8 +242,9 @@ class Strategy:
         return {f.name: f for f in dataclasses.fields(cls)}
 
     def spec(self) -> str:
-        """Canonical spec: name then every non-default setting, e.g. `kvdirect:budget=64:mode=fast`."""
-        parts = [self.name]
+        """Canonical spec: name (or a file's or module's class: `PATH.py:Class`) then every non-default setting, e.g.
+        `kvdirect:budget=64:mode=fast`."""
+        parts = [self._source or self.name]
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value != f.default:
@@ -295,16 +303,23 @@ class Strategy:
 
 
 def parse_spec(text: str) -> Strategy:
-    """`name[:key=value]...` -> a Strategy instance; one clear error line on bad input."""
+    """`name[:key=value]...`, `PATH.py:Class[:key=value]...` or `module:Class[:key=value]...` -> a Strategy
+    instance; one clear error line on bad input."""
     from . import available  # noqa: F401  (imports every strategy module so the registry is full)
+    from . import external as outside
 
     text = text.strip()
     if not text:
         raise StrategyError(f"empty strategy spec; known strategies: {', '.join(sorted(Strategy.registry))}")
-    name, *pairs = text.split(":")
-    cls = Strategy.registry.get(name)
+    if external(text):
+        cls = outside.load(text)
+        name, pairs = cls._source, settings_of(text)
+    else:
+        name, *pairs = text.split(":")
+        cls = Strategy.registry.get(name)
     if cls is None:
-        raise StrategyError(f"unknown strategy {name!r}; known strategies: {', '.join(sorted(Strategy.registry))}")
+        raise StrategyError(f"unknown strategy {name!r}; known strategies: {', '.join(sorted(Strategy.registry))}; "
+                            "or a class of one's own: PATH.py:ClassName or module:ClassName")
     fields = cls.settings()
     hints = typing.get_type_hints(cls)
     kwargs = {}

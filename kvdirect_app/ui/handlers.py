@@ -8,10 +8,8 @@ between steps, so the turn is always closed cleanly, on the thread that opened i
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import logging
-import threading
 import time
 import traceback
 import weakref
@@ -19,37 +17,26 @@ from typing import Callable, Iterator
 
 import gradio as gr
 
-from .. import service
 from ..hosted import hosted
 from ..limits import limits
-from ..units import fmt_bytes
 from ..scenarios import scenarios
-from ..recording import RecordingError, describe
+from ..units import fmt_bytes
 from . import playback, runner, views
 from .components import Studio
 from .export import write_exports
-from .geometry_panel import geometry_html, memory_banner, memory_words
+from .frontier_drawing import FRONTIER_CURRENT, FrontierDrawing
+from .line import LINE, Job, Queueing
+from .model_choice import ModelChoice
+from .pace import HEARTBEAT_S, PLOTS_EVERY_S, PLOTS_SHARE, UI_EVERY_S
 from .plots import agreement_figure, latency_figure, memory_figure
+from .recording_buttons import RECALL, RecordingButtons
 from .scoreboard import scoreboard_html
 from .session import Session
-from .settings import RunConfig, Settings, model_note
+from .settings import RunConfig, Settings
 
+__all__ = ["Handlers", "FRONTIER_CURRENT", "RECALL", "session_ttl_s"]
 log = logging.getLogger(__name__)
-FRONTIER_CURRENT = "this conversation"
-FRONTIER_BUDGETS = (16, 64)
-# At most this often a streamed update (the first token of a turn always goes out).  An update re-sends every
-# pane's chat, the scoreboard and the status, and Gradio's serialising and the browser's drawing share the cores
-# with the engine: a 64-token turn of the seven default panes took 21-22 s from Send to Done at 0.12 s here
-# (2-core CPU, Chromium on the same cores), 19.7-20.3 s at 0.5 s, 18.4 s at 1 s.
-UI_EVERY_S = 0.5
-HEARTBEAT_S = 5.0  # with no event for this long (a long message is read in pieces of minutes), the time is redrawn
 LONG_PROMPT_TOKENS = 1000  # a run that reads more prompt tokens than this asks first, with its time and memory
-PLOTS_EVERY_S = 2.0  # live plots at most this often during a turn ...
-PLOTS_SHARE = 0.05  # ... and, when building them takes longer, never more than this share of the turn's time
-RECALL = "recall"  # the scenario the Recall demo button plays
-FRONTIER_JOB = "the frontier drawing"
-WAITING_EVERY_S = 1.0  # a waiting visitor's place in line is said again this often
-MAX_WAITING = 24  # runs waiting in line beyond which a new one is refused as busy (hosted: 8)
 
 
 def session_ttl_s() -> int:
@@ -57,109 +44,11 @@ def session_ttl_s() -> int:
     return 15 * 60 if hosted() else 2 * 3600
 
 
-class Job:
-    """What holds the run slot now, in a visitor's words: "a turn of 7 panes" or "the frontier drawing", and how
-    far it is (the runner updates `doing`: "step 30 of at most 64, about 20 s left")."""
+class Handlers(Queueing, ModelChoice, RecordingButtons, FrontierDrawing):
+    """Every button's handler: the turn's own here (send, regenerate, a scenario, stop, clear, drawing the page),
+    each other reason in a part of its own (`line.Queueing`, `model_choice.ModelChoice`,
+    `recording_buttons.RecordingButtons`, `frontier_drawing.FrontierDrawing`)."""
 
-    def __init__(self, what: str, owner: Session | None = None):
-        self.what, self.owner, self.doing = what, owner, "starting"
-
-    def words(self, session: Session | None) -> str:
-        whose = " (yours)" if session is not None and self.owner is session else ""
-        return f"{self.what}{whose}: {self.doing}"
-
-
-class Line:
-    """Who waits for the one run slot: a place in line per session, said at once when a run is asked for and kept
-    up to date while it waits (`waiting`).
-
-    Gradio's queue runs the runs (a turn, a frontier drawing); this counts them and says what holds the slot, so
-    that a visitor sees "waiting for the frontier drawing, run 3 of 8, about 2 min left" (or "busy") instead of a
-    silent wait.  A ticket leaves when its run starts, when its session closes, or after an hour.
-    """
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.tickets: dict[int, float] = {}  # id(session) -> when it joined (insertion order is the line)
-        self.running = 0
-        self.jobs: list[Job] = []  # what runs now (oldest first)
-        self.took: list[float] = []  # seconds of the last runs, for the expected wait
-        self.begun: list[float] = []
-
-    def join(self, session: Session) -> tuple[int, int]:
-        """(runs ahead, runs running); raises gr.Error when the line is full."""
-        now = time.monotonic()
-        with self.lock:
-            for key, since in list(self.tickets.items()):
-                if now - since > 3600:
-                    del self.tickets[key]
-            limit = 8 if hosted() else MAX_WAITING
-            if id(session) not in self.tickets and len(self.tickets) >= limit:
-                raise gr.Error(f"The demo is busy: {len(self.tickets)} runs are waiting. Try again in a minute.",
-                               print_exception=False)
-            self.tickets.setdefault(id(session), now)
-            ahead = list(self.tickets).index(id(session))
-            return ahead, self.running
-
-    def leave(self, session: Session):
-        with self.lock:
-            self.tickets.pop(id(session), None)
-
-    def waits(self, session: Session) -> bool:
-        with self.lock:
-            return id(session) in self.tickets
-
-    def started(self, job: Job | None = None) -> Job:
-        job = job or Job("a run")
-        with self.lock:
-            self.running += 1
-            self.begun.append(time.monotonic())
-            self.jobs.append(job)
-        return job
-
-    def ended(self, job: Job | None = None):
-        with self.lock:
-            self.running -= 1
-            if job in self.jobs:
-                self.jobs.remove(job)
-            if self.begun:
-                self.took = (self.took + [time.monotonic() - self.begun.pop(0)])[-10:]
-
-    def words(self, session: Session) -> str | None:
-        """Where `session` stands, said for it: what holds the slot now, how many wait ahead, the expected wait;
-        None once its run has started (or it left the line)."""
-        with self.lock:
-            if id(session) not in self.tickets:
-                return None
-            ahead = list(self.tickets).index(id(session))
-            jobs = list(self.jobs)
-            running = self.running
-        if not jobs and not ahead:
-            return "Starting…"
-        holding = "; ".join(job.words(session) for job in jobs) or "a run that is starting"
-        line = f"Waiting for {holding}." + (f" Then {ahead} run(s) ahead of yours." if ahead else " Yours is next.")
-        if any(job.owner is session and job.what == FRONTIER_JOB for job in jobs):
-            line += " Cancel the drawing on the Frontier tab to go first."
-        return line + self.expected_wait(ahead, running)
-
-    def expected_wait(self, ahead: int, running: int) -> str:
-        """What a queued visitor can expect, from the last runs' measured durations (capped by the time budget)."""
-        budget = limits().run_seconds
-        with self.lock:
-            typical = sorted(self.took)[len(self.took) // 2] if self.took else None
-        if typical is None and budget is None:
-            return " Your run starts when they finish."
-        each = min(typical, budget) if typical is not None and budget is not None else (typical or budget)
-        basis = (f"the last {len(self.took)} run(s) took about {typical:.0f} s each" if typical is not None else
-                 "no run has finished yet")
-        cap = f"; each run here stops after {budget:.0f} s" if budget else ""
-        return f" Expected wait: about {(ahead + running) * each:.0f} s ({basis}{cap})."
-
-
-LINE = Line()
-
-
-class Handlers:
     def __init__(self, studio: Studio | None, demo: gr.Blocks | None = None):
         self.s, self.demo = studio, demo
         self.visitors: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
@@ -194,35 +83,6 @@ class Handlers:
                 holder.session_data.pop(key, None)
                 holder.time_last_used.pop(key, None)
 
-    def enqueue(self, session: Session, request: gr.Request = None) -> str:
-        """Said the moment a run is asked for: where it stands in line (`waiting` keeps it up to date)."""
-        self._seen(session, request)
-        if session.busy:
-            return views.status("A turn is still running: wait for it or press Stop.", "error")
-        LINE.join(session)
-        return self._waiting_status(session) or views.status("Starting…", "busy")
-
-    @staticmethod
-    def _waiting_status(session: Session) -> str | None:
-        words = LINE.words(session)
-        if words is None:
-            return None
-        if words != "Starting…":
-            words += " Meanwhile, ▶ Replay it plays a recorded run at once."
-        return views.status(words, "busy")
-
-    def waiting(self, session: Session) -> Iterator[str]:
-        """While this session's run waits for the slot: its place, what holds the slot and how far that is, every
-        second; nothing once its run has started."""
-        said = None
-        while True:
-            time.sleep(WAITING_EVERY_S)
-            now = self._waiting_status(session)
-            if now is None:
-                return
-            if now != said:
-                said = now
-                yield now
 
     # --- drawing ---------------------------------------------------------------
     def render(self, session: Session, *, busy: bool, message: str | None = None, kind: str = "info",
@@ -269,13 +129,6 @@ class Handlers:
             out.update(self._downloads(session, figures))
         return out
 
-    def _panes_told(self, session: Session, name: str, facts: dict) -> dict:
-        """Keep what the exact strategies hold on the loaded model (`memory_words`) and redraw the pane heads that
-        say it (the panes of a run on this model)."""
-        session.memory_words = (name, memory_words(name, facts))
-        playback.unfold(session)  # the first screen's recording, whose panes say it too
-        return {pane.head: views.pane_header(session, label)
-                for pane, label in zip(self.s.panes, session.shown)}
 
     @staticmethod
     def _maps(session: Session) -> dict | None:
@@ -303,86 +156,6 @@ class Handlers:
             return views.token_map_html(None, "", 0)
         return runner.map_pair_html(session, label, layer, other)
 
-    # --- the model -------------------------------------------------------------
-    def load_model(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
-        c, v = self.s.controls, self.s.views
-        self._seen(session, request)
-        session.asked = None
-        number = session.load_number = next(self.loads)
-        if session.busy:
-            yield {v.status: views.status("A turn is running: the model cannot change now. Press Stop first.",
-                                          "error")}
-            return
-        try:
-            name = service.check_model_name((controls.get("custom_model") or "").strip() or controls.get("model"))
-            device, dtype = service.check_device_dtype(controls.get("device"), controls.get("dtype"))
-        except runner.USER_ERRORS as e:
-            yield {v.status: views.status(str(e), "error")}
-            return
-        yield {v.status: views.status(f"Loading {name} on {device} ({dtype})…", "busy")}
-        heard: list[str] = []
-        box: dict = {}
-
-        def work():
-            try:
-                box["info"] = service.load(name, dtype=dtype, device=device, progress=heard.append)
-            except BaseException as e:  # handed to the handler's thread below
-                box["error"] = e
-
-        t0 = time.monotonic()
-        loader = runner.compute().submit(work)
-        while not loader.done():
-            concurrent.futures.wait([loader], timeout=0.5)
-            if not loader.done() and session.load_number == number:
-                doing = views.without_paths(heard[-1]) if heard else f"loading {name}"
-                yield {v.status: views.status(f"{doing[:1].upper()}{doing[1:]}… {time.monotonic() - t0:.0f} s",
-                                              "busy")}
-        error = box.get("error")
-        if isinstance(error, runner.USER_ERRORS):
-            message, kind = str(error), "error"
-        elif error is not None:  # e.g. an architecture transformers cannot build: say so, stay up
-            log.error("loading %s failed:\n%s", name,
-                      "".join(traceback.format_exception(type(error), error, error.__traceback__)))
-            message, kind = f"Cannot load {name}: {type(error).__name__}: {str(error)[:200]}", "error"
-        else:
-            info, message, kind = box["info"], None, "ok"
-        if session.load_number != number:  # a newer choice was made while this one loaded: it speaks instead
-            return
-        if message is not None:
-            yield {v.status: views.status(message, kind)}
-            return
-        L = info["layers"]
-        # The status names where the weights came from (a package or a Hub copy: never a silent fallback), and says
-        # when the model continues text instead of chatting.
-        note = f" {model_note(name).capitalize()}." if model_note(name) else ""
-        earlier = len(session.user_turns)
-        then = (f" Your next message replays the {earlier} earlier turn(s) on it first (Clear starts afresh)."
-                if earlier and session.config is not None and session.config.model != name else
-                " Type a message, or press Recall demo.")
-        yield {
-            v.geometry: geometry_html(name, info["geometry"], info["dtype"]),
-            v.banner: views.header_html(memory_banner(name, info["geometry"])),
-            **self._panes_told(session, name, info["geometry"]),
-            v.map_layer: gr.Slider(maximum=L - 1),
-            # Cascade replay runs every layer once whatever the spacing, so the deepest spacing (token ids only,
-            # 4 bytes per token) saves the most memory at the same compute; it is >= the break-even s*.
-            c.spacing: gr.Slider(maximum=L, value=L),
-            v.status: views.status(f"{name} ready on {info['device']} ({L} layers), loaded from "
-                                   f"{views.without_paths(info['source'])}.{note}{then}", "ok"),
-            **self._runs_enabled(session),
-        }
-
-    def _runs_enabled(self, session: Session) -> dict:
-        """The buttons that start a run, shown disabled until a model is ready (a click before it would only wait)."""
-        a, r = self.s.actions, self.s.recordings
-        return {**{b: gr.Button(interactive=not session.busy) for b in (a.send, a.recall, a.play, r.live)},
-                a.regenerate: gr.Button(interactive=self._regenerable(session, session.busy))}
-
-    @staticmethod
-    def _regenerable(session: Session, busy: bool) -> bool:
-        """Regenerate can act: a live conversation to replay, nothing running (before a turn it would only say
-        "nothing to regenerate yet"; on a recording, that it is one)."""
-        return not busy and bool(session.user_turns) and not session.recording
 
     # --- a run -----------------------------------------------------------------
     def _stream(self, session: Session, config: RunConfig, turns: list[str], fresh: bool,
@@ -604,83 +377,6 @@ class Handlers:
     def play_recall(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
         yield from self.play_scenario(session, RECALL, request, **controls)
 
-    # --- recordings ------------------------------------------------------------
-    def replay(self, session: Session, choice: str | None, speed: str, upload: str | None = None,
-               request: gr.Request = None) -> Iterator[dict]:
-        """Play a recording (a shipped one by name, or an uploaded file) at `speed`: the recorded events folded
-        into this session exactly as the live run folded them; nothing is recomputed.  A live conversation on screen
-        is replaced only when asked twice: the first time the status says what would be lost."""
-        self._seen(session, request)
-        again, session.asked = session.asked == ("replay", bool(upload)), None
-        if session.busy:
-            yield from self._refuse(session, "A turn is still running: wait for it or press Stop.")
-            return
-        if speed not in playback.SPEEDS:
-            yield from self._refuse(session, f"speed: {str(speed)[:40]!r} is not allowed; allowed: "
-                                             f"{', '.join(playback.SPEEDS)}")
-            return
-        try:
-            recording = playback.open_recording(choice, upload)
-        except RecordingError as e:
-            yield from self._refuse(session, str(e))
-            return
-        if session.user_turns and session.recording is None and not again:
-            session.asked = ("replay", bool(upload))
-            how = "Upload it again" if upload else "Press ▶ Replay it again"
-            yield {self.s.views.status: views.status(
-                f"Replaying would replace this conversation: its {len(session.user_turns)} live turn(s) and "
-                f"{session.steps} steps on {session.config.model if session.config else 'this model'} (the Export tab "
-                f"keeps them as files). {how} to replace it.", "info")}
-            return
-        playback.start(session, recording)
-        session.busy, session.stop_requested = True, False
-        about = describe(recording["meta"])
-        yield self.render(session, busy=True, message=f"Replaying {about} at {speed}…", kind="busy", plots=True)
-        last, stopped, pace = 0.0, False, playback.SPEEDS[speed]
-        try:
-            for event in playback.paced(recording, pace, lambda: session.stop_requested):
-                session.apply(event)
-                now = time.monotonic()
-                if pace and (event["type"] in ("turn", "turn_end") or now - last >= UI_EVERY_S):
-                    plots = event["type"] == "turn_end" or now - session.last_plot >= PLOTS_EVERY_S
-                    yield self.render(session, busy=True, plots=plots, kind="busy",
-                                      message=f"Replaying ({speed}): turn {len(session.user_turns)}, step "
-                                              f"{session.steps}; every number is the recorded one")
-                    last = now
-            stopped = session.stop_requested
-        finally:
-            session.busy = False
-            playback.finish(session)
-        message = (f"Replay stopped at step {session.steps}." if stopped else
-                   f"Replayed: {about}. Every number is the recorded one; ▶ Run it live runs it on this machine.")
-        yield self.render(session, busy=False, message=message, kind="ok", plots=True, final=True)
-
-    def run_live(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
-        """The conversation of the recording on screen (or the recall scenario), live on this machine with the
-        sidebar's settings; says where they differ from the recording's."""
-        self._seen(session, request)
-        session.asked = None
-        playback.unfold(session)
-        meta = session.recording or {}
-        turns = list(meta.get("turns") or scenarios().get(RECALL, {}).get("turns", []))
-        if not turns:
-            yield from self._refuse(session, "Nothing to run: open a recording first.")
-            return
-        expect = tuple(meta["expect"]) if meta.get("expect") else None
-        scenario = meta.get("scenario")
-        if not meta:
-            chosen = scenarios().get(RECALL, {})
-            expect, scenario = ((len(turns) - 1, chosen["expect"]) if chosen.get("expect") else None), RECALL
-        try:
-            specs = Settings.from_controls(controls).specs()
-        except runner.USER_ERRORS:
-            specs = []
-        differs = [s for s in specs if meta.get("specs") and s not in meta["specs"]]
-        note = (f"Running “{scenario or 'the recording'}” live here: {len(turns)} turns" +
-                (f"; the sidebar's settings differ from the recording's ({', '.join(differs)})" if differs else "") +
-                "…")
-        yield from self._run(session, controls, turns, bool(meta.get("raw", False)), True, lambda _: note, None,
-                             expect, scenario)
 
     def stop(self, session: Session) -> str:
         """The run ends after the step being computed now; the status names it, and names no later one after."""
@@ -703,76 +399,6 @@ class Handlers:
         return self.render(session, busy=False, message="Cleared. Type a message to start a new conversation.",
                            plots=True, final=True)
 
-    # --- the frontier ----------------------------------------------------------
-    def frontier(self, session: Session, source: str, **controls) -> Iterator[dict]:
-        """Every ticked strategy at a few settings on one conversation, run after run; the frontier plot when done
-        (or, cancelled, of the runs done).  Whoever waits for the slot meanwhile is told it is the frontier drawing
-        and how far it is; its Cancel ends it after the step in progress."""
-        f = self.s.frontier
-        busy = lambda message: {f.status: views.status(message, "busy"), f.draw: gr.Button(interactive=False),
-                                f.cancel: gr.Button(interactive=True)}
-        done = lambda message, kind: {f.status: views.status(message, kind), f.draw: gr.Button(interactive=True),
-                                      f.cancel: gr.Button(interactive=False)}
-        session.asked = None
-        if session.busy:
-            yield done("A turn is still running: wait for it or press Stop.", "error")
-            return
-        playback.unfold(session)
-        known = isinstance(source, str) and (source == FRONTIER_CURRENT or source in scenarios())
-        turns = [] if not known else list(session.user_turns) if source == FRONTIER_CURRENT else \
-            list(scenarios()[source]["turns"])
-        if not turns:
-            yield done("Nothing to draw yet: send a message first, or choose a scenario." if source == FRONTIER_CURRENT
-                       else f"scenario: unknown {str(source)[:40]!r}; allowed: {FRONTIER_CURRENT}, "
-                       f"{', '.join(scenarios())}", "error")
-            return
-        try:
-            settings = Settings.from_controls(controls)
-            config = settings.run_config()
-            plan = runner.frontier_plan(config, settings, FRONTIER_BUDGETS)
-        except runner.USER_ERRORS as e:
-            yield done(str(e), "error")
-            return
-        sweep = runner.frontier_run(config, turns)
-        rows = []
-        t0 = time.monotonic()
-        session.frontier_cancel = False
-        job = LINE.started(Job(FRONTIER_JOB, session))
-        cancelled = False
-        try:
-            for i, entries in enumerate(plan):
-                left = "" if not i else f", about {runner.duration((time.monotonic() - t0) / i * (len(plan) - i))} left"
-                job.doing = f"run {i + 1} of {len(plan)}{left}"
-                yield busy(f"Run {i + 1}/{len(plan)}: {len(entries)} strategies on {len(turns)} turn(s){left}…")
-                ran = sweep.run(entries, lambda: session.frontier_cancel)
-                if ran is None:
-                    cancelled = True
-                    break
-                rows += ran
-        except runner.USER_ERRORS as e:
-            yield done(str(e), "error")
-            return
-        except Exception as e:  # the app stays up; the message says what broke
-            log.error("frontier failed:\n%s", traceback.format_exc())
-            yield done(f"Frontier failed: {type(e).__name__}: {e}", "error")
-            return
-        finally:
-            LINE.ended(job)
-        took = time.monotonic() - t0
-        if cancelled:
-            words = (f"Cancelled after {len(rows)} point(s) of {sum(map(len, plan))} ({took:.0f} s): the points of "
-                     "the runs that finished are drawn." if rows else f"Cancelled before a run finished ({took:.0f} s).")
-            yield {**done(words, "ok"), **({f.plot: runner.frontier_plot(rows, sweep, source)} if rows else {})}
-            return
-        yield {**done(f"{len(rows)} points from {len(plan)} runs in {took:.0f} s.", "ok"),
-               f.plot: runner.frontier_plot(rows, sweep, source)}
-
-    def cancel_frontier(self, session: Session) -> str:
-        """The frontier drawing ends after the step in progress (its finished runs are drawn)."""
-        if not any(job.owner is session and job.what == FRONTIER_JOB for job in list(LINE.jobs)):
-            return views.status("No frontier drawing is running.", "info")
-        session.frontier_cancel = True
-        return views.status("Cancelling after the step in progress…", "busy")
 
     def token_map(self, session: Session, label: str | None, layer: int, other: str | None = None) -> tuple:
         """The token maps of `label` (beside `other`) at `layer`, and the attention snapshot there."""

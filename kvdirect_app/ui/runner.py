@@ -25,6 +25,7 @@ from ..frontier import frontier_figure, points_from_rows
 from ..hosted import hosted
 from ..limits import integer, limits
 from ..recording import Recorder, attention_layer, map_layer
+from ..specs import external
 from ..units import fmt_bytes
 from .settings import KERNELS, REFERENCE, RunConfig, Settings, default_model, expand
 
@@ -180,13 +181,19 @@ def conversation(config: RunConfig) -> service.Conversation:
                       config.max_new_tokens, config.raw, config.twins, config.kernels)
 
 
+def head(spec: str) -> str:
+    """A spec without its settings: a registered name, or a file's or module's class (`PATH.py:Class`)."""
+    found = external(spec)
+    return ":".join(found) if found else spec.split(":")[0]
+
+
 def frontier_plan(config: RunConfig, settings: Settings, budgets: tuple[int, ...]) -> list[list[tuple]]:
     """One lockstep run per budget: every ticked strategy at that budget (AnchorKV: its deepest spacing in both
     rebuild modes, and the break-even spacing with ``rebuild=step``); entries (name, spec, budget)."""
     facts = service.geometry(config.model, config.dtype, config.device)
     deepest = facts["layers"]
     s_star = facts["break_even"]["token_id"] or deepest
-    names = [spec.split(":")[0] for spec in config.specs if spec.split(":")[0] != REFERENCE]
+    names = [head(spec) for spec in config.specs if head(spec) != REFERENCE]
     plan = []
     for budget in budgets:
         entries, seen = [], set()

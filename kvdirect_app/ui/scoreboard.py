@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import html
 
-from ..palette import colours
+from ..palette import colours, strategy_name
 from ..units import fmt_bytes
 from .session import Session
 from .settings import REFERENCE, title
@@ -73,7 +73,7 @@ def scoreboard_html(session: Session) -> str:
         peak, source = byte_figure(f.get("peak"), f.get("formula_peak"), "highest during a forward of this turn",
                                    instrument, f.get("peak_source"))
         sources["peak"].add(source)
-        name = label.partition(":")[0]
+        name = strategy_name(label)
         own, share = own_cost(session, label, f.get("ms_per_token"), means)
         says = session.says_expected(label)
         answer = ("" if session.expect is None else

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from .. import service
 from ..catalog import embedded_presets, hub_copy, is_test_model, offered_presets, presets, unavailable_reason
 from ..limits import SettingError, integer, limits
+from ..specs import external, name_of, settings_of
 
 REFERENCE = "full"  # the engine's reference lane: every other lane is compared with it
 PREFERRED_MODELS = ("smollm2-135m", "gemma3-270m")  # the first that loads here is the default (`default_model`)
@@ -85,7 +86,7 @@ def catalogue() -> list[str]:
 
 
 def title(label: str) -> str:
-    name = label.split(":", 1)[0]
+    name = name_of(label)
     return TITLES.get(name, name)
 
 
@@ -95,6 +96,8 @@ def default_names() -> list[str]:
 
 
 def declares(name: str, setting: str) -> bool:
+    if external(name):
+        return setting in service.strategy_settings(name)
     return setting in service.strategy_catalogue().get(name, {}).get("settings", {})
 
 
@@ -110,7 +113,8 @@ def expand(entry: str, budget: int | None = None, spacing: int | None = None, mo
            rebuild: str | None = None) -> str:
     """`name[:k=v...]` plus each shared setting the strategy declares and the entry leaves unset."""
     entry = entry.strip()
-    name, *pairs = entry.split(":")
+    found = external(entry)  # a file's or module's class: "PATH.py:Class" is its name
+    name, pairs = (":".join(found) if found else entry.split(":")[0]), settings_of(entry)
     given = {p.partition("=")[0] for p in pairs}
     for key, value in zip(SHARED, (budget, spacing, mode, rebuild)):
         if value is not None and declares(name, key) and key not in given:

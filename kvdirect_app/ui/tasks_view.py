@@ -122,7 +122,7 @@ def heatmap_figure(result: dict, budget: int | None, task: str = ALL) -> go.Figu
     full = _score(cells, REFERENCE)
     names = []
     for spec in specs:
-        name, s = title(spec.split(":")[0]), _score(cells, spec)
+        name, s = title(spec), _score(cells, spec)
         names.append(name if s is None else f"<b>{name}</b><br>{s:.2f}" if spec == REFERENCE else
                      f"<b>{name}</b><br>{s:.2f} (full {full:.2f})")
     fig = make_subplots(rows=rows, cols=COLUMNS, subplot_titles=names, horizontal_spacing=0.02, shared_yaxes=True,
@@ -307,7 +307,7 @@ def turns_table_html(result: dict, setting: int | float | None, task: str = ALL)
         asked = sum(x is not None for c in cells for x in c["lanes"][spec]["scores"])
         same = sum(sum(c["lanes"][spec]["equal_full_turns"]) for c in cells)
         turns = sum(len(c["lanes"][spec]["equal_full_turns"]) for c in cells)
-        rows.append(f"<tr><td>{html.escape(title(spec.split(':')[0]))}</td><td>{html.escape(r.get('kind', ''))}</td>"
+        rows.append(f"<tr><td>{html.escape(title(spec))}</td><td>{html.escape(r.get('kind', ''))}</td>"
                     f"<td><b>{mean(spec, 'score_from_context'):.2f}</b></td><td>{mean(spec, 'score'):.2f}</td>"
                     f"<td>{sum(c['lanes'][spec]['copies'] for c in cells)}/{asked}</td>"
                     f"<td>{full_own:.2f} / {full_raw:.2f}</td><td>{same}/{turns}</td>"
@@ -327,7 +327,7 @@ def table_html(result: dict, budget: int | None, task: str = ALL) -> str:
         s, r = _score(cells, spec), by_spec.get(spec, {})
         below = sum(c["lanes"][spec]["score"] < c["lanes"][REFERENCE]["score"] for c in cells)
         same = sum(c["lanes"][spec]["equal_full"] for c in cells)
-        rows.append(f"<tr><td>{html.escape(title(spec.split(':')[0]))}</td><td>{html.escape(r.get('kind', ''))}</td>"
+        rows.append(f"<tr><td>{html.escape(title(spec))}</td><td>{html.escape(r.get('kind', ''))}</td>"
                     f"<td><b>{s:.2f}</b></td><td>{full:.2f}</td><td>{below}/{len(cells)}</td>"
                     f"<td>{same}/{len(cells)}</td><td>{r.get('compression_ratio', 0):.2f}</td>"
                     f"<td>{fmt_bytes(r.get('held_bytes_mean'))}</td><td>{fmt_bytes(r.get('peak_bytes_mean'))}</td></tr>")

@@ -6,6 +6,7 @@ import html
 import re
 
 from ..paths import data
+from ..specs import name_of
 from ..units import fmt_bytes  # one byte format for the CLI tables and the page
 from ..palette import colours
 from .session import LaneView, Session, TurnReply
@@ -324,11 +325,11 @@ def telling_view(session: Session, maps: dict | None, states_at=None) -> tuple[s
         return states_at(label, layer) if states_at is not None else None
 
     evicted = "e" if maps is not None and maps and isinstance(next(iter(maps.values()))["states"][0], str) else "evicted"
-    lossy = [label for label in shown if label != REFERENCE and label.split(":")[0] not in ("kvdirect", "anchorkv")]
+    lossy = [label for label in shown if label != REFERENCE and name_of(label) not in ("kvdirect", "anchorkv")]
     diverged = sorted((session.first_divergence_index(label), label) for label in lossy
                       if session.lanes.get(label) is not None and session.lanes[label].divergence is not None)
     pick = diverged[0][1] if diverged else (lossy[0] if lossy else shown[0])
-    exact = [label for name in ("anchorkv", "kvdirect") for label in shown if label.split(":")[0] == name]
+    exact = [label for name in ("anchorkv", "kvdirect") for label in shown if name_of(label) == name]
     other = exact[0] if exact else (REFERENCE if REFERENCE in shown and pick != REFERENCE else None)
     best, best_key = 0, None
     words = session.expect[1] if session.expect else None
