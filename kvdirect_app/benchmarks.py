@@ -26,8 +26,20 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
-from .engine import PREFILL_CHUNK
+import psutil
+import torch
+
+from . import guard, sweeps, validate
+from .engine import MEMORY_MODES, PREFILL_CHUNK, Engine, model_lock
 from .errors import UserError
+from .geometry import ModelGeometry, breakeven_report, load_config
+from .kernels import MODES as KERNEL_MODES
+from .models import load_model, resolve_dtype
+from .prompts import Prompter, filler_ids
+from .scenarios import scenarios
+from .strategies import parse_spec
+from .strategies.anchorkv import AnchorKV, rebuild_all
+from .tasks.scores import run_tasks
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -52,7 +64,6 @@ class _Config:
 @dataclass(frozen=True)
 class Conversation(_Config):
     """What `run` and `sweep` share: the model, the conversation, the device, timing and memory."""
-
     model: str = "smollm2-135m"
     prompt: str | None = None
     prompt_file: str | None = None
@@ -72,7 +83,6 @@ class Conversation(_Config):
 
     def turns(self) -> tuple[list[str], bool]:
         """User turns and whether to feed them raw."""
-        from .scenarios import scenarios
 
         given = [x for x in (self.prompt, self.prompt_file, self.scenario, self.context) if x is not None]
         if len(given) > 1:
@@ -108,7 +118,6 @@ class RunConfig(Conversation):
 @dataclass
 class RunResult:
     """A lockstep run's results: `data` is the JSON `bench run --json` writes (unstamped)."""
-
     data: dict
     engine: object  # the Engine that ran it (its token and attention maps for a recording)
 
@@ -129,12 +138,6 @@ def check(config: Conversation, specs: str, turns: list[str], raw: bool, compare
           dry_run: bool = False, say: Callable[[str], None] = print):
     """Every setting through `validate` (the same checks as the app and the API), the model loaded, then the
     memory guard.  Returns (request, loaded model, memory estimate, first turn's ids or None)."""
-    from . import guard, validate
-    from .engine import MEMORY_MODES
-    from .kernels import MODES as KERNEL_MODES
-    from .models import load_model
-    from .prompts import Prompter, filler_ids
-
     validate.integer("threads", 1 if config.threads is None else config.threads, 1, 4096)
     validate.integer("prefill_chunk", config.prefill_chunk, 1, 1 << 20)
     if config.memory not in MEMORY_MODES:
@@ -181,8 +184,6 @@ def consume(events, recorder=None, say: Callable[[str], None] = _stderr) -> dict
 
 def run(config: RunConfig, recorder=None, say: Callable[[str], None] = _stderr) -> RunResult:
     """Strategies in lockstep against the full cache, on `config`'s conversation (`bench run`)."""
-    from .engine import Engine
-
     turns, raw = config.turns()
     req, loaded, est, ids = check(config, config.strategies, turns, raw)
     engine = Engine(loaded, list(req.strategies), raw=raw, compare=True, **config.engine_options())
@@ -210,8 +211,6 @@ def sweep(config: SweepConfig, say: Callable[[str], None] = _stderr) -> dict:
     """Every strategy at every budget against the full cache, or each at the budget whose measured peak is
     closest to a target (`bench sweep`).  Returns the sweep JSON's fields (unstamped), with `plotted`: the rows a
     frontier plot shows (every probe at equal memory)."""
-    from . import sweeps
-
     return sweeps.run_sweep(config, say)
 
 
@@ -220,7 +219,6 @@ def sweep(config: SweepConfig, say: Callable[[str], None] = _stderr) -> dict:
 class TasksConfig(_Config):
     """Retrieval and QA scores for every strategy (`bench tasks`; `tasks/scores.py`).  Unset grid settings take
     the default grid, or with `quick` the quick one (two contexts, three depths, two tasks, one budget)."""
-
     model: str = "smollm2-135m"
     strategies: str = "kvdirect,anchorkv,window,streaming_llm,h2o,snapkv,tova,knorm,pyramidkv"
     budgets: str | None = None  # unset: the grid's (tasks/scores.py DEFAULT, QUICK), or none beside `ratios`
@@ -249,8 +247,6 @@ class TasksConfig(_Config):
 def tasks(config: TasksConfig, say: Callable[[str], None] = _stderr) -> dict:
     """Every strategy at every budget on generated retrieval tasks, scored against their references, the exact
     strategies' answers checked against the full cache's (`bench tasks`).  Returns the tasks JSON's fields."""
-    from .tasks.scores import run_tasks
-
     return run_tasks(config, say)
 
 
@@ -266,9 +262,6 @@ class BreakevenConfig(_Config):
 
 def breakeven(config: BreakevenConfig) -> dict:
     """Bytes per token and the break-even anchor spacing, from a config alone (arithmetic, no model run)."""
-    from .geometry import ModelGeometry, breakeven_report, load_config
-    from .models import resolve_dtype
-
     if (config.model is None) == (config.config is None):
         raise BenchError("give exactly one of --model NAME or --config PATH")
     if config.config is not None and not Path(config.config).is_file():
@@ -283,8 +276,6 @@ def breakeven(config: BreakevenConfig) -> dict:
 
 
 def _context_engine(loaded, strategies, n: int):
-    from .engine import Engine
-    from .prompts import filler_ids
 
     if n < 2 or n >= loaded.max_context:
         raise BenchError(f"--context: {n} must be between 2 and the model's context {loaded.max_context - 1}")
@@ -307,14 +298,6 @@ class ReplayConfig(_Config):
 def replay(config: ReplayConfig) -> dict:
     """Cascade against naive replay of the layers between anchors, timed side by side, each checked bit for bit
     against the full cache."""
-    import torch
-
-    from . import validate
-    from .engine import model_lock
-    from .geometry import ModelGeometry
-    from .models import load_model
-    from .strategies.anchorkv import AnchorKV, rebuild_all
-
     validate.threads(config.threads)
     loaded = load_model(config.model, dtype=config.dtype, device=config.device)
     geom = ModelGeometry.from_config(loaded.config, loaded.dtype)
@@ -366,8 +349,6 @@ class CapacityConfig(_Config):
 def _capacity_strategies(geom, spacings: list[int], budget: int):
     """Each strategy with the settings it runs with (its default rebuild mode), plus AnchorKV's deepest
     spacing with ``rebuild=step``."""
-    from .strategies import parse_spec
-
     specs = ["full", f"kvdirect:budget={budget}"]
     specs += [f"anchorkv:spacing={s}:budget={budget}" for s in spacings]
     specs.append(f"anchorkv:spacing={geom.num_layers}:budget={budget}:rebuild=step")
@@ -378,9 +359,6 @@ def _capacity_strategies(geom, spacings: list[int], budget: int):
 
 def _session(loaded, strategy, n: int, threads: int | None):
     """One session of `strategy` alone (no reference lane), `n` tokens of context, parked."""
-    from .engine import Engine
-    from .prompts import filler_ids
-
     engine = Engine(loaded, [strategy], max_new_tokens=1, raw=True, threads=threads, compare=False,
                     memory="trace")  # parked bytes and resume peaks: the allocator's (the claims report reads them)
     for _ in engine.turn("context", ids=filler_ids(loaded.tokenizer, n)):
@@ -392,8 +370,6 @@ def _session(loaded, strategy, n: int, threads: int | None):
 def _park(loaded, strategy, n: int, sessions: int, threads: int | None) -> dict:
     """Park `sessions` sessions (at least one) in this process; bytes measured per session, then resume one
     and time it and its next turn's first token."""
-    import psutil
-
     process = psutil.Process()
     before = process.memory_info().rss
     parked = [_session(loaded, strategy, n, threads) for _ in range(max(1, sessions))]
@@ -415,13 +391,6 @@ def _park(loaded, strategy, n: int, sessions: int, threads: int | None) -> dict:
 def capacity(config: CapacityConfig, say: Callable[[str], None] = _stderr) -> dict:
     """Parked bytes per session by formula at `context` and measured at min(context, measure_context) tokens,
     sessions that fit in memory, resume time and the next turn's first token."""
-    import psutil
-    import torch
-
-    from . import validate
-    from .geometry import ModelGeometry
-    from .models import load_model
-
     validate.threads(config.threads)
     if config.context < 2:
         raise BenchError(f"--context: {config.context} must be >= 2")

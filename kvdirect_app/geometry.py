@@ -187,7 +187,7 @@ def load_config(source, dtype: torch.dtype | None = None):
     path = Path(source)
     if path.is_file():
         return load_config(json.loads(path.read_text()))
-    from .models import PRESETS_DIR, presets
+    from .catalog import PRESETS_DIR, presets
 
     bundled = PRESETS_DIR / "configs" / f"{source}.json"
     if bundled.is_file():

@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 
 from . import model_cache, rss
-from .catalog import (DEVICES, HUB, HUB_CACHE, PRESETS_DIR, embedded_presets, hub_copy, is_test_model,
-                      offered_presets, package_dir, presets, unavailable_reason)
+from .catalog import (DEVICES, HUB, HUB_CACHE, embedded_presets, hub_copy, offered_presets, package_dir, presets,
+                      unavailable_reason)
 from .errors import UserError
 from .hosted import hosted
 

@@ -30,7 +30,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import gc
-import os
 import threading
 from pathlib import Path
 

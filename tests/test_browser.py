@@ -764,3 +764,25 @@ def test_uploads_that_are_not_what_the_page_opens_are_told_in_the_visitors_words
                                timeout=30_000)
         assert "Error" not in page.inner_text("#kvd-tasks-head")
     page.context.close()
+
+
+def test_a_strategy_from_ones_own_file_gets_a_pane_beside_the_built_ins(visitor, tmp_path):
+    """The example strategy named by its file in the sidebar's extra specs box: its pane streams beside the
+    built-ins, its scoreboard row has its verdict and its measured bytes, and the turn ends in Done.  The screenshot
+    is docs/own-strategy.png (STUDIO_OWN_SHOT)."""
+    page = visitor
+    settings(page)
+    page.get_by_text("More panes (extra specs)").click()
+    page.fill("#kvd-extra textarea", "examples/random_eviction.py:RandomEviction:budget=16:seed=3")
+    settings(page, False)
+    send(page, PROMPT)
+    assert "Done: 1 turn(s)" in ended(page, 300), status(page)
+    rows = board(page)
+    assert "RandomEviction" in rows, list(rows)
+    mine = rows["RandomEviction"]
+    assert "differs at token" in mine[1] or "same tokens" in mine[1], mine
+    assert "B" in mine[2] and "holds ≠ its formula" not in mine[1], mine  # measured bytes, agreeing with its formula
+    heads = page.locator(".kvd-pane:visible .kvd-pane-head").all_inner_texts()
+    assert any("RandomEviction" in h for h in heads), heads
+    page.evaluate("document.querySelector('#kvd-board').scrollIntoView({block: 'start'})")
+    page.screenshot(path=str(Path(os.environ.get("STUDIO_OWN_SHOT") or tmp_path / "own.png")))

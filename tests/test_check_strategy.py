@@ -1,12 +1,12 @@
 """`bench check-strategy` and a strategy from one's own file in every command: the example passes the kit on every
 model, each built-in passes it, and a strategy that breaks a rule fails that rule in one line (exit 1).  File and
-module specs run in `bench run`, `tasks` and `sweep` with the figures a built-in gets; hosted mode refuses them."""
+module specs run in `bench run`, `tasks` and `sweep` with the figures a built-in gets (on Ray: tests/test_executors.py);
+hosted mode refuses them."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -207,19 +207,3 @@ def test_a_subclass_never_takes_a_registered_strategys_name():
     assert Strategy.registry["window"] is before and type(parse_spec("window")) is before
     assert "Quiet" not in Strategy.registry
 
-
-def test_a_file_spec_travels_with_a_ray_task(tmp_path):
-    """The Ray executor carries the file's text in the cell: a worker that never saw the path runs the class."""
-    pytest.importorskip("ray")
-    from kvdirect_app.strategies import external
-
-    mine = tmp_path / "travels.py"
-    mine.write_text((ROOT / "examples" / "random_eviction.py").read_text())
-    cell = external.carry({"lanes": [[f"{mine}:RandomEviction", 8, f"{mine}:RandomEviction:budget=8"]]})
-    assert cell[external.CARRIED] == {str(mine): mine.read_text()}
-    mine.unlink()  # the worker's machine does not have it
-    external._TEXTS.clear()
-    sys.modules.pop("mystrategies", None)
-    plain = external.provided(cell)
-    assert external.CARRIED not in plain
-    assert parse_spec(f"{mine}:RandomEviction:budget=8").label == f"{mine}:RandomEviction:budget=8"

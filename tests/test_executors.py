@@ -10,6 +10,7 @@ installs requirements-ray.txt, so CI runs them).
 import json
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,7 @@ SWEEP = ["sweep", "--model", "tiny-llama", "--prompt", "Hello there, how are you
          "--strategies", "window,h2o,snapkv:window=4", "--budgets", "4,8", "--max-new-tokens", "4", "--threads", "1"]
 # Keys whose values are times or process sizes: they differ from run to run, whoever runs it.
 TIMING = re.compile(r"(^|_)ms(_|$)|seconds|per_s$|rss")
+ROOT = Path(__file__).resolve().parents[1]
 VARIES = {"file_confirmed", "file_notes", "outside_torch", "outside_torch_between_turns", "unattributed_bytes"}
 RAY_MISSING = "error: executor: ray is not installed; install it: pip install -r requirements-ray.txt\n"
 
@@ -229,3 +231,30 @@ def test_a_cell_asking_more_cpus_than_the_local_ray_has_is_refused_before_ray_st
     assert str(info.value) == ("resources: a cell asks for 3 CPUs; the local Ray has 2 "
                                "(lower --threads, or give RAY_ADDRESS)")
     assert not small_local_ray.is_initialized()
+
+
+def strategy_spec(cell: dict) -> str:
+    """A cell that builds the strategy its spec names (in a Ray worker: from the file the cell carries)."""
+    from kvdirect_app.strategies import parse_spec
+
+    return parse_spec(cell["spec"]).spec()
+
+
+@pytest.mark.timeout(300)
+def test_a_strategy_file_travels_with_its_ray_task(small_local_ray, tmp_path, monkeypatch):
+    """The Ray executor carries the text of the strategy file each cell names (`external.carry`), and a worker
+    builds the class from it though the file is gone from disk (as on another machine).  Mutation: `carry` not
+    applied in `_run_ray` (no cell carries its file; a worker on a machine without it could not build it)."""
+    from kvdirect_app.strategies import external
+
+    mine = tmp_path / "travels.py"
+    mine.write_text((ROOT / "examples" / "random_eviction.py").read_text())
+    spec = f"{mine}:RandomEviction:budget=8:seed=3"
+    carried, real = [], external.carry
+    monkeypatch.setattr(external, "carry", lambda cell: carried.append(real(cell)) or carried[-1])
+    assert run_cells(strategy_spec, [{"name": "file spec", "spec": spec}], "ray") == [spec]
+    assert [c.get(external.CARRIED) for c in carried] == [{str(mine): mine.read_text()}]
+    gone = carried[0]
+    mine.unlink()
+    assert run_cells(strategy_spec, [gone], "ray") == [spec]
+

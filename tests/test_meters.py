@@ -66,8 +66,8 @@ def test_blocks_are_their_owners_wherever_they_are_freed_and_peaks_reset(book):
             kept = torch.zeros(N)
             scratch = torch.zeros(2 * N)  # freed inside: in the peak, not in what is held
             del scratch
-            with ledger.nobody():
-                torch.zeros(5 * N)  # nobody's
+            with ledger.measurement():
+                torch.zeros(5 * N)  # the measurement's, not a's
         assert (book.live(a), book.peak(a)) == (4 * N, 12 * N)
         book.reset_peak(a)
         assert book.peak(a) == 4 * N

@@ -337,14 +337,14 @@ def test_a_hosted_run_stops_at_its_time_budget_and_says_so(handlers, monkeypatch
 
 def test_the_expected_wait_is_the_median_of_the_last_runs_capped_by_the_budget(monkeypatch):
     from kvdirect_app import limits as limits_module
-    from kvdirect_app.ui import handlers as handlers_module
+    from kvdirect_app.ui import line as line_module
 
-    line = handlers_module.Line()
-    monkeypatch.setattr(handlers_module, "limits", lambda: limits_module.Limits())
+    line = line_module.Line()
+    monkeypatch.setattr(line_module, "limits", lambda: limits_module.Limits())
     assert line.expected_wait(1, 1) == " Your run starts when they finish."  # nothing measured, no budget
     line.took = [10.0, 30.0, 20.0]
     assert "about 40 s (the last 3 run(s) took about 20 s each)" in line.expected_wait(1, 1)
-    monkeypatch.setattr(handlers_module, "limits", lambda: limits_module.Limits(run_seconds=15.0))
+    monkeypatch.setattr(line_module, "limits", lambda: limits_module.Limits(run_seconds=15.0))
     assert "about 45 s" in line.expected_wait(2, 1) and "stops after 15 s" in line.expected_wait(2, 1)
     line.started()
     line.ended()

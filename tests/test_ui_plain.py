@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 UI = ROOT / "kvdirect_app" / "ui"
 # Package modules the UI may import: none of them imports torch at module level.
 PLAIN = {"service", "catalog", "limits", "errors", "hosted", "scenarios", "units", "palette", "frontier", "rss",
-         "claims", "claims.papers", "claims.verdicts", "claims.render", "claims.reproduce", "recording", "paths", "schema"}
+         "claims", "claims.papers", "claims.verdicts", "claims.render", "claims.reproduce", "recording", "paths", "schema",
+         "specs", "jsonfile", "stats"}
 THIRD_PARTY = {"gradio", "plotly", "pandas", "spaces"}
 
 

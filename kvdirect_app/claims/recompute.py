@@ -59,7 +59,6 @@ from __future__ import annotations
 import copy
 import math
 import statistics
-import time
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 

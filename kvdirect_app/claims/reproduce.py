@@ -211,7 +211,7 @@ def run_cell(cell: dict) -> dict:
 def plan(model: str, quick: bool, device: str = "auto", threads: int = 1) -> list[dict]:
     """Every cell of the report for `model`, with the knobs of `knobs(model, quick)`."""
     from ..geometry import ModelGeometry, load_config
-    from ..models import PRESETS_DIR, embedded_presets, presets
+    from ..catalog import PRESETS_DIR, embedded_presets, presets
 
     k = knobs(model, quick)
     geom = ModelGeometry.from_config(load_config(model))

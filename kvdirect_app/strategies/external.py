@@ -89,8 +89,9 @@ def _from_module(name: str):
 
 
 def carry(cell: dict) -> dict:
-    """`cell` with the text of every strategy file its strings name (a Ray task on another machine reads them)."""
-    files = {}
+    """`cell` with the text of every strategy file its strings name (a Ray task on another machine reads them),
+    beside any it carries already."""
+    files = dict(cell.get(CARRIED) or {})
 
     def walk(value):
         if isinstance(value, str):
@@ -99,8 +100,9 @@ def carry(cell: dict) -> dict:
                 if found and (found[0].endswith(".py") or "/" in found[0]) and Path(found[0]).is_file():
                     files[found[0]] = Path(found[0]).read_text(encoding="utf-8")
         elif isinstance(value, dict):
-            for v in value.values():
-                walk(v)
+            for k, v in value.items():
+                if k != CARRIED:  # a file's text is no spec
+                    walk(v)
         elif isinstance(value, (list, tuple)):
             for v in value:
                 walk(v)

@@ -718,7 +718,6 @@ def _report_conversation(tokenizer, context: int, n: int, seed: int, chat: bool,
     gap = "" if chat else " "
     shuffled = list(range(len(qa.QUESTIONS)))
     says.shuffle(shuffled)
-    weigh = _Weights(tokenizer)
 
     def window(question: str | None):
         template = _QA_TEMPLATE.replace("{query}", question) if question is not None else _QA_QUIET

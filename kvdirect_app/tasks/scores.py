@@ -29,9 +29,17 @@ from typing import Callable
 
 from dataclasses import dataclass, field, replace
 
-from .. import rss, stats
+import torch
+
+from .. import guard, rss, stats, validate
+from ..engine import Engine
 from ..errors import UserError
-from ..strategies import parse_spec
+from ..executors import Ticker, check_executor, run_cells
+from ..limits import limits
+from ..models import load_model
+from ..probes import environment
+from ..recording import commit, today
+from ..strategies import StrategyError, parse_spec
 from . import generate
 
 ANSWER_TOKENS = 64  # the memory guard's bound on an answer (every task's max_new_tokens is below it)
@@ -112,8 +120,6 @@ class Plan:
 
 def plan(config) -> Plan:
     """The grid a `TasksConfig` asks for, every setting checked (one line each); `quick` fills the unset ones."""
-    from ..strategies import StrategyError
-
     multi = config.multiturn
     q = (MULTITURN_QUICK if config.quick else MULTITURN) if multi else QUICK if config.quick else DEFAULT
     tasks = _names("tasks", config.tasks or q["tasks"], generate.MULTITURN_TASKS if multi else generate.TASKS)
@@ -216,9 +222,6 @@ def lane_specs(names: list[str], budgets: list[int]) -> list[tuple[str, int | No
 def task_cell(cell: dict) -> dict:
     """One sample (or, with "turns", one conversation) through every lane (in a worker or here): the answers, their
     scores, the lanes' bytes."""
-    from ..engine import Engine
-    from ..models import load_model
-
     loaded = load_model(cell["model"], dtype=cell["dtype"], device=cell["device"], progress=lambda msg: None)
     tok = loaded.tokenizer
     after, drop = cell["question"] == "after", cell.get("history") == "drop"
@@ -393,12 +396,6 @@ def leaderboard(cells: list[dict], question: str = "with-context") -> list[dict]
 
 def run_tasks(config, say: Callable[[str], None]) -> dict:
     """`benchmarks.tasks`'s work: `config` is a `benchmarks.TasksConfig`."""
-    import torch
-
-    from .. import guard, validate
-    from ..executors import Ticker, check_executor, run_cells
-    from ..limits import limits
-    from ..models import load_model
     p = plan(config)
     if config.executor is not None:
         check_executor(config.executor)
@@ -466,8 +463,6 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
     mismatched = [(c["task"], c["context"], c["depth"], spec, *([c["seed"], n + 1] if p.turns else []))
                   for c in results for spec, a in c["lanes"].items() if a["exact"]
                   for n, same in enumerate(a.get("equal_full_turns", [a["equal_full"]])) if not same]
-    from ..probes import environment
-    from ..recording import commit, today
 
     env = environment(loaded.device)
     return {"measured_at": today(), "commit": commit(), "processor": env["cpu"], "torch": env["torch"],

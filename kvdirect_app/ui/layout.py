@@ -81,7 +81,9 @@ def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tok
                                 "replays; probed at start); native: the model's own kernels, replays repeat shapes")
     with gr.Accordion("More panes (extra specs)", open=False):
         extra = gr.Textbox(label="Extra specs, comma-separated", placeholder="kvdirect:budget=16:mode=fast",
-                           info="name[:key=value]…; budget/spacing/mode above fill in what a spec leaves unset.")
+                           elem_id="kvd-extra",
+                           info="name[:key=value]…, or a class of your own: PATH.py:Class[:key=value]… (not on a "
+                                "hosted Space); budget/spacing/mode above fill in what a spec leaves unset.")
     return Controls(preset, custom, device, dtype, picked, extra, budget_s, spacing, mode, rebuild, max_new, twins, kernels)
 
 

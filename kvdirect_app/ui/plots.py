@@ -260,7 +260,6 @@ def latency_figure(session: Session) -> go.Figure:
                                                 f"{roof['bandwidth_gbs']:.0f} GB/s, {roof['gemm_gflops']:.0f} GFLOP/s; "
                                                 "bench roofline), per pane<extra></extra>")))
     fig.update_layout(barmode="stack")
-    batched = any(op == "shared" for op in ops)
     fig.update_xaxes(title_text="ms per decode step (mean)", range=[0, 1.5 * max(totals, default=1)])
     return _layout(fig, max(380, 130 + 44 * (len(labels) + 2 * (steps is not None))), "Own ms per decode step, by part",
                    session)

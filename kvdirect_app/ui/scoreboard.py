@@ -104,9 +104,9 @@ def scoreboard_html(session: Session) -> str:
     return f'<table class="kvd-board">{head}{"".join(rows)}{_step_rows(session, bool(session.expect))}</table>'
 
 
-# Beside a pane's held bytes (its tensors'), what its work holds outside torch (numpy's data, Python's objects) is
-# written out when it is this large a share of them; below that (a few KB of Python objects: the tensors' own
-# wrappers), in the figure's tooltip.  Either way it is in the run's JSON (`state_bytes.outside_torch`).
+# Beside a pane's held bytes (its tensors'), what its work holds outside torch (numpy's data, Python's buffers) is
+# written out when it is this large a share of them (below it: a few KB of Python lists, its own bookkeeping).
+# Either way it is in the run's JSON (`state_bytes.outside_torch`).
 OUTSIDE_SHOWN = 0.1
 
 
@@ -114,9 +114,9 @@ def _outside(outside: int | None, held: int | None) -> str:
     """The bytes a pane holds outside torch after the last step, beside its held figure."""
     if not outside:
         return ""
-    words = f"held outside torch (numpy's data, Python's objects) after the last step: {fmt_bytes(outside)}"
     if held is not None and outside < OUTSIDE_SHOWN * held:
-        return f' <span class="kvd-note" title="{html.escape(words)}">·</span>'
+        return ""
+    words = f"held outside torch (numpy's data, Python's buffers) after the last step: {fmt_bytes(outside)}"
     return f' <span class="kvd-bad kvd-outside" title="{html.escape(words)}">+{fmt_bytes(outside)} outside torch</span>'
 
 
@@ -180,13 +180,16 @@ def _unattributed_row(session: Session, asked: bool) -> str:
     now = session.unattributed
     if now is None:
         return ""
-    parts = {"outside_regions": "allocated outside every pane's work (another thread, code outside every region)",
-             "measurement": "the measurement's own work", "shared_memory": "shared memory (no allocator's)"}
-    words = "; ".join(f"{what} {fmt_bytes(now.get(key, 0))}" for key, what in parts.items())
+    parts = {"outside_regions": ("outside every region", "allocated outside every pane's work (a thread a "
+                                                          "strategy started, code outside every region)"),
+             "measurement": ("measurement", "the measurement's own work"),
+             "shared_memory": ("shared memory", "shared memory, which no allocator hands out")}
+    short = " · ".join(f"{word} {fmt_bytes(now.get(key, 0))}" for key, (word, _) in parts.items())
+    long = "; ".join(f"{what} {fmt_bytes(now.get(key, 0))}" for key, (_, what) in parts.items())
     kind = "kvd-bad" if now["bytes"] else "kvd-note"
-    title = html.escape("no pane holds these bytes (process-wide, since the run began): " + words)
+    title = html.escape("bytes no pane's work holds (process-wide, since the run began): " + long)
     return (f'<tr class="kvd-unattributed-row" title="{title}"><td><b>unattributed</b></td>'
-            f'<td class="kvd-note">bytes no pane\'s work holds: {html.escape(words)}</td>'
+            f'<td class="kvd-note">no pane\'s: {html.escape(short)}</td>'
             + ('<td></td>' if asked else '')
             + f'<td class="kvd-num {kind}">{fmt_bytes(now["bytes"])}</td>'
             f'<td class="kvd-num {kind}">{fmt_bytes(session.unattributed_peak)}</td><td></td><td></td></tr>')
