@@ -32,13 +32,20 @@ $(MODELS_STAMP): $(STAMP)
 # torch's own headers (a few seconds); a machine with no C++ compiler gets Debian's where apt is there.  Without a
 # compiler the studio still runs: its memory figures are then declared by the strategies, and it says so.
 LEDGER_STAMP := $(VENV)/.ledger-built
-$(LEDGER_STAMP): $(STAMP) kvdirect_app/ledger.cpp
+$(LEDGER_STAMP): $(STAMP) kvdirect_app/ledger.cpp kvdirect_app/native.py
 	@command -v $${CXX:-c++} >/dev/null || ! command -v apt-get >/dev/null || \
 		{ apt-get update && apt-get install -y --no-install-recommends g++; }
 	$(BIN)/python -m kvdirect_app.ledger || echo "note: no allocator ledger here; memory figures will be declared"
 	touch $@
 
-install: $(STAMP) $(MODELS_STAMP) $(LEDGER_STAMP)
+# The fixed-order kernels (kvdirect_app/dots.cpp: the invariant linears and attention), built the same way (a few
+# seconds).  Without a compiler the invariant kernels are not there: runs use the native ones and say why.
+DOTS_STAMP := $(VENV)/.dots-built
+$(DOTS_STAMP): $(LEDGER_STAMP) kvdirect_app/dots.cpp kvdirect_app/dots_attention.inc kvdirect_app/native.py
+	$(BIN)/python -m kvdirect_app.dots || echo "note: no fixed-order kernels here; runs will use the native kernels"
+	touch $@
+
+install: $(STAMP) $(MODELS_STAMP) $(LEDGER_STAMP) $(DOTS_STAMP)
 
 demo: install
 	$(BIN)/python app.py

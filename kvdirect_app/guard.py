@@ -121,9 +121,10 @@ def activation_bytes(config, geom: ModelGeometry, q: int, context: int, scores: 
 
 
 def block_attention_bytes(config, geom: ModelGeometry, queries: int, context: int) -> int:
-    """The invariant kernels' block attention beyond what the model's own attention holds: over `queries` (a chunk
-    of them at a time, `kernels` bounds it) and `context` keys: two copies of its scores (masked, then
-    exponentiated), and the blocks' P@V and their running sum (float32)."""
+    """The invariant kernels' attention beyond what the model's own attention holds, bounded by the block attention's
+    (off the CPU): over `queries` (a chunk of them at a time, `kernels` bounds it) and `context` keys, two copies of
+    its scores (masked, then exponentiated), and the blocks' P@V and their running sum (float32).  The CPU's
+    fixed-order attention holds less (one row of scores per thread and its output), so the guard stays above it."""
     from . import compat
     from .kernels import ATTENTION_ROWS_BYTES, BLOCK
 

@@ -2,33 +2,38 @@
 
 Two modes for a run (`--kernels`):
 
-* ``invariant`` (the default wherever the probe passes): every linear layer
-  of every lane, the reference included, is one GEMM over all the rows that
-  need it, its row count raised with zero rows to one of a few counts
-  (`probes.PACKED`, `probes.ROWS`) that the probe proved invariant on this
-  device, dtype and thread count (a call of up to `PACKED` rows runs MKL's
-  packed GEMM on the weight packed once when the model is probed); attention is `block_attention` (keys in fixed blocks of 64
+* ``invariant`` (the default wherever it runs): every linear layer of every
+  lane, the reference included, is one call over all the rows that need it:
+  on the CPU the fixed-order linears (`dots.py`: every output one dot
+  product in one order, threads splitting the output columns, so a row's
+  bits are the same whatever the call, by construction; a check confirms it
+  at start); on another device the vendor's GEMM at row counts (`probes.ROWS`)
+  that the probe proved invariant on that device, dtype and thread count,
+  zero rows added; attention is `block_attention` (keys in fixed blocks of 64
   anchored at position 0, an exact maximum, per-block sums and P@V of fixed
   shapes combined by a sequential cumulative sum, masked keys exact zeros),
   computed on one thread whatever the run's count (`threads.one_thread`), so
   the order of every one of its reductions is fixed by the shapes alone; the
   same for a one-token step, a prompt and a replay of any number of old
   tokens.  So a rebuild or replay may group rows any way it likes: KV-Direct
-  rebuilds all old K/V with one GEMM per layer, AnchorKV replays each layer
-  once over all old tokens, and the lanes of a step share one GEMM per
-  linear (each lane's attention is its own call, timed as its own).
+  rebuilds all old K/V with one call per layer, AnchorKV replays each layer
+  once over all old tokens, and the lanes of a step share one call per
+  linear, which reads the weights once (each lane's attention is its own
+  call, timed as its own).
 * ``native``: the model's own kernels; exactness comes from repeating the
   original shapes (`replay.py`, `rows.py`: each decoded token as its own row).
   Bit-equal to transformers' own one-row decode.
 
-`Kernels.for_model` proves (`probes.py`), outside any timed or traced region,
-every linear layer's row counts at the run's thread count (and its large call at one thread),
-the block attention's row counts and its one-query/many-queries
-equality for each attention geometry of the model, and the model's RMSNorm
-rows, at every start; the verdicts are kept on disk, and a stored one that the
-probe does not find here is said (`file_notes`).  A failed probe means
-``native``, said aloud in the run's JSON (`kernels`), the CLI's first lines and
-the page.
+`Kernels.for_model` checks, outside any timed or traced region, the
+fixed-order linears for each input width of the model (or, off the CPU,
+proves every linear layer's row counts at the run's thread count and its
+large call at one thread), the block attention's row counts and its
+one-query/many-queries equality for each attention geometry of the model,
+and the model's RMSNorm rows, at every start; the GEMM verdicts are kept on
+disk, and a stored one that the probe does not find here is said
+(`file_notes`).  A failed check or probe, or fixed-order linears that cannot
+be built here, means ``native``, said aloud in the run's JSON (`kernels`),
+the CLI's first lines and the page.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import probes
+from . import dots, probes
 from .probes import ROWS, Verdict, attention_rows_key, linear_key
 from .threads import one_thread
 
@@ -164,11 +169,12 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
 
 @dataclass
 class Kernels:
-    """The kernels of one run on one model: the mode, the probe's verdicts, the padded GEMM, the attention.
+    """The kernels of one run on one model: the mode, the linears, the probe's verdicts, the attention.
 
-    `for_model` proves (once per model and thread count: the verdicts live on the loaded model's `probes.Store`,
-    and on disk) every linear layer's shape, each attention geometry and each row-wise norm of the model; any
-    failure means ``native``, and `reason` says why.
+    `for_model` checks the fixed-order linears (CPU) or proves every linear layer's shape (elsewhere), and proves
+    each attention geometry and each row-wise norm of the model (once per model and thread count: the verdicts live
+    on the loaded model's `probes.Store`, the GEMMs' on disk too); any failure means ``native``, and `reason` says
+    why.
     """
 
     mode: str
@@ -176,7 +182,8 @@ class Kernels:
     requested: str = "invariant"
     reason: str | None = None  # why `native` where `invariant` was asked for
     store: object = None  # probes.Store of the loaded model
-    linears: dict = field(default_factory=dict)  # (weight shape, bias) -> Verdict at `threads` (proven)
+    dots: str | None = None  # the fixed-order linears' path (CPU: "avx512", "avx2", "scalar"); None: probed GEMMs
+    linears: dict = field(default_factory=dict)  # off the CPU: (weight shape, bias) -> Verdict at `threads`
     rows: Verdict | None = None  # the block attention's GEMMs
 
     @property
@@ -204,16 +211,25 @@ class Kernels:
         return self.store.get(linear_key(weight, bias, threads), lambda: probes.probe_linear(weight, bias, threads),
                               keep=True)
 
-    def _probe(self, model, device, dtype) -> str | None:
-        """None when every kernel of the model passed at this thread count and across thread counts."""
-        from . import compat
-
+    def _linears(self, model, device, dtype) -> str | None:
+        """The fixed-order linears on the CPU (checked for each input width: `check_dots`), else every linear
+        layer's proven GEMM row counts; None where they hold."""
+        layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        if torch.device(device).type == "cpu":
+            why = dots.unavailable(dtype, device)
+            if why is not None:
+                return f"fixed-order linears: {why}"
+            self.dots = dots.path()
+            for k, bias in sorted({(m.in_features, m.bias is not None) for m in layers}):
+                key = ("dots", k, bias, probes._name(dtype), self.dots, self.threads)
+                ok, why = self.store.get(key, lambda: probes.check_dots(k, bias, dtype, self.dots, self.threads))
+                if not ok:
+                    return f"fixed-order linears: {why}"
+            return None
         # Each count proven at this thread count gives a large call's rows, and the large call has the same bits at
         # one thread: so K/V computed here equal those a run at another proven thread count computes (the chain
         # through the large call), and a later run at 1 thread proves its own counts when it starts.
-        for m in model.modules():
-            if not isinstance(m, torch.nn.Linear):
-                continue
+        for m in layers:
             v = self._linear_verdict(m.weight, m.bias, self.threads)
             if not v.counts:
                 return (f"no row count of a {tuple(m.weight.shape)} GEMM ({', '.join(map(str, v.failed))}) gives the "
@@ -221,8 +237,15 @@ class Kernels:
             if not v.across_threads:
                 return f"a {tuple(m.weight.shape)} GEMM gives other bits at 1 thread than at {self.threads}"
             self.linears[(tuple(m.weight.shape), m.bias is not None)] = v
-            if probes.PACKED in v.counts and m.weight.data_ptr() not in self.store.packed:  # once per loaded model
-                self.store.packed[m.weight.data_ptr()] = probes.pack(m.weight)
+        return None
+
+    def _probe(self, model, device, dtype) -> str | None:
+        """None when every kernel of the model passed its check or probe at this thread count and across counts."""
+        from . import compat
+
+        why = self._linears(model, device, dtype)
+        if why is not None:
+            return why
         for m in model.modules():
             name = type(m).__name__
             if name.endswith("RMSNorm") and getattr(m, "weight", None) is not None:
@@ -240,26 +263,31 @@ class Kernels:
             if geometry in seen:
                 continue
             seen.add(geometry)
-            rows = self.store.get(attention_rows_key(attn.head_dim, dtype, device),
-                                  lambda: probes.probe_attention_rows(attn.head_dim, dtype, device), keep=True)
-            if not rows.counts:
-                return f"the block attention's GEMMs have no invariant row count here ({', '.join(map(str, rows.failed))})"
-            group = geometry[0] // geometry[1]
-            if group > rows.largest:
-                return f"{group} query heads per key head: more rows than the attention's largest proven count"
-            self.rows = rows
+            if self.dots is None:  # the block attention's GEMMs (off the CPU)
+                rows = self.store.get(attention_rows_key(attn.head_dim, dtype, device),
+                                      lambda: probes.probe_attention_rows(attn.head_dim, dtype, device), keep=True)
+                if not rows.counts:
+                    return (f"the block attention's GEMMs have no invariant row count here "
+                            f"({', '.join(map(str, rows.failed))})")
+                group = geometry[0] // geometry[1]
+                if group > rows.largest:
+                    return f"{group} query heads per key head: more rows than the attention's largest proven count"
+                self.rows = rows
             key = ("block attention", geometry, probes._name(dtype), str(device), self.threads)
             ok, why = self.store.get(key, lambda: probes.probe_attention(
                 self.attention, *geometry[:3], dtype, device, self.threads,
                 window=geometry[3], softcap=geometry[4]))
             if not ok:
-                return f"block attention: {why}"
+                return f"{'fixed-order' if self.dots else 'block'} attention: {why}"
         return None
 
     # --- the kernels -------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`F.linear` over every row of x (..., d) as GEMMs of proven row counts: zero rows added, cut into calls of
-        the largest proven count above that.  Only at the thread count the verdicts were proven for."""
+        """`F.linear` over every row of x (..., d): the fixed-order linears in one call (CPU), else GEMMs of proven
+        row counts, zero rows added, cut into calls of the largest proven count (only at the thread count the
+        verdicts were proven for)."""
+        if self.dots is not None:
+            return dots.linear(x, weight, bias, name=self.dots)
         verdict = self.linears.get((tuple(weight.shape), bias is not None))
         if verdict is None:
             raise RuntimeError(f"invariant kernels: a {tuple(weight.shape)} GEMM that was not probed")
@@ -273,15 +301,7 @@ class Kernels:
             part = rows[s:s + split]
             m = part.shape[0]
             size = verdict.pad(m)
-            if size != m:
-                part = F.pad(part, (0, 0, 0, size - m))
-            if size == probes.PACKED:
-                packed = self.store.packed.get(weight.data_ptr())
-                if packed is None:
-                    raise RuntimeError(f"invariant kernels: a {tuple(weight.shape)} weight that was not packed")
-                parts.append(probes.packed_linear(part, packed, weight, bias)[:m])
-            else:
-                parts.append(F.linear(part, weight, bias)[:m])
+            parts.append(F.linear(F.pad(part, (0, 0, 0, size - m)) if size != m else part, weight, bias)[:m])
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.view(*x.shape[:-1], weight.shape[0])
 
@@ -293,7 +313,10 @@ class Kernels:
         return self.rows
 
     def attention(self, query, key, value, end: int, scaling: float, softcap=None, window=None) -> torch.Tensor:
-        """`block_attention` with this device's proven row counts; query (H, q, d) -> (q, H, d)."""
+        """The fixed-order attention (CPU: `dots.attention`), else `block_attention` with this device's proven row
+        counts; query (H, q, d) -> (q, H, d)."""
+        if self.dots is not None:
+            return dots.attention(query, key, value, end, scaling, softcap, window, name=self.dots)
         return block_attention(query, key, value, end, scaling, softcap, window, rows=self._rows(query))
 
     @contextlib.contextmanager
@@ -310,6 +333,10 @@ class Kernels:
         threads = {self.threads, 1}
         verdicts = self.verdicts
         return {"mode": self.mode, "requested": self.requested, "reason": self.reason, "threads": self.threads,
+                "linears": "fixed-order" if self.dots is not None else "probed GEMM", "dots_path": self.dots,
+                "dots_checks": [{"width": k[1], "bias": k[2], "dtype": k[3], "path": k[4], "threads": k[5],
+                                 "same_bits": v[0], "why_not": v[1]} for k, v in verdicts.items()
+                                if k[0] == "dots" and k[5] == self.threads],
                 "rows": list(ROWS), "probe_file": None if self.store is None or self.store.path is None
                 else str(self.store.path.name),
                 "file_confirmed": 0 if self.store is None else self.store.confirmed,
@@ -328,7 +355,8 @@ def brief(report: dict) -> str:
     if report["mode"] == "invariant":
         stale = " · the probe file disagreed with the probe here: its verdicts replaced" if report.get("file_notes") \
             else ""
-        return f"kernels: invariant (probe passed at {report['threads']} thread(s)){stale}"
+        linears = f"fixed-order linears ({report['dots_path']})" if report.get("dots_path") else "probed GEMMs"
+        return f"kernels: invariant ({linears}; checks passed at {report['threads']} thread(s)){stale}"
     if report["requested"] == "invariant":
         return f"kernels: NATIVE, the invariance probe failed here: {report['reason']}"
     return "kernels: native"
@@ -337,11 +365,14 @@ def brief(report: dict) -> str:
 def describe(report: dict) -> str:
     """A run's kernels (`Kernels.report()`) in one line, for the CLI's first lines and the page."""
     if report["mode"] == "invariant":
-        smallest = sorted({p["proven"][0] for p in report["probes"] if p["threads"] == report["threads"]})
-        packed = (f"; {probes.PACKED}-row calls by MKL's packed GEMM" if probes.PACKED in smallest else "")
-        return (f"kernels: invariant (probe passed at {report['threads']} thread(s) and across thread counts: every "
-                f"linear one GEMM of a proven row count (from {', '.join(map(str, smallest))} rows{packed}), block "
-                "attention on one thread)")
+        if report.get("dots_path"):
+            linears = (f"every linear the fixed-order dot products ({report['dots_path']} path, invariant by "
+                       "construction; checked)")
+        else:
+            smallest = sorted({p["proven"][0] for p in report["probes"] if p["threads"] == report["threads"]})
+            linears = f"every linear one GEMM of a proven row count (from {', '.join(map(str, smallest))} rows)"
+        return (f"kernels: invariant (checks passed at {report['threads']} thread(s) and across thread counts: "
+                f"{linears}, block attention on one thread)")
     if report["requested"] == "invariant":
         return f"kernels: NATIVE: the invariance probe failed here: {report['reason']}"
     return "kernels: native (asked for: the model's own kernels; exact replay repeats the original shapes)"

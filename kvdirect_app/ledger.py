@@ -33,32 +33,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
 import sysconfig
-import tempfile
 import threading
 from pathlib import Path
 
-import torch
-
-from .paths import cache
+from . import native
+from .native import Unavailable
 
 SOURCE = Path(__file__).with_name("ledger.cpp")
 CACHE_ENV = "KVDIRECT_LEDGER_CACHE"
 UNATTRIBUTED = 0  # the owner of every block allocated outside a named owner's work
-
-
-class Unavailable(RuntimeError):
-    """The ledger cannot be built or installed here; the message says why."""
-
-
-def _compiler() -> str | None:
-    name = os.environ.get("CXX", "").strip() or "c++"
-    return shutil.which(name)
 
 
 def _python_flags() -> list[str]:
@@ -71,39 +55,9 @@ def _python_flags() -> list[str]:
     return flags + [f"-I{numpy.get_include()}", "-DKV_NUMPY"]
 
 
-def _library_path(compiler: str) -> Path:
-    torch_dir = Path(torch.__file__).parent
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, str(torch.version.git_version),
-                                    compiler, str(torch_dir), sys.platform, *_python_flags()]).encode()
-                         ).hexdigest()[:16]
-    folder = cache(CACHE_ENV, "ledger") or Path(tempfile.gettempdir()) / "kvdirect-ledger"
-    return folder / key / "libkvledger.so"
-
-
 def build() -> Path:
     """The library for this torch build: the kept one, or compiled now (a few seconds)."""
-    if sys.platform not in ("linux", "darwin"):
-        raise Unavailable(f"the allocator ledger is built for Linux and macOS, not {sys.platform}")
-    compiler = _compiler()
-    if compiler is None:
-        raise Unavailable("no C++ compiler (set CXX, or install g++) to build the allocator ledger")
-    path = _library_path(compiler)
-    if path.is_file():
-        return path
-    torch_dir = Path(torch.__file__).parent
-    abi = int(torch.compiled_with_cxx11_abi())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-               f"-I{torch_dir / 'include'}", *_python_flags(), str(SOURCE), "-o", str(tmp), f"-L{torch_dir / 'lib'}",
-               "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise Unavailable(f"the allocator ledger did not compile ({Path(compiler).name}): {last}")
-    os.replace(tmp, path)
-    return path
+    return native.library(SOURCE, "the allocator ledger", CACHE_ENV, "ledger", _python_flags(), ["-lc10"])
 
 
 class Ledger:

@@ -23,8 +23,8 @@ exactly what it would be alone:
   function, `kvdirect_lanes`, for the pass, under the model's lock; a layer
   holding fewer tokens than its type's first takes the mask's rightmost
   columns, `fit_mask`), or the
-  block attention (invariant), whose bits for a query do not depend on the
-  call it is in;
+  fixed-order attention (invariant), whose bits for a query do not depend on
+  the call it is in;
 * norms, RoPE (positions are per row), activations and residual adds work
   row by row.
 
@@ -142,7 +142,7 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
     """The registered attention function: each row's attention in a call of its own, with that row's K/V (and,
     native, its mask), in that row's region: no lane waits in another lane's call or is padded to its keys.
 
-    Invariant kernels: the block attention (a query's bits depend only on it and the keys it sees, so a lane's
+    Invariant kernels: the fixed-order attention (a query's bits depend only on it and the keys it sees, so a lane's
     call gives what it would alone); native: the model's own function.  With several tokens per row (a
     prompt), a row whose query, K/V and mask are bit-identical to an earlier row's (lanes that have not
     diverged) reuses that row's output: the same call would give the same bits."""
@@ -165,7 +165,7 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
             if out is None:
                 # Every cache hands attention its keys in position order, the queries the last q of them and every
                 # earlier key before them (an eviction cache's kept keys too: the mask the model would build says
-                # the same), so the block attention reads them as positions end-T .. end-1.
+                # the same), so the invariant attention reads them as positions end-T .. end-1.
                 if block:
                     out = batch.kernels.attention(query[i], k[0], v[0], row.seen + q, kwargs.get("scaling", module.scaling),
                                                   kwargs.get("softcap"), kwargs.get("sliding_window")).unsqueeze(0)
@@ -247,12 +247,25 @@ def _rows_forward(linear: torch.nn.Linear, n: int, x: torch.Tensor) -> torch.Ten
     return F.linear(x, weight, bias)
 
 
-def _invariant_forward(kernels: Kernels, linear: torch.nn.Linear, n: int, x: torch.Tensor) -> torch.Tensor:
-    """`linear` in the invariant mode: every row of x in GEMMs of proven row counts (`Kernels.linear`); a prompt's
-    rows once per distinct lane (lanes that have not diverged share their first prompt).  Inside
+def _invariant_forward(kernels: Kernels, linear: torch.nn.Linear, n: int, memo: dict, x: torch.Tensor) -> torch.Tensor:
+    """`linear` in the invariant mode: every row of x in one call of the run's kernels (`Kernels.linear`); a prompt's
+    rows once per distinct lane (lanes that have not diverged share their first prompt).  A one-row call whose
+    row is a row of this layer's last decode call (a scorer rebuilding the query the pass computed) takes that
+    row's output: the same row gives the same bits, whatever the call (`memo`, emptied after the pass).  Inside
     `kernels.native()` (a fast-mode rebuild), the model's own GEMM."""
     if native_now():
         return F.linear(x, linear.weight, linear.bias)
+    if x.dim() == 3 and x.shape[1] == 1:
+        done = memo.get(linear)
+        if done is not None and x.shape[0] == 1:
+            rows, out = done
+            for i in range(rows.shape[0]):
+                if torch.equal(rows[i], x[0]):
+                    return out[i:i + 1]
+        if x.shape[0] == n:  # the pass's decode call over every row
+            out = kernels.linear(x, linear.weight, linear.bias)
+            memo[linear] = (x, out)
+            return out
     if x.dim() == 3 and x.shape[0] == n > 1 and x.shape[1] > 1:
         firsts, where = _unique_rows(x)
         if len(firsts) < n:
@@ -269,12 +282,14 @@ def batch_linears(model: torch.nn.Module, n: int, kernels: Kernels):
     linears = _LINEARS.get(model)
     if linears is None:  # found once per model, not at every step
         linears = _LINEARS[model] = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    memo: dict = {}
     for m in linears:
-        m.forward = (functools.partial(_invariant_forward, kernels, m, n) if kernels.invariant
+        m.forward = (functools.partial(_invariant_forward, kernels, m, n, memo) if kernels.invariant
                      else functools.partial(_rows_forward, m, n))
     try:
         yield
     finally:
+        memo.clear()
         for m in linears:
             del m.forward
 
@@ -295,7 +310,7 @@ def run_batch(model: torch.nn.Module, rows: list[Row], observer: Observer, tap, 
     for i, row in enumerate(rows):
         with batch.owned(i, "other"):
             row.cache.begin_step(row.ids, row.more_prompt, row.keep)
-            for t in () if kernels.invariant else set(batch.layer_types):  # the block attention needs no mask
+            for t in () if kernels.invariant else set(batch.layer_types):  # the invariant attention needs no mask
                 row.masks[t] = compat.mask_function(t)(config=config, inputs_embeds=like, attention_mask=None,
                                                        cache=row.cache, position_ids=positions[i:i + 1])
     compat.register_attention(LANES_IMPLEMENTATION, lanes_attention)

@@ -212,8 +212,8 @@ class Observer:
             return self.meter.outside(owner.label)
 
     def count_unattributed_from_now(self):
-        """What no owner's work holds is counted from here on (the engine, once built: the model's blocks and the
-        probe's packed weights were there before it)."""
+        """What no owner's work holds is counted from here on (the engine, once built: the model's blocks were there
+        before it)."""
         if hasattr(self.meter, "ledger"):
             self._unattributed_start = _unattributed(self.meter.ledger)
 

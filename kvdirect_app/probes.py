@@ -2,11 +2,14 @@
 
 The invariant kernels (`kernels.py`) hold by construction where they can, and are proven where they cannot:
 
-* every GEMM of the invariant path has one of a few row counts (`ROWS`), zero rows added.  A linear layer's
-  GEMM runs at the run's thread count (it is most of a step's work), so for each weight shape the probe
-  proves which of those counts give a large call's rows bit for bit, wherever the rows sit in the call, on
-  two calls in a row (a count whose result changes from one call to the next is not proven), and that the
-  large call gives the same bits at one thread and at the run's count;
+* on the CPU every linear layer is the fixed-order linears (`dots.py`), invariant by construction; the probe
+  only checks it (`check_dots`: rows alone, among others, at one thread and at the run's count, for each input
+  width of the model), so that a broken build says so instead of breaking an exact lane;
+* off the CPU every GEMM of a linear layer has one of a few row counts (`ROWS`), zero rows added, and the
+  vendor's GEMM may split its reductions: for each weight shape the probe proves which of those counts give a
+  large call's rows bit for bit, wherever the rows sit in the call, on two calls in a row (a count whose result
+  changes from one call to the next is not proven), and that the large call gives the same bits at one thread
+  and at the run's count;
 * the block attention runs on one thread whatever the run's count (`threads.one_thread`), so the order of
   each of its reductions (the scores' and P@V's GEMMs, the maximum, the exponent sums, the sums over blocks)
   is fixed by the shapes alone; the probe proves its GEMMs' row counts and that a query gets the same bits
@@ -17,7 +20,7 @@ The invariant kernels (`kernels.py`) hold by construction where they can, and ar
 A count that was not proven is never used (`Verdict.pad` raises above the largest one), and a verdict is read
 only for the shapes, dtype, device and thread count it was proven for.
 
-Verdicts are kept on disk (`Store`), one file per model, dtype and device in a folder per machine and build
+GEMM verdicts are kept on disk (`Store`), one file per model, dtype and device in a folder per machine and build
 (CPU model and flags, torch's version and build, `VERSION`); the file holds the verdicts of every thread count
 run here (a write merges this process's into it).  The file proves nothing by itself: every start probes afresh
 (every count, proven and failed, at every offset, twice, and the large call at one thread and at the run's count,
@@ -46,16 +49,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import dots
 from .paths import cache
 from .threads import one_thread, threads_set
 
-VERSION = 4  # stored verdicts of another version are not read: bump it when a kernel or the probe changes
-ROWS = (16, 32, 64, 128, 256, 512)  # every GEMM of the invariant path has one of these row counts (or PACKED)
-# A linear call of this many rows runs MKL's packed GEMM on the weight packed once (`pack`), where the probe proves
-# its rows equal `F.linear`'s large call (fp32 on a CPU whose torch has MKL).  A decode step's few lanes pay one
-# weight read of a small-M kernel instead of a 16-row GEMM's: on SmolLM2 here 33 ms against 53 ms a step for the
-# linears.  The pack costs memory about the weight's size again (resident; MKL reserves more address space).
-PACKED = 8
+VERSION = 5  # stored verdicts of another version are not read: bump it when a kernel or the probe changes
+ROWS = (16, 32, 64, 128, 256, 512)  # every probed GEMM of the invariant path has one of these row counts
 HEAD_ELEMENTS = 1 << 23  # a weight this large (the output head) sees one row per lane: probed at ROWS[0] only
 OFFSETS = (0, 5, 16)  # where the probed rows sit in the large call
 BLOCK = 64  # keys per attention block (kernels.py)
@@ -102,28 +101,10 @@ def attention_rows_key(head_dim: int, dtype: torch.dtype, device) -> tuple:
 def candidates_of(key: tuple) -> tuple[int, ...]:
     """The row counts the probe tries for a verdict's key (ValueError: not a key it writes)."""
     if key[0] == "linear" and len(key) == 6:
-        rows = ROWS[:1] if math.prod(key[1]) >= HEAD_ELEMENTS else ROWS
-        return ((PACKED,) + rows) if packed_available(key[3], key[4]) else rows
+        return ROWS[:1] if math.prod(key[1]) >= HEAD_ELEMENTS else ROWS
     if key[0] == "attention rows" and len(key) == 5:
         return ROWS
     raise ValueError(f"not a verdict's key: {key!r}")
-
-
-def packed_available(dtype: str, device: str) -> bool:
-    """Whether MKL's packed GEMM can run here for this dtype and device (names as in a verdict's key)."""
-    return (dtype == "float32" and torch.device(device).type == "cpu" and torch.backends.mkl.is_available()
-            and hasattr(torch.ops.mkl, "_mkl_linear"))
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight packed for MKL's GEMM of `PACKED` rows (`packed_linear`)."""
-    with torch.inference_mode():
-        return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACKED)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for x of exactly `PACKED` rows, by MKL's packed GEMM on `pack(weight)`."""
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, PACKED)
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -137,8 +118,7 @@ def ranges(counts) -> str:
 
 # --- the probes ------------------------------------------------------------------------------------------------
 def probe_linear(weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Verdict:
-    """Counts m of ROWS (and `PACKED`, by the packed GEMM) whose rows equal those of a large call of `F.linear`, at
-    every offset, twice, at `threads`."""
+    """Counts m of ROWS whose rows equal those of a large call of `F.linear`, at every offset, twice, at `threads`."""
     key = linear_key(weight, bias, threads)
     candidates = candidates_of(key)
     passed, across = _linear_rows(weight, bias, threads, candidates)
@@ -154,10 +134,6 @@ def _linear_rows(weight: torch.Tensor, bias: torch.Tensor | None, threads: int, 
     gen = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randn(top, weight.shape[1], generator=gen).to(weight)
     call = functools.partial(F.linear, weight=weight, bias=bias)  # the layer's own weight: no copy of a large head
-    packed = pack(weight) if PACKED in counts else None
-
-    def rows(m: int, part: torch.Tensor) -> torch.Tensor:
-        return packed_linear(part, packed, weight, bias) if m == PACKED else call(part)
 
     with torch.inference_mode():
         with threads_set(1):
@@ -165,7 +141,7 @@ def _linear_rows(weight: torch.Tensor, bias: torch.Tensor | None, threads: int, 
         with threads_set(threads):
             ref = call(x)
             steady = torch.equal(ref, call(x))
-            passed = tuple(m for m in counts if steady and all(torch.equal(rows(m, x[o:o + m]), ref[o:o + m])
+            passed = tuple(m for m in counts if steady and all(torch.equal(call(x[o:o + m]), ref[o:o + m])
                                                                for o in offsets for _ in range(repeats)))
     return passed, torch.equal(one, ref)
 
@@ -246,6 +222,25 @@ def probe_rows(module: torch.nn.Module, width: int, dtype: torch.dtype, device, 
     return True, None
 
 
+def check_dots(k: int, bias: bool, dtype: torch.dtype, path: str, threads: int) -> tuple[bool, str | None]:
+    """Whether the fixed-order linears (`dots.linear` on `path`) give each row of a 40-row call of input width
+    `k` the same bits computed alone and in every count of 1-16 rows at two offsets, at one thread and at
+    `threads`; (ok, why not).  A check of what they build in, on a small weight of that width."""
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    w = torch.randn(13, k, generator=gen).to(dtype)
+    b = torch.randn(13, generator=gen).to(dtype) if bias else None
+    x = torch.randn(40, k, generator=gen).to(dtype)
+    with torch.inference_mode():
+        whole = dots.linear(x, w, b, name=path, threads=threads)
+        for m in range(1, 17):
+            for o in (0, 21):
+                if not torch.equal(dots.linear(x[o:o + m], w, b, name=path, threads=threads), whole[o:o + m]):
+                    return False, f"{m} row(s) at row {o} differ from the same rows in a call of 40 (width {k})"
+        if not torch.equal(dots.linear(x, w, b, name=path, threads=1), whole):
+            return False, f"1 thread and {threads} threads give different bits (width {k})"
+    return True, None
+
+
 # --- the verdicts kept -----------------------------------------------------------------------------------------
 def environment(device) -> dict:
     """What the verdicts depend on besides the shapes: the processor, torch's build, this module's version."""
@@ -288,7 +283,6 @@ class Store:
         self.path = None if folder is None else folder / tag / f"{safe}-{_name(dtype)}-{torch.device(device)}.json"
         self.environment = env
         self.verdicts: dict[tuple, object] = {}  # key -> Verdict or (ok, why)
-        self.packed: dict[int, torch.Tensor] = {}  # a weight's data_ptr -> pack(weight), for its PACKED-row calls
         self.notes: list[str] = []  # what the file said that the probe here did not find (the run says so)
         self.stored: dict[tuple, object] = self._read(self.notes)  # from the file, until compared with the probe
         self.confirmed = 0  # stored verdicts the probe found again in this process

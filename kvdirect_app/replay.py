@@ -292,7 +292,7 @@ class LayerReplayer:
         self.attention_impl = compat.attention_module(self.layers[0]).config._attn_implementation
         compat.register_attention(INVARIANT_ATTENTION, invariant_attention)
         self._inputs: dict[tuple, tuple] = {}  # (start, n, type) -> (mask, rotary); valid for one set of chunks
-        self.invariant = False  # under invariant kernels: calls of any size (REPLAY_ROWS tokens), the block attention, no mask
+        self.invariant = False  # invariant kernels: calls of any size (REPLAY_ROWS tokens), their attention, no mask
 
     def forget_inputs(self):
         """Masks and rotary embeddings are cached per chunk shape; call when a step is over."""
@@ -307,7 +307,7 @@ class LayerReplayer:
             for layer in sizes:
                 layer.count = start
             positions = torch.arange(start, start + n, device=like.device).unsqueeze(0)
-            mask = None  # the block attention masks by position
+            mask = None  # the invariant attention masks by position
             if not invariant:
                 # The mask a forward builds depends on the attention implementation: the model's own, not the one
                 # a batched pass may have set for the moment.

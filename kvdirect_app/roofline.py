@@ -10,8 +10,8 @@ time is bounded below by two things this module measures on the machine it runs 
 
 The best possible time for N rows is the larger of the two (`best_ms`).  Everything else a step does (norms,
 RoPE, each lane's attention and cache work, Python) comes on top; the shared pass's linears alone are timed as
-the engine runs them (`linears_ms`: the invariant mode's proven GEMMs, the packed one included, or the model's
-own `F.linear` per row in the native mode) so that what the kernels lose to the roofline and what the rest of
+the engine runs them (`linears_ms`: the invariant mode's fixed-order linears, or the model's own `F.linear` per
+row in the native mode) so that what the kernels lose to the roofline and what the rest of
 the pass costs are told apart.
 """
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .threads import threads_set
 
-ROWS = (1, 7, 8, 16)  # row counts reported by default: one pane, the seven default panes, the packed and next counts
+ROWS = (1, 7, 8, 16)  # row counts reported by default: one pane, the seven default panes (and twins), 16
 
 
 def _best(fn, repeats: int) -> float:

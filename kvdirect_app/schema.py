@@ -30,7 +30,7 @@ VERSIONS = {
     "replay": 1,  # bench replay --json
     "capacity": 1,  # bench capacity --json
     "tasks": 2,  # bench tasks --json, presets/tasks/*.json (the Tasks tab) (2: question, context_tokens, scores from the context)
-    "roofline": 1,  # bench roofline --json
+    "roofline": 2,  # bench roofline --json (2: kernels, ratios, each run's parts_ms)
 }
 
 

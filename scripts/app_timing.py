@@ -1,14 +1,19 @@
 """Times the app as a visitor sees it: Send -> a token in every pane, Send -> Done, in headless Chromium;
 then the same prompt and strategies with `bench run`, and each pane's ms/token from both side by side.
 
-    .venv/bin/python scripts/app_timing.py [REPEATS] [SCREENSHOT.png]     (needs Debian's chromium: `make browser`)
+    .venv/bin/python scripts/app_timing.py [REPEATS] [SCREENSHOT.png] [--json OUT]   (needs `make browser`)
 
 The app is launched in-process with its default panes and 64 new tokens; prints one line per repeat, then
 the table (the app's figure is what its scoreboard and pane show: the last turn's mean ms per decode step).
-With SCREENSHOT, the first screen (1280x720) after the last turn: the scoreboard with each pane's own figures and the
-step's wall time below them.
+Each repeat also says where the machine's CPU time went during the turn: the app's compute thread (the engine),
+the OpenMP workers beside it (torch's and the fixed-order kernels' team), the web server's and handlers' threads,
+and Chromium's processes.  With SCREENSHOT, the first screen (1280x720) after the last turn: the scoreboard with each
+pane's own figures and the step's wall time below them.  `--json` writes every figure (docs/perf.md renders them).
 """
+import argparse
 import json
+import os
+import threading
 import subprocess
 import sys
 import tempfile
@@ -31,7 +36,36 @@ EVERY_PANE_HAS_A_TOKEN = """() => {
     return bot.length && bot[bot.length - 1].innerText.trim().length; }); }"""
 
 
-def main(repeats: int, shot: str | None = None) -> None:
+def _ticks(stat: str) -> float:
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far: this process's threads by role (the compute thread `engine`, the OpenMP workers beside
+    it, Gradio's `handlers`, the web `server` and other Python threads), and Chromium's processes (`chromium`)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            seconds = _ticks(open(f"/proc/self/task/{task}/stat").read())
+        except OSError:
+            continue
+        name = names.get(int(task), "")
+        role = ("engine" if name.startswith("kvdirect-compute") else "handlers" if name.startswith("AnyIO") else
+                "server" if name else "openmp_workers")
+        out[role] = out.get(role, 0.0) + seconds
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if "chrom" in open(f"/proc/{pid}/comm").read():
+                out["chromium"] = out.get("chromium", 0.0) + _ticks(open(f"/proc/{pid}/stat").read())
+        except OSError:
+            continue
+    return out
+
+
+def main(repeats: int, shot: str | None = None, json_out: str | None = None) -> None:
+    report = {"prompt": PROMPT, "cpus": os.cpu_count(), "turns": []}
     demo = build_demo(model="smollm2-135m", max_new_tokens=64)
     launch_local(demo)
     with sync_api.sync_playwright() as p:
@@ -45,6 +79,7 @@ def main(repeats: int, shot: str | None = None) -> None:
                 page.get_by_role("button", name="Clear").click()
                 time.sleep(2)
             page.fill("#kvd-prompt textarea", PROMPT)
+            before = cpu_seconds()
             t0 = time.perf_counter()
             page.click("#kvd-send")
             page.wait_for_function(EVERY_PANE_HAS_A_TOKEN, timeout=300_000, polling=20)
@@ -52,8 +87,14 @@ def main(repeats: int, shot: str | None = None) -> None:
             page.wait_for_function("document.querySelector('#kvd-status').innerText.match(/Done|failed|error/i)",
                                    timeout=600_000, polling=250)  # the poll's own CPU stays small beside the app's
             done = time.perf_counter() - t0
+            after = cpu_seconds()
+            cpu = {role: round(after[role] - before.get(role, 0.0), 2) for role in after}
+            report["turns"].append({"first_token_s": round(first, 2), "send_to_done_s": round(done, 2),
+                                    "cpu_s": cpu, "cpu_offered_s": round(done * (os.cpu_count() or 1), 1)})
             print(f"first token in every pane {first:.2f} s, Send to Done {done:.2f} s; "
                   f"status: {page.inner_text('#kvd-status')}", flush=True)
+            print(f"  CPU s in the turn (of {done * (os.cpu_count() or 1):.1f} offered): "
+                  + ", ".join(f"{role} {s:.1f}" for role, s in sorted(cpu.items(), key=lambda kv: -kv[1])), flush=True)
         steps = page.inner_text("#kvd-board")
         rows = ("every pane", "measurement", "unattributed", "step")
         print("the scoreboard's step rows:", " | ".join(line for line in steps.splitlines() if line.startswith(rows)))
@@ -74,12 +115,19 @@ def main(repeats: int, shot: str | None = None) -> None:
     demo.close()
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "run.json"
-        subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "run", "--model", "smollm2-135m", "--prompt", PROMPT,
-                        "--max-new-tokens", "64", "--strategies", ",".join(shown), "--json", str(out)],
+        subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "run", "--model", "smollm2-135m", "--prompt",
+                        PROMPT, "--max-new-tokens", "64", "--strategies", ",".join(shown), "--json", str(out)],
                        check=True, capture_output=True)
         run = json.loads(out.read_text())
         cli = run["strategies"]
     print(f"bench run, same turn: engine time {sum(run['turn_seconds']):.1f} s")
+    report.update(app_engine_s=engine_s[-1] if engine_s else None, cli_engine_s=sum(run["turn_seconds"]),
+                  kernels=run["kernels"]["mode"], linears=run["kernels"].get("dots_path"),
+                  panes={label: {"app_ms_per_step": ms,
+                                 "cli_ms_per_step": cli[label]["latency_ms"]["decode_total_ms_mean"]}
+                         for label, ms in app_ms.items()},
+                  cli_steps={k: run["steps"][k] for k in ("wall_ms_mean", "lanes_ms_mean", "measurement_ms_mean",
+                                                          "unattributed_ms_mean")})
     print(f"{'strategy':58s} {'app ms/step':>12s} {'CLI ms/step':>12s} {'app/CLI':>8s}")
     for label, ms in app_ms.items():
         c = cli[label]["latency_ms"]["decode_total_ms_mean"]
@@ -87,7 +135,15 @@ def main(repeats: int, shot: str | None = None) -> None:
     steps = run["steps"]
     print(f"bench run per decode step: wall {steps['wall_ms_mean']:.0f} ms = lanes {steps['lanes_ms_mean']:.0f} + "
           f"measurement {steps['measurement_ms_mean']:.0f} + unattributed {steps['unattributed_ms_mean']:.0f}")
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {json_out}")
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2, sys.argv[2] if len(sys.argv) > 2 else None)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("repeats", nargs="?", type=int, default=2)
+    parser.add_argument("shot", nargs="?")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    main(args.repeats, args.shot, args.json)

@@ -125,7 +125,8 @@ def test_roofline_measures_the_machine_and_puts_each_pass_against_it(tmp_path, c
 
     out = tmp_path / "roof.json"
     assert bench.main(["roofline", "--model", "tiny-llama", "--strategies", "full,window:budget=4", "--rows", "1,3,8",
-                       "--max-new-tokens", "3", "--json", str(out)]) == 0
+                       "--step-strategies", "full,anchorkv:spacing=1:budget=2:rebuild=step", "--max-new-tokens", "3",
+                       "--json", str(out)]) == 0
     report = json.loads(out.read_text())  # validated against docs/schema/roofline.json by the suite's setting
     model = load_model("tiny-llama", device="cpu").model
     weights = {m.weight.data_ptr(): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}
@@ -139,14 +140,24 @@ def test_roofline_measures_the_machine_and_puts_each_pass_against_it(tmp_path, c
         assert r["weights_read_ms"] == rows[1]["weights_read_ms"]
         assert r["best_ms"] == max(r["weights_read_ms"], r["arithmetic_ms"])
         assert r["native_linears_ms"] > 0 and r["invariant_linears_ms"] > 0  # the tiny model's probe passes here
-    plain, panes = report["runs"]["plain full"], report["runs"]["panes"]
+    plain, panes = report["runs"]["plain"], report["runs"]["panes"]
     assert plain["rows"] == 1 and panes["rows"] >= 2 and panes["kernels"] == "invariant"
     expected = roofline.best_ms(report["weights"]["weight_bytes"], report["weights"]["params"], panes["rows"],
                                 here["gemm_gflops"]["float32"], here["bandwidth_gbs"])["best_ms"]
     assert panes["best_ms"] == pytest.approx(expected)
     assert panes["shared_over_best"] == pytest.approx(panes["shared_ms"] / panes["best_ms"])
     assert set(panes["own_ms"]) == {"full", "window:budget=4"}
+    # Which kernels ran, each run's ratio to the plain full cache, and each step split into its parts: the lanes'
+    # own parts add up to what the lanes own, and the split shared pass to the shared pass.
+    assert report["kernels"]["linears"] in ("avx512", "avx2") and "fixed-order" in report["kernels"]["invariant"]
+    assert set(report["ratios"]) == {"panes", "panes_step"}
+    for run in (panes, report["runs"]["panes_step"]):
+        parts = run["parts_ms"]
+        assert parts["linears"] + parts["shared_rest"] == pytest.approx(run["shared_ms"])
+        lanes_own = sum(ms for part, ms in parts.items() if part.startswith("lanes_"))
+        assert lanes_own == pytest.approx(sum(run["own_ms"].values()), rel=1e-6, abs=1e-6)
+    assert report["runs"]["panes_step"]["parts_ms"]["lanes_replay"] > 0
     printed = capsys.readouterr().out
-    assert "copy" in printed and "its roofline" in printed
+    assert "copy" in printed and "its roofline" in printed and "GB/s)" in printed and "the step by part" in printed
     assert bench.main(["roofline", "--model", "tiny-llama", "--rows", "0,x"]) == 2
     assert "--rows" in capsys.readouterr().err

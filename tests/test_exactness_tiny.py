@@ -59,28 +59,19 @@ def fast_mode_reports_its_error(r, bound: float = 1e-3):
     assert r["kl_mean"] is not None and r["kl_mean"] >= 0.0
 
 
-def fast_mode_is_bit_equal(r, ref):
-    """A fast lane whose one call gives the forward's bits: exact K/V, logits and tokens, though it claims nothing."""
-    assert r["claims_exact"] is False and r["rebuilt_token_layers"] > 0
-    assert r["kv_exact"] is True and r["shape_mismatches"] == 0
-    assert r["max_abs_dk"] == 0.0 and r["max_abs_dv"] == 0.0 and r["max_abs_dlogit"] == 0.0
-    assert r["token_ids"] == ref["token_ids"]
-
-
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3", "tiny-gemma3"])
-def test_fast_mode_is_bit_equal_under_invariant_kernels(family):
-    """Invariant kernels: every row the forward computed is a GEMM of a proven row count, whose rows are those of
-    any large call; fast mode's one native GEMM over all old tokens (more rows than the smallest proven count) is
-    such a call, so its K/V are the full cache's bits, and so are its logits and tokens.
+def test_fast_mode_under_invariant_kernels_reports_its_error(family):
+    """Invariant kernels: the forward computed every row with the fixed-order linears; fast mode rebuilds the old
+    K/V in one GEMM with the model's own kernels (another order), so its K/V round differently, and the report
+    says so, by a small measured amount; the exact sibling, rebuilt with the run's kernels, is bit-equal.
 
-    Mutation that fails it: `Kernels.linear` computing each row in a call of its own (in kernels.py,
-    `parts.append(torch.cat([F.linear(r, weight, bias) for r in part[:m].split(1)]))`: a one-row GEMV rounds
-    differently from a many-row GEMM here): the forward's rows are no longer those of fast mode's one GEMM."""
+    Mutation that fails it: fast mode rebuilding with the run's kernels (in kvdirect.py's `rebuild_old`, the fast
+    branch without `kernels.native()`): its K/V become bit-equal and the report says exact."""
     result = tiny_union(family).result
     assert result["kernels"]["mode"] == "invariant"
     fast = result["strategies"][KVDIRECT_FAST]
     assert fast["kernels"] == {"forward": "invariant", "rebuild": "native, one call"}
-    fast_mode_is_bit_equal(fast, result["strategies"]["full"])
+    fast_mode_reports_its_error(fast)
     exact = result["strategies"]["kvdirect:budget=4"]
     assert exact["claims_exact"] is True and exact["kv_exact"] is True and exact["rebuilt_token_layers"] > 0
 

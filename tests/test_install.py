@@ -227,7 +227,10 @@ def test_kvdirect_bench_and_the_example_run_from_a_clean_install(installed):
                             "--json", str(cwd / "run.json")],
                            cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert bench.returncode == 0, bench.stderr[-2000:]
-    validate(json.loads((cwd / "run.json").read_text()))
+    run = json.loads((cwd / "run.json").read_text())
+    validate(run)
+    # The C++ sources travel with the package: the installed copy builds its fixed-order kernels and runs them.
+    assert run["kernels"]["mode"] == "invariant" and run["kernels"]["dots_path"] in ("avx512", "avx2"), run["kernels"]
     where = subprocess.run([str(env_dir / "bin" / "python"), "-c", "import kvdirect_app; print(kvdirect_app.__file__)"],
                            cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
     assert str(env_dir) in where.stdout, where.stdout  # the installed copy, not the checkout

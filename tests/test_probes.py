@@ -180,7 +180,6 @@ def test_the_probe_computes_on_the_verdicts_device(monkeypatch):
     seen = []
     monkeypatch.setattr(torch, "equal", lambda a, b: seen.append((a.device.type, b.device.type)) or True)
     weight = torch.empty(WEIGHT.shape, device="meta")
-    monkeypatch.setattr(probes, "packed_available", lambda dtype, device: False)
     assert probes.probe_linear(weight, None, 1).counts == probes.ROWS
     assert probes.probe_attention_rows(16, torch.float32, "meta").counts == probes.ROWS
     assert len(seen) > 2 * len(probes.ROWS) and set(seen) == {("meta", "meta")}

