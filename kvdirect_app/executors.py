@@ -37,6 +37,7 @@ import importlib
 import json
 import multiprocessing
 import os
+import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -163,12 +164,26 @@ def _call(fn, cell: dict, threads: int):
 
 
 # --- local: a bounded process pool ------------------------------------------------------------------------------
+def _die_with(parent: int) -> None:
+    """A worker's initializer: ended by the kernel when the process that started it ends (Linux's parent-death
+    signal), so that a run stopped with a signal leaves no worker computing a cell for nobody; where there is no
+    such signal the pool's own shutdown is all there is."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent ended before the signal was asked for
+            os._exit(1)
+
+
 def _run_local(fn, cells: list[dict], wants: list[dict], workers: int | None, ticker: Ticker) -> list:
     threads = [max(1, int(round(w["num_cpus"]))) for w in wants]
     if workers is None:
         workers = max(1, (os.cpu_count() or 1) // max(threads))
     workers = min(workers, len(cells))
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_die_with, initargs=(os.getpid(),))
     results: list = [None] * len(cells)
     try:
         index = {pool.submit(_call, fn, cell, n): i for i, (cell, n) in enumerate(zip(cells, threads))}

@@ -334,7 +334,7 @@ class Kernels:
         verdicts = self.verdicts
         return {"mode": self.mode, "requested": self.requested, "reason": self.reason, "threads": self.threads,
                 "linears": "fixed-order" if self.dots is not None else "probed GEMM", "dots_path": self.dots,
-                "dots_checks": [{"width": k[1], "bias": k[2], "dtype": k[3], "path": k[4], "threads": k[5],
+                "dots_checks": [{"width": k[1], "bias": k[2], "dtype": k[3], "instructions": k[4], "threads": k[5],
                                  "same_bits": v[0], "why_not": v[1]} for k, v in verdicts.items()
                                 if k[0] == "dots" and k[5] == self.threads],
                 "rows": list(ROWS), "probe_file": None if self.store is None or self.store.path is None
@@ -366,13 +366,14 @@ def describe(report: dict) -> str:
     """A run's kernels (`Kernels.report()`) in one line, for the CLI's first lines and the page."""
     if report["mode"] == "invariant":
         if report.get("dots_path"):
-            linears = (f"every linear the fixed-order dot products ({report['dots_path']} path, invariant by "
-                       "construction; checked)")
+            linears = (f"every linear and the attention the fixed-order dot products ({report['dots_path']} path, "
+                       "invariant by construction; checked)")
         else:
             smallest = sorted({p["proven"][0] for p in report["probes"] if p["threads"] == report["threads"]})
-            linears = f"every linear one GEMM of a proven row count (from {', '.join(map(str, smallest))} rows)"
+            linears = (f"every linear one GEMM of a proven row count (from {', '.join(map(str, smallest))} rows), "
+                       "block attention on one thread")
         return (f"kernels: invariant (checks passed at {report['threads']} thread(s) and across thread counts: "
-                f"{linears}, block attention on one thread)")
+                f"{linears})")
     if report["requested"] == "invariant":
         return f"kernels: NATIVE: the invariance probe failed here: {report['reason']}"
     return "kernels: native (asked for: the model's own kernels; exact replay repeats the original shapes)"

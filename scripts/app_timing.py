@@ -41,11 +41,13 @@ def _ticks(stat: str) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds() -> dict[str, float]:
-    """CPU seconds so far: this process's threads by role (the compute thread `engine`, the OpenMP workers beside
-    it, Gradio's `handlers`, the web `server` and other Python threads), and Chromium's processes (`chromium`)."""
+def cpu_seconds() -> dict[tuple[str, int], float]:
+    """CPU seconds so far of each of this process's threads, keyed (role, thread id) (roles: the compute thread
+    `engine`, the OpenMP workers beside it, Gradio's `handlers`, the web `server` and other Python threads), and of
+    each of Chromium's processes (`chromium`).  Per thread, so that a turn's figure is each thread's own growth: a
+    thread that ends within the turn takes its CPU time with it (left out, never subtracted)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, float] = {}
+    out: dict[tuple[str, int], float] = {}
     for task in os.listdir("/proc/self/task"):
         try:
             seconds = _ticks(open(f"/proc/self/task/{task}/stat").read())
@@ -54,11 +56,11 @@ def cpu_seconds() -> dict[str, float]:
         name = names.get(int(task), "")
         role = ("engine" if name.startswith("kvdirect-compute") else "handlers" if name.startswith("AnyIO") else
                 "server" if name else "openmp_workers")
-        out[role] = out.get(role, 0.0) + seconds
+        out[role, int(task)] = seconds
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             if "chrom" in open(f"/proc/{pid}/comm").read():
-                out["chromium"] = out.get("chromium", 0.0) + _ticks(open(f"/proc/{pid}/stat").read())
+                out["chromium", int(pid)] = _ticks(open(f"/proc/{pid}/stat").read())
         except OSError:
             continue
     return out
@@ -88,7 +90,9 @@ def main(repeats: int, shot: str | None = None, json_out: str | None = None) -> 
                                    timeout=600_000, polling=250)  # the poll's own CPU stays small beside the app's
             done = time.perf_counter() - t0
             after = cpu_seconds()
-            cpu = {role: round(after[role] - before.get(role, 0.0), 2) for role in after}
+            cpu: dict[str, float] = {}
+            for (role, ident), seconds in after.items():
+                cpu[role] = round(cpu.get(role, 0.0) + seconds - before.get((role, ident), 0.0), 2)
             report["turns"].append({"first_token_s": round(first, 2), "send_to_done_s": round(done, 2),
                                     "cpu_s": cpu, "cpu_offered_s": round(done * (os.cpu_count() or 1), 1)})
             print(f"first token in every pane {first:.2f} s, Send to Done {done:.2f} s; "

@@ -184,13 +184,14 @@ def test_a_prompt_fills_every_pane_the_first_screen_and_the_plots(url, browser, 
 
     # The first screen, as a room sees it.
     rows = page.locator("table.kvd-board tr")
-    assert rows.count() == len(default_names()) + 2  # the head, a row per pane, the step as seen
+    assert rows.count() == len(default_names()) + 3  # the head, a row per pane, the step as seen, unattributed
+    assert "no pane's" in page.inner_text("table.kvd-board tr.kvd-unattributed-row")  # bytes no pane holds, 0 B too
     step = page.locator("table.kvd-board tr.kvd-step-row")
     assert "every pane, as seen" in step.inner_text() and "panes' own" in step.inner_text()
     # Speeds as experienced: the rate every pane streamed at, and the panes' own ms/step adding up to "panes' own".
     words, wall, seen = step.locator("td").all_inner_texts()[1:]
     assert re.fullmatch(r"\d+\.\d tok/s", seen.strip()), seen
-    own = [float(c[-2]) for name, c in board(page).items() if name != "every"]
+    own = [float(c[-2]) for name, c in board(page).items() if name not in ("every", "unattributed")]
     assert len(own) == len(default_names())
     told = float(re.search(r"panes' own (\d+)", words).group(1))
     assert abs(sum(own) - told) <= len(own) / 2 + 0.5, (own, told)  # each cell rounded to the ms
@@ -198,8 +199,8 @@ def test_a_prompt_fills_every_pane_the_first_screen_and_the_plots(url, browser, 
     for i in range(1, rows.count()):
         box = rows.nth(i).bounding_box()
         assert box["y"] >= 0 and box["y"] + box["height"] <= 720, (i, box)  # the step's row too: on the first screen
-        if i == rows.count() - 1:
-            continue  # the step as seen: its ms and tok/s are the step's, not a pane's
+        if (rows.nth(i).get_attribute("class") or "") in ("kvd-step-row", "kvd-unattributed-row"):
+            continue  # the step as seen (its ms and tok/s are the step's) and the bytes no pane holds
         last = rows.nth(i).locator("td").last.bounding_box()
         assert last["x"] + last["width"] <= 1280, (i, last)  # speed, the last column, is not cut off
         cells = rows.nth(i).locator("td").all_inner_texts()
@@ -411,7 +412,7 @@ def test_the_tasks_tab_shows_the_shipped_answers_across_turns_and_opens_a_multit
     assert page.locator("#kvd-turns-plot .scatterlayer .trace").count() == len(tasks_view.specs_at(multi, first))
     legend = page.locator("#kvd-turns-plot .legendtext").all_text_contents()
     assert "reference" in legend[0] and len(legend) == len(tasks_view.specs_at(multi, first))
-    assert "found in the context" in page.inner_text("#kvd-turns-plot .gtitle")
+    assert "found in the context" in page.text_content("#kvd-turns-plot .gtitle")
     head = page.inner_text("#kvd-turns-head")
     assert multi["measured_at"] in head and multi["commit"] in head and f"of {multi['turns']} turns" in head
     shot = Path(os.environ.get("STUDIO_TURNS_SHOT") or tmp_path / "turns.png")

@@ -35,8 +35,9 @@ COMMITTED_VERDICTS = {
     "exactness": HOLDS,  # every exact-mode CPU run that rebuilt: bit-equal K/V, every token equal
     "exactness_accelerator": NOT_MEASURED,  # no cell ran on CUDA
     "patching": HOLDS,  # KL 0 and max |dlogit| 0 at every layer, every control above 0
-    "tasks": HOLDS,  # AnchorKV and KV-Direct 6 of 6 samples each; all 6 external methods' mean score below the full
-    # cache's (0.5): -0.333 (streaming_llm), -0.5 (the five others); the window (ours) not counted
+    "tasks": FAILS,  # AnchorKV and KV-Direct 6 of 6 samples each; of the 6 samples, the full cache scored 1 in three
+    # and 0 in three: streaming_llm lower in 2, the five others in 3, none higher, the rest tied: one-sided sign test
+    # p = 1/4 and 1/8, none below 0.05, so 0 of 6 external methods change scores beyond noise (the window not counted)
 }
 
 
@@ -327,12 +328,12 @@ def test_task_scores_follow_the_answers(committed):
     runs = [c["json"] for c in cells(committed, "tasks")]
     methods = {lane["strategy"] for j in runs for c in j["cells"] for lane in c["lanes"].values() if not lane["exact"]}
     assert methods == {"window", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "pyramidkv"}
-    assert [p["ours"] for p in reproduce.reassess(committed)["claims"]["tasks"]["parts"]] == [1.0, 1.0, 1.0]
+    assert [p["ours"] for p in reproduce.reassess(committed)["claims"]["tasks"]["parts"]] == [1.0, 1.0, 0.0]
     differs = copy.deepcopy(committed)
     lane = next(lane for c in cells(differs, "tasks")[0]["json"]["cells"] for lane in c["lanes"].values()
                 if lane["exact"] and lane["strategy"] == "kvdirect")
     lane["equal_full"] = False
-    assert [p["verdict"] for p in reproduce.reassess(differs)["claims"]["tasks"]["parts"]] == [HOLDS, FAILS, HOLDS]
+    assert [p["verdict"] for p in reproduce.reassess(differs)["claims"]["tasks"]["parts"]] == [HOLDS, FAILS, FAILS]
     unchanged = copy.deepcopy(committed)
     for c in cells(unchanged, "tasks")[0]["json"]["cells"]:
         for lane in c["lanes"].values():
@@ -488,9 +489,7 @@ def test_bad_render_input_is_one_line(committed, tmp_path, capsys):
 
 def test_render_and_out_are_exclusive(tmp_path, capsys):
     for argv in (["--render", str(tmp_path), "--out", str(tmp_path)], []):
-        with pytest.raises(SystemExit) as info:
-            bench.main(["reproduce", *argv])
-        assert info.value.code == 2
+        assert bench.main(["reproduce", *argv]) == 2  # argparse's line printed, its status returned
     err = capsys.readouterr().err
     assert "not allowed with argument" in err and "one of the arguments --out --render is required" in err
 
@@ -672,11 +671,12 @@ def test_each_card_reads_on_its_own(committed, tmp_path, monkeypatch):
     assert two["sentence"].endswith("because the residual it keeps at every layer weighs r = 1.5x that layer's K/V.")
     assert two["on"] == ("smollm2-135m; 20 turns; at most 4 new tokens per turn; 42 tokens in the first turn; lane "
                          "kvdirect:budget=32; devices: cpu; kernels: invariant")
-    assert nine["sentence"].startswith("Claim 9 holds: on 6 samples of 2 tasks (niah_single_number, qa) at 1 context "
-                                       "length (1024 tokens) and budget 64, AnchorKV in 6 of 6 and KV-Direct in 6 of "
-                                       "6 samples answered and scored as the full cache did")
+    assert nine["sentence"].startswith("Claim 9 does not hold here: on 6 samples of 2 tasks (niah_single_number, qa) "
+                                       "at 1 context length (1024 tokens) and budget 64, AnchorKV in 6 of 6 and "
+                                       "KV-Direct in 6 of 6 samples answered and scored as the full cache did")
     assert nine["on"].startswith("smollm2-135m; 6 samples; tasks niah_single_number, qa; 1 context length: 1024 "
-                                 "tokens; budget 64; devices: cpu")
+                                 "tokens; budget 64; the question read inside the compressed prompt (the SnapKV "
+                                 "paper's setting); devices: cpu")
     for title, card in cards.items():
         body = card["sentence"].removesuffix(".")
         assert card["sentence"].endswith(".") and ";" not in body and ". " not in body, (title, card["sentence"])

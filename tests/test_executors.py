@@ -8,6 +8,7 @@ installs requirements-ray.txt, so CI runs them).
 """
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -119,6 +120,57 @@ def test_sweep_on_a_local_ray_gives_the_in_process_json(in_process, small_local_
     data = sweep_json(tmp_path / "ray.json", "--executor", "ray")
     assert not small_local_ray.is_initialized()  # started for the run, shut down after it
     assert not differences(untimed(data), untimed(in_process)), differences(untimed(data), untimed(in_process))
+
+
+def sleep_and_say(cell: dict):
+    """A cell that writes its worker's pid, then sleeps past any test's patience."""
+    import os
+    import time
+
+    Path(cell["folder"], f"{cell['x']}.pid").write_text(str(os.getpid()))
+    time.sleep(300)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended but not yet reaped by whoever adopted it, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+@pytest.mark.timeout(120)
+def test_a_run_killed_leaves_no_worker_computing_for_nobody(tmp_path):
+    """`bench reproduce` (or any local pool) killed by a signal: its workers end with it, not an hour later.
+    Mutation that fails it: the pool built without `_die_with` (the workers, orphaned, sleep on)."""
+    import signal
+    import subprocess
+    import time
+
+    script = ("from kvdirect_app.executors import run_cells; from tests.test_executors import sleep_and_say; "
+              f"run_cells(sleep_and_say, [{{'x': x, 'folder': {str(tmp_path)!r}}} for x in range(2)], 'local', "
+              "workers=2)")
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("*.pid"))) < 2:
+            assert time.monotonic() < deadline and parent.poll() is None, "the workers never started their cells"
+            time.sleep(0.2)
+        workers = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+        assert all(alive(pid) for pid in workers)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 15
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [pid for pid in workers if alive(pid)]
+        for pid in left:  # end what this test started before failing on it
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"workers {left} kept computing after their run was killed"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
 
 
 def test_run_cells_keeps_the_cells_order_and_pins_each_childs_threads():

@@ -185,7 +185,8 @@ def render(results: dict) -> str:
     """report.md, from results.json alone (its claims and sections as `sections.assess` made them)."""
     head = [f"# Claims, measured: {results['model']}", "",
             f"Driver: {results.get('device_name', 'not recorded')} ({results.get('device', 'not recorded')}); date "
-            f"{results.get('date', 'not recorded')}; {'quick' if results['quick'] else 'full'} run, executor "
+            f"{results.get('date', 'not recorded')}; {'quick' if results['quick'] else 'full'} run"
+            + (f" of {number(results['seconds'])} s" if results.get("seconds") else "") + ", executor "
             f"{results.get('executor', 'not recorded')}, {len(results['cells'])} cells (where each ran: under each "
             "section). Every number below is a value of `results.json`.", ""]
     return "\n".join(head + _head(results) + [""] + _details(results)).rstrip() + "\n"

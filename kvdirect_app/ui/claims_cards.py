@@ -40,7 +40,9 @@ def cards_html(results: dict) -> str:
             + (f'<div class="kvd-card-also kvd-note">In {e(claim["also"])}</div>' if claim.get("also") else "")
             + '</div>')
     where = f'{e(results.get("device_name") or results.get("device", "?"))}, {e(results.get("date", "?"))}'
-    return (f'<div class="kvd-cards-head">Measured on {where} with <code>python -m kvdirect_app.bench reproduce '
-            f'{"--quick " if results.get("quick") else ""}--out DIR</code>; every number is a value of its '
+    run = (f'{"a quick run" if results.get("quick") else "the full run"} of {len(results.get("cells", []))} cells'
+           + (f' in {results["seconds"] / 60:.0f} min' if results.get("seconds") else ''))
+    return (f'<div class="kvd-cards-head">Measured on {where}, {e(run)}, with <code>python -m kvdirect_app.bench '
+            f'reproduce {"--quick " if results.get("quick") else ""}--out DIR</code>; every number is a value of its '
             f'results.json, every verdict computed from those numbers as the page opened.</div>'
             f'<div class="kvd-cards">{"".join(cards)}</div>')

@@ -107,8 +107,8 @@ def _claims_tab():
             if (CLAIMS / f"{name}.png").is_file():
                 gr.Image(str(CLAIMS / f"{name}.png"), show_label=False, interactive=False)
     with gr.Accordion("The table: every claim's figures and the whole reason", open=False):
-        gr.Markdown(head.replace("Every number below", "Reproduce it with `python -m kvdirect_app.bench reproduce "
-                                                      "--quick --out DIR`. Every number below"),
+        again = f"python -m kvdirect_app.bench reproduce {'--quick ' if results['quick'] else ''}--out DIR"
+        gr.Markdown(head.replace("Every number below", f"Reproduce it with `{again}`. Every number below"),
                     elem_id="kvd-claims-table")
     with gr.Accordion("Details: every measured row", open=False):
         gr.Markdown(re.sub(r"!\[[^\]]*\]\([^)]*\)", "", details))
