@@ -382,6 +382,28 @@ def test_a_missing_shipped_result_says_which_command_makes_it():
 
 
 @pytest.mark.check
+def test_a_stale_setting_from_a_hurried_visitor_is_skipped_never_an_error_in_the_page():
+    """A model picked while an earlier change is queued: the event may carry the ratio of the result shown a moment
+    ago after the pickers' choices were emptied (no result for that model and history).  Gradio refused such a value
+    with an error in the page (a browser test saw "Value: 0.875 is not in the list of choices: []"); the pickers take
+    it and the drawing skips what is not the result's.  Mutation that fails it: either picker without
+    allow_custom_value."""
+    import gradio as gr
+
+    from kvdirect_app.ui import tasks_tab, tasks_view
+
+    result = tasks_view.load(tasks_view.shipped(multiturn=True))
+    ratio = [v for _, v in tasks_view.settings(result)][-1]
+    with gr.Blocks():
+        setting, task = tasks_tab._pickers(result, "test")
+    setting.choices, task.choices = [], [(tasks_view.ALL, tasks_view.ALL)]  # what a missing result's update sets
+    assert setting.preprocess(ratio) == ratio and task.preprocess(result["tasks"][-1]) == result["tasks"][-1]
+    assert tasks_tab._known(result, ratio, tasks_view.ALL) and tasks_tab._known(result, ratio, result["tasks"][-1])
+    assert not tasks_tab._known(None, ratio, tasks_view.ALL)
+    assert not tasks_tab._known(result, 0.123, tasks_view.ALL) and not tasks_tab._known(result, ratio, "no task")
+
+
+@pytest.mark.check
 @pytest.mark.parametrize("argv, words", [
     (["roofline", "--threads", "-1"], ["--threads", "-1 is not allowed", ">= 1"]),
     (["roofline", "--max-new-tokens", "1"], ["--max-new-tokens", "2"]),

@@ -49,11 +49,20 @@ class _Section:
 
 def _pickers(result: dict | None, prefix: str) -> tuple[gr.Dropdown, gr.Dropdown]:
     choices = tasks_view.settings(result) if result else []
-    setting = gr.Dropdown(choices, value=choices[0][1] if choices else None, scale=1,
+    # allow_custom_value (both pickers): a change queued behind another (a hurried visitor) may still carry the
+    # setting or task a result shown a moment ago had, after the choices changed; Gradio would refuse it with an
+    # error in the page, and the handlers here check both against the result themselves (`_known`).
+    setting = gr.Dropdown(choices, value=choices[0][1] if choices else None, scale=1, allow_custom_value=True,
                           label="Budget (tokens per layer) or compression ratio", elem_id=f"{prefix}-budget")
     task = gr.Dropdown([tasks_view.ALL, *(result["tasks"] if result else [])], value=tasks_view.ALL,
-                       label="Task", scale=2, elem_id=f"{prefix}-task")
+                       allow_custom_value=True, label="Task", scale=2, elem_id=f"{prefix}-task")
     return setting, task
+
+
+def _known(result: dict | None, setting, task) -> bool:
+    """Whether `setting` and `task` are `result`'s (a stale value from before the choices changed is not)."""
+    return (bool(result) and setting in [v for _, v in tasks_view.settings(result)]
+            and task in [tasks_view.ALL, *result["tasks"]])
 
 
 def tasks_tab():
@@ -103,12 +112,12 @@ def tasks_tab():
     front = gr.Plot(tasks_view.frontier(single) if single else None, show_label=False, elem_id="kvd-tasks-frontier")
 
     def draw_turns(result, setting, task, how):
-        if not result or setting is None:
+        if not _known(result, setting, task):
             return gr.skip(), gr.skip()
         return tasks_view.turns_table_html(result, setting, task), tasks_view.turns_figure(result, setting, task, how)
 
     def draw(result, setting, task):
-        if not result or setting is None:
+        if not _known(result, setting, task):
             return gr.skip(), gr.skip(), gr.skip()
         return (tasks_view.table_html(result, setting, task), tasks_view.heatmap_figure(result, setting, task),
                 tasks_view.frontier(result, task))
