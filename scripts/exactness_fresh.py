@@ -9,7 +9,7 @@ given thread count, loads every tiny family in every dtype and runs the full cac
 processes beside it.  Per thread count and load it prints how many runs kept the invariant kernels on every
 model, how many had both exact lanes bit-equal (tokens and every K/V handed attention) on every model, and
 whether every run gave the same K/V digests, across runs and across thread counts; the exit status is 0 only
-where all of them did.  `--json` writes the rows.
+where all of them did.  `--json` writes the rows and the distinct digest sets (to compare two invocations).
 """
 
 import argparse
@@ -97,7 +97,8 @@ def main() -> int:
     print(f"digests across every run, thread count and load: {len(digests)} distinct set(s) (1 = the same bits)")
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu_count": os.cpu_count(), "rows": rows,
-                                               "distinct_digests": len(digests)}, indent=1))
+                                               "distinct_digests": len(digests),
+                                               "digests": sorted(digests)}, indent=1))
     ok = all(r["invariant"] == r["exact"] == r["runs"] and not r["errors"] for r in rows) and len(digests) == 1
     return 0 if ok else 1
 

@@ -300,3 +300,26 @@ def test_bad_reproduce_input_is_one_line(capsys):
     assert bench.main(["reproduce", "--model", MODEL, "--executor", "dask", "--out", "/tmp/x"]) == 2
     err = capsys.readouterr().err
     assert "unknown model 'no-such-model'" in err and "executor: unknown executor 'dask'; allowed: local, ray" in err
+
+
+def test_the_full_plans_equal_memory_sweep_runs_and_takes_its_target_from_anchorkvs_lane():
+    """The full run's sweep of the baselines at equal measured peak, run as the report runs it (tiny-llama's
+    knobs): its target is the measured peak of the twenty-turn run's lowest exact lane (AnchorKV, rebuild=step),
+    every baseline gets the probe closest to it, and the section shows them.  A sweep of baselines alone has no
+    strategy to take a target from: the full run stopped there once (no test ran a full-plan cell).
+
+    Mutation that fails it: the cell without its `target` (the SweepError of that run)."""
+    plan = reproduce.plan(MODEL, quick=False)
+    sweep = next(c for c in plan if c["section"] == "turns20" and c["kind"] == "sweep")
+    run = next(c for c in plan if c["section"] == "turns20" and c["kind"] == "run" and c["scenario"] == sweep[
+        "config"]["scenario"])
+    lane = sweep["config"]["target"]
+    assert lane in run["config"]["strategies"].split(",") and lane.startswith("anchorkv:") and "rebuild=step" in lane
+    assert sweep["config"]["max_new_tokens"] == run["config"]["max_new_tokens"]
+    out = reproduce.run_cell(sweep)["json"]
+    assert out["probes"][0]["strategy"] == lane and out["target_bytes"] == out["probes"][0]["state_bytes"]["peak"] > 0
+    assert [r["strategy"] for r in out["rows"]] == reproduce.EVICTION
+    for row in out["rows"]:
+        distance = [abs(p["state_bytes"]["peak"] - out["target_bytes"]) for p in out["probes"][1:]
+                    if p["strategy"] == row["strategy"]]
+        assert abs(row["state_bytes"]["peak"] - out["target_bytes"]) == min(distance)
