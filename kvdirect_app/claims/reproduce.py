@@ -74,8 +74,8 @@ class Knobs:
 
 # The full run: every lane, grid and model, with one cut meant to bring SmolLM2 within 90 minutes on 2 CPU cores:
 # the twenty-turn run plays 12 new tokens per turn, not 24.  Its rebuild=step lanes replay every old token at every
-# step, so their work grows with turns^2 x tokens: at 24 that one cell kept a worker busy past 35 minutes and the
-# whole run was bound for more than two hours.  Its figures (bytes between turns, peak per turn) are read on a
+# step, so their work grows with turns^2 x tokens: at 24 that one cell alone outlasted its share of the 90
+# minutes.  Its figures (bytes between turns, peak per turn) are read on a
 # shorter conversation, so they are not those of a run at 24.
 FULL = Knobs(new_tokens=24, turns_new_tokens=12, turns_lanes=tuple(LANES), equal_memory=True, budgets=(16, 32, 64, 128),
              recompute_batches=(1, 4, 16, 64), recompute_contexts=(256, 1024, 4096), replay_context=1024,
