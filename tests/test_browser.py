@@ -432,6 +432,10 @@ def test_the_tasks_tab_shows_the_shipped_answers_across_turns_and_opens_a_multit
     page.wait_for_function(f"document.querySelector('#kvd-turns-head').innerText.includes("
                            f"'{dropped['measured_at']}') && document.querySelector('#kvd-turns-head').innerText"
                            ".includes('history dropped')", timeout=10_000)
+    # The chart follows the result picked (it stayed the kept history's once: a State set by a handler fires no
+    # .change); the head alone could not see that.
+    page.wait_for_function("document.querySelector('#kvd-turns-plot .gtitle').textContent.includes('history dropped')",
+                           timeout=10_000)
     other = next(m for m in tasks_view.models(tasks_view.shipped_results()[0]) if m != multi["model"])
     choose(page, "#kvd-tasks-model", other)
     page.wait_for_function(f"document.querySelector('#kvd-tasks-head').innerText.includes('{other}') && "

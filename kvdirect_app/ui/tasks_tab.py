@@ -169,7 +169,15 @@ def tasks_tab():
     for control in (budget, task):
         control.change(draw, [one.state, budget, task], [summary, heat, front], queue=False, show_progress="hidden")
     one.state.change(draw, [one.state, budget, task], [summary, heat, front], queue=False, show_progress="hidden")
-    model.input(pick_model, [model, history, turn_setting, budget], turn_out + single_out, queue=False)
-    history.input(pick_history, [model, history, turn_setting], turn_out, queue=False)
-    upload.upload(opened, [upload, turn_setting, budget, one.state, turns.state],
-                  turn_out + [history] + single_out, queue=False)
+    # A State set by a handler does not fire its own .change here (a browser check: the history picked, the chart
+    # stayed the old result's), so every handler that replaces a result draws it next.
+    redraw = [(draw_turns, [turns.state, turn_setting, turn_task, score], [turns_table, turns_plot]),
+              (draw, [one.state, budget, task], [summary, heat, front])]
+    for event, fn, inputs, outputs, draws in (
+            (model.input, pick_model, [model, history, turn_setting, budget], turn_out + single_out, redraw),
+            (history.input, pick_history, [model, history, turn_setting], turn_out, redraw[:1]),
+            (upload.upload, opened, [upload, turn_setting, budget, one.state, turns.state],
+             turn_out + [history] + single_out, redraw)):
+        chain = event(fn, inputs, outputs, queue=False)
+        for then_fn, then_in, then_out in draws:
+            chain = chain.then(then_fn, then_in, then_out, queue=False, show_progress="hidden")
