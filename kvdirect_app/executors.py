@@ -1,12 +1,15 @@
 """Run independent cells (model x strategy x setting) on a bounded process pool here, or as Ray tasks.
 
-    results = run_cells(fn, cells, executor="local", workers=None, resources=None, say=None)
+    results = run_cells(fn, cells, executor="local", workers=None, resources=None, say=None, keep=None)
 
 `fn(cell)` runs once per cell; the results come back in the cells' order.
 With `say`, a line per finished cell as it finishes, on either executor
 (`Ticker`): the cell, how many are done of how many, the time so far and
 an estimate of the time left (the time so far per finished cell, times the
-cells left).
+cells left).  With `keep`, `keep(index, result)` here as each cell finishes,
+before any later cell's error is raised: a caller that writes each result
+down loses none of the finished cells to a failing one (`bench reproduce`
+resumes from them).
 A cell is a JSON-serialisable dict (it crosses a process boundary);
 `fn` is a module-level function, importable by name in a child process
 (a lambda, a closure or a function of `__main__` is refused).
@@ -98,7 +101,8 @@ def cell_name(cell: dict, index: int, total: int) -> str:
 
 
 def run_cells(fn: Callable[[dict], object], cells: list[dict], executor: str = "local", workers: int | None = None,
-              resources: Callable[[dict], dict] | None = None, say: Callable[[str], None] | None = None) -> list:
+              resources: Callable[[dict], dict] | None = None, say: Callable[[str], None] | None = None,
+              keep: Callable[[int, object], None] | None = None) -> list:
     """`[fn(cell) for cell in cells]`, each call in its own worker process (see the module's docstring)."""
     check_executor(executor)
     _check_fn(fn)
@@ -113,7 +117,7 @@ def run_cells(fn: Callable[[dict], object], cells: list[dict], executor: str = "
     if not cells:
         return []
     wants = [_resources(resources or default_resources, cell) for cell in cells]
-    ticker = Ticker(cells, say)
+    ticker = Ticker(cells, say, keep)
     if executor == "local":
         return _run_local(fn, cells, wants, workers, ticker)
     return _run_ray(fn, cells, wants, ticker)
@@ -132,12 +136,16 @@ def clock(seconds: float) -> str:
 class Ticker:
     """Says a line per finished cell (`done(index)`), in the order they finish: `cell 3 of 36 (name) done: 5 of
     36 in 1 min 02 s, about 6 min 30 s left`.  The estimate is the time so far per finished cell times the cells
-    left, so a pool of N workers is counted at its own pace.  Without `say`, it says nothing."""
+    left, so a pool of N workers is counted at its own pace.  Without `say`, it says nothing.  `keep(index,
+    result)` first, where given."""
 
-    def __init__(self, cells: list, say: Callable[[str], None] | None):
-        self.cells, self.say, self.finished, self.t0 = cells, say, 0, time.perf_counter()
+    def __init__(self, cells: list, say: Callable[[str], None] | None,
+                 keep: Callable[[int, object], None] | None = None):
+        self.cells, self.say, self.keep, self.finished, self.t0 = cells, say, keep, 0, time.perf_counter()
 
-    def done(self, index: int):
+    def done(self, index: int, result=None):
+        if self.keep is not None:
+            self.keep(index, result)
         self.finished += 1
         if self.say is None:
             return
@@ -185,24 +193,35 @@ def _run_local(fn, cells: list[dict], wants: list[dict], workers: int | None, ti
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_die_with, initargs=(os.getpid(),))
     results: list = [None] * len(cells)
+    index, failed = {}, None
     try:
         index = {pool.submit(_call, fn, cell, n): i for i, (cell, n) in enumerate(zip(cells, threads))}
         pending = set(index)
-        while pending:
+        while pending and failed is None:
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             for future in sorted(finished, key=index.get):  # the earlier cell first where several end at once
-                i = index[future]
-                try:
-                    results[i] = future.result()
-                except BrokenProcessPool as e:
-                    raise _cell_error(cells, i, e, "a worker process died (killed, out of memory?) while it or a "
-                                                   "cell beside it ran") from e
-                except Exception as e:
-                    raise _cell_error(cells, i, e) from e
-                ticker.done(i)
+                failed = _take(future, index[future], cells, results, ticker) or failed
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+    if failed is not None:  # the cells that ran on beside the failing one finished during the shutdown: kept too
+        for future in sorted(pending, key=index.get):
+            if future.done() and not future.cancelled():
+                _take(future, index[future], cells, results, ticker)
+        raise failed
     return results
+
+
+def _take(future, i: int, cells: list[dict], results: list, ticker: Ticker) -> CellError | None:
+    """A finished future's result into `results[i]` (and `ticker.done`), or its error as a CellError."""
+    try:
+        results[i] = future.result()
+    except Exception as e:
+        died = "a worker process died (killed, out of memory?) while it or a cell beside it ran"
+        error = _cell_error(cells, i, e, died if isinstance(e, BrokenProcessPool) else None)
+        error.__cause__ = e
+        return error
+    ticker.done(i, results[i])
+    return None
 
 
 # --- ray: one task per cell -------------------------------------------------------------------------------------
@@ -256,7 +275,7 @@ def _run_ray(fn, cells: list[dict], wants: list[dict], ticker: Ticker) -> list:
                         pass
                 cause = getattr(e, "cause", None)
                 raise _cell_error(cells, i, cause if isinstance(cause, BaseException) else e) from e
-            ticker.done(i)
+            ticker.done(i, results[i])
         return results
     finally:
         if started:

@@ -16,8 +16,6 @@ import torch.nn.functional as F
 
 from kvdirect_app import dots, ledger
 
-from .runs import tiny
-
 # Widths with and without a tail past the last 16 (k), column counts with and without a tail past the last tile.
 SHAPES = [(13, 37), (45, 64), (7, 576), (192, 1536)]
 DTYPES = [torch.float32, torch.bfloat16]

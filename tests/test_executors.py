@@ -73,6 +73,16 @@ def square_or_fail(cell: dict):
     return cell["x"] ** 2
 
 
+def slow_or_fail(cell: dict):
+    """x == 2 fails at once; the others sleep `sleep` seconds and give x."""
+    import time
+
+    if cell["x"] == 2:
+        raise ValueError("cannot take 2")
+    time.sleep(cell.get("sleep", 0))
+    return cell["x"]
+
+
 def threads_seen(cell: dict):
     import torch
 
@@ -275,6 +285,20 @@ def test_a_failing_cell_is_raised_here_naming_the_cell(executor, request):
     assert str(info.value) == "cell 2 of 2 (bad model) failed: UserError: model: 'nosuchmodel' is not a preset"
     if executor == "ray":
         assert request.getfixturevalue("small_local_ray").is_initialized()  # not ours to shut down
+
+
+def test_every_finished_cell_is_kept_before_a_failing_cells_error_even_one_that_ran_beside_it():
+    """`keep(index, result)` for each cell that finished, the slow cell running beside the failing one included
+    (it ends during the pool's shutdown): a caller writing them down (`bench reproduce`) resumes without it."""
+    kept = {}
+    cells = [{"x": 3, "sleep": 3}, {"x": 2}]  # the slow cell is taken first, so it runs when the other fails
+    with pytest.raises(CellError, match=r"cell 2 of 2 .* failed: ValueError: cannot take 2"):
+        run_cells(slow_or_fail, cells, "local", workers=2, keep=lambda i, result: kept.update({i: result}))
+    assert kept == {0: 3}
+    kept.clear()
+    assert run_cells(slow_or_fail, [{"x": 1}, {"x": 3}], "local", workers=2,
+                     keep=lambda i, result: kept.update({i: result})) == [1, 3]
+    assert kept == {0: 1, 1: 3}
 
 
 def test_a_cell_asking_more_cpus_than_the_local_ray_has_is_refused_before_ray_starts(small_local_ray):

@@ -243,6 +243,37 @@ def test_every_cell_records_where_it_ran(report):
     assert "Ran on: cpu, 1 thread; CPU " in text
 
 
+def test_a_run_that_did_not_end_resumes_from_its_finished_cells(report, tmp_path, capsys):
+    """Each cell is kept in DIR/finished-cells as it finishes; a run with the same --out takes the planned cells it
+    finds there as they are (marked resumed, named in the report) and runs the rest, a cell planned otherwise
+    included; the folder is gone once results.json is written."""
+    out, results, _ = report
+    assert not (out / reproduce.KEPT).exists()  # the fixture's run ended: nothing kept
+    planned = reproduce.plan(MODEL, True, "auto", 1)
+    finished = {c["name"]: c for c in results["cells"]}
+    missing, other = [c["name"] for c in planned if c["kind"] == "breakeven"][:2]  # arithmetic: fast to run again
+    for c in planned:
+        if c["name"] == missing:
+            continue
+        done = {k: v for k, v in finished[c["name"]].items() if k not in c}
+        done["env"] = {**done["env"], "processor": "kept by the earlier run"}
+        if c["name"] == other:  # kept with other settings than planned now: run again
+            c = {**c, "config": {**c["config"], "dtype": "float32"}}
+        reproduce._keep(tmp_path / reproduce.KEPT, c, done, "0123abcd")
+    assert bench.main(["reproduce", "--model", MODEL, "--quick", "--out", str(tmp_path)]) == 0
+    assert f"resuming: {len(planned) - 2} of {len(planned)} cells kept in" in capsys.readouterr().err
+    again = json.loads((tmp_path / "results.json").read_text())
+    assert again["resumed_cells"] == len(planned) - 2
+    for c in again["cells"]:
+        if c["name"] in (missing, other):
+            assert "resumed" not in c and c["env"]["processor"] != "kept by the earlier run", c["name"]
+        else:
+            assert c["resumed"]["commit"] == "0123abcd" and c["env"]["processor"] == "kept by the earlier run"
+    assert (f"with {len(planned) - 2} of its cells resumed from a run that did not end (commit 0123abcd"
+            in (tmp_path / "report.md").read_text())
+    assert not (tmp_path / reproduce.KEPT).exists()
+
+
 def test_quick_runs_its_knobs_and_says_what_it_leaves_out(report):
     _, results, text = report
     knobs = reproduce.knobs(MODEL, quick=True)

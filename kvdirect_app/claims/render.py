@@ -118,7 +118,10 @@ def _details(results: dict) -> list[str]:
                         "/".join(number(x) for x in r.get("raw_scores", r["scores"])), r.get("copies", 0),
                         f"{r['equal_full']} of {r['answers']}", fmt_bytes(r["held_bytes"])] for r in a["lanes"]])
     if t["equal_memory"]:
-        out += ["", "At equal measured peak:", ""]
+        target = t.get("equal_memory_target") or {}
+        aim = (f"{target['spec'] or 'the target'}'s measured peak in the same conversation, "
+               f"{fmt_bytes(target['peak'])}" if target.get("peak") is not None else "a target not recorded")
+        out += ["", f"At equal measured peak: each baseline at the budget whose measured peak is closest to {aim}:", ""]
         out += _table(["strategy", "budget", "peak", "token match"],
                       [[r["strategy"], r["budget"], fmt_bytes(r["peak"]), number(r["token_match"])]
                        for r in t["equal_memory"]])
@@ -181,14 +184,25 @@ def _details(results: dict) -> list[str]:
     return out
 
 
+def _resumed(results: dict) -> str:
+    """What of the run was taken from an earlier one that did not end (`reproduce.gather`'s `kept`)."""
+    kept = [c for c in results["cells"] if isinstance(c.get("resumed"), dict)]
+    if not kept:
+        return f" at commit {results['commit']}" if results.get("commit") else ""
+    when = sorted({f"{c['resumed'].get('commit') or 'no commit recorded'}" for c in kept})
+    return (f" at commit {results.get('commit') or 'not recorded'}, with {len(kept)} of its cells resumed from a "
+            f"run that did not end (commit {', '.join(when)}; their time is not in this figure: "
+            f"{', '.join(c.get('name', c['section']) for c in kept)})")
+
+
 def render(results: dict) -> str:
     """report.md, from results.json alone (its claims and sections as `sections.assess` made them)."""
     head = [f"# Claims, measured: {results['model']}", "",
             f"Driver: {results.get('device_name', 'not recorded')} ({results.get('device', 'not recorded')}); date "
             f"{results.get('date', 'not recorded')}; {'quick' if results['quick'] else 'full'} run"
-            + (f" of {number(results['seconds'])} s" if results.get("seconds") else "") + ", executor "
-            f"{results.get('executor', 'not recorded')}, {len(results['cells'])} cells (where each ran: under each "
-            "section). Every number below is a value of `results.json`.", ""]
+            + (f" of {number(results['seconds'])} s" if results.get("seconds") else "") + _resumed(results)
+            + ", executor " f"{results.get('executor', 'not recorded')}, {len(results['cells'])} cells (where each ran: "
+            "under each section). Every number below is a value of `results.json`.", ""]
     return "\n".join(head + _head(results) + [""] + _details(results)).rstrip() + "\n"
 
 

@@ -8,6 +8,11 @@ typed library call of `benchmarks` (`kind`: run, sweep, breakeven, replay,
 capacity; `config`: its settings) with its results, the recompute-vs-read
 microbenchmark or residual patching), run through `executors.run_cells` in a bounded process pool or on Ray; each
 cell records the environment it ran in, in the process that ran it.
+Each cell is written to DIR/finished-cells as it finishes; a run with the
+same --out that finds a planned cell there (the same cell, key for key)
+takes it as it is, marked `resumed`, so a failing cell or a stopped
+process costs only the cells not yet finished; the folder is deleted once
+results.json holds them all, and the report names the resumed cells.
 `gather` puts the cells into one dict (results.json), and `reassess` adds
 what follows from them: the claims with the papers' figures (`papers`), our
 figures and the one rule's verdicts (`sections`, `verdicts`).  `render`
@@ -21,6 +26,7 @@ lists every knob in which they differ.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -313,26 +319,82 @@ def _exactness_cells(model: str, k: Knobs, L: int, device: str, threads: int) ->
 
 
 # --- results.json ------------------------------------------------------------------------------------------------
+KEPT = "finished-cells"  # DIR/finished-cells: each cell as it finishes, until results.json is written
+
+
 def gather(model: str, quick: bool, executor: str, device: str = "auto", workers: int | None = None,
-           threads: int = 1, say=None) -> dict:
+           threads: int = 1, say=None, kept: Path | None = None) -> dict:
     """Run every cell; the cells, the run's facts and what follows from them, as one JSON-ready dict.  `say`: a
-    line per finished cell (`executors.Ticker`)."""
+    line per finished cell (`executors.Ticker`).  `kept`: a folder where each cell is written as it finishes,
+    and from which a cell of this plan finished by an earlier run that did not end (a failing cell, a stopped
+    process) is taken instead of being run again, marked `resumed` with the commit and time it ran at."""
     import torch
 
     from ..executors import run_cells
+    from ..recording import commit
 
     from .. import validate
 
     cells = plan(model, quick, device, validate.threads(threads))
+    resumed = _resumed(kept, cells) if kept is not None else {}
+    if resumed and say:
+        say(f"resuming: {len(resumed)} of {len(cells)} cells kept in {kept} by a run that did not end are taken "
+            "as they are (delete that folder to run them again)")
+    todo = [i for i in range(len(cells)) if i not in resumed]
+    version = commit()
+
+    def keep(j: int, out: dict):
+        if kept is not None:
+            _keep(kept, cells[todo[j]], out, version)
+
     t0 = time.perf_counter()
-    outputs = run_cells(run_cell, cells, executor=executor, workers=workers, say=say)
+    outputs = run_cells(run_cell, [cells[i] for i in todo], executor=executor, workers=workers, say=say, keep=keep)
+    outputs = {**resumed, **dict(zip(todo, outputs))}
     results = {"model": model, "quick": quick, "executor": executor, "device": device,
                "device_name": (torch.cuda.get_device_name() if torch.cuda.is_available() and device != "cpu"
                                else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"),
-               "date": time.strftime("%Y-%m-%d"), "seconds": time.perf_counter() - t0,
+               "date": time.strftime("%Y-%m-%d"), "seconds": time.perf_counter() - t0, "commit": version,
+               "resumed_cells": len(resumed),
                "plan": {"knobs": asdict(knobs(model, quick)), "full": asdict(knobs(model, False))},
-               "cells": [{**cell, **out} for cell, out in zip(cells, outputs)]}
+               "cells": [{**cell, **outputs[i]} for i, cell in enumerate(cells)]}
     return stamp("reproduce", reassess(results))
+
+
+def _keep(folder: Path, cell: dict, out: dict, version: str | None):
+    """One finished cell written to `folder` (whole or not at all: a stopped process leaves no half file)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"cell": cell, "out": out, "commit": version, "finished": time.strftime("%Y-%m-%d %H:%M:%S")})
+    name = hashlib.sha256(json.dumps(cell, sort_keys=True).encode()).hexdigest()[:16]
+    part = folder / f"{name}.part"
+    part.write_text(text)
+    part.replace(folder / f"{name}.json")
+
+
+def _resumed(folder: Path, cells: list[dict]) -> dict[int, dict]:
+    """{index: output} of the planned cells that `folder` holds a finished copy of: the same cell, key for key
+    (a cell planned differently, by other knobs or code, is run again); each output marked `resumed`."""
+    kept = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            kept.append(json.loads(path.read_text()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue  # not one of ours, or unreadable: its cell is run again
+    found = {}
+    for i, cell in enumerate(cells):
+        same = json.loads(json.dumps(cell))
+        for k in kept:
+            if isinstance(k, dict) and k.get("cell") == same and isinstance(k.get("out"), dict):
+                found[i] = {**k["out"], "resumed": {"commit": k.get("commit"), "finished": k.get("finished")}}
+                break
+    return found
+
+
+def forget(folder: Path):
+    """Delete the cells `gather` kept in `folder` (once results.json holds them), and the folder if then empty."""
+    for path in [*folder.glob("*.json"), *folder.glob("*.part")] if folder.is_dir() else []:
+        path.unlink()
+    if folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
 
 
 def reassess(results: dict) -> dict:

@@ -122,6 +122,8 @@ def _turns20(results: dict, prefix: str = "kvdirect") -> dict:
     if equal is not None:
         out["equal_memory"] = [{"strategy": r["strategy"], "budget": r["budget"], "peak": r["state_bytes"]["peak"],
                                 "token_match": r["token_match"]} for r in equal["json"]["rows"]]
+        out["equal_memory_target"] = {"spec": equal.get("config", {}).get("target"),
+                                      "peak": equal["json"].get("target_bytes")}
     figure = next(f for f in CLAIMS["turns20"].figures if f.key == "peak_ratio")
     name = {"kvdirect": "KV-Direct", "anchorkv": "AnchorKV"}[prefix]
     own_lane = "lane" if prefix == "kvdirect" else "lowest exact lane"

@@ -40,8 +40,10 @@ def cmd_reproduce(args) -> int:
         raise CliError(f"--out: {args.out!r} is a file; allowed: a folder (created if absent)")
     print(f"reproduce: {args.model}, {'quick' if args.quick else 'full'}, executor {args.executor}…", file=sys.stderr)
     results = reproduce.gather(args.model, args.quick, args.executor, device=args.device, workers=args.workers,
-                               threads=args.threads, say=lambda line: print(line, file=sys.stderr, flush=True))
+                               threads=args.threads, say=lambda line: print(line, file=sys.stderr, flush=True),
+                               kept=out / reproduce.KEPT)
     paths = render.write(results, out)
+    reproduce.forget(out / reproduce.KEPT)
     print(render.render(results).split(render.DETAILS)[0])
     print(f"wrote {', '.join(str(p) for p in paths)} in {results['seconds']:.0f} s")
     return 0
@@ -59,7 +61,9 @@ def register(sub):
     p.add_argument("--threads", type=THREADS, default=1, help="torch threads per cell")
     p.add_argument("--device", default="auto", help="device of every cell: auto, cpu, cuda")
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--out", help="folder for report.md, results.json and the plots")
+    where.add_argument("--out", help="folder for report.md, results.json and the plots; each cell is kept in "
+                                     "DIR/finished-cells as it finishes (a run that did not end resumes from them; "
+                                     "deleted once results.json is written)")
     where.add_argument("--render", metavar="DIR", help="recompute every verdict from DIR/results.json's cells and "
                                                        "rewrite its claims, DIR/report.md and the plots (runs nothing; "
                                                        "the other options are ignored)")
