@@ -271,6 +271,10 @@ def test_a_run_that_did_not_end_resumes_from_its_finished_cells(report, tmp_path
             assert c["resumed"]["commit"] == "0123abcd" and c["env"]["processor"] == "kept by the earlier run"
     assert (f"with {len(planned) - 2} of its cells resumed from a run that did not end (commit 0123abcd"
             in (tmp_path / "report.md").read_text())
+    from kvdirect_app.ui.claims_cards import cards_html
+
+    assert (f"({len(planned) - 2} of them resumed from a run that did not end, their time not counted)"
+            in cards_html(reproduce.load(tmp_path)))
     assert not (tmp_path / reproduce.KEPT).exists()
 
 

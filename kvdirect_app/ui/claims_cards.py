@@ -41,7 +41,9 @@ def cards_html(results: dict) -> str:
             + '</div>')
     where = f'{e(results.get("device_name") or results.get("device", "?"))}, {e(results.get("date", "?"))}'
     run = (f'{"a quick run" if results.get("quick") else "the full run"} of {len(results.get("cells", []))} cells'
-           + (f' in {results["seconds"] / 60:.0f} min' if results.get("seconds") else ''))
+           + (f' in {results["seconds"] / 60:.0f} min' if results.get("seconds") else '')
+           + (f' ({results["resumed_cells"]} of them resumed from a run that did not end, their time not counted)'
+              if results.get("resumed_cells") else ''))
     return (f'<div class="kvd-cards-head">Measured on {where}, {e(run)}, with <code>python -m kvdirect_app.bench '
             f'reproduce {"--quick " if results.get("quick") else ""}--out DIR</code>; every number is a value of its '
             f'results.json, every verdict computed from those numbers as the page opened.</div>'
