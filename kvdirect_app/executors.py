@@ -200,7 +200,8 @@ def _run_local(fn, cells: list[dict], wants: list[dict], workers: int | None, ti
         while pending and failed is None:
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             for future in sorted(finished, key=index.get):  # the earlier cell first where several end at once
-                failed = _take(future, index[future], cells, results, ticker) or failed
+                error = _take(future, index[future], cells, results, ticker)
+                failed = failed or error  # the first cell's error where several fail at once
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     if failed is not None:  # the cells that ran on beside the failing one finished during the shutdown: kept too
