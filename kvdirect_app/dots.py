@@ -101,10 +101,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (n, k) float32 or bfloat16 and contiguous (a layer's own), on the CPU; the result in the weight's dtype.  `name`
     forces a path, `threads` the thread count (default torch's)."""
     lib = _LIB or _library()
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        # What F.linear refuses, refused here too: a reshape to (-1, k) would read rows of another width.
+        raise ValueError(f"fixed-order linears: input {tuple(x.shape)} and weight {tuple(weight.shape)} cannot be "
+                         "multiplied (the input's last dimension must be the weight's second)")
     n, k = weight.shape
     if weight.dtype not in DTYPES or weight.device.type != "cpu" or not weight.is_contiguous():
         raise ValueError(f"fixed-order linears: a {weight.dtype} weight on {weight.device} (contiguous: "
                          f"{weight.is_contiguous()})")
+    if x.device.type != "cpu" or x.dtype not in (weight.dtype, torch.float32):
+        raise ValueError(f"fixed-order linears: a {x.dtype} input on {x.device} for a {weight.dtype} weight; allowed: "
+                         "the weight's dtype or float32, on the CPU")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"fixed-order linears: bias {tuple(bias.shape)} for a weight of {n} outputs; allowed: ({n},)")
     rows = x.reshape(-1, k)
     if rows.dtype != torch.float32:
         rows = rows.float()  # bf16 rows widened exactly
@@ -129,10 +138,17 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, end: 
     end-1 that the keys hold; `window` a sliding layer's, `softcap` the scores' cap.  Returns (q, H, d) in the
     query's dtype.  A query's bits depend on it and the keys it sees only, at any thread count."""
     lib = _LIB or _library()
+    if query.dim() != 3 or key.dim() != 3 or key.shape != value.shape or key.shape[2] != query.shape[2]:
+        raise ValueError(f"fixed-order attention: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                         f"{tuple(value.shape)}; allowed: query (H, q, d), key and value (Hkv, T, d) of one shape")
     heads, nq, d = query.shape
     kv_heads, t, _ = key.shape
+    if kv_heads < 1 or heads % kv_heads or nq > t or end < t:
+        raise ValueError(f"fixed-order attention: {heads} heads over {kv_heads}, {nq} queries over {t} keys ending at "
+                         f"{end}; allowed: heads a multiple of the key heads, at most as many queries as keys, end >= T")
     dtype = query.dtype
-    if dtype not in DTYPES or key.dtype != dtype or value.dtype != dtype or query.device.type != "cpu":
+    if dtype not in DTYPES or key.dtype != dtype or value.dtype != dtype or {query.device.type, key.device.type,
+                                                                              value.device.type} != {"cpu"}:
         raise ValueError(f"fixed-order attention: {dtype}, {key.dtype}, {value.dtype} on {query.device}")
     query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
     threads = threads or torch.get_num_threads()

@@ -25,6 +25,7 @@ lanes' token maps and attention snapshots (`lanemaps.py`), a step's figures and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from typing import Callable, Iterator
 
@@ -107,6 +108,10 @@ class Engine(BetweenTurns, LaneMaps, Summary):
         self.kernels = Kernels.for_model(loaded, kernels, self.threads)
         self.forwards = Forwards(self.model, loaded.device, self.geometry, self.observer, self.tracer, self.threads,
                                  batch, self.kernels, self.instruments)
+        self.determinism = probe_determinism(loaded.device, loaded.dtype, self.threads)
+        # The model's, the probes' and the strategies' first instances' blocks are no run's; the lanes' strategies
+        # are built again inside their regions (`_lane`), after this.
+        self.observer.count_unattributed_from_now()
         self.solo = not compare
         if self.solo:  # one strategy as deployed alone: it drives the conversation, nothing is compared
             if len(strategies) != 1:
@@ -128,8 +133,6 @@ class Engine(BetweenTurns, LaneMaps, Summary):
         self.saved_context: dict | None = None  # label -> (cache, history length, forwards): `turn(save_context=)`
         self.unattributed_peak = 0  # the most bytes no lane's work held after a step (`_unattributed`)
         self.observer.register(CONTEXT)
-        self.determinism = probe_determinism(loaded.device, loaded.dtype, self.threads)
-        self.observer.count_unattributed_from_now()  # the model's and the probe's blocks are no run's
 
     def about(self) -> dict:
         """Per shown strategy: the first line of its docstring and the settings it adapted (plain data, for a page
@@ -141,11 +144,15 @@ class Engine(BetweenTurns, LaneMaps, Summary):
         return out
 
     def _lane(self, strategy: Strategy) -> Lane:
+        """The strategy's lane: the strategy made again from its settings inside the lane's own region, then its
+        cache, so that whatever it allocates when it is made (in `__post_init__`) is the lane's, never a baseline."""
         lane = Lane(strategy, None, strategy.label, ByteBook(measured=self.memory != "none",
                                                              peak_source=self.peak_source))
         self.observer.register(lane.owner)
         with self._work(lane.owner, "build"):
-            lane.cache = watch(strategy.build_cache(self.model))
+            lane.strategy = _made_again(strategy)
+            lane.cache = watch(lane.strategy.build_cache(self.model))
+        lane.cache.model = self.model  # what its twins share (`StrategyCache.fork`)
         lane.cache.use_kernels(self.kernels)
         if self.loaded.device.type == "cuda" and self.memory in ("allocator", "trace"):
             # The caching allocator rounds blocks: measured and formula compared like for like.
@@ -420,6 +427,17 @@ class Engine(BetweenTurns, LaneMaps, Summary):
             "diverged": lane.diverged,
             "kl_mean": lane.kl_sum / lane.tf_steps if lane.tf_steps else 0.0,
         }
+
+
+def _made_again(strategy: Strategy) -> Strategy:
+    """A new instance of the strategy with the same settings and label (its `__init__` and `__post_init__` run
+    again, where the caller is); the strategy itself where its class cannot be made from its fields."""
+    try:
+        again = dataclasses.replace(strategy)
+    except (TypeError, ValueError):
+        return strategy
+    again._label = getattr(strategy, "_label", None)
+    return again
 
 
 def run_to_end(engine: Engine, turns: list[str], park: bool = False,

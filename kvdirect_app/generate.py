@@ -448,6 +448,7 @@ def strategy_cache(model: torch.nn.Module, spec: str, verify: bool = False) -> I
         observer.register(CACHE)
         with observer.region(CACHE, "other"):
             cache = _reporting(watch(strategy.build_cache(model)))
+        cache.model = model
         cache.observer, cache.instrument = observer, instrument
         cache.ledger = led = Ledger()
         cache.geometry = geom = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)

@@ -8,12 +8,13 @@
 // freed, on whatever thread and whenever that happens.  Owner 0 is no one's work: a torch block allocated outside
 // every owner's work (another thread, code outside every region) is counted there, as unattributed, never dropped.
 //
-// Beside torch's: numpy's array data (a `PyDataMem_Handler`, which numpy keeps per Python context: `kv_numpy_here`
-// puts it in the calling context) and Python's buffers (a hook on Python's memory domain, process-wide: a list's
-// array of items), counted per owner as "outside torch"; Python's blocks only for a named owner (every thread's
-// would otherwise be unattributed noise).  Per owner: torch's live bytes, the highest they went since
-// `kv_reset_peak` and torch's live blocks (the figures compared with a strategy's formula, like for like), and the
-// live bytes outside torch beside them.
+// Beside torch's: numpy's array data (a `PyDataMem_Handler` put in place of numpy's default one, so in every
+// thread and every Python context: `kv_numpy_install`) and Python's buffers (a hook on Python's memory domain,
+// process-wide: a list's array of items), counted per owner as "outside torch"; Python's blocks only for a named
+// owner (every thread's would otherwise be unattributed noise).  Per owner: torch's live bytes, the highest they
+// went since `kv_reset_peak` and torch's live blocks (the figures compared with a strategy's formula, like for
+// like), and the live bytes outside torch beside them.  Process-wide, `kv_from_malloc`: the live bytes of every
+// block counted that the C allocator handed out (the cross-check of ledger.py compares them with glibc's count).
 // kvdirect_app/ledger.py builds this file with the machine's C++ compiler against torch's (and, where numpy is
 // there, Python's and numpy's) headers and loads it.
 #include <c10/core/CPUAllocator.h>
@@ -45,6 +46,9 @@ struct Owner {
 constexpr int32_t kOwners = 1 << 20;  // ids are handed out and taken back by ledger.py; 0 is unattributed
 Owner owners[kOwners];                // zero pages until an owner is used
 thread_local int32_t current = 0;
+// Live bytes of the blocks counted here that came from the C allocator (torch's and numpy's, Python's buffers above
+// pymalloc's threshold), every owner's.
+std::atomic<int64_t> from_malloc{0};
 
 struct Block {
   int64_t bytes;
@@ -79,6 +83,7 @@ void release(void* ptr) {
   if (block.owner >= 0) {
     owners[block.owner].live -= block.bytes;
     owners[block.owner].blocks -= 1;
+    from_malloc -= block.bytes;
   }
   base_delete(ptr);
 }
@@ -95,6 +100,7 @@ struct Ledger final : c10::Allocator {
         table[ptr] = Block{static_cast<int64_t>(n), who};
       }
       owners[who].blocks += 1;
+      from_malloc += static_cast<int64_t>(n);
       grow(owners[who], static_cast<int64_t>(n), 0);
     }
     return {ptr, ptr, &release, c10::Device(c10::DeviceType::CPU)};
@@ -112,7 +118,14 @@ Ledger ledger;
 // the GIL held, so their table needs no lock of its own; numpy may allocate without the GIL, so its table has one.
 struct Outside {
   std::unordered_map<void*, Block> table;
-  std::mutex* lock;  // null: the GIL serialises every call
+  std::mutex* lock;      // null: the GIL serialises every call
+  int64_t small;         // blocks of at most this many bytes come from elsewhere than the C allocator (pymalloc)
+
+  void forget(Block block) {
+    if (block.owner < 0) return;
+    owners[block.owner].outside -= block.bytes;
+    if (block.bytes > small) from_malloc -= block.bytes;
+  }
 
   void add(void* ptr, size_t n, int32_t who) {
     if (!ptr) return;
@@ -122,6 +135,7 @@ struct Outside {
     } else {
       table[ptr] = Block{static_cast<int64_t>(n), who};
     }
+    if (static_cast<int64_t>(n) > small) from_malloc += static_cast<int64_t>(n);
     grow(owners[who], 0, static_cast<int64_t>(n));
   }
 
@@ -136,7 +150,7 @@ struct Outside {
     } else {
       block = find(ptr);
     }
-    if (drop && block.owner >= 0) owners[block.owner].outside -= block.bytes;
+    if (drop) forget(block);
     return block;
   }
 
@@ -162,7 +176,7 @@ struct Outside {
 };
 
 #ifdef KV_PYTHON
-Outside py_blocks{{}, nullptr};
+Outside py_blocks{{}, nullptr, 512};  // pymalloc's SMALL_REQUEST_THRESHOLD
 PyMemAllocatorEx py_base;  // Python's memory domain's allocator as it was: the hooks call it
 PyMemAllocatorEx py_hook;
 bool py_installed = false;
@@ -189,7 +203,7 @@ void* py_realloc(void* ctx, void* ptr, size_t n) {
     py_blocks.put_back(ptr, was);
     return p;
   }
-  if (was.owner >= 0) owners[was.owner].outside -= was.bytes;
+  py_blocks.forget(was);
   int32_t who = was.owner >= 0 ? was.owner : current;  // a block moved stays its owner's
   if (who > 0) py_blocks.add(p, n, who);
   return p;
@@ -204,7 +218,7 @@ void py_free(void* ctx, void* ptr) {
 
 #ifdef KV_NUMPY
 std::mutex np_mutex;
-Outside np_blocks{{}, &np_mutex};
+Outside np_blocks{{}, &np_mutex, -1};
 
 void* np_malloc(void*, size_t n) {
   void* p = std::malloc(n ? n : 1);
@@ -225,7 +239,7 @@ void* np_realloc(void*, void* ptr, size_t n) {
     np_blocks.put_back(ptr, was);
     return p;
   }
-  if (was.owner >= 0) owners[was.owner].outside -= was.bytes;
+  np_blocks.forget(was);
   np_blocks.add(p, n, was.owner >= 0 ? was.owner : current);
   return p;
 }
@@ -236,7 +250,7 @@ void np_free(void*, void* ptr, size_t) {
 }
 
 PyDataMem_Handler np_handler = {"kvdirect_ledger", 1, {nullptr, np_malloc, np_calloc, np_realloc, np_free}};
-PyObject* np_capsule = nullptr;
+bool np_installed = false;
 #endif
 
 }  // namespace
@@ -285,31 +299,21 @@ int kv_python_install() {
 #endif
 }
 
-// numpy's data allocations in the calling Python context through the ledger (with the GIL held).  0: in place (or
-// already); -1: built without numpy; -2: numpy's C API could not be had.
-int kv_numpy_here() {
+// numpy's data allocations through the ledger, in every thread and every Python context (with the GIL held).
+// numpy keeps its handler in a context variable whose default is one capsule, `PyDataMem_DefaultHandler`: the
+// capsule's pointer is set to the ledger's handler, so every context that set none of its own (a new thread, a fresh
+// `contextvars.Context`) allocates through it.  Both handlers are the C allocator's: an array allocated before is
+// freed through the ledger's by `free`, as numpy's would.  0: in place (or already); -1: built without numpy; -2:
+// numpy's C API could not be had.
+int kv_numpy_install() {
 #ifdef KV_NUMPY
-  if (!np_capsule) {
-    if (PyArray_ImportNumPyAPI() < 0) {
-      PyErr_Clear();
-      return -2;
-    }
-    np_capsule = PyCapsule_New(&np_handler, "mem_handler", nullptr);
-    if (!np_capsule) {
-      PyErr_Clear();
-      return -2;
-    }
-  }
-  PyObject* now = PyDataMem_GetHandler();
-  bool ours = now == np_capsule;
-  Py_XDECREF(now);
-  if (ours) return 0;
-  PyObject* old = PyDataMem_SetHandler(np_capsule);
-  if (!old) {
+  if (np_installed) return 0;
+  if (PyArray_ImportNumPyAPI() < 0 || !PyDataMem_DefaultHandler ||
+      PyCapsule_SetPointer(PyDataMem_DefaultHandler, &np_handler) < 0) {
     PyErr_Clear();
     return -2;
   }
-  Py_DECREF(old);
+  np_installed = true;
   return 0;
 #else
   return -1;
@@ -317,6 +321,8 @@ int kv_numpy_here() {
 }
 
 int32_t kv_owners() { return kOwners; }
+int32_t kv_current() { return current; }
+int64_t kv_from_malloc() { return from_malloc.load(); }
 int32_t kv_enter(int32_t owner) {
   int32_t before = current;
   current = owner;

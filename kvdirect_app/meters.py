@@ -50,7 +50,6 @@ class LedgerMeter:
         if tag is None:
             self.register(label)
             tag = self.tags[label]
-        self.ledger.numpy_here()
         return self.ledger.enter(tag)
 
     def leave(self, token: int):

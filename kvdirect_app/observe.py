@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import ledger
 from .strategies import Strategy
 
 _ACTIVE = threading.local()  # .observers: the observers with an open region on this thread, innermost last
@@ -118,7 +119,8 @@ class Observer:
         self.keep_handed: set[int] = set()  # ids of layers whose candidates' positions a snapshot needs
         self.handed: dict[int, torch.Tensor] = {}
         self._stack: list[list] = []  # [owner, op, started, meter token, trace scope, memory owner]
-        self._unattributed_start = _unattributed(meter.ledger) if hasattr(meter, "ledger") else {}
+        self._cross = ledger.CrossCheck(meter.ledger) if hasattr(meter, "ledger") else None
+        self._unattributed_start = self._unattributed_now() if self._cross is not None else {}
 
     # --- clocks and regions ------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -214,19 +216,30 @@ class Observer:
     def count_unattributed_from_now(self):
         """What no owner's work holds is counted from here on (the engine, once built: the model's blocks were there
         before it)."""
-        if hasattr(self.meter, "ledger"):
-            self._unattributed_start = _unattributed(self.meter.ledger)
+        if self._cross is not None:
+            self._cross.reset()
+            self._unattributed_start = self._unattributed_now()
 
-    def unattributed(self) -> dict | None:
+    def _unattributed_now(self, forwards: int = 0) -> dict[str, int]:
+        """The ledger's counts of bytes no run's owner holds, now (outside every region, the measurement's own
+        work), and the process's memory the ledger does not explain (`ledger.CrossCheck`: counted from its reset,
+        its floor raised for `forwards` lanes' forwards so far)."""
+        book = self.meter.ledger
+        return {"outside_regions": book.unattributed(), "measurement": ledger.measurement_bytes(),
+                **self._cross.parts(forwards)}
+
+    def unattributed(self, forwards: int = 0) -> dict | None:
         """What no owner's work holds, since this observer began (process-wide, so another run's blocks outside
-        its regions would show here too): blocks allocated outside every region (torch's and numpy's: a thread a
-        strategy started, code outside every region), the measurement's own work outside an engine, and memory
-        no allocator handed out (shared memory); None without a meter that can read them."""
-        if self.meter is None or not hasattr(self.meter, "ledger"):
+        its regions would show here too): blocks allocated outside every region (torch's and numpy's: code outside
+        every region), the measurement's own work outside an engine, and the process's memory the ledger cannot
+        explain (`ledger.CrossCheck`: the C allocator's bytes no hook saw, anonymous memory outside it, writable
+        shared mappings; `forwards`: the lanes' forwards so far, whose records raise its floor); None without a
+        meter that can read them."""
+        if self._cross is None:
             return None
         with self.region(instrument("allocator"), "read"):
-            now = _unattributed(self.meter.ledger)
-        parts = {k: max(0, now[k] - self._unattributed_start[k]) for k in now}
+            now = self._unattributed_now(forwards)
+        parts = {k: max(0, now[k] - self._unattributed_start.get(k, 0)) for k in now}
         return {"bytes": sum(parts.values()), **parts}
 
     def peak(self, owner: Owner) -> int | None:
@@ -313,6 +326,8 @@ class Observer:
     def close(self):
         if self.meter is not None:
             self.meter.close()
+        if self._cross is not None:
+            self._cross.close()
 
 
 class _Region:
@@ -328,15 +343,6 @@ class _Region:
     def __exit__(self, *exc):
         self.observer._leave()
         return False
-
-
-def _unattributed(book) -> dict[str, int]:
-    """The ledger's counts of bytes no run's owner holds, now: outside every region, the measurement's own work,
-    shared memory."""
-    from . import ledger
-
-    return {"outside_regions": book.unattributed(), "measurement": ledger.measurement_bytes(),
-            "shared_memory": ledger.shared_memory_bytes() or 0}
 
 
 def storage_sizes(*tensors: torch.Tensor | None) -> dict[int, int]:

@@ -41,7 +41,7 @@ STATE_CODES = {"kv": "k", "residual": "r", "anchor": "a", "replayed": "p", "evic
 STATE_NAMES = {code: name for name, code in STATE_CODES.items()}
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = data("presets") / "recordings"
-MAX_BYTES = 64 << 20  # an uploaded file larger than this (compressed or not) is refused before it is parsed
+MAX_BYTES = jsonfile.MAX_BYTES  # a file larger than this, or a gzip one inflating past it, is refused unparsed
 
 
 class RecordingError(UserError):
@@ -172,17 +172,14 @@ def save(recording: dict, path: str | Path) -> Path:
 
 
 def parse(data: bytes, name: str = "recording") -> dict:
-    """A recording from a file's bytes (gzip or not), checked; raises RecordingError naming what is wrong."""
-    if len(data) > MAX_BYTES:
-        raise RecordingError(f"{name}: {len(data):,} bytes; a recording may have at most {MAX_BYTES:,}")
-    if data[:2] == b"\x1f\x8b":
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError) as e:
-            raise RecordingError(f"{name}: a damaged gzip file ({e})") from None
-        if len(data) > 8 * MAX_BYTES:
-            raise RecordingError(f"{name}: more than {8 * MAX_BYTES:,} bytes uncompressed")
+    """A recording from a file's bytes (gzip or not), checked; raises RecordingError naming what is wrong.  A gzip
+    file is inflated as a stream, refused once it passes `MAX_BYTES`: a small file may unpack to gigabytes."""
     try:
+        if len(data) > MAX_BYTES:
+            raise ValueError(f"{name}: the file is larger than {jsonfile.mib(MAX_BYTES)}, the most the studio opens; "
+                             f"expected {EXPECTED}")
+        if data[:2] == b"\x1f\x8b":
+            data = jsonfile.inflate(data, name, EXPECTED, MAX_BYTES)
         recording = jsonfile.parse(data, name, EXPECTED)
     except ValueError as e:
         raise RecordingError(str(e)) from None
@@ -227,12 +224,17 @@ def check(recording, name: str = "recording") -> dict:
 
 
 def load(path: str | Path) -> dict:
+    """A recording file (a shipped one, an upload, a command line's), its size checked before a byte is read."""
     path = Path(path)
     if not path.is_file():
         raise RecordingError(f"recording: no file {path}")
-    if path.stat().st_size > MAX_BYTES:
-        raise RecordingError(f"{path.name}: {path.stat().st_size:,} bytes; a recording may have at most {MAX_BYTES:,}")
-    return parse(path.read_bytes(), path.name)
+    try:
+        data = jsonfile.read(path, path.name, EXPECTED, MAX_BYTES)
+    except ValueError as e:
+        raise RecordingError(str(e)) from None
+    except OSError:
+        raise RecordingError(f"{path.name}: the file could not be read; expected {EXPECTED}") from None
+    return parse(data, path.name)
 
 
 def shipped() -> dict[str, Path]:

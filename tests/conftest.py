@@ -92,7 +92,8 @@ def launch_local(demo):
 # --- how the suite is split between workers -----------------------------------------------------------------------
 # Modules that share a process-wide fixture form one group; a test parametrized by a tiny family joins that
 # family's group (its union run, tests/runs.py).  Every other module is a group of its own.
-GROUPS = {"test_app": "apps", "test_public": "apps", "test_recordings": "apps", "test_smollm2": "test_kernels"}
+GROUPS = {"test_app": "apps", "test_public": "apps", "test_recordings": "apps", "test_uploads": "apps",
+          "test_smollm2": "test_kernels"}
 TINY_SHARED = {"test_exactness_tiny", "test_anchorkv", "test_lockstep", "test_attention_view", "test_eviction",
                "test_kernels"}
 # Tests that run long enough to be a unit of their own (each worker launches its own app for them).

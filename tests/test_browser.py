@@ -771,10 +771,36 @@ def test_uploads_that_are_not_what_the_page_opens_are_told_in_the_visitors_words
     page.context.close()
 
 
-def test_a_strategy_from_ones_own_file_gets_a_pane_beside_the_built_ins(visitor, tmp_path):
-    """The example strategy named by its file in the sidebar's extra specs box: its pane streams beside the
+def test_a_strategy_file_in_the_box_is_refused_without_the_operators_switch(url, page, tmp_path):
+    """A file named in the extra specs box, the operator's switch off (the default): the status says it is refused
+    and names the switch (a bad setting's warning toast too), and the file never runs (its marker stays absent).
+    Mutation: the box's check in `Settings.specs` removed, and the app not serving (as in this process) -> the file
+    ran."""
+    page.goto(url)
+    page.wait_for_selector("#kvd-send", timeout=60_000)
+    page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('ready')", timeout=180_000)
+    marker = tmp_path / "evil.ran"
+    (tmp_path / "evil.py").write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n")
+    settings(page)
+    page.get_by_text("More panes (extra specs)").click()
+    page.fill("#kvd-extra textarea", f"{tmp_path}/evil.py:Evil")
+    settings(page, False)
+    send(page, PROMPT)
+    page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('never taken from a web "
+                           "request')", timeout=60_000)
+    assert "KVDIRECT_STRATEGY_DIR" in status(page), status(page)
+    assert page.locator("#kvd-send").is_enabled()
+    assert not marker.exists()
+
+
+def test_a_strategy_from_ones_own_file_gets_a_pane_beside_the_built_ins(visitor, tmp_path, monkeypatch):
+    """The example strategy named by its file in the sidebar's extra specs box, its folder allowed by the operator's
+    switch (`KVDIRECT_STRATEGY_DIR=examples`, as `studio.main` sets it on loopback): its pane streams beside the
     built-ins, its scoreboard row has its verdict and its measured bytes, and the turn ends in Done.  The screenshot
     is docs/own-strategy.png (STUDIO_OWN_SHOT)."""
+    from kvdirect_app import specs
+
+    monkeypatch.setattr(specs, "_SERVING", [(ROOT / "examples").resolve()])
     page = visitor
     settings(page)
     page.get_by_text("More panes (extra specs)").click()

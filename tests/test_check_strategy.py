@@ -96,8 +96,8 @@ def test_the_example_passes_every_rule_on_every_model():
     findings = conformance.check(EXAMPLE)
     assert not _failed(findings), _failed(findings)
     assert {f.model for f in findings} == set(conformance.MODELS)
-    assert {f.rule for f in findings} == {"contract", "bytes", "nothing hidden", "sliding layers",
-                                          "against the full cache"}
+    assert {f.rule for f in findings} == {"contract", "scores", "read-only step", "budget", "determinism", "bytes",
+                                          "nothing hidden", "sliding layers", "against the full cache", "time"}
 
 
 @pytest.mark.check

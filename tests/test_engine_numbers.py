@@ -192,15 +192,38 @@ def test_a_twin_on_smollm2_does_not_grow_rss_by_the_model(smollm2):
 
 
 def test_model_side_finds_the_model_however_deep_and_nothing_of_the_cache():
-    """`model_side` finds modules however deep and leaves the cache's own tensors to be copied."""
+    """`model_side` finds the model's modules however deep and leaves the cache's own tensors to be copied."""
     from kvdirect_app.strategies.base import model_side
 
     loaded = tiny("tiny-llama")
     cache = parse_spec("anchorkv:spacing=2:budget=3").build_cache(loaded.model)
-    found = model_side(cache)
+    found = model_side(cache, loaded.model)
     assert id(loaded.model) in found and id(loaded.model.config) in found
     assert all(id(p) in found for p in loaded.model.parameters())
     assert id(cache.store) not in found
+
+
+class _Counter(torch.nn.Module):
+    """A strategy's own module, its state in a buffer (what `fork` must copy, never share)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(1))
+
+
+def test_a_twin_copies_a_strategys_own_module_and_shares_only_the_models():
+    """`fork()` promises the copy its own state: a module the strategy made (a buffer it updates) is the twin's own,
+    while the model's modules stay shared.  (Sharing every module the cache reaches, as before, fails it.)"""
+    loaded = tiny("tiny-llama")
+    engine, lane = _anchor_cache_after_a_turn(loaded, "window:budget=4")
+    cache = lane.cache
+    cache.counter = _Counter()
+    cache.layer0 = loaded.model.model.layers[0]  # a model module held by the cache: shared, not copied
+    twin = cache.fork()
+    assert twin.counter is not cache.counter and twin.counter.seen is not cache.counter.seen
+    cache.counter.seen += 3
+    assert twin.counter.seen.item() == 0
+    assert twin.layer0 is cache.layer0
 
 
 @pytest.mark.parametrize("kernels", ["invariant", "native"])

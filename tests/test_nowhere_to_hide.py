@@ -1,6 +1,7 @@
 """Memory with nowhere to hide: what a lane's own code allocates counts as that lane's wherever it comes from
-(numpy's data, Python's buffers: a list's array of items), and what no lane's work holds (a tensor made on another thread, shared memory,
-the measurement's own) is reported as unattributed, never as nothing; there is no way to work for nobody.
+(numpy's data, Python's buffers: a list's array of items; a tensor made on a thread it started), and what no lane's
+work holds (shared memory, the measurement's own) is reported as unattributed, never as nothing; there is no way to
+work for nobody.  (tests/test_hiding_ways.py: fifteen more ways, each with the mechanism that catches it.)
 
 Each strategy below is a plain window whose score() also keeps a copy of the candidates' keys somewhere the
 allocator's ledger did not see before this change: the test records the copies' own sizes (what it hid), and the
@@ -105,8 +106,8 @@ def _run(spec: str) -> tuple[dict, dict, Session]:
 
 @pytest.mark.parametrize("way, keep", [("numpy", _numpy), ("list", _list)])
 def test_a_copy_kept_as_numpy_or_as_a_list_is_held_outside_torch_by_the_lane(way, keep, hiders):
-    """Mutations it catches: numpy's handler never put in place (`Ledger.numpy_here` a no-op: the numpy copy's bytes
-    go unseen); Python's hooks not installed (`kv_python_install` skipped: the list's do)."""
+    """Mutations it catches: numpy's handler never put in place (`kv_numpy_install` not called: the numpy copy's bytes
+    go unseen by the lane); Python's hooks not installed (`kv_python_install` skipped: the list's do)."""
     cls = hiders(way, keep)
     lanes, unattributed, session = _run(f"{cls.name}:budget=4")
     mine, plain = lanes[f"{cls.name}:budget=4"]["state_bytes"], lanes[PLAIN]["state_bytes"]
@@ -119,15 +120,27 @@ def test_a_copy_kept_as_numpy_or_as_a_list_is_held_outside_torch_by_the_lane(way
     assert "outside torch" in row and "kvd-outside" in row
 
 
-@pytest.mark.parametrize("way, keep, part", [("thread", _thread, "outside_regions"),
-                                             ("shared", _shared, "shared_memory"),
+def test_a_tensor_made_on_a_thread_the_strategy_started_is_the_lanes(hiders):
+    """A thread started inside a lane's work works for that lane: its clone is the lane's, held above the formula.
+    Mutation it catches: threads not inheriting their starter's owner (`ledger._inherit_owners` a no-op: the clone
+    is no one's)."""
+    cls = hiders("thread", _thread)
+    lanes, unattributed, session = _run(f"{cls.name}:budget=4")
+    mine = lanes[f"{cls.name}:budget=4"]["state_bytes"]
+    assert cls.hidden > 10_000
+    assert mine["formula_matches_measurement"] is False
+    assert mine["persistent_peak"] - mine["formula_persistent_peak"] >= cls.hidden
+    assert unattributed["outside_regions"] == 0, unattributed
+
+
+@pytest.mark.parametrize("way, keep, part", [("shared", _shared, "shared_memory"),
                                              ("owner0", _owner_zero, "outside_regions"),
                                              ("harness", _harness, "measurement")])
 def test_what_no_lane_holds_is_reported_as_unattributed(way, keep, part, hiders):
-    """A clone made on another thread, one moved to shared memory, one made while naming owner 0 or inside the
-    measurement's scope: no lane holds them, and the run says so (`unattributed_bytes`, the board's row).
-    Mutations it catches: torch's blocks of owner 0 not recorded (the ledger as it was: the thread's and owner 0's
-    clones go unseen); shared memory not read (`shared_memory_bytes` returning 0)."""
+    """A clone moved to shared memory, one made while naming owner 0 or inside the measurement's scope: no lane
+    holds them, and the run says so (`unattributed_bytes`, the board's row).  Mutations it catches: torch's blocks
+    of owner 0 not recorded (owner 0's clones go unseen); the process's shared mappings not read
+    (`CrossCheck._shared_mappings` returning 0)."""
     cls = hiders(way, keep)
     lanes, unattributed, session = _run(f"{cls.name}:budget=4")
     assert cls.hidden > 10_000

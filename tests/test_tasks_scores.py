@@ -430,3 +430,58 @@ def test_a_thread_count_given_in_code_is_checked_too():
         benchmarks.tasks(replace(TINY, threads=0), say=lambda line: None)
     with pytest.raises(UserError, match="threads: -1 is out of range"):
         sweeps.budget_cells({}, None, None, [], False, {"threads": -1})
+
+
+def _cell(held: dict[str, int | None], budget: int = 16, prompt: int = 512) -> dict:
+    lanes = {spec: {"strategy": spec.split(":")[0], "budget": None if spec == "full" else budget, "ratio": None,
+                    "spec": spec, "score": 1.0, "exact": spec == "full", "equal_full": spec == "full",
+                    "held_bytes": b, "peak_bytes": b} for spec, b in held.items()}
+    return {"task": "qa", "context": prompt, "depth": 50, "prompt_tokens": prompt, "context_tokens": prompt,
+            "lanes": lanes}
+
+
+def test_the_measured_compression_stands_beside_the_nominal_one():
+    """A lane that holds the full cache's bytes under budget=16 of 512 tokens: nominal 0.969, measured 0; one that
+    holds a quarter: 0.75; none measured: None (not 0).  Mutation: the measured figure taken from the budget (as
+    the nominal one is) made the first 0.969."""
+    cells = [_cell({"full": 1000, "mine:budget=16": 1000, "window:budget=16": 250, "blind:budget=16": None})]
+    rows = {r["spec"]: r for r in scores.summarise(cells)["rows"]}
+    assert rows["mine:budget=16"]["compression_ratio"] == pytest.approx(1 - 16 / 512)
+    assert rows["mine:budget=16"]["measured_compression"] == 0.0
+    assert rows["window:budget=16"]["measured_compression"] == pytest.approx(0.75)
+    assert rows["blind:budget=16"]["measured_compression"] is None and rows["full"]["measured_compression"] == 0.0
+    assert "measured" in scores_table_head(rows)
+
+
+def scores_table_head(rows: dict) -> str:
+    from kvdirect_app.cli.tasks import scores_table
+
+    return scores_table([{**r, "full_score": 1.0} for r in rows.values()]).splitlines()[0]
+
+
+def test_the_tasks_tab_shows_the_measured_compression_of_a_shipped_file_beside_the_nominal():
+    """The shipped result (written before the summary carried it) shows it too, from each cell's bytes: KNorm, which
+    keeps its first layers whole, compresses less than its nominal ratio says, and less than the window.  Mutation:
+    the table's measured cell filled with the nominal ratio (KNorm's equal to it)."""
+    result = tasks_view.load(tasks_view.shipped())
+    cells = result["cells"]
+    knorm, window = (next(s for s in cells[0]["lanes"] if s.startswith(name + ":")) for name in ("knorm", "window"))
+    nominal = {r["spec"]: r["compression_ratio"] for r in result["rows"]}
+    assert tasks_view.measured(cells, knorm) < nominal[knorm] - 0.05
+    assert tasks_view.measured(cells, knorm) < tasks_view.measured(cells, window)
+    setting = cells[0]["lanes"][knorm]["ratio"] or cells[0]["lanes"][knorm]["budget"]
+    table = tasks_view.table_html(result, setting)
+    row = next(r for r in table.split("<tr>") if tasks_view.title(knorm) in r)
+    assert f"<td>{nominal[knorm]:.2f}</td><td>{tasks_view.measured(cells, knorm):.2f}</td>" in row
+    assert "compression (nominal)</th>" in table and "measured</th>" in table
+
+
+def test_a_run_reports_the_measured_compression_from_its_own_bytes(tiny_result):
+    """Each row's measured compression is its lanes' held bytes against the full cache's, cell by cell."""
+    rows = {r["spec"]: r for r in tiny_result["rows"]}
+    for spec in ("window:budget=8", "kvdirect:budget=8"):
+        want = sum(1 - c["lanes"][spec]["held_bytes"] / c["lanes"]["full"]["held_bytes"]
+                   for c in tiny_result["cells"]) / len(tiny_result["cells"])
+        assert rows[spec]["measured_compression"] == pytest.approx(want)
+    assert rows["window:budget=8"]["measured_compression"] > 0.5
+    validate(stamp("tasks", tiny_result))

@@ -6,8 +6,9 @@
 
 Every strategy at every budget answers each generated sample in lockstep with the full cache (whose score is
 the reference); prints the score per strategy and budget beside the full cache's, the compression ratio (kvpress's
-convention), the measured bytes held after the answer and the peak during it, then the needle map (context x
-depth) per strategy; says whether every exact strategy's answers equalled the full cache's in every cell (checked
+convention, nominal) and the measured one beside it (1 - the bytes held after the answer over the full cache's),
+the measured bytes held after the answer and the peak during it, then the needle map (context x depth) per
+strategy; says whether every exact strategy's answers equalled the full cache's in every cell (checked
 token for token; the exit status is 1 if one did not).  With --multiturn each cell is a conversation (turn 1 a
 context with a needle per turn, every turn asking about another; `generate.conversation`) and the score is
 printed by turn as well.
@@ -33,11 +34,12 @@ HISTORY_WORDS = {"keep": "kept (a conversation: each lane's own earlier answers 
 
 def scores_table(rows: list[dict]) -> str:
     cols = ["strategy", "budget", "kind", "score", "full cache", "below full", "= full answers", "compression",
-            "held after", "peak during"]
+            "measured", "held after", "peak during"]
     body = [[r["strategy"], f"ratio {r['ratio']:g}" if r.get("ratio") else fmt(r["budget"], "d"), r["kind"],
              f"{r['score']:.3f}", f"{r['full_score']:.3f}",
              f"{r['cells_below_full']}/{r['cells']}", f"{r['answers_equal_full']}/{r['cells']}",
-             f"{r['compression_ratio']:.2f}", fmt_bytes(r["held_bytes_mean"]), fmt_bytes(r["peak_bytes_mean"])]
+             f"{r['compression_ratio']:.2f}", fmt(r.get("measured_compression"), ".2f"),
+             fmt_bytes(r["held_bytes_mean"]), fmt_bytes(r["peak_bytes_mean"])]
             for r in rows]
     return table(cols, body, left=2)
 

@@ -162,22 +162,34 @@ class StrategyCache(Cache):
             if hasattr(layer, "end_turn"):
                 layer.end_turn()
 
+    model = None  # the model the cache was built for (set by whoever builds it: the engine, `strategy_cache`)
+
     def fork(self) -> "StrategyCache":
-        """An independent copy of the state, the strategy's object included (whatever a strategy keeps on itself
-        is the copy's own).  Shared, not copied: every model-side object the cache reaches, however deep (modules
-        with their parameters and buffers, configs: an AnchorKV store reaches the whole model through its
-        replayer), and the run's kernels."""
-        memo = model_side(self)
+        """An independent copy of the state, the strategy's object included (whatever a strategy keeps on itself,
+        in a module of its own too, is the copy's own).  Shared, not copied: the model's own modules, parameters
+        and buffers wherever the cache reaches them (an AnchorKV store reaches the whole model through its
+        replayer), model configs, and the run's kernels.  A cache built without its model (`model` None) shares
+        no module: every module it reaches is copied."""
+        memo = model_side(self, self.model)
         if self.kernels is not None:
             memo[id(self.kernels)] = self.kernels
-        return copy.deepcopy(self, memo)
+        try:
+            return copy.deepcopy(self, memo)
+        except (TypeError, copy.Error, NotImplementedError, RecursionError) as e:  # e.g. an mmap it keeps
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ContractError(f"{self.strategy.label}: its state cannot be copied for a twin or a saved turn "
+                                f"({type(e).__name__}: {why}); allowed: state that copy.deepcopy can copy (tensors, "
+                                "numbers, lists, dicts, dataclasses), or a run without twins") from None
 
 
-def model_side(root) -> dict[int, object]:
-    """Every model-side object reachable from `root`, by id (a deepcopy memo that shares them): each
-    `nn.Module` with all its submodules, parameters and buffers, and each model config.  Tensors are leaves
-    (a cache's own state); the walk follows containers and plain objects' attributes."""
+def model_side(root, model: torch.nn.Module | None) -> dict[int, object]:
+    """The model-side objects of `root`, by id (a deepcopy memo that shares them): `model` with all its submodules,
+    parameters and buffers, and each model config `root` reaches.  A module that is not the model's (a strategy's
+    own, with state in its buffers) is not among them: a copy gets its own."""
     found: dict[int, object] = {}
+    if model is not None:
+        found.update((id(part), part) for part in (*model.modules(), *model.parameters(), *model.buffers()))
+        found[id(model.config)] = model.config
     seen: set[int] = set()
     stack = [root]
     while stack:
@@ -186,8 +198,7 @@ def model_side(root) -> dict[int, object]:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.nn.Module):
-            for part in (*obj.modules(), *obj.parameters(), *obj.buffers()):
-                found[id(part)] = part
+            stack.extend(vars(obj).values())  # its own state is copied; the model's modules it holds are shared
         elif isinstance(obj, compat.PretrainedConfig):
             found[id(obj)] = obj
         elif isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, type(None), type)):

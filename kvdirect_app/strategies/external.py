@@ -8,8 +8,11 @@ The class subclasses one of the public bases (`PUBLIC_BASES`: `Scored` for an ev
 strategy's.  A file is imported once per content (its text's hash names the module), so an edited file is read
 again; its path and class are the strategy's spec (`Strategy.spec`), so a worker process (the local pool, a Ray
 task) finds it the same way.  A Ray task on another machine may not have the file: `carry` puts the files a cell
-names in the cell, and `provided` makes them known in the worker before the cell runs.  Hosted mode (a public
-Space) refuses every file and module spec: a visitor must not run code there.
+names in the cell, and `provided` makes them known in the worker before the cell runs.
+
+A file must end in `.py` everywhere.  Hosted mode (a public Space) refuses every file and module spec: a visitor
+must not run code there.  The web app (`specs.serve`, set once at its start) loads files only from the folder its
+operator allowed, after resolving links, and modules never, whichever route a spec came by (`specs.refusal`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sys
 from pathlib import Path
 
 from ..hosted import hosted
-from ..specs import external
+from ..specs import external, is_file, refusal
 from .base import Strategy, StrategyError
 
 CARRIED = "_strategy_files"  # a cell's key: {path: text} of the strategy files it names
@@ -42,9 +45,12 @@ def load(spec: str) -> type[Strategy]:
     if hosted():
         raise StrategyError(f"{source}:{name}: strategies from files or modules do not run on this hosted demo (a "
                             "visitor's code is not run here); allowed: the registered strategies")
+    why = refusal(source)
+    if why:
+        raise StrategyError(why)
     if not name:
         raise StrategyError(f"{source}: no class named; allowed: {source}:ClassName[:key=value...]")
-    module = _from_file(source) if source.endswith(".py") or "/" in source else _from_module(source)
+    module = _from_file(source) if is_file(source) else _from_module(source)
     cls = getattr(module, name, None)
     if not isinstance(cls, type) or not issubclass(cls, Strategy):
         raise StrategyError(f"{source}:{name}: {'no class ' + name if cls is None else name + ' is not a strategy'} "
@@ -97,7 +103,7 @@ def carry(cell: dict) -> dict:
         if isinstance(value, str):
             for part in value.split(","):
                 found = external(part)
-                if found and (found[0].endswith(".py") or "/" in found[0]) and Path(found[0]).is_file():
+                if found and found[0].endswith(".py") and Path(found[0]).is_file():
                     files[found[0]] = Path(found[0]).read_text(encoding="utf-8")
         elif isinstance(value, dict):
             for k, v in value.items():

@@ -11,9 +11,11 @@ process, or on the local pool or Ray (`executors.run_cells`).
 The result (`tasks` results file, docs/schema/tasks.json) keeps every cell's answers, scores and measured bytes,
 and the summary: per strategy and budget the mean score beside the full cache's (the reference: a 135M model
 misses some needles with every token kept), the compression ratio by kvpress's convention (the share of the
-prompt's K/V tokens a layer drops: 1 - budget / prompt tokens, for an evicting strategy) and the measured bytes
-held after the answer (what the budget buys; the frontier's axis) and peak during it (for an evicting strategy,
-the whole prompt's K/V before it is trimmed); per strategy and budget, the score by context and depth (the needle heatmap).
+prompt's K/V tokens a layer drops: 1 - budget / prompt tokens, for an evicting strategy) beside the measured one
+(the share of the full cache's bytes it does not hold after the answer, by the allocator: a strategy that keeps
+whole layers, or more than its budget, shows here what the nominal ratio cannot), the measured bytes held after
+the answer (what the budget buys; the frontier's axis) and peak during it (for an evicting strategy, the whole
+prompt's K/V before it is trimmed); per strategy and budget, the score by context and depth (the needle heatmap).
 
 With --multiturn a cell is a conversation (`generate.conversation`): every lane answers each turn in lockstep with
 the full cache, its cache carried over between turns as in the app (SnapKV and PyramidKV compress each user turn's
@@ -299,6 +301,21 @@ def compression_ratio(budget: int | None, compressed_tokens: int, exact: bool) -
     return max(0.0, 1.0 - budget / compressed_tokens)
 
 
+def measured_compression(held: int | None, full_held: int | None) -> float | None:
+    """The share of the full cache's bytes a lane does not hold after the answer, both measured in the same cell:
+    1 - held / the full cache's held (below 0 where it holds more); None where either was not measured.  The nominal
+    ratio counts one layer's tokens by the budget; this counts what the allocator says the lane holds (KNorm's whole
+    layers, a strategy that keeps more than its budget)."""
+    if held is None or not full_held:
+        return None
+    return 1.0 - held / full_held
+
+
+def cells_measured_compression(cells: list[dict], spec: str) -> float | None:
+    """`measured_compression` of lane `spec`, the mean over `cells` (each cell's lane against its own full cache)."""
+    return _mean(measured_compression(c["lanes"][spec]["held_bytes"], c["lanes"]["full"]["held_bytes"]) for c in cells)
+
+
 def compressed_tokens(cell: dict, question: str) -> int:
     """The tokens a cell's lanes compressed: its context with --question after, its whole prompt otherwise."""
     return cell["context_tokens"] if question == "after" else cell["prompt_tokens"]
@@ -374,6 +391,7 @@ def _rows(cells: list[dict], ratios: bool, question: str = "with-context") -> li
                      "compression_ratio": statistics.fmean(
                          compression_ratio(a["budget"], compressed_tokens(c, question), a["exact"])
                          for a, c in zip(lanes, cells)),
+                     "measured_compression": cells_measured_compression(cells, spec),
                      "held_bytes_mean": _mean(a["held_bytes"] for a in lanes),
                      "peak_bytes_mean": _mean(a["peak_bytes"] for a in lanes),
                      "full_peak_bytes_mean": _mean(c["lanes"]["full"]["peak_bytes"] for c in cells)})
@@ -383,8 +401,10 @@ def _rows(cells: list[dict], ratios: bool, question: str = "with-context") -> li
 def leaderboard(cells: list[dict], question: str = "with-context") -> list[dict]:
     """kvpress's leaderboard form, for the lanes run at a compression ratio (and the full cache at 0): a row per
     strategy, ratio and task (the summary's row on that task's cells), its measured bytes beside the nominal
-    ratio, and where the question was read (`question`); multi-turn rows carry the score from the context too."""
-    keep = ("strategy", "score", "score_from_context", "cells", "compression_ratio", "held_bytes_mean")
+    ratio and the measured compression, and where the question was read (`question`); multi-turn rows carry the score
+    from the context too."""
+    keep = ("strategy", "score", "score_from_context", "cells", "compression_ratio", "measured_compression",
+            "held_bytes_mean")
     out = []
     for task in dict.fromkeys(c["task"] for c in cells):
         for row in _rows([c for c in cells if c["task"] == task], True, question):

@@ -18,9 +18,15 @@ def __getattr__(name: str):
 
 
 def launch_options() -> dict:
-    """Theme and CSS for `demo.launch(...)` (Gradio 6 takes them there, not in `Blocks`)."""
+    """Theme, CSS and the upload cap for `demo.launch(...)` (Gradio 6 takes them there, not in `Blocks`).
+
+    `max_file_size`: Gradio's upload route refuses a larger file itself (HTTP 413) while it streams in, before any
+    of our code reads it: the largest file the page opens (`jsonfile.MAX_BYTES`, a recording or a tasks result),
+    and nothing at all on a hosted demo, whose page opens no visitor's file."""
     import gradio as gr
 
+    from ..hosted import hosted
+    from ..jsonfile import MAX_BYTES
     from .layout import ASSETS
 
     # Local fonts only: the demo must render offline (no web fonts).
@@ -39,4 +45,5 @@ def launch_options() -> dict:
       new MutationObserver(stick).observe(document.body, {childList: true, subtree: true, characterData: true});
     }"""
     return {"theme": theme, "css_paths": [ASSETS / name for name in ("studio.css", "claims.css")
-                                                        if (ASSETS / name).is_file()], "js": start}
+                                                        if (ASSETS / name).is_file()], "js": start,
+            "max_file_size": 0 if hosted() else MAX_BYTES}

@@ -153,7 +153,8 @@ def _recordings(first: Session):
                          info="played back at the recorded pace (or faster); every number is the recorded one")
     speed = gr.Radio(list(playback.SPEEDS), value=playback.DEFAULT_SPEED, label="Replay speed", elem_id="kvd-speed")
     upload = gr.UploadButton("📂 Open a recording file (.json / .json.gz)", file_types=[".json", ".gz"],
-                             file_count="single", type="filepath", variant="secondary", elem_id="kvd-upload")
+                             file_count="single", type="filepath", variant="secondary", elem_id="kvd-upload",
+                             visible=not hosted())  # a hosted demo opens no visitor's file (`RecordingButtons.replay`)
     return picker, speed, upload
 
 

@@ -8,6 +8,7 @@ from typing import Iterator
 
 import gradio as gr
 
+from ..hosted import hosted
 from ..recording import RecordingError, describe
 from ..scenarios import scenarios
 from . import playback, runner, views
@@ -35,6 +36,10 @@ class RecordingButtons:
         if speed not in playback.SPEEDS:
             yield from self._refuse(session, f"speed: {str(speed)[:40]!r} is not allowed; allowed: "
                                              f"{', '.join(playback.SPEEDS)}")
+            return
+        if upload and hosted():  # the button is hidden there; a request that sends a file anyway is refused
+            yield from self._refuse(session, "Opening a recording file is off on this hosted demo; pick one of the "
+                                             "recorded runs.")
             return
         try:
             recording = playback.open_recording(choice, upload)

@@ -333,8 +333,15 @@ def token_map(talk: service.Conversation | None, maps: dict | None, label: str, 
 
 
 def compare_specs(strategies: str, budget: int, spacing: int, mode: str = "") -> str:
-    """API strategies: names get the shared settings they declare; spacing 0 and mode "" keep the defaults."""
+    """API strategies: names get the shared settings they declare; spacing 0 and mode "" keep the defaults.  A
+    file or module spec is refused before anything reads it, whatever the operator allowed the page: an API call
+    is web input, and a path it names may be a file it uploaded a moment before."""
     entries = [e for e in strategies.split(",") if e.strip()]
+    for entry in entries:
+        if external(entry):
+            raise UserError(f"strategies: {entry.strip()[:80]!r} names a file or module; the compare API runs "
+                            "registered strategies only (code is never taken from a web request); allowed: "
+                            "registered names like 'full,kvdirect:budget=64'")
     return ",".join(expand(e, budget or None, spacing or None, mode or None) for e in entries)
 
 

@@ -175,21 +175,27 @@ def _step_rows(session: Session, asked: bool) -> str:
 
 
 def _unattributed_row(session: Session, asked: bool) -> str:
-    """Bytes no pane's work holds (process-wide): blocks allocated outside every region (a thread a strategy
-    started), the measurement's own, shared memory.  Shown whenever a meter reads them, 0 B included."""
+    """Bytes no pane's work holds (process-wide): blocks allocated outside every region, the measurement's own, and
+    what the ledger's cross-check finds beside its hooks.  Shown whenever a meter reads them, 0 B included; the
+    title says what can still go unseen."""
     now = session.unattributed
     if now is None:
         return ""
-    parts = {"outside_regions": ("outside every region", "allocated outside every pane's work (a thread a "
-                                                          "strategy started, code outside every region)"),
+    parts = {"outside_regions": ("outside every region", "allocated outside every pane's work (code outside "
+                                                          "every region)"),
              "measurement": ("measurement", "the measurement's own work"),
-             "shared_memory": ("shared memory", "shared memory, which no allocator hands out")}
-    short = " · ".join(f"{word} {fmt_bytes(now.get(key, 0))}" for key, (word, _) in parts.items())
+             "malloc": ("malloc", "the C allocator's bytes no hook saw (bytes, bytearray, pickles, ctypes malloc)"),
+             "python_objects": ("Python objects", "Python's small objects (a tuple's floats, a dict's ints)"),
+             "anonymous": ("mappings", "private mappings (mmap, torch.from_file)"),
+             "shared_memory": ("shared", "writable shared mappings (shared memory, np.memmap)")}
+    short = " · ".join(f"{word} {fmt_bytes(now[key])}" for key, (word, _) in parts.items() if now.get(key))
     long = "; ".join(f"{what} {fmt_bytes(now.get(key, 0))}" for key, (_, what) in parts.items())
     kind = "kvd-bad" if now["bytes"] else "kvd-note"
-    title = html.escape("bytes no pane's work holds (process-wide, since the run began): " + long)
+    title = html.escape("bytes no pane's work holds (process-wide, since the run began): " + long + ".  Unseen: "
+                        "copies below the cross-check's floor (2 MiB plus 8 KiB a pane's step, in all), another "
+                        "process's memory, files written and not kept mapped")
     return (f'<tr class="kvd-unattributed-row" title="{title}"><td><b>unattributed</b></td>'
-            f'<td class="kvd-note">no pane\'s: {html.escape(short)}</td>'
+            f'<td class="kvd-note">no pane\'s: {html.escape(short or "nothing")}</td>'
             + ('<td></td>' if asked else '')
             + f'<td class="kvd-num {kind}">{fmt_bytes(now["bytes"])}</td>'
             f'<td class="kvd-num {kind}">{fmt_bytes(session.unattributed_peak)}</td><td></td><td></td></tr>')

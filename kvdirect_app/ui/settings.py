@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .. import service
 from ..catalog import embedded_presets, hub_copy, is_test_model, offered_presets, presets, unavailable_reason
 from ..limits import SettingError, integer, limits
-from ..specs import external, name_of, settings_of
+from ..specs import STRATEGY_DIR, external, name_of, page_folder, settings_of
 
 REFERENCE = "full"  # the engine's reference lane: every other lane is compared with it
 PREFERRED_MODELS = ("smollm2-135m", "gemma3-270m")  # the first that loads here is the default (`default_model`)
@@ -195,7 +195,14 @@ class Settings:
     def specs(self) -> list[str]:
         """Expanded specs of the ticked strategies and the extra specs, checked by the registry's parser."""
         entries = [n for n in catalogue() if n in self.strategies]
-        entries += [e for e in self.extra_specs.split(",") if e.strip()]
+        extras = [e for e in self.extra_specs.split(",") if e.strip()]
+        for entry in extras:  # before anything reads the spec: the box is web input, whoever fills it
+            if external(entry) and page_folder() is None:
+                raise SettingError(f"extra specs: {entry.strip()[:80]!r} names a file or module, and this page runs "
+                                   "none (code is never taken from a web request); allowed: registered strategies, "
+                                   f"or .py files from the folder the operator names with {STRATEGY_DIR}=FOLDER on "
+                                   "a server bound to loopback")
+        entries += extras
         if not entries:
             raise SettingError("strategies: no strategy selected; tick at least one")
         specs = [expand(e, self.budget, self.spacing, self.mode, self.rebuild) for e in entries]

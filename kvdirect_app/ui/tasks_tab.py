@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from ..hosted import hosted
 from ..paths import data
 from ..schema import SchemaError
 from . import tasks_view
@@ -80,7 +81,7 @@ def tasks_tab():
                             elem_id="kvd-tasks-model")
         upload = gr.UploadButton("📂 Open a results file (bench tasks --json, with or without --multiturn)",
                                  file_types=[".json"], type="filepath", variant="secondary", elem_id="kvd-tasks-upload",
-                                 scale=3)
+                                 scale=3, visible=not hosted())  # a hosted demo opens no visitor's file
 
     gr.Markdown("### Answers across turns", elem_id="kvd-turns-title")
     with gr.Row():
@@ -149,6 +150,8 @@ def tasks_tab():
         if not path:
             return skip
         try:
+            if hosted():  # the button is hidden there; a request that sends a file anyway is refused unread
+                raise SchemaError("opening a results file is off on this hosted demo; the shipped results are shown")
             mine = tasks_view.load(path)
         except SchemaError as e:  # said where the single-turn result's provenance is; nothing shown changes
             shown = current or current_multi

@@ -67,11 +67,12 @@ def shipped(multiturn: bool = False, model: str = DEFAULT_MODEL, history: str = 
 
 
 def load(path: str | Path) -> dict:
-    """A tasks results file, checked to be one this build reads (one line naming what it is, else)."""
+    """A tasks results file, checked to be one this build reads (one line naming what it is, else); its size is
+    checked before a byte is read (`jsonfile.read`)."""
     path = Path(path)
     expected = "a bench tasks --json results file"
     try:
-        document = jsonfile.parse(path.read_bytes(), path.name, expected)
+        document = jsonfile.parse(jsonfile.read(path, path.name, expected), path.name, expected)
     except OSError:
         raise schema.SchemaError(f"{path.name}: the file could not be read; expected {expected}") from None
     except ValueError as e:
@@ -272,6 +273,11 @@ def provenance(result: dict) -> str:
             f"commit {result.get('commit') or '?'}")
 
 
+# The nominal ratio (kvpress's: the share of one layer's compressed tokens dropped, from the budget) and the measured
+# one beside it (the share of the full cache's bytes not held, by the allocator: whole layers kept show there).
+COMPRESSION_HEADS = ("<th title=\"kvpress's ratio: the share of one layer's compressed tokens dropped, from the "
+                     "budget\">compression (nominal)</th><th title=\"1 - bytes held after the answer / the full "
+                     "cache's, measured by the allocator\">measured</th>")
 QUESTION_WORDS = {"after": "the question read after the context was compressed alone (kvpress's setting)",
                   "with-context": "the question inside the compressed prompt (the SnapKV paper's setting)"}
 
@@ -294,6 +300,21 @@ def head_html(result: dict) -> str:
             f"{result['seconds'] / 60:.0f} min on {result['executor']}; {exact}.</p>")
 
 
+def measured(cells: list[dict], spec: str) -> float | None:
+    """The measured compression of lane `spec` over `cells` (`tasks.scores.measured_compression`: 1 - its held bytes
+    over the full cache's in the same cell, the mean), from each cell's bytes, so that a results file written before
+    the summary carried it shows it too; None where no memory was measured."""
+    values = [1 - c["lanes"][spec]["held_bytes"] / c["lanes"][REFERENCE]["held_bytes"] for c in cells
+              if c["lanes"][spec].get("held_bytes") is not None and c["lanes"][REFERENCE].get("held_bytes")]
+    return sum(values) / len(values) if values else None
+
+
+def _compression(cells: list[dict], spec: str, row: dict) -> str:
+    """The nominal compression ratio, then the measured one beside it."""
+    held = measured(cells, spec)
+    return f"<td>{row.get('compression_ratio', 0):.2f}</td><td>{'-' if held is None else format(held, '.2f')}</td>"
+
+
 def turns_table_html(result: dict, setting: int | float | None, task: str = ALL) -> str:
     """A row per lane at the setting: its mean score over the turns found in the context beside its raw score,
     the answers that copied its own earlier replies, the full cache's, and the answers equal to the full cache's."""
@@ -310,11 +331,11 @@ def turns_table_html(result: dict, setting: int | float | None, task: str = ALL)
         rows.append(f"<tr><td>{html.escape(title(spec))}</td><td>{html.escape(r.get('kind', ''))}</td>"
                     f"<td><b>{mean(spec, 'score_from_context'):.2f}</b></td><td>{mean(spec, 'score'):.2f}</td>"
                     f"<td>{sum(c['lanes'][spec]['copies'] for c in cells)}/{asked}</td>"
-                    f"<td>{full_own:.2f} / {full_raw:.2f}</td><td>{same}/{turns}</td>"
-                    f"<td>{r.get('compression_ratio', 0):.2f}</td><td>{fmt_bytes(r.get('held_bytes_mean'))}</td></tr>")
+                    f"<td>{full_own:.2f} / {full_raw:.2f}</td><td>{same}/{turns}</td>{_compression(cells, spec, r)}"
+                    f"<td>{fmt_bytes(r.get('held_bytes_mean'))}</td></tr>")
     return ("<table class='kvd-tasks-table'><tr><th>strategy</th><th>kind</th><th>found in the context</th>"
             "<th>raw</th><th>copied answers</th><th>full cache (context / raw)</th><th>= full answers</th>"
-            "<th>compression</th><th>held after</th></tr>" + "".join(rows) + "</table>")
+            f"{COMPRESSION_HEADS}<th>held after</th></tr>" + "".join(rows) + "</table>")
 
 
 def table_html(result: dict, budget: int | None, task: str = ALL) -> str:
@@ -329,8 +350,8 @@ def table_html(result: dict, budget: int | None, task: str = ALL) -> str:
         same = sum(c["lanes"][spec]["equal_full"] for c in cells)
         rows.append(f"<tr><td>{html.escape(title(spec))}</td><td>{html.escape(r.get('kind', ''))}</td>"
                     f"<td><b>{s:.2f}</b></td><td>{full:.2f}</td><td>{below}/{len(cells)}</td>"
-                    f"<td>{same}/{len(cells)}</td><td>{r.get('compression_ratio', 0):.2f}</td>"
+                    f"<td>{same}/{len(cells)}</td>{_compression(cells, spec, r)}"
                     f"<td>{fmt_bytes(r.get('held_bytes_mean'))}</td><td>{fmt_bytes(r.get('peak_bytes_mean'))}</td></tr>")
     return ("<table class='kvd-tasks-table'><tr><th>strategy</th><th>kind</th><th>score</th><th>full cache</th>"
-            "<th>below full</th><th>= full answer</th><th>compression</th><th>held after</th><th>peak during</th></tr>"
+            f"<th>below full</th><th>= full answer</th>{COMPRESSION_HEADS}<th>held after</th><th>peak during</th></tr>"
             + "".join(rows) + "</table>")
