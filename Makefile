@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check install browser bench clean
+.PHONY: demo test check lint install browser bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,28 +21,29 @@ $(RAY_STAMP): requirements-ray.txt $(STAMP)
 	$(BIN)/python -m pip install -r requirements-ray.txt
 	touch $@
 
-# The embedded models' cached copies (kvdirect_app/model_cache.py): the first load of a GGUF preset dequantises every
-# tensor (~30-70 s, a load peak above any run); later loads map the kept copy (seconds).
+# The embedded models' cached copies (kvdirect_app/models/model_cache.py): the first load of a GGUF preset
+# dequantises every tensor (~30-70 s, a load peak above any run); later loads map the kept copy (seconds).
 MODELS_STAMP := $(VENV)/.models-cached
 $(MODELS_STAMP): $(STAMP)
-	$(BIN)/python -m kvdirect_app.model_cache smollm2-135m gemma3-270m
+	$(BIN)/python -m kvdirect_app.cli.prepare_models smollm2-135m gemma3-270m
 	touch $@
 
-# The allocator's ledger (kvdirect_app/ledger.cpp), the default memory instrument on the CPU, compiled once against
-# torch's own headers (a few seconds); a machine with no C++ compiler gets Debian's where apt is there.  Without a
+# The allocator's ledger (kvdirect_app/measure/ledger.cpp), the default memory instrument on the CPU, compiled once
+# against torch's own headers (a few seconds); a machine with no C++ compiler gets Debian's where apt is there.  Without a
 # compiler the studio still runs: its memory figures are then declared by the strategies, and it says so.
 LEDGER_STAMP := $(VENV)/.ledger-built
-$(LEDGER_STAMP): $(STAMP) kvdirect_app/ledger.cpp kvdirect_app/native.py
+$(LEDGER_STAMP): $(STAMP) kvdirect_app/measure/ledger.cpp kvdirect_app/kernels/native.py
 	@command -v $${CXX:-c++} >/dev/null || ! command -v apt-get >/dev/null || \
 		{ apt-get update && apt-get install -y --no-install-recommends g++; }
-	$(BIN)/python -m kvdirect_app.ledger || echo "note: no allocator ledger here; memory figures will be declared"
+	$(BIN)/python -m kvdirect_app.measure.ledger || echo "note: no allocator ledger here; memory figures will be declared"
 	touch $@
 
-# The fixed-order kernels (kvdirect_app/dots.cpp: the invariant linears and attention), built the same way (a few
-# seconds).  Without a compiler the invariant kernels are not there: runs use the native ones and say why.
+# The fixed-order kernels (kvdirect_app/kernels/dots.cpp: the invariant linears and attention), built the same way (a
+# few seconds).  Without a compiler the invariant kernels are not there: runs use the native ones and say why.
 DOTS_STAMP := $(VENV)/.dots-built
-$(DOTS_STAMP): $(LEDGER_STAMP) kvdirect_app/dots.cpp kvdirect_app/dots_attention.inc kvdirect_app/native.py
-	$(BIN)/python -m kvdirect_app.dots || echo "note: no fixed-order kernels here; runs will use the native kernels"
+$(DOTS_STAMP): $(LEDGER_STAMP) kvdirect_app/kernels/dots.cpp kvdirect_app/kernels/dots_attention.inc \
+		kvdirect_app/kernels/native.py
+	$(BIN)/python -m kvdirect_app.kernels.dots || echo "note: no fixed-order kernels here; runs will use the native kernels"
 	touch $@
 
 install: $(STAMP) $(MODELS_STAMP) $(LEDGER_STAMP) $(DOTS_STAMP)
@@ -54,17 +55,23 @@ demo: install
 browser:
 	@test -x /usr/bin/chromium || { apt-get update && apt-get install -y --no-install-recommends chromium; }
 
+# The layout's checks (a few seconds): each layer imports only those below it and the plain layer no torch
+# (.importlinter), and the linter (pyproject.toml's [tool.ruff]).
+lint: install
+	$(BIN)/lint-imports
+	$(BIN)/ruff check .
+
 # Two workers (pytest-xdist): tests that share a process-wide fixture run together (tests/conftest.py).
 WORKERS := -n 2
 
 # The README's and docs/'s measured figures against their results files first (one line per figure that disagrees).
-test: install $(RAY_STAMP) browser
+test: install $(RAY_STAMP) browser lint
 	$(BIN)/python -m kvdirect_app.bench docs --check
 	$(BIN)/python -m pytest $(WORKERS)
 
 # The inner loop (a few minutes): model-free tests, the tiny families' exactness, one SmolLM2 exactness run, the
 # public-input checks (the tests marked `check`).
-check: install
+check: install lint
 	$(BIN)/python -m pytest $(WORKERS) -m check
 
 bench: install

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from playwright import sync_api  # noqa: E402
 
-from kvdirect_app.ui import build_demo  # noqa: E402
+from kvdirect_app.app.ui import build_demo  # noqa: E402
 from tests.conftest import launch_local  # noqa: E402
 from tests.test_browser import ARGS, CHROMIUM  # noqa: E402
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvdirect_app  # noqa: E402,F401  (thread settings before torch)
 import torch  # noqa: E402
 
-from kvdirect_app import kernels as K  # noqa: E402
+from kvdirect_app.kernels import invariant as K  # noqa: E402
 from kvdirect_app.engine import Engine, run_to_end  # noqa: E402
 from kvdirect_app.models import load_model  # noqa: E402
 from kvdirect_app.strategies import parse_specs  # noqa: E402
@@ -52,7 +52,7 @@ def probe(device: str, out: dict):
     the block attention's, and the attention probe proper (one query alone / among many / among lanes)."""
     import functools
 
-    from kvdirect_app import probes
+    from kvdirect_app.kernels import probes
 
     loaded = load_model("smollm2-135m", dtype="float32", device=device)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -108,7 +108,7 @@ def seven(device: str, out: dict, quick: bool):
 
 def replay4k(device: str, out: dict, quick: bool):
     loaded = load_model("smollm2-135m", dtype="float32", device=device)
-    from kvdirect_app.prompts import filler_ids
+    from kvdirect_app.models.prompts import filler_ids
 
     context = 512 if quick else 4096
     ids = filler_ids(loaded.tokenizer, context)
@@ -127,7 +127,7 @@ def replay4k(device: str, out: dict, quick: bool):
 def generate(device: str, out: dict, quick: bool):
     """Greedy `generate` with each exact strategy's cache against transformers' DynamicCache, two turns."""
     from kvdirect_app import strategy_cache
-    from kvdirect_app.compat import DynamicCache
+    from kvdirect_app.models.compat import DynamicCache
 
     table = {}
     for name in ["tiny-llama", "tiny-gemma3"] + ([] if quick else ["smollm2-135m"]):
@@ -190,8 +190,8 @@ def claims(device: str, out: dict, quick: bool, dest: Path):
 
 def tasks(device: str, out: dict, quick: bool, dest: Path):
     """`bench tasks --quick` on the device: scores per strategy beside the full cache's, exact answers checked."""
-    from kvdirect_app import benchmarks
-    from kvdirect_app.schema import stamp
+    from kvdirect_app.benchmarks import api as benchmarks
+    from kvdirect_app.plain.schema import stamp
 
     small = dict(model="tiny-llama", contexts="512", tasks="niah_single_number") if quick else {}
     result = benchmarks.tasks(benchmarks.TasksConfig(quick=True, device=device, **small), say=lambda line: None)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvdirect_app  # noqa: E402,F401
 import torch  # noqa: E402
 
-from kvdirect_app import lockstep  # noqa: E402
+from kvdirect_app.engine import lockstep  # noqa: E402
 from kvdirect_app.engine import Engine, run_to_end  # noqa: E402
 from kvdirect_app.models import load_model  # noqa: E402
 from kvdirect_app.strategies import parse_specs  # noqa: E402
@@ -35,7 +35,7 @@ def logits_of(loaded, kernels: str, prompt: str, tokens: int):
 
     lockstep.run_batch = recording
     try:
-        import kvdirect_app.forwards as forwards
+        import kvdirect_app.engine.forwards as forwards
 
         forwards.run_batch = recording
         result = run_to_end(Engine(loaded, parse_specs("full"), max_new_tokens=tokens, kernels=kernels,

@@ -18,12 +18,12 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 # Every results file the suite writes (bench run/sweep/reproduce/..., the compare endpoint), in this process or
-# in a subprocess, is validated against its JSON Schema (docs/schema/) before it is written (kvdirect_app/schema.py).
+# in a subprocess, is validated against its JSON Schema (docs/schema/) before it is written (kvdirect_app/plain/schema.py).
 os.environ["KVDIRECT_VALIDATE_JSON"] = "1"
 
 import torch  # noqa: E402
 
-from kvdirect_app.models import load_model  # noqa: E402
+from kvdirect_app.models.loading import load_model  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # also where torch was imported before this file
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -66,7 +66,7 @@ def running_app(model: str, max_new_tokens: int):
     """The Studio launched on loopback and a gradio_client session on it, both closed afterwards."""
     import gradio_client
 
-    from kvdirect_app.ui import build_demo
+    from kvdirect_app.app.ui import build_demo
 
     demo = launch_local(build_demo(model=model, max_new_tokens=max_new_tokens))
     client = gradio_client.Client(demo.local_url, verbose=False)
@@ -79,7 +79,7 @@ def running_app(model: str, max_new_tokens: int):
 
 def launch_local(demo):
     """Launch a Gradio app in-process on a free loopback port (the caller closes it)."""
-    from kvdirect_app.ui import launch_options
+    from kvdirect_app.app.ui import launch_options
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

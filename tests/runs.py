@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvdirect_app.engine import Engine
-from kvdirect_app.models import load_model
+from kvdirect_app.engine.runner import Engine
+from kvdirect_app.models.loading import load_model
 from kvdirect_app.strategies import parse_specs
 
 TINY_FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-olmo2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3"]
@@ -134,7 +134,7 @@ def tiny_union(family: str, dtype: str = "float32", kernels: str = "invariant") 
 
 def all_sliding(loaded) -> bool:
     """Every layer slides (tiny-mistral): such layers keep their window like the full cache, nothing is rebuilt."""
-    from kvdirect_app.compat import layer_specs
+    from kvdirect_app.models.compat import layer_specs
 
     return all(spec.is_sliding for spec in layer_specs(loaded.config))
 

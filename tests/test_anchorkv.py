@@ -4,8 +4,8 @@ counts, park and resume, settings."""
 import pytest
 import torch
 
-from kvdirect_app.engine import Engine, run_to_end
-from kvdirect_app.geometry import ModelGeometry
+from kvdirect_app.engine.runner import Engine, run_to_end
+from kvdirect_app.models.geometry import ModelGeometry
 from kvdirect_app.strategies import StrategyError, parse_specs
 from kvdirect_app.strategies.anchorkv import rebuild_all
 

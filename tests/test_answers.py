@@ -9,13 +9,14 @@ from dataclasses import replace
 
 import pytest
 
-from kvdirect_app import benchmarks, stats
+from kvdirect_app.benchmarks import api as benchmarks
+from kvdirect_app.plain import stats
 from kvdirect_app.cli import main
-from kvdirect_app.engine import Engine
-from kvdirect_app.models import load_model
+from kvdirect_app.engine.runner import Engine
+from kvdirect_app.models.loading import load_model
 from kvdirect_app.strategies import Strategy, parse_spec
 from kvdirect_app.strategies.scored import Scored
-from kvdirect_app.tasks import generate as g
+from kvdirect_app.benchmarks.task_suite import generate as g
 
 pytestmark = pytest.mark.check
 
@@ -174,7 +175,7 @@ def test_a_question_from_the_saved_context_is_answered_as_a_fresh_run_on_the_con
 
 
 def test_engine_refuses_a_turn_from_a_context_never_saved(tiny):
-    from kvdirect_app.prompts import InputError
+    from kvdirect_app.models.prompts import InputError
 
     engine = Engine(tiny, [parse_spec("full")], max_new_tokens=2)
     with pytest.raises(InputError, match="from_context: needs a context saved"):

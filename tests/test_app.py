@@ -9,16 +9,16 @@ gradio_client = pytest.importorskip("gradio_client")
 
 from gradio_client.exceptions import AppError  # noqa: E402
 
-from kvdirect_app.scenarios import scenarios  # noqa: E402
-from kvdirect_app.schema import VERSIONS  # noqa: E402
-from kvdirect_app.engine import Engine, run_to_end  # noqa: E402
-from kvdirect_app.models import load_model  # noqa: E402
+from kvdirect_app.plain.scenarios import scenarios  # noqa: E402
+from kvdirect_app.plain.schema import VERSIONS  # noqa: E402
+from kvdirect_app.engine.runner import Engine, run_to_end  # noqa: E402
+from kvdirect_app.models.loading import load_model  # noqa: E402
 from kvdirect_app.strategies import parse_specs  # noqa: E402
 
-from kvdirect_app.ui.runner import compare_specs  # noqa: E402
+from kvdirect_app.app.ui.runner import compare_specs  # noqa: E402
 
 from .runs import differences  # noqa: E402
-from kvdirect_app.ui.settings import catalogue, default_names, expand  # noqa: E402
+from kvdirect_app.app.ui.settings import catalogue, default_names, expand  # noqa: E402
 
 TINY = "tiny-llama"
 # Timings and process memory differ from run to run, and so do the bytes outside torch (Python's buffers a first
@@ -135,8 +135,8 @@ def test_scenario_plays_to_the_end_and_exports_what_the_engine_gives(app):
     rows = exported["steps"]
     assert {r["strategy"] for r in rows} == set(want["strategies"])
     # The Export tab's recording plays back to the same results and the same step rows.
-    from kvdirect_app.recording import load
-    from kvdirect_app.ui.playback import fold
+    from kvdirect_app.plain.recording import load
+    from kvdirect_app.app.ui.playback import fold
 
     recorded = load(paths[0])
     assert recorded["meta"]["source"] == "app" and recorded["meta"]["scenario"] == "capitals"
@@ -221,8 +221,8 @@ def test_kernels_setting_reaches_the_run_its_status_and_the_compare_endpoint(app
     # own check (a caller of the handlers, or a radio without that check) names the setting too.
     with pytest.raises(AppError, match=r"not in the list of choices: \['invariant', 'native'\]"):
         client.predict("Say hi.", api_name="/send", **_controls(kernels="turbo"))
-    from kvdirect_app.limits import SettingError
-    from kvdirect_app.ui.settings import Settings
+    from kvdirect_app.plain.limits import SettingError
+    from kvdirect_app.app.ui.settings import Settings
 
     with pytest.raises(SettingError, match="kernels: 'turbo' is not allowed; allowed: invariant, native"):
         Settings.from_controls(_controls(kernels="turbo"))
@@ -249,9 +249,9 @@ def _statuses(demo, updates) -> list[str]:
 def test_a_long_message_asks_first_with_its_time_and_memory_and_a_second_send_runs_it(app, monkeypatch):
     """Mutations: `send` passes `ask=None` always (the long run starts unasked), or `load_model` keeps
     `session.asked` (after another action the next Send runs without asking)."""
-    from kvdirect_app.ui import handlers as handlers_module
-    from kvdirect_app.ui import runner
-    from kvdirect_app.ui.session import Session
+    from kvdirect_app.app.ui import handlers as handlers_module
+    from kvdirect_app.app.ui import runner
+    from kvdirect_app.app.ui.session import Session
 
     demo, _ = app
     h = demo.kvd_handlers
@@ -283,8 +283,8 @@ def test_stop_names_the_step_it_ends_after_and_the_status_never_shows_a_later_on
     import re
     import threading
 
-    from kvdirect_app.ui import runner
-    from kvdirect_app.ui.session import Session
+    from kvdirect_app.app.ui import runner
+    from kvdirect_app.app.ui.session import Session
 
     pressed, play = threading.Event(), runner.play
 
@@ -326,7 +326,7 @@ def test_a_stop_asked_while_the_pump_hands_a_step_over_ends_after_the_step_it_na
     next) and the pump goes on to it.  Mutation: the pump stops at its next event whatever Stop named."""
     import threading
 
-    from kvdirect_app.ui.runner import Pump
+    from kvdirect_app.app.ui.runner import Pump
 
     ready, said = threading.Event(), []
 
@@ -352,9 +352,9 @@ def test_the_status_shows_the_time_while_a_long_message_is_read_and_no_event_com
     read, their total and the time.  Mutation: `Pump.__iter__` waits without `tick` (no status until the piece ends)."""
     import threading
 
-    from kvdirect_app.ui import handlers as handlers_module
-    from kvdirect_app.ui import runner
-    from kvdirect_app.ui.session import Session
+    from kvdirect_app.app.ui import handlers as handlers_module
+    from kvdirect_app.app.ui import runner
+    from kvdirect_app.app.ui.session import Session
 
     demo, _ = app
     h = demo.kvd_handlers
@@ -381,8 +381,8 @@ def test_the_status_shows_the_time_while_a_long_message_is_read_and_no_event_com
 def test_progress_says_tokens_read_steps_made_and_the_time_left_from_this_turns_speed(monkeypatch):
     """On a clock of its own: a first piece of 1,000 tokens read in 10 s leaves 2,000 at that rate; steps of 0.5 s
     leave the rest at theirs.  Mutation: the time left from the tokens read instead of those still to read."""
-    from kvdirect_app.ui import runner
-    from kvdirect_app.ui.settings import RunConfig
+    from kvdirect_app.app.ui import runner
+    from kvdirect_app.app.ui.settings import RunConfig
 
     monkeypatch.setattr(runner, "PACES", {})
     config = RunConfig(TINY, "cpu", "float32", ("full",), max_new_tokens=10)
@@ -400,8 +400,8 @@ def test_progress_says_tokens_read_steps_made_and_the_time_left_from_this_turns_
 def test_a_replay_asks_before_replacing_a_live_conversation(app):
     """Mutation: `replay` starts the recording without checking for live turns (the conversation is replaced at the
     first click)."""
-    from kvdirect_app.ui import playback
-    from kvdirect_app.ui.session import Session
+    from kvdirect_app.app.ui import playback
+    from kvdirect_app.app.ui.session import Session
 
     demo, _ = app
     h = demo.kvd_handlers
@@ -423,7 +423,7 @@ def test_the_done_line_counts_the_steps_and_the_time_of_the_same_turn(app):
     counts `session.steps` (every turn's steps) again."""
     import re
 
-    from kvdirect_app.ui.session import Session
+    from kvdirect_app.app.ui.session import Session
 
     demo, _ = app
     h = demo.kvd_handlers
@@ -443,7 +443,7 @@ def test_the_apps_torch_work_runs_on_its_one_compute_thread():
     pump on a thread of its own per run (as before) fails the first check."""
     import threading
 
-    from kvdirect_app.ui import runner
+    from kvdirect_app.app.ui import runner
 
     where = []
 
@@ -462,7 +462,8 @@ def test_a_conversations_roofline_is_this_machines_best_over_its_rows():
     thread count, the model's own weight bytes, over as many rows as the conversation's lanes."""
     import torch
 
-    from kvdirect_app import roofline, service
+    from kvdirect_app.benchmarks import roofline
+    from kvdirect_app.app import service
 
     talk = service.Conversation("tiny-llama", "cpu", "float32", ["full", "window:budget=4", "h2o:budget=4"], 2)
     roof = talk.roofline()

@@ -9,7 +9,7 @@ tokens, bytes or K/V report; batched and one-by-one passes give the same snapsho
 import pytest
 import torch
 
-from kvdirect_app import compat
+from kvdirect_app.models import compat
 from kvdirect_app.strategies import parse_spec
 
 from .runs import ATTENTION, TINY_FAMILIES, all_sliding, one_by_one, run_once, tiny, tiny_union

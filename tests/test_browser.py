@@ -33,11 +33,11 @@ pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (requirements-dev.txt)")
 
 from kvdirect_app.claims import reproduce  # noqa: E402
-from kvdirect_app.ui import build_demo, tasks_view  # noqa: E402
-from kvdirect_app.ui.layout import TABS  # noqa: E402
+from kvdirect_app.app.ui import build_demo, tasks_view  # noqa: E402
+from kvdirect_app.app.ui.layout import TABS  # noqa: E402
 
 from .conftest import launch_local  # noqa: E402
-from kvdirect_app.ui.settings import default_names, title  # noqa: E402
+from kvdirect_app.app.ui.settings import default_names, title  # noqa: E402
 
 
 class ServerLog(logging.Handler):
@@ -270,7 +270,7 @@ def test_bad_settings_show_one_message_and_the_page_stays_usable(url, page):
 def test_the_first_screen_shows_the_recall_recording_without_any_run(url, browser, tmp_path):
     """At 1280x720, before any run and before the model is ready: the shipped recall recording's scoreboard,
     labelled as recorded, with every pane's verdict and whether it says 4127, and the two buttons."""
-    from kvdirect_app.ui import playback
+    from kvdirect_app.app.ui import playback
 
     recorded = playback.fold(playback.open_recording(playback.first_name()))
     page = open_page(browser, 1280, 720)
@@ -658,8 +658,8 @@ def test_a_recording_file_opens_and_an_old_version_is_refused(url, browser, tmp_
     page goes on working: the good file plays again)."""
     import json as _json
 
-    from kvdirect_app import recording
-    from kvdirect_app.ui import playback
+    from kvdirect_app.plain import recording
+    from kvdirect_app.app.ui import playback
 
     rec = playback.open_recording(playback.first_name())
     good = recording.save(rec, tmp_path / "mine.json.gz")
@@ -798,7 +798,7 @@ def test_a_strategy_from_ones_own_file_gets_a_pane_beside_the_built_ins(visitor,
     switch (`KVDIRECT_STRATEGY_DIR=examples`, as `studio.main` sets it on loopback): its pane streams beside the
     built-ins, its scoreboard row has its verdict and its measured bytes, and the turn ends in Done.  The screenshot
     is docs/own-strategy.png (STUDIO_OWN_SHOT)."""
-    from kvdirect_app import specs
+    from kvdirect_app.plain import specs
 
     monkeypatch.setattr(specs, "_SERVING", [(ROOT / "examples").resolve()])
     page = visitor

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdirect_app import benchmarks, conformance
+from kvdirect_app.benchmarks import api as benchmarks, conformance
 from kvdirect_app.cli import main
 from kvdirect_app.strategies import Strategy, StrategyError, parse_spec
 

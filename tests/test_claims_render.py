@@ -246,7 +246,7 @@ def test_the_equal_memory_table_names_its_target(committed):
     to (the sweep's `target`, AnchorKV's lowest exact lane) and the peak the sweep measured for it, 6,585,094 B =
     6.3 MiB (the twenty-turn run measured the same lane in the same conversation at 6,585,092 B).  Without the
     target recorded it says so."""
-    from kvdirect_app.units import fmt_bytes
+    from kvdirect_app.plain.units import fmt_bytes
 
     sweep = next(c for c in cells(committed, "turns20") if c["kind"] == "sweep")
     assert sweep["config"]["target"] == "anchorkv:spacing=30:budget=32:rebuild=step"
@@ -538,7 +538,7 @@ def test_the_claims_tab_shows_verdicts_computed_from_the_numbers(committed, tmp_
     the old test, taking its expected verdicts from `reproduce.reassess`, could not see."""
     import gradio as gr
 
-    from kvdirect_app.ui import layout
+    from kvdirect_app.app.ui import layout
 
     forged = copy.deepcopy(committed)
     forged = {**reproduce.reassess(forged)}
@@ -571,7 +571,7 @@ def claims_tab(results: dict, folder: Path, monkeypatch) -> tuple[str, str]:
     """The Claims tab built from `results` written as folder/results.json: (the cards' HTML, the table's Markdown)."""
     import gradio as gr
 
-    from kvdirect_app.ui import layout
+    from kvdirect_app.app.ui import layout
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "results.json").write_text(json.dumps(results))
@@ -730,7 +730,7 @@ def test_claims_css_keeps_words_whole():
     """The page loads assets/claims.css, whose rule for the cards and the tab's table breaks lines between words only.
     Mutations that fail it: claims.css left out of `launch_options`' css_paths; its rule written as overflow-wrap:
     anywhere (Gradio's own, which split "paper" into "pap er")."""
-    from kvdirect_app.ui import launch_options
+    from kvdirect_app.app.ui import launch_options
 
     path = ROOT / "assets" / "claims.css"
     assert path.resolve() in [Path(p).resolve() for p in launch_options()["css_paths"]]
@@ -747,7 +747,7 @@ def test_a_png_is_drawn_with_no_script_from_the_network(tmp_path, monkeypatch):
     import kaleido
     import plotly.graph_objects as go
 
-    from kvdirect_app.png import write_png
+    from kvdirect_app.plain.png import write_png
 
     pages = []
     made = kaleido.PageGenerator.generate_index
@@ -776,7 +776,7 @@ def test_a_png_call_made_before_the_pages_scripts_ran_waits_for_them(tmp_path):
     import plotly.graph_objects as go
     from kaleido._utils import fig_tools
 
-    from kvdirect_app.png import page
+    from kvdirect_app.plain.png import page
 
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     from tests.test_browser import CHROMIUM

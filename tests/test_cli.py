@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvdirect_app import bench
-from kvdirect_app.schema import schema_of
+from kvdirect_app.plain.schema import schema_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,7 +94,7 @@ def test_alone_runs_each_strategy_in_a_process_of_its_own_and_loads_no_model_its
     """The parent's own load would be the largest RSS of the process tree that `/usr/bin/time` sees."""
     from pathlib import Path
 
-    from kvdirect_app import models
+    from kvdirect_app.models import loading as models
     from kvdirect_app.cli.run import GNU_TIME
 
     models._LOADED.pop(("tiny-qwen2", "float32", "cpu"), None)
@@ -120,8 +120,8 @@ def test_roofline_measures_the_machine_and_puts_each_pass_against_it(tmp_path, c
     run's shared pass is put against the roofline of its own row count; a bad --rows is one line, status 2."""
     import torch
 
-    from kvdirect_app import roofline
-    from kvdirect_app.models import load_model
+    from kvdirect_app.benchmarks import roofline
+    from kvdirect_app.models.loading import load_model
 
     out = tmp_path / "roof.json"
     assert bench.main(["roofline", "--model", "tiny-llama", "--strategies", "full,window:budget=4", "--rows", "1,3,8",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvdirect_app.engine import Engine
+from kvdirect_app.engine.runner import Engine
 from kvdirect_app.strategies import Strategy, parse_spec
 from kvdirect_app.strategies.base import ContractError
 from kvdirect_app.strategies.pyramidkv import PyramidKV

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdirect_app import docs
+from kvdirect_app.cli import doc_figures as docs
 from kvdirect_app.cli import main
 
 pytestmark = pytest.mark.check

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvdirect_app import dots, ledger
+from kvdirect_app.kernels import dots
+from kvdirect_app.measure import ledger
 
 # Widths with and without a tail past the last 16 (k), column counts with and without a tail past the last tile.
 SHAPES = [(13, 37), (45, 64), (7, 576), (192, 1536)]
@@ -123,8 +124,8 @@ def test_a_path_is_asked_for_by_name_and_a_bad_name_is_refused(monkeypatch):
 
 FORCED = """
 import json, sys
-from kvdirect_app.engine import Engine, run_to_end
-from kvdirect_app.models import load_model
+from kvdirect_app.engine.runner import Engine, run_to_end
+from kvdirect_app.models.loading import load_model
 from kvdirect_app.strategies import parse_specs
 specs = "full,kvdirect:budget=4,anchorkv:spacing=2:budget=3:rebuild=step"
 out = {}

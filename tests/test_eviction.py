@@ -15,8 +15,9 @@ import torch
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
-from kvdirect_app import bench, compat
-from kvdirect_app.engine import Engine, InputTap, run_to_end
+from kvdirect_app import bench
+from kvdirect_app.models import compat
+from kvdirect_app.engine.runner import Engine, InputTap, run_to_end
 from kvdirect_app.strategies import parse_spec, parse_specs
 from kvdirect_app.strategies.scored import ScoredLayer
 
@@ -419,7 +420,7 @@ def test_sweep_runs_every_strategy_at_every_budget_and_writes_every_row(tmp_path
 
 
 def test_sweep_at_equal_memory_picks_for_each_strategy_the_probe_closest_to_the_exact_strategys_peak(tmp_path):
-    from kvdirect_app.sweeps import GRID
+    from kvdirect_app.benchmarks.sweeps import GRID
 
     out = tmp_path / "equal.json"
     names = ["anchorkv:anchors=0:rebuild=step", "window", "streaming_llm:sinks=2"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvdirect_app import compat
+from kvdirect_app.models import compat
 
 from .runs import KVDIRECT_LANES, TINY_FAMILIES, all_sliding, run_once, tiny, tiny_union
 

@@ -1,4 +1,4 @@
-"""The scale-out executor (`kvdirect_app.executors`) and `bench sweep --executor local|ray [--workers N]`.
+"""The scale-out executor (`kvdirect_app.benchmarks.executors`) and `bench sweep --executor local|ray [--workers N]`.
 
 A sweep's cells (one lockstep run per budget) give the same JSON on a
 process pool here and on a local Ray as in this process, timing fields
@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from kvdirect_app import bench, executors
-from kvdirect_app.errors import UserError
-from kvdirect_app.executors import CellError, CellUserError, ExecutorError, run_cells
+from kvdirect_app import bench
+from kvdirect_app.benchmarks import executors
+from kvdirect_app.plain.errors import UserError
+from kvdirect_app.benchmarks.executors import CellError, CellUserError, ExecutorError, run_cells
 
 from .runs import differences
 
@@ -158,7 +159,7 @@ def test_a_run_killed_leaves_no_worker_computing_for_nobody(tmp_path):
     import subprocess
     import time
 
-    script = ("from kvdirect_app.executors import run_cells; from tests.test_executors import sleep_and_say; "
+    script = ("from kvdirect_app.benchmarks.executors import run_cells; from tests.test_executors import sleep_and_say; "
               f"run_cells(sleep_and_say, [{{'x': x, 'folder': {str(tmp_path)!r}}} for x in range(2)], 'local', "
               "workers=2)")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
@@ -209,7 +210,7 @@ def test_each_cell_is_said_as_it_finishes_with_the_time_left(executor, request, 
 
 
 def test_the_time_left_is_the_time_so_far_per_finished_cell_times_the_cells_left(monkeypatch):
-    from kvdirect_app import executors
+    from kvdirect_app.benchmarks import executors
 
     now = iter([100.0, 130.0, 190.0])
     monkeypatch.setattr(executors.time, "perf_counter", lambda: next(now))

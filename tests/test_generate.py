@@ -19,8 +19,9 @@ import threading
 import pytest
 import torch
 
-from kvdirect_app import compat, strategy_cache
-from kvdirect_app.generate import CacheInUse, UnsupportedCall
+from kvdirect_app.models import compat
+from kvdirect_app import strategy_cache
+from kvdirect_app.engine.integration import CacheInUse, UnsupportedCall
 from kvdirect_app.strategies import StrategyError, registry
 
 from .conftest import TINY_FAMILIES, all_sliding, tiny
@@ -654,7 +655,7 @@ def test_a_prefill_that_feeds_other_than_its_prompt_is_refused(off, monkeypatch)
     Mutations (each applied, each fails): no `if left:` check after the prefill -> one too many: generate returns
     with the prompt left open; no `q > led.prompt_left` check in `before` -> one too few: the last piece runs on
     the cache (and the check after the prefill says so instead)."""
-    from kvdirect_app import generate as module
+    from kvdirect_app.engine import integration as module
 
     counted = module._prompt_tokens
     monkeypatch.setattr(module, "_prompt_tokens", lambda *args: counted(*args) + off)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvdirect_app import bench
-from kvdirect_app.geometry import ModelGeometry, load_config
+from kvdirect_app.models.geometry import ModelGeometry, load_config
 
 pytestmark = pytest.mark.check  # the inner loop (`make check`)
 

@@ -32,8 +32,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvdirect_app import ledger
-from kvdirect_app.engine import Engine
+from kvdirect_app.measure import ledger
+from kvdirect_app.engine.runner import Engine
 from kvdirect_app.strategies import Strategy, parse_specs
 from kvdirect_app.strategies.window import Window
 

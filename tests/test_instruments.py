@@ -18,15 +18,16 @@ import psutil
 import pytest
 import torch
 
-from kvdirect_app import engine as engine_module
-from kvdirect_app import lockstep, observe
-from kvdirect_app.engine import Engine, run_to_end
-from kvdirect_app.kernels import Kernels
-from kvdirect_app.memory import AllocationTracer
-from kvdirect_app.meters import LedgerMeter
-from kvdirect_app.models import load_model
-from kvdirect_app.observe import Observer, current
-from kvdirect_app.replay import KVProjector, LayerReplayer
+from kvdirect_app.engine import runner as engine_module
+from kvdirect_app.engine import lockstep
+from kvdirect_app.measure import observe
+from kvdirect_app.engine.runner import Engine, run_to_end
+from kvdirect_app.kernels.invariant import Kernels
+from kvdirect_app.measure.memory import AllocationTracer
+from kvdirect_app.measure.meters import LedgerMeter
+from kvdirect_app.models.loading import load_model
+from kvdirect_app.measure.observe import Observer, current
+from kvdirect_app.kernels.replay import KVProjector, LayerReplayer
 from kvdirect_app.strategies import Strategy, StrategyCache, parse_specs
 from kvdirect_app.strategies.anchorkv import AnchorKV, AnchorStore
 from kvdirect_app.strategies.full import Full
@@ -35,9 +36,9 @@ from kvdirect_app.strategies.kvdirect import KVDirect, ResidualLayer
 from kvdirect_app.strategies.base import FullLayer
 from kvdirect_app.strategies.scored import ScoredLayer
 from kvdirect_app.strategies.window import Window
-from kvdirect_app.text import ReplyText
-from kvdirect_app.ui.scoreboard import scoreboard_html
-from kvdirect_app.ui.session import Session
+from kvdirect_app.plain.text import ReplyText
+from kvdirect_app.app.ui.scoreboard import scoreboard_html
+from kvdirect_app.app.ui.session import Session
 
 from .conftest import tiny
 
@@ -190,7 +191,7 @@ def test_a_delay_outside_every_region_shows_as_the_steps_unattributed_time_and_n
     the engine's step loop outside every region (before each pass enters its regions) lands in no part, and each
     step's unattributed time is exactly the delays of that step.  Mutation: unattributed forced to 0 (the step's
     parts then fall short of its wall time, and this fails)."""
-    from kvdirect_app.forwards import Forwards
+    from kvdirect_app.engine.forwards import Forwards
 
     engine = Engine(tiny("tiny-llama"), parse_specs(SPECS), max_new_tokens=6, threads=1)
     clock = StillClock()

@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvdirect_app import kernels as K
-from kvdirect_app import probes
-from kvdirect_app.threads import threads_set
-from kvdirect_app.engine import Engine, run_to_end
-from kvdirect_app.engine import InputError
-from kvdirect_app.errors import UserError
+from kvdirect_app.kernels import invariant as K
+from kvdirect_app.kernels import probes
+from kvdirect_app.models.threads import threads_set
+from kvdirect_app.engine.runner import Engine, run_to_end
+from kvdirect_app.engine.runner import InputError
+from kvdirect_app.plain.errors import UserError
 from kvdirect_app.strategies import parse_specs
 
 from .runs import ANCHORKV_EXTRA, KVDIRECT_LANES, TINY_FAMILIES, all_sliding
@@ -337,7 +337,7 @@ def test_a_fixed_order_linear_that_breaks_its_order_fails_the_check_and_the_run_
     """The check is what catches a broken build: fixed-order linears whose one-row calls round another way (here:
     torch's one-row GEMV for a single row) fail it, and the run uses the native kernels, with the reason.  A dtype
     the fixed-order kernels do not take (float16) is native too, said aloud."""
-    from kvdirect_app import dots
+    from kvdirect_app.kernels import dots
 
     real = dots.linear
 

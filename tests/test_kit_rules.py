@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdirect_app import conformance
+from kvdirect_app.benchmarks import conformance
 
 ROOT = Path(__file__).resolve().parents[1]
 BROKEN = "tests/broken_strategies.py"

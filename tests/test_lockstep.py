@@ -9,9 +9,9 @@ and runs without teacher-forced twins.
 import pytest
 import torch
 
-from kvdirect_app.engine import Engine
+from kvdirect_app.engine.runner import Engine
 from kvdirect_app.strategies import parse_specs
-from kvdirect_app.text import ReplyText
+from kvdirect_app.plain.text import ReplyText
 
 from .runs import LOCKSTEP, TINY_FAMILIES, TINY_TURNS, all_sliding, one_by_one, run_once, tiny, tiny_union
 

@@ -4,10 +4,10 @@ must catch, peaks they must bound; the ledger held to the trace on every strateg
 import pytest
 import torch
 
-from kvdirect_app import compat
-from kvdirect_app.engine import Engine, run_to_end
-from kvdirect_app.memory import AllocationTracer, harness
-from kvdirect_app.observe import storage_sizes
+from kvdirect_app.models import compat
+from kvdirect_app.engine.runner import Engine, run_to_end
+from kvdirect_app.measure.memory import AllocationTracer, harness
+from kvdirect_app.measure.observe import storage_sizes
 from kvdirect_app.strategies import parse_specs
 from kvdirect_app.strategies.anchorkv import AnchorCache
 from kvdirect_app.strategies.kvdirect import ResidualLayer
@@ -175,7 +175,7 @@ def test_resume_rebuilds_once_not_twice():
 
 def test_the_first_run_in_a_process_measures_the_same_bytes_as_the_next():
     # One-time work (the start-up check of the row kernels, lazy buffers) must not land in the first run's lanes.
-    from kvdirect_app import replay
+    from kvdirect_app.kernels import replay
 
     loaded = tiny("tiny-llama")
     specs = "full,kvdirect:budget=4,anchorkv:budget=4:rebuild=step,h2o:budget=4"
@@ -194,8 +194,8 @@ def test_the_first_run_in_a_process_measures_the_same_bytes_as_the_next():
 def test_cuda_blocks_are_compared_like_for_like():
     """On CUDA the measurement is the allocator's blocks (512-byte rounding, an unsplit remainder below 1 MiB on
     large blocks): the book accepts exactly that range around the cache's own tensors, and nothing else."""
-    from kvdirect_app.lanes import ByteBook
-    from kvdirect_app.memory import cuda_block_range
+    from kvdirect_app.engine.lanes import ByteBook
+    from kvdirect_app.measure.memory import cuda_block_range
 
     sizes = [1000, 4096, 3 << 20]
     assert cuda_block_range(sizes) == (1024 + 4096 + (3 << 20), 1024 + 4096 + (3 << 20) + (1 << 20))

@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
-from kvdirect_app import ledger
-from kvdirect_app.meters import DeltaMeter, LedgerMeter
+from kvdirect_app.measure import ledger
+from kvdirect_app.measure.meters import DeltaMeter, LedgerMeter
 
 N = 1000  # float32 elements: 4,000 bytes
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from kvdirect_app.metrics import token_match
-from kvdirect_app.replay import (BLOCK_FROM, BLOCK_ROWS, _linear_rows_batched, _linear_rows_loop, _rows_blocked,
+from kvdirect_app.measure.metrics import token_match
+from kvdirect_app.kernels.replay import (BLOCK_FROM, BLOCK_ROWS, _linear_rows_batched, _linear_rows_loop, _rows_blocked,
                                  _rows_loop, linear_rows, rows_are_exact, rows_kernel_is_exact)
 from kvdirect_app.strategies import StrategyError, parse_spec, parse_specs, registry
-from kvdirect_app.observe import storage_sizes
+from kvdirect_app.measure.observe import storage_sizes
 
 from .conftest import bad_spec_error
 
@@ -68,8 +68,8 @@ def test_token_match_counts_over_turns_and_finds_the_first_divergence():
 def test_agreement_is_exact_for_equal_logits_and_matches_the_definition():
     """`teacher.agree` takes every lane's KL, agreement and max |dlogit| in one pass over stacked logits: equal
     logits give exactly 0 (what the exact strategies must show), others the definition's KL."""
-    from kvdirect_app.lanes import Lane
-    from kvdirect_app.teacher import agree
+    from kvdirect_app.engine.lanes import Lane
+    from kvdirect_app.engine.teacher import agree
 
     a = torch.tensor([1.0, 2.0, 3.0, 0.5] * 1000)
     b = torch.tensor([3.0, 2.0, 1.0, 0.5] * 1000)
@@ -100,7 +100,7 @@ def test_the_row_kernel_chosen_gives_the_bits_of_one_row_calls(bias, monkeypatch
 
     Mutation that fails it: `_rows_batched` dropping the bias (`torch.bmm(x, weight_t)` in both branches): the
     start-up check then refuses it on every weight with a bias, so the old, gated comparison never ran."""
-    from kvdirect_app import replay
+    from kvdirect_app.kernels import replay
 
     monkeypatch.setattr(replay, "_KERNELS", {})  # verdicts are kept per shape: these weights get their own
     torch.manual_seed(0)
@@ -122,7 +122,7 @@ def test_the_row_kernel_chosen_gives_the_bits_of_one_row_calls(bias, monkeypatch
 
 def test_a_batched_kernel_that_rounds_differently_is_refused(monkeypatch):
     """The check can fail: a candidate kernel one ulp off on a single row is not chosen; the loop is."""
-    from kvdirect_app import replay
+    from kvdirect_app.kernels import replay
 
     def off_by_an_ulp(weight, bias, rows):
         out = _rows_loop(weight, bias, rows)
@@ -138,7 +138,7 @@ def test_a_batched_kernel_that_rounds_differently_is_refused(monkeypatch):
 
 def test_row_kernels_are_checked_per_thread_count(monkeypatch):
     """Some kernels split their work by the thread count: a verdict at one count is not reused at another."""
-    from kvdirect_app import replay
+    from kvdirect_app.kernels import replay
 
     monkeypatch.setattr(replay, "_KERNELS", {})
     weight = torch.randn(24, 40)
@@ -163,7 +163,7 @@ def test_a_weight_too_large_for_cache_is_served_in_blocks_with_the_same_bits(mon
     kernel is picked, `rows_are_exact` still says True and the blocked kernel is still right, so the old test
     passed; and `_rows_blocked` dropping the last, short block (`range(0, weight.shape[0] - BLOCK_ROWS + 1,
     BLOCK_ROWS)`), which the old test caught only on a CPU whose batched kernel passed the check."""
-    from kvdirect_app import replay
+    from kvdirect_app.kernels import replay
 
     monkeypatch.setattr(replay, "_KERNELS", {})
     torch.manual_seed(0)
@@ -186,7 +186,7 @@ def test_compare_never_trims_a_global_layer_to_the_reference_length():
     its values), then bits; the largest difference is kept."""
     from types import SimpleNamespace
 
-    from kvdirect_app.observe import Observer, Owner
+    from kvdirect_app.measure.observe import Observer, Owner
 
     k = torch.randn(1, 2, 5, 4)
     reference = SimpleNamespace(layers=[SimpleNamespace(keys=k, values=k.clone())])

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvdirect_app import kernels as K
-from kvdirect_app import probes
+from kvdirect_app.kernels import invariant as K
+from kvdirect_app.kernels import probes
 
 WEIGHT = torch.randn(48, 32, generator=torch.Generator().manual_seed(0))
 

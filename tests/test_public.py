@@ -9,13 +9,14 @@ import weakref
 import psutil
 import pytest
 
-from kvdirect_app import bench, guard, validate
+from kvdirect_app import bench
+from kvdirect_app.engine import guard, validate
 from kvdirect_app.engine import Engine
-from kvdirect_app.errors import UserError
+from kvdirect_app.plain.errors import UserError
 from kvdirect_app.models import load_model
-from kvdirect_app.prompts import filler_ids
+from kvdirect_app.models.prompts import filler_ids
 from kvdirect_app.strategies import parse_specs
-from kvdirect_app.ui.session import Session
+from kvdirect_app.app.ui.session import Session
 
 
 gradio_client = pytest.importorskip("gradio_client")
@@ -171,8 +172,8 @@ def test_a_budget_the_sidebar_allows_runs_every_strategy(app):
     """Budget 1..4 used to refuse the whole run ("sinks=4 must be < budget"); dependent defaults adapt, said."""
     demo, _ = app
     h = demo.kvd_handlers
-    from kvdirect_app.ui.scoreboard import scoreboard_html
-    from kvdirect_app.ui.settings import catalogue
+    from kvdirect_app.app.ui.scoreboard import scoreboard_html
+    from kvdirect_app.app.ui.settings import catalogue
 
     for budget, adapts in ((1, True), (2, True), (4, True), (64, False)):
         session = Session()
@@ -383,7 +384,7 @@ def test_a_bogus_hub_id_fails_with_one_clear_message():
 
 
 def test_tiny_models_are_labelled_as_test_models():
-    from kvdirect_app.ui.settings import model_choices
+    from kvdirect_app.app.ui.settings import model_choices
 
     labels = dict((name, label) for label, name in model_choices())
     assert "test model" in labels["tiny-llama"] and "test model" not in labels.get("gemma3-270m", "")

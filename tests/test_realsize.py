@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from kvdirect_app.claims import realsize
-from kvdirect_app.geometry import ModelGeometry, load_config
+from kvdirect_app.models.geometry import ModelGeometry, load_config
 
 CONFIG = "qwen2.5-0.5b"
 PROMPT, NEW, BUDGET, THREADS = 128, 8, 112, 1

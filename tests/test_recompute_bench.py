@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kvdirect_app import compat
+from kvdirect_app.models import compat
 from kvdirect_app.claims import recompute as rc
 from .conftest import tiny
 

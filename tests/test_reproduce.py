@@ -10,7 +10,7 @@ import pytest
 from kvdirect_app import bench
 from kvdirect_app.claims import papers, render, reproduce
 from kvdirect_app.claims.verdicts import DIRECTION_ONLY, FAILS, HOLDS, NOT_MEASURED, VERDICTS
-from kvdirect_app.units import fmt_bytes
+from kvdirect_app.plain.units import fmt_bytes
 
 NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:e[+-]?\d+)?")  # a comma after a number ends it
 MODEL = "tiny-llama"
@@ -271,7 +271,7 @@ def test_a_run_that_did_not_end_resumes_from_its_finished_cells(report, tmp_path
             assert c["resumed"]["commit"] == "0123abcd" and c["env"]["processor"] == "kept by the earlier run"
     assert (f"with {len(planned) - 2} of its cells resumed from a run that did not end (commit 0123abcd"
             in (tmp_path / "report.md").read_text())
-    from kvdirect_app.ui.claims_cards import cards_html
+    from kvdirect_app.app.ui.claims_cards import cards_html
 
     assert (f"({len(planned) - 2} of them resumed from a run that did not end, their time not counted)"
             in cards_html(reproduce.load(tmp_path)))

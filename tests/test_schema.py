@@ -1,4 +1,4 @@
-"""The results files' schema (kvdirect_app/schema.py, docs/schema/*.json).
+"""The results files' schema (kvdirect_app/plain/schema.py, docs/schema/*.json).
 
 Every file the suite writes is validated before it is written (conftest sets KVDIRECT_VALIDATE_JSON); these
 tests check that the validation can fail, that the schemas are valid JSON Schema, that the committed claims
@@ -12,9 +12,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from kvdirect_app import bench, recording
+from kvdirect_app import bench
+from kvdirect_app.plain import recording
 from kvdirect_app.claims import reproduce
-from kvdirect_app.schema import VERSIONS, SchemaError, check, schema_of, stamp, validate
+from kvdirect_app.plain.schema import VERSIONS, SchemaError, check, schema_of, stamp, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from kvdirect_app import specs
-from kvdirect_app.hosted import hosted, misread
+from kvdirect_app.plain import specs
+from kvdirect_app.plain.hosted import hosted, misread
 from kvdirect_app.strategies import StrategyError, parse_spec
-from kvdirect_app.studio import loopback, serving
+from kvdirect_app.app.studio import loopback, serving
 
 gradio_client = pytest.importorskip("gradio_client")
 from gradio_client.exceptions import AppError  # noqa: E402
@@ -153,8 +153,8 @@ def test_the_switch_on_a_bind_that_is_not_loopback_runs_as_hosted_and_refuses(tm
            "KVDIRECT_STRATEGY_DIR": str(folder), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     env.pop("KVDIRECT_HOSTED", None)
     env.pop("SPACE_ID", None)
-    code = ("import kvdirect_app.ui.settings as s; s.default_model = lambda: 'tiny-llama'; "
-            "from kvdirect_app.studio import main; main()")
+    code = ("import kvdirect_app.app.ui.settings as s; s.default_model = lambda: 'tiny-llama'; "
+            "from kvdirect_app.app.studio import main; main()")
     log = tmp_path / "app.log"
     with open(log, "w") as out:
         app = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 
-from kvdirect_app.engine import Engine, run_to_end
+from kvdirect_app.engine.runner import Engine, run_to_end
 from kvdirect_app.strategies import parse_specs
 
 from .runs import TINY_TURNS, run_once, tiny

@@ -1,4 +1,4 @@
-"""The RULER-style task generators (kvdirect_app/tasks/generate.py) and the long document's QA set (tasks/qa.py),
+"""The RULER-style task generators (kvdirect_app/benchmarks/task_suite/generate.py) and the long document's QA set (tasks/qa.py),
 on SmolLM2's tokenizer alone (no model): determinism, needle depth, prompt length, the QA set against the file,
 the scores, the one-line errors."""
 
@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from kvdirect_app.tasks import generate as g
-from kvdirect_app.tasks import qa
-from kvdirect_app.tasks.tokenizer import tokenizer_for
+from kvdirect_app.benchmarks.task_suite import generate as g
+from kvdirect_app.benchmarks.task_suite import qa
+from kvdirect_app.benchmarks.task_suite.tokenizer import tokenizer_for
 
 pytestmark = pytest.mark.check  # the inner loop (`make check`)
 
@@ -293,8 +293,8 @@ def test_each_turns_needle_is_at_its_measured_depth_and_the_needles_spread_over_
 
 
 def test_a_later_turn_fits_its_bound_in_tokens(tok):
-    from kvdirect_app.prompts import Prompter
-    from kvdirect_app.tasks.scores import LATER_TOKENS
+    from kvdirect_app.models.prompts import Prompter
+    from kvdirect_app.benchmarks.task_suite.scores import LATER_TOKENS
 
     class Loaded:
         tokenizer, chat = tok, True
@@ -323,7 +323,7 @@ def test_each_turn_is_scored_against_its_own_references(tok):
 def test_asked_turns_ask_about_turn_one_and_the_turns_between_chat(tok, task, haystack):
     """The papers' setting: turn 1 holds a needle for each of turns 5, 10 and 20, which ask about them; the other
     turns are the twenty-turn scenario's chat, in order, scored by nothing."""
-    from kvdirect_app.scenarios import scenarios
+    from kvdirect_app.plain.scenarios import scenarios
 
     chat = scenarios()["twenty-turns"]["turns"]
     c = g.conversation(task, tok, 1024, 20, 0, haystack, asked=(5, 10, 20))

@@ -9,12 +9,12 @@ from dataclasses import replace
 
 import pytest
 
-from kvdirect_app import benchmarks
+from kvdirect_app.benchmarks import api as benchmarks
 from kvdirect_app.cli import main
-from kvdirect_app.schema import SchemaError, stamp, validate
+from kvdirect_app.plain.schema import SchemaError, stamp, validate
 from kvdirect_app.strategies.window import Window
-from kvdirect_app.tasks import scores
-from kvdirect_app.ui import tasks_view
+from kvdirect_app.benchmarks.task_suite import scores
+from kvdirect_app.app.ui import tasks_view
 
 TINY = benchmarks.TasksConfig(model="tiny-llama", contexts="512", depths="0,100", tasks="niah_single_number",
                               budgets="8,64", strategies="kvdirect,anchorkv,window,h2o", threads=1)
@@ -251,8 +251,8 @@ def tiny_multi():
 
 @pytest.mark.check
 def test_a_conversation_runs_turn_by_turn_each_turn_scored_and_exact_lanes_equal_the_full_cache(tiny_multi):
-    from kvdirect_app.models import load_model
-    from kvdirect_app.tasks import generate
+    from kvdirect_app.models.loading import load_model
+    from kvdirect_app.benchmarks.task_suite import generate
 
     out = tiny_multi
     validate(stamp("tasks", out))
@@ -295,9 +295,9 @@ def test_an_exact_lane_whose_later_turn_differs_is_named_with_its_seed_and_turn(
 
 @pytest.mark.check
 def test_a_later_turn_opens_its_reply_with_the_answer_prefix():
-    from kvdirect_app.engine import Engine
-    from kvdirect_app.models import load_model
-    from kvdirect_app.prompts import InputError
+    from kvdirect_app.engine.runner import Engine
+    from kvdirect_app.models.loading import load_model
+    from kvdirect_app.models.prompts import InputError
     from kvdirect_app.strategies import parse_spec
 
     loaded = load_model("tiny-llama", progress=lambda msg: None)
@@ -374,7 +374,7 @@ def test_the_shipped_multiturn_result_is_valid_and_its_exact_answers_equal_the_f
 
 @pytest.mark.check
 def test_a_missing_shipped_result_says_which_command_makes_it():
-    from kvdirect_app.ui import tasks_tab
+    from kvdirect_app.app.ui import tasks_tab
 
     said = tasks_tab._nothing("no result is shipped in presets/tasks/", "--multiturn ", "smollm2-135m-multiturn.json")
     assert "bench tasks --multiturn --json presets/tasks/smollm2-135m-multiturn.json" in said
@@ -390,7 +390,7 @@ def test_a_stale_setting_from_a_hurried_visitor_is_skipped_never_an_error_in_the
     allow_custom_value."""
     import gradio as gr
 
-    from kvdirect_app.ui import tasks_tab, tasks_view
+    from kvdirect_app.app.ui import tasks_tab, tasks_view
 
     result = tasks_view.load(tasks_view.shipped(multiturn=True))
     ratio = [v for _, v in tasks_view.settings(result)][-1]
@@ -423,8 +423,8 @@ def test_every_number_is_checked_where_it_is_parsed(argv, words, capsys):
 
 @pytest.mark.check
 def test_a_thread_count_given_in_code_is_checked_too():
-    from kvdirect_app import sweeps
-    from kvdirect_app.errors import UserError
+    from kvdirect_app.benchmarks import sweeps
+    from kvdirect_app.plain.errors import UserError
 
     with pytest.raises(UserError, match="threads: 0 is not allowed; allowed: whole numbers >= 1"):
         benchmarks.tasks(replace(TINY, threads=0), say=lambda line: None)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvdirect_app import dots
+from kvdirect_app.kernels import dots
 
 STRATEGY = "tests/strategies_kept/mmap_state.py:KeepsMmap:budget=4"
 

@@ -1,4 +1,4 @@
-"""The UI never imports torch: it reaches the engine only through `kvdirect_app/service.py` (plain data).
+"""The UI never imports torch: it reaches the engine only through `kvdirect_app/app/service.py` (plain data).
 
 Two checks that can fail: every UI module's imports, read from its source, are plain modules (a new
 `import torch`, or an import of an engine module, fails the first); and in an interpreter where importing torch
@@ -11,28 +11,27 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvdirect_app.engine import Engine
+from kvdirect_app.engine.runner import Engine
 from kvdirect_app.strategies import parse_specs
 
 from .conftest import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
-UI = ROOT / "kvdirect_app" / "ui"
-# Package modules the UI may import: none of them imports torch at module level.
-PLAIN = {"service", "catalog", "limits", "errors", "hosted", "scenarios", "units", "palette", "frontier", "rss",
-         "claims", "claims.papers", "claims.verdicts", "claims.render", "claims.reproduce", "recording", "paths", "schema",
-         "specs", "jsonfile", "stats"}
+UI = ROOT / "kvdirect_app" / "app" / "ui"
+# Package modules the UI may import besides the plain layer's (kvdirect_app.plain.*): none of them imports torch at
+# module level.
+PLAIN = {"app.service", "claims", "claims.papers", "claims.verdicts", "claims.render", "claims.reproduce"}
 THIRD_PARTY = {"gradio", "plotly", "pandas", "spaces"}
 
 
 def _imports(path: Path) -> list[str]:
-    """Absolute names of what a UI module imports (relative imports resolved against kvdirect_app.ui)."""
+    """Absolute names of what a UI module imports (relative imports resolved against kvdirect_app.app.ui)."""
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = {0: "", 1: "kvdirect_app.ui", 2: "kvdirect_app"}[node.level]
+            base = {0: "", 1: "kvdirect_app.app.ui", 2: "kvdirect_app.app", 3: "kvdirect_app"}[node.level]
             module = ".".join(p for p in (base, node.module or "") if p)
             out += [module] if node.module or node.level == 0 else [f"{module}.{a.name}" for a in node.names]
     return out
@@ -44,9 +43,9 @@ def test_every_ui_module_imports_only_plain_modules():
     for path in sorted(UI.glob("*.py")):
         for name in _imports(path):
             top = name.split(".")[0]
-            if name.startswith("kvdirect_app.ui") or top in stdlib or top in THIRD_PARTY or top == "__future__":
+            if name.startswith("kvdirect_app.app.ui") or top in stdlib or top in THIRD_PARTY or top == "__future__":
                 continue
-            if name.startswith("kvdirect_app.") and name.removeprefix("kvdirect_app.") in PLAIN:
+            if name.startswith("kvdirect_app.plain") or name.removeprefix("kvdirect_app.") in PLAIN:
                 continue
             if name == "kvdirect_app":
                 continue
@@ -61,11 +60,11 @@ class NoTorch(importlib.abc.MetaPathFinder):
         if name.split('.')[0] in ('torch', 'transformers'):
             raise ImportError('blocked: ' + name)
 sys.meta_path.insert(0, NoTorch())
-from kvdirect_app.ui import build_demo
-from kvdirect_app.ui.plots import all_figures
-from kvdirect_app.ui.scoreboard import scoreboard_html
-from kvdirect_app.ui.session import Session
-from kvdirect_app.ui.views import messages, pane_header
+from kvdirect_app.app.ui import build_demo
+from kvdirect_app.app.ui.plots import all_figures
+from kvdirect_app.app.ui.scoreboard import scoreboard_html
+from kvdirect_app.app.ui.session import Session
+from kvdirect_app.app.ui.views import messages, pane_header
 session = Session()
 for event in json.load(open(sys.argv[1])):
     session.apply(event)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvdirect_app import jsonfile, recording
-from kvdirect_app.recording import RecordingError
-from kvdirect_app.schema import SchemaError
-from kvdirect_app.ui import tasks_view
+from kvdirect_app.plain import jsonfile, recording
+from kvdirect_app.plain.recording import RecordingError
+from kvdirect_app.plain.schema import SchemaError
+from kvdirect_app.app.ui import tasks_view
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -77,7 +77,7 @@ def test_gzip_is_read_whole_when_small_and_damage_is_one_line():
 def test_a_file_over_the_limit_is_refused_before_a_byte_is_read(tmp_path, monkeypatch):
     """A sparse 100 MiB file opened as a recording (the page's upload handler) and as a tasks result: refused from
     its size, naming the limit, and never opened.  Mutation: `jsonfile.read` without its os.stat check -> opened."""
-    from kvdirect_app.ui import playback
+    from kvdirect_app.app.ui import playback
 
     big = tmp_path / "big.json.gz"
     with open(big, "wb") as f:
@@ -216,11 +216,11 @@ def test_a_hosted_demo_hides_and_refuses_every_upload(monkeypatch, tmp_path):
     `max_file_size` not 0 when hosted, or either handler's hosted() check removed -> that assert fails."""
     import gradio as gr
 
-    from kvdirect_app.ui import launch_options
-    from kvdirect_app.ui.layout import _recordings
-    from kvdirect_app.ui.recording_buttons import RecordingButtons
-    from kvdirect_app.ui.session import Session
-    from kvdirect_app.ui.tasks_tab import tasks_tab
+    from kvdirect_app.app.ui import launch_options
+    from kvdirect_app.app.ui.layout import _recordings
+    from kvdirect_app.app.ui.recording_buttons import RecordingButtons
+    from kvdirect_app.app.ui.session import Session
+    from kvdirect_app.app.ui.tasks_tab import tasks_tab
 
     monkeypatch.setenv("KVDIRECT_HOSTED", "1")
     with gr.Blocks() as page:

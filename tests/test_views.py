@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from kvdirect_app.engine import Engine
-from kvdirect_app.models import byte_tokenizer, load_model
-from kvdirect_app.palette import base_colour, colours
+from kvdirect_app.engine.runner import Engine
+from kvdirect_app.models.loading import byte_tokenizer, load_model
+from kvdirect_app.plain.palette import base_colour, colours
 from kvdirect_app.strategies import parse_specs
-from kvdirect_app.text import ReplyText
-from kvdirect_app.ui.export import write_exports
-from kvdirect_app.ui.plots import agreement_figure, latency_figure, memory_figure
-from kvdirect_app.ui.session import Session
-from kvdirect_app.ui.settings import REFERENCE
-from kvdirect_app.ui.views import BYTE_SOURCES, messages, pane_header, reply_markup, token_map_html
+from kvdirect_app.plain.text import ReplyText
+from kvdirect_app.app.ui.export import write_exports
+from kvdirect_app.app.ui.plots import agreement_figure, latency_figure, memory_figure
+from kvdirect_app.app.ui.session import Session
+from kvdirect_app.app.ui.settings import REFERENCE
+from kvdirect_app.app.ui.views import BYTE_SOURCES, messages, pane_header, reply_markup, token_map_html
 
 ANCHORKV = "anchorkv:spacing=2:budget=8"
 # window and streaming_llm (no sinks to speak of at this budget) hold the same bytes at every step.
@@ -219,7 +219,7 @@ def test_every_byte_figure_names_its_instrument_on_the_scoreboard_and_in_the_pan
     Mutations that fail it: `views.byte_figure` leaving the mark off a formula figure (`... if source !=
     "formula" else ""`); the scoreboard's heads naming the run's instrument whatever its figures' sources
     (`sources["between"].add("allocator")`)."""
-    from kvdirect_app.ui.scoreboard import scoreboard_html
+    from kvdirect_app.app.ui.scoreboard import scoreboard_html
 
     marked = lambda m: f'<span class="kvd-note kvd-src">{m}</span>'  # a figure's mark, right after it
     measured, formula = "kvdirect:budget=4", "window:budget=4"
@@ -328,9 +328,9 @@ def test_the_banner_and_the_panes_say_what_each_exact_strategy_holds_on_this_mod
     break-even spacing.  A pane of a run on that model says its own sentence; a run on another model says none.
     Catches: the old banner's "hold less" on every model, a sentence that ignores the sliding layers, a pane that
     tells a recording of another model what the loaded one holds."""
-    from kvdirect_app import service
-    from kvdirect_app.ui.geometry_panel import memory_banner, memory_words
-    from kvdirect_app.ui.settings import RunConfig
+    from kvdirect_app.app import service
+    from kvdirect_app.app.ui.geometry_panel import memory_banner, memory_words
+    from kvdirect_app.app.ui.settings import RunConfig
 
     qwen = service.config_geometry("qwen2.5-0.5b", "float32")
     assert memory_banner("qwen", qwen).startswith("On qwen (r = 3.50) KV-Direct holds more than the full cache")
@@ -351,7 +351,7 @@ def test_the_latency_plot_draws_the_machines_roofline_against_the_shared_pass(ru
     """A live run's latency plot has a line at each pane's share of the roofline the machine allows the shared
     pass's linears (measured here by `Conversation.roofline`, over the run's rows), where the shared pass's grey
     part of every bar starts; a recording (measured on another machine) and a run with none measured have no line."""
-    from kvdirect_app.roofline import best_ms
+    from kvdirect_app.benchmarks.roofline import best_ms
 
     engine, session = run
     assert latency_figure(session).layout.shapes == ()

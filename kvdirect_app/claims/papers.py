@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..stats import LEVEL
+from ..plain.stats import LEVEL
 from .verdicts import EQUAL, EXACT_TOLERANCE, HIGHER, LOWER, SIZE_TOLERANCE
 
 UNNAMED = "model not stated"

@@ -61,7 +61,7 @@ def measure(loaded, threads: int | None = None) -> dict:
     """
     import torch
 
-    from ..threads import pin
+    from ..models.threads import pin
 
     previous = torch.get_num_threads()
     if threads:
@@ -75,7 +75,7 @@ def measure(loaded, threads: int | None = None) -> dict:
 def _measure(loaded, threads: int) -> dict:
     import torch
 
-    from .. import compat
+    from ..models import compat
 
     model = loaded.model
     layers = compat.decoder_layers(model)

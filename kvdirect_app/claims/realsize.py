@@ -42,10 +42,11 @@ from pathlib import Path
 
 import torch
 
-from .. import compat, rss
-from ..catalog import PRESETS_DIR
-from ..errors import UserError
-from ..models import LoadedModel, resolve_device, resolve_dtype
+from ..models import compat
+from ..plain import rss
+from ..plain.catalog import PRESETS_DIR
+from ..plain.errors import UserError
+from ..models.loading import LoadedModel, resolve_device, resolve_dtype
 
 LABEL = "random weights at the real config"
 SEED = 1234
@@ -72,7 +73,7 @@ def config_path(config: str) -> Path:
 def text_config(path: Path):
     """The decoder's config from a config.json (a multimodal config's text part), with no special token ids:
     the prompt is random ids and decoding stops at the token limit alone."""
-    from ..geometry import load_config
+    from ..models.geometry import load_config
 
     cfg = compat.text_config(load_config(json.loads(path.read_text())))
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -149,7 +150,7 @@ def random_model(config: str, dtype: str = "bfloat16", device: str = "cpu", seed
     """The model of a public config with seeded random weights (the module docstring says how), wrapped as the
     engine takes it, with a tokenizer over its whole vocabulary."""
     from transformers import AutoModelForCausalLM
-    from ..compat import no_init_weights
+    from ..models.compat import no_init_weights
 
     path = config_path(config)
     torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)
@@ -239,8 +240,8 @@ def measure(config: str, dtype: str, prompt_tokens: int = 300, new_tokens: int =
     logits were finite and how many distinct ids it generated, `lanes` (spec -> `lane_verdict`) and `exact` (every
     lane's checks held).
     """
-    from ..engine import Engine
-    from ..geometry import ModelGeometry
+    from ..engine.runner import Engine
+    from ..models.geometry import ModelGeometry
     from ..strategies import parse_specs
 
     _check(prompt_tokens, new_tokens, threads, budget)

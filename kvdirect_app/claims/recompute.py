@@ -107,8 +107,8 @@ class Recomputer:
     """
 
     def __init__(self, loaded, layer: int | None = None, device=None):
-        from .. import compat
-        from ..replay import KVProjector
+        from ..models import compat
+        from ..kernels.replay import KVProjector
 
         model = loaded.model
         specs = compat.layer_specs(model.config)
@@ -155,7 +155,7 @@ class Recomputer:
 
 def _time(fn, device: torch.device, repeats: int) -> float:
     """Median seconds per call of `fn` over `repeats` samples, after one warm-up call."""
-    from ..metrics import clock
+    from ..measure.metrics import clock
 
     t0 = clock(device)
     fn()
@@ -224,7 +224,7 @@ def measure(loaded, batch_sizes=(1, 4, 16, 64), contexts=(256, 1024, 4096), laye
     """
     import torch
 
-    from ..threads import pin
+    from ..models.threads import pin
 
     previous = torch.get_num_threads()
     if threads is not None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..png import write_png
-from ..units import fmt_bytes
+from ..plain.png import write_png
+from ..plain.units import fmt_bytes
 
 DETAILS = "## Details"
 

@@ -36,8 +36,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ..errors import UserError
-from ..schema import SchemaError, check, stamp
+from ..plain.errors import UserError
+from ..plain.schema import SchemaError, check, stamp
 from .papers import SECTIONS
 from .sections import assess
 from .verdicts import EXACT_TOLERANCE, SIZE_TOLERANCE, VERDICTS, rule_text
@@ -158,7 +158,7 @@ def environment(device: str | None, threads: int | None = None) -> dict:
 def bench_cell(cell: dict) -> dict:
     """One benchmark, called as a library function in this process (`benchmarks`): the cell's `kind` names the
     call, its `config` the settings; its results and environment.  Busy processes for `load`."""
-    from .. import benchmarks
+    from ..benchmarks import api as benchmarks
 
     configs = {"run": benchmarks.RunConfig, "sweep": benchmarks.SweepConfig, "breakeven": benchmarks.BreakevenConfig,
                "replay": benchmarks.ReplayConfig, "capacity": benchmarks.CapacityConfig, "tasks": benchmarks.TasksConfig}
@@ -180,7 +180,7 @@ def bench_cell(cell: dict) -> dict:
 
 
 def recompute_cell(cell: dict) -> dict:
-    from ..models import load_model
+    from ..models.loading import load_model
     from . import recompute
 
     loaded = load_model(cell["model"], dtype=cell["dtype"], device=cell["device"])
@@ -191,7 +191,7 @@ def recompute_cell(cell: dict) -> dict:
 
 
 def patching_cell(cell: dict) -> dict:
-    from ..models import load_model
+    from ..models.loading import load_model
     from . import patching
 
     loaded = load_model(cell["model"], dtype=cell["dtype"], device=cell["device"])
@@ -221,8 +221,8 @@ def run_cell(cell: dict) -> dict:
 # --- the plan --------------------------------------------------------------------------------------------------
 def plan(model: str, quick: bool, device: str = "auto", threads: int = 1) -> list[dict]:
     """Every cell of the report for `model`, with the knobs of `knobs(model, quick)`."""
-    from ..geometry import ModelGeometry, load_config
-    from ..catalog import PRESETS_DIR, embedded_presets, presets
+    from ..models.geometry import ModelGeometry, load_config
+    from ..plain.catalog import PRESETS_DIR, embedded_presets, presets
 
     k = knobs(model, quick)
     geom = ModelGeometry.from_config(load_config(model))
@@ -330,10 +330,10 @@ def gather(model: str, quick: bool, executor: str, device: str = "auto", workers
     process) is taken instead of being run again, marked `resumed` with the commit and time it ran at."""
     import torch
 
-    from ..executors import run_cells
-    from ..recording import commit
+    from ..benchmarks.executors import run_cells
+    from ..plain.recording import commit
 
-    from .. import validate
+    from ..engine import validate
 
     cells = plan(model, quick, device, validate.threads(threads))
     resumed = _resumed(kept, cells) if kept is not None else {}

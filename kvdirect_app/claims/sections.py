@@ -20,8 +20,8 @@ from __future__ import annotations
 import re
 import statistics
 
-from .. import stats
-from ..units import fmt_bytes
+from ..plain import stats
+from ..plain.units import fmt_bytes
 from .papers import CLAIMS, EXACT_METHODS, EXTERNAL, NAMES, section_of
 from .render import figure_text, number
 from .verdicts import NOT_MEASURED, judge, stated, worst

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from ..errors import UserError
+from ..plain.errors import UserError
 from . import anchor, check, docs, record, reproduce, roofline, run, sweep, tasks
 
 

@@ -1,4 +1,4 @@
-"""`bench check-strategy SPEC`: the contract a strategy of one's own is held to (`kvdirect_app/conformance.py`).
+"""`bench check-strategy SPEC`: the contract a strategy of one's own is held to (`kvdirect_app/benchmarks/conformance.py`).
 
     python -m kvdirect_app.bench check-strategy examples/random_eviction.py:RandomEviction
     python -m kvdirect_app.bench check-strategy mypackage.strategies:ValueNorm:budget=32 --models tiny-llama
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from .. import conformance
+from ..benchmarks import conformance
 from .common import CliError
 
 

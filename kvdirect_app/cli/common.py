@@ -7,10 +7,10 @@ import argparse
 import json
 from pathlib import Path
 
-from ..engine import MEMORY_MODES, PREFILL_CHUNK
-from ..errors import UserError
-from ..models import DEVICES, DTYPES
-from ..schema import stamp
+from ..engine.runner import MEMORY_MODES, PREFILL_CHUNK
+from ..plain.errors import UserError
+from ..models.loading import DEVICES, DTYPES
+from ..plain.schema import stamp
 
 
 class CliError(UserError):
@@ -76,7 +76,7 @@ def add_conversation_options(p: argparse.ArgumentParser):
 
 
 def write_json(path: str | None, data: dict, kind: str):
-    """Write a results file of `kind`, stamped with its schema id and version (kvdirect_app/schema.py)."""
+    """Write a results file of `kind`, stamped with its schema id and version (kvdirect_app/plain/schema.py)."""
     if path:
         Path(path).write_text(json.dumps(stamp(kind, data), indent=1))
         print(f"\nwrote {path}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from .. import docs
+from . import doc_figures as docs
 from .common import CliError
 
 

@@ -12,7 +12,7 @@ same file from any run).
 
 from __future__ import annotations
 
-from ..ui.settings import REBUILDS, default_names, expand
+from ..app.ui.settings import REBUILDS, default_names, expand
 from .common import CliError, add_conversation_options
 from .run import cmd_run
 
@@ -21,7 +21,7 @@ BUDGET = 64
 
 def page_specs(model: str, dtype: str, device: str, rebuild: str, budget: int = BUDGET) -> str:
     """The page's default panes as specs (the same expansion as its sidebar), for this model's depth."""
-    from ..models import load_model
+    from ..models.loading import load_model
 
     layers = load_model(model, dtype=dtype, device=device).config.num_hidden_layers
     return ",".join(expand(name, budget, layers, "exact", rebuild) for name in default_names())
@@ -33,7 +33,7 @@ def cmd_record(args) -> int:
     if not args.out.endswith((".json", ".json.gz")):
         raise CliError(f"--out: {args.out!r}; a recording's name ends in .json or .json.gz")
     if args.strategies is None:
-        from .. import validate
+        from ..engine import validate
 
         model = validate.model_name(args.model)
         device, dtype = validate.device_dtype(args.device, args.dtype)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .. import validate
-from ..executors import check_executor
+from ..engine import validate
+from ..benchmarks.executors import check_executor
 from .common import THREADS, WORKERS, CliError
 
 
@@ -27,7 +27,7 @@ def cmd_reproduce(args) -> int:
         print(render.render(results).split(render.DETAILS)[0])
         print(f"re-rendered from {folder / 'results.json'}: wrote {', '.join(str(p) for p in paths)}")
         return 0
-    from ..models import presets
+    from ..models.loading import presets
 
     if validate.model_name(args.model) not in presets():
         raise CliError(f"model: unknown model {args.model!r}; allowed: the presets ({', '.join(presets())})")

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import time
 
-from .. import roofline
-from ..engine import Engine, run_to_end
-from ..errors import UserError
-from ..kernels import Kernels, describe
-from ..models import DTYPES, load_model
+from ..benchmarks import roofline
+from ..engine.runner import Engine, run_to_end
+from ..plain.errors import UserError
+from ..kernels.invariant import Kernels, describe
+from ..models.loading import DTYPES, load_model
 from ..strategies import parse_specs
-from ..threads import pin
+from ..models.threads import pin
 from .common import THREADS, whole, write_json
 
 PANES = "full,kvdirect:budget=64,anchorkv:spacing=30:budget=64,h2o,streaming_llm,snapkv,tova"

@@ -28,13 +28,13 @@ from pathlib import Path
 
 import psutil
 
-from .. import rss
-from ..kernels import describe
-from ..metrics import token_match
-from ..recording import Recorder, save
-from ..scenarios import scenarios
-from ..units import fmt, fmt_bytes, table
-from ..benchmarks import RunConfig, check, consume, first_turn_events, run
+from ..plain import rss
+from ..kernels.invariant import describe
+from ..measure.metrics import token_match
+from ..plain.recording import Recorder, save
+from ..plain.scenarios import scenarios
+from ..plain.units import fmt, fmt_bytes, table
+from ..benchmarks.api import RunConfig, check, consume, first_turn_events, run
 from .common import CliError, add_conversation_options, write_json
 
 
@@ -143,7 +143,7 @@ def print_result(result: dict):
 
 
 def cmd_run(args) -> int:
-    from ..engine import Engine
+    from ..engine.runner import Engine
 
     if args.alone and args.solo:
         raise CliError("give --alone or --solo, not both")
@@ -153,7 +153,7 @@ def cmd_run(args) -> int:
     turns, raw = config.turns()
     if args.alone and not args.dry_run:
         # The parent loads no model (its load would be the largest RSS of the tree): each child checks and runs.
-        from .. import validate
+        from ..engine import validate
 
         req = validate.request(args.model, args.device, args.dtype, args.strategies, args.max_new_tokens, turns, raw)
         return run_alone(args, list(req.strategies))

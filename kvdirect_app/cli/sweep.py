@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..benchmarks import SweepConfig, sweep
-from ..executors import EXECUTORS
-from ..frontier import frontier_figure, points_from_rows, write_frontier
-from ..units import fmt, fmt_bytes, table
+from ..benchmarks.api import SweepConfig, sweep
+from ..benchmarks.executors import EXECUTORS
+from ..plain.frontier import frontier_figure, points_from_rows, write_frontier
+from ..plain.units import fmt, fmt_bytes, table
 from .common import WORKERS, add_conversation_options, write_json
 
 DEFAULT_STRATEGIES = SweepConfig.strategies

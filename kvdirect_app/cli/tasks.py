@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 
-from ..benchmarks import TasksConfig, tasks
-from ..executors import EXECUTORS
-from ..tasks import generate
-from ..tasks.scores import DEFAULT, MULTITURN, MULTITURN_QUICK, QUICK
-from ..units import fmt, fmt_bytes, table
+from ..benchmarks.api import TasksConfig, tasks
+from ..benchmarks.executors import EXECUTORS
+from ..benchmarks.task_suite import generate
+from ..benchmarks.task_suite.scores import DEFAULT, MULTITURN, MULTITURN_QUICK, QUICK
+from ..plain.units import fmt, fmt_bytes, table
 from .common import THREADS, TOKENS, WORKERS, whole, write_json
 
 HERE = "here"  # --executor here: the cells in this process

@@ -1,11 +1,6 @@
-"""KV-cache strategies, one per module, registered by name (see `base.Strategy`)."""
+"""KV-cache strategies, one per module, registered by name (see `base.Strategy`; specs are read by `parsing`)."""
 
-from .base import Strategy, StrategyCache, StrategyError, parse_spec, parse_specs
+from .base import Strategy, StrategyCache, StrategyError
+from .parsing import parse_spec, parse_specs, registry
 
 __all__ = ["Strategy", "StrategyCache", "StrategyError", "parse_spec", "parse_specs", "registry"]
-
-
-def registry() -> dict[str, type[Strategy]]:
-    from . import available  # noqa: F401
-
-    return dict(Strategy.registry)

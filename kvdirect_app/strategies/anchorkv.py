@@ -47,10 +47,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import compat, rss
-from ..geometry import ModelGeometry
-from ..kernels import native
-from ..replay import LayerReplayer
+from ..models import compat
+from ..plain import rss
+from ..models.geometry import ModelGeometry
+from ..kernels.invariant import native
+from ..kernels.replay import LayerReplayer
 from .base import SlidingLayer, Strategy, StrategyCache, StrategyError, window_layer_bytes, window_layer_transient
 from .rebuild import (MODES, REBUILDS, REPLAY_ROWS, RebuildingLayer, chunks_of, covered, record_run, rebuilding_persistent,
                       rebuilding_transient)

@@ -5,5 +5,5 @@ import pkgutil
 from pathlib import Path
 
 for _info in pkgutil.iter_modules([str(Path(__file__).parent)]):
-    if _info.name not in ("base", "available"):
+    if _info.name not in ("base", "available", "parsing"):
         importlib.import_module(f"{__package__}.{_info.name}")

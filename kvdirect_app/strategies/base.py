@@ -1,4 +1,5 @@
-"""What every strategy shares: the registry, spec parsing, the cache and its reference layers.
+"""What every strategy shares: the registry the classes enter, the cache and its reference layers (parsing a spec
+into an instance is `parsing.py`'s, so this module imports none of the families).
 
 A strategy is a small dataclass (its settings, checked in `__post_init__`)
 that builds a transformers `Cache` made of custom layers.  Subclasses register
@@ -21,11 +22,10 @@ from typing import ClassVar
 
 import torch
 
-from .. import compat
-from ..compat import Cache, DynamicLayer
-from ..errors import UserError
-from ..geometry import ModelGeometry
-from ..specs import external, settings_of
+from ..models import compat
+from ..models.compat import Cache, DynamicLayer
+from ..plain.errors import UserError
+from ..models.geometry import ModelGeometry
 
 
 class Forward(typing.NamedTuple):
@@ -212,19 +212,6 @@ def model_side(root, model: torch.nn.Module | None) -> dict[int, object]:
     return found
 
 
-def _coerce(value: str, typ, field: str, strategy: str):
-    try:
-        if typ is bool:
-            if value.lower() in ("true", "1", "yes", "on"):
-                return True
-            if value.lower() in ("false", "0", "no", "off"):
-                return False
-            raise ValueError
-        return typ(value)
-    except ValueError:
-        raise StrategyError(f"{strategy}: setting {field}={value!r} is not a valid {typ.__name__}") from None
-
-
 @dataclass
 class Strategy:
     """Base of all strategies.  Subclasses set `name` and implement `build_cache` and the formulas."""
@@ -311,49 +298,3 @@ class Strategy:
     def notes(self) -> list[str]:
         """Settings adapted to fit each other (shown with the results, never silent)."""
         return []
-
-
-def parse_spec(text: str) -> Strategy:
-    """`name[:key=value]...`, `PATH.py:Class[:key=value]...` or `module:Class[:key=value]...` -> a Strategy
-    instance; one clear error line on bad input."""
-    from . import available  # noqa: F401  (imports every strategy module so the registry is full)
-    from . import external as outside
-
-    text = text.strip()
-    if not text:
-        raise StrategyError(f"empty strategy spec; known strategies: {', '.join(sorted(Strategy.registry))}")
-    if external(text):
-        cls = outside.load(text)
-        name, pairs = cls._source, settings_of(text)
-    else:
-        name, *pairs = text.split(":")
-        cls = Strategy.registry.get(name)
-    if cls is None:
-        raise StrategyError(f"unknown strategy {name!r}; known strategies: {', '.join(sorted(Strategy.registry))}; "
-                            "or a class of one's own: PATH.py:ClassName or module:ClassName")
-    fields = cls.settings()
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise StrategyError(f"{name}: setting {pair!r} is not of the form key=value")
-        if key not in fields:
-            allowed = ", ".join(fields) or "none"
-            raise StrategyError(f"{name}: unknown setting {key!r}; allowed: {allowed}")
-        kwargs[key] = _coerce(value, hints[key], key, name)
-    strategy = cls(**kwargs)
-    strategy._label = text
-    return strategy
-
-
-def parse_specs(text: str) -> list[Strategy]:
-    """Comma-separated specs; duplicates are an error."""
-    out, seen = [], set()
-    for part in text.split(","):
-        strategy = parse_spec(part)
-        if strategy.spec() in seen:
-            raise StrategyError(f"strategy {strategy.spec()!r} is listed twice")
-        seen.add(strategy.spec())
-        out.append(strategy)
-    return out

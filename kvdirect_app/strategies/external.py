@@ -23,8 +23,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from ..hosted import hosted
-from ..specs import external, is_file, refusal
+from ..plain.hosted import hosted
+from ..plain.specs import external, is_file, refusal
 from .base import Strategy, StrategyError
 
 CARRIED = "_strategy_files"  # a cell's key: {path: text} of the strategy files it names

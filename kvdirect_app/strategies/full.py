@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import compat
-from ..geometry import ModelGeometry
+from ..models import compat
+from ..models.geometry import ModelGeometry
 from .base import WINDOW_SIZE_TENSOR_BYTES, FullLayer, SlidingLayer, Strategy, StrategyCache, window_layer_transient
 
 

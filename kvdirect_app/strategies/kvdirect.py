@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import compat
-from ..geometry import ModelGeometry
-from ..kernels import native
-from ..replay import KVProjector
+from ..models import compat
+from ..models.geometry import ModelGeometry
+from ..kernels.invariant import native
+from ..kernels.replay import KVProjector
 from .base import SlidingLayer, Strategy, StrategyCache, window_layer_bytes, window_layer_transient
 from .rebuild import MODES, REBUILDS, RebuildingLayer, record_run, rebuilding_persistent, rebuilding_transient
 

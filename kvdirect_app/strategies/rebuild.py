@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import CacheLayerMixin
+from ..models.compat import CacheLayerMixin
 
 MODES = ("exact", "fast")
 REBUILDS = ("step", "turn")

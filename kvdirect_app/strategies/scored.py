@@ -74,10 +74,10 @@ from typing import Callable, ClassVar
 import torch
 from torch import nn
 
-from .. import compat
-from ..compat import CacheLayerMixin
-from ..geometry import ModelGeometry
-from ..replay import HeadProjection
+from ..models import compat
+from ..models.compat import CacheLayerMixin
+from ..models.geometry import ModelGeometry
+from ..kernels.replay import HeadProjection
 from .base import (ContractError, Forward, FullLayer, SlidingLayer, Strategy, StrategyCache, window_layer_bytes,
                    window_layer_transient)
 

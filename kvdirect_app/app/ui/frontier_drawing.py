@@ -1,0 +1,96 @@
+"""The Frontier tab's drawing: every ticked strategy at a few budgets on one conversation, run after run, said to
+whoever waits for the slot, cancellable (part of `handlers.Handlers`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import Iterator
+
+import gradio as gr
+
+from ...plain.scenarios import scenarios
+from . import playback, runner, views
+from .line import FRONTIER_JOB, LINE, Job
+from .session import Session
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+FRONTIER_CURRENT = "this conversation"
+FRONTIER_BUDGETS = (16, 64)
+
+
+class FrontierDrawing:
+    """Draw the frontier, and cancel the drawing."""
+
+    # --- the frontier ----------------------------------------------------------
+    def frontier(self, session: Session, source: str, **controls) -> Iterator[dict]:
+        """Every ticked strategy at a few settings on one conversation, run after run; the frontier plot when done
+        (or, cancelled, of the runs done).  Whoever waits for the slot meanwhile is told it is the frontier drawing
+        and how far it is; its Cancel ends it after the step in progress."""
+        f = self.s.frontier
+        busy = lambda message: {f.status: views.status(message, "busy"), f.draw: gr.Button(interactive=False),
+                                f.cancel: gr.Button(interactive=True)}
+        done = lambda message, kind: {f.status: views.status(message, kind), f.draw: gr.Button(interactive=True),
+                                      f.cancel: gr.Button(interactive=False)}
+        session.asked = None
+        if session.busy:
+            yield done("A turn is still running: wait for it or press Stop.", "error")
+            return
+        playback.unfold(session)
+        known = isinstance(source, str) and (source == FRONTIER_CURRENT or source in scenarios())
+        turns = [] if not known else list(session.user_turns) if source == FRONTIER_CURRENT else \
+            list(scenarios()[source]["turns"])
+        if not turns:
+            yield done("Nothing to draw yet: send a message first, or choose a scenario." if source == FRONTIER_CURRENT
+                       else f"scenario: unknown {str(source)[:40]!r}; allowed: {FRONTIER_CURRENT}, "
+                       f"{', '.join(scenarios())}", "error")
+            return
+        try:
+            settings = Settings.from_controls(controls)
+            config = settings.run_config()
+            plan = runner.frontier_plan(config, settings, FRONTIER_BUDGETS)
+        except runner.USER_ERRORS as e:
+            yield done(str(e), "error")
+            return
+        sweep = runner.frontier_run(config, turns)
+        rows = []
+        t0 = time.monotonic()
+        session.frontier_cancel = False
+        job = LINE.started(Job(FRONTIER_JOB, session))
+        cancelled = False
+        try:
+            for i, entries in enumerate(plan):
+                left = "" if not i else f", about {runner.duration((time.monotonic() - t0) / i * (len(plan) - i))} left"
+                job.doing = f"run {i + 1} of {len(plan)}{left}"
+                yield busy(f"Run {i + 1}/{len(plan)}: {len(entries)} strategies on {len(turns)} turn(s){left}…")
+                ran = sweep.run(entries, lambda: session.frontier_cancel)
+                if ran is None:
+                    cancelled = True
+                    break
+                rows += ran
+        except runner.USER_ERRORS as e:
+            yield done(str(e), "error")
+            return
+        except Exception as e:  # the app stays up; the message says what broke
+            log.error("frontier failed:\n%s", traceback.format_exc())
+            yield done(f"Frontier failed: {type(e).__name__}: {e}", "error")
+            return
+        finally:
+            LINE.ended(job)
+        took = time.monotonic() - t0
+        if cancelled:
+            words = (f"Cancelled after {len(rows)} point(s) of {sum(map(len, plan))} ({took:.0f} s): the points of "
+                     "the runs that finished are drawn." if rows else f"Cancelled before a run finished ({took:.0f} s).")
+            yield {**done(words, "ok"), **({f.plot: runner.frontier_plot(rows, sweep, source)} if rows else {})}
+            return
+        yield {**done(f"{len(rows)} points from {len(plan)} runs in {took:.0f} s.", "ok"),
+               f.plot: runner.frontier_plot(rows, sweep, source)}
+
+    def cancel_frontier(self, session: Session) -> str:
+        """The frontier drawing ends after the step in progress (its finished runs are drawn)."""
+        if not any(job.owner is session and job.what == FRONTIER_JOB for job in list(LINE.jobs)):
+            return views.status("No frontier drawing is running.", "info")
+        session.frontier_cancel = True
+        return views.status("Cancelling after the step in progress…", "busy")

@@ -1,0 +1,322 @@
+"""The page: components grouped in small dataclasses, wired to the handlers in one place."""
+
+from __future__ import annotations
+
+import re
+
+import gradio as gr
+
+from .. import service
+from ...plain.catalog import DTYPE_NAMES
+from ...claims import render, reproduce
+from ...plain.frontier import frontier_figure
+from ...plain.hosted import hosted
+from ...plain.limits import limits
+from ...plain.paths import data
+from ...plain.scenarios import scenarios
+from . import runner
+from ...plain.recording import RecordingError
+from . import playback, views
+from .claims_cards import cards_html
+from .components import Actions, Controls, FrontierTab, Pane, Recordings, Studio, Views
+from .handlers import FRONTIER_CURRENT, RECALL, Handlers, session_ttl_s
+from .plots import agreement_figure, latency_figure, memory_figure
+from .scoreboard import scoreboard_html
+from .tasks_tab import tasks_tab
+from .session import Session
+from .settings import (any_declares, catalogue, default_model, default_names, max_panes, missing_models_note,
+                       model_choices, title)
+
+ASSETS = data("assets")
+LIVE_REBUILD = "turn"  # the live defaults (docs/perf.md, "Live defaults": what a 64-token turn costs with them)
+LIVE_TWINS = False
+PANE_MAX_PX = 320  # a pane's chat at most: the last 64-token reply whole (~290 px), two rows of panes in ~900 px
+
+
+def asset(name: str) -> str:
+    return (ASSETS / name).read_text(encoding="utf-8")
+
+
+def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tokens: int) -> Controls:
+    names = catalogue()
+    choices = model_choices()
+    offered = [name for _, name in choices]
+    cap = limits()
+    with gr.Group():
+        preset = gr.Dropdown(choices, value=model if model in offered else default_model(), label="Model (preset)",
+                             elem_id="kvd-model",
+                             info="Locked while a turn runs. A new model replays the conversation's earlier turns "
+                                  "on it at your next message (Clear starts afresh). " + missing_models_note())
+        custom = gr.Textbox(value="" if model in offered else model, label="…or a Hub id / local path",
+                            placeholder="e.g. HuggingFaceTB/SmolLM2-360M-Instruct", info="Press Enter to load.",
+                            visible=not hosted())
+        with gr.Row():
+            device = gr.Dropdown(service.devices(), value="auto", label="Device", min_width=100)
+            dtype = gr.Dropdown(list(DTYPE_NAMES), value="float32", label="dtype", min_width=100)
+    picked = gr.CheckboxGroup([(f"{title(n)} ({n})", n) for n in names], value=strategies or default_names(),
+                              label="Strategies (one pane each)")
+    with gr.Group():
+        budget_s = gr.Slider(1, 512, value=budget, step=1, label="Budget (tokens of K/V kept)")
+        spacing = gr.Slider(1, 64, value=4, step=1, label="AnchorKV spacing s (layers)",
+                            visible=any_declares("spacing"))
+        mode = gr.Radio(["exact", "fast"], value="exact", label="Recompute mode",
+                        info="exact: bit-equal K/V; fast: one batched GEMM, error measured",
+                        visible=any_declares("mode"))
+        rebuild = gr.Radio(["step", "turn"], value=LIVE_REBUILD, label="Rebuild old K/V", elem_id="kvd-rebuild",
+                           info="turn (the live default, the papers' mode): rebuilt once per turn, full K/V held "
+                                "while the turn lasts: about the full cache's speed. step: every old token rebuilt "
+                                "at every step: the least memory, but in lockstep every pane waits for it (AnchorKV "
+                                "replays the whole conversation through its layers per token, ~1 s a token at a few "
+                                "hundred tokens on a laptop CPU). The recordings use step.",
+                           visible=any_declares("rebuild"))
+        max_new = gr.Slider(1, min(512, cap.max_new_tokens), value=min(max_new_tokens, cap.max_new_tokens), step=1,
+                            elem_id="kvd-max-new",
+                            label="Max new tokens per turn")
+        twins = gr.Checkbox(LIVE_TWINS, label="Measure agreement after a divergence", elem_id="kvd-twins",
+                            info="a teacher-forced twin per diverged pane, fed the full cache's tokens, for KL after "
+                                 "its first divergence: a second pass over the weights at every step (~+25% of a "
+                                 "turn here). Off for live turns, on in the recordings.")
+        kernels = gr.Radio(["invariant", "native"], value="invariant", label="Kernels", elem_id="kvd-kernels",
+                           info="invariant: every row's bits independent of the call (one GEMM for all lanes and "
+                                "replays; probed at start); native: the model's own kernels, replays repeat shapes")
+    with gr.Accordion("More panes (extra specs)", open=False):
+        extra = gr.Textbox(label="Extra specs, comma-separated", placeholder="kvdirect:budget=16:mode=fast",
+                           elem_id="kvd-extra",
+                           info="name[:key=value]…, or a class of your own: PATH.py:Class[:key=value]… (not on a "
+                                "hosted Space); budget/spacing/mode above fill in what a spec leaves unset.")
+    return Controls(preset, custom, device, dtype, picked, extra, budget_s, spacing, mode, rebuild, max_new, twins, kernels)
+
+
+CLAIMS = data("docs/claims")
+
+
+def _claims_tab():
+    """The committed `bench reproduce` run (docs/claims/results.json): each claim, our measurement, a verdict in
+    words.  Every verdict, reason and table is computed here from the run's numbers, by the functions
+    `reproduce --render` uses; no stored verdict or report text is shown."""
+    try:
+        results = reproduce.load(CLAIMS)
+    except reproduce.ResultsError as e:
+        gr.Markdown(f"No report to show ({e}): run `python -m kvdirect_app.bench reproduce --quick --out "
+                    "docs/claims`.")
+        return
+    head, _, details = render.render(results).partition(render.DETAILS)
+    gr.HTML(cards_html(results), elem_id="kvd-claims-cards")
+    with gr.Row():
+        for name in ("agreement", "recompute", "patching"):
+            if (CLAIMS / f"{name}.png").is_file():
+                gr.Image(str(CLAIMS / f"{name}.png"), show_label=False, interactive=False)
+    with gr.Accordion("The table: every claim's figures and the whole reason", open=False):
+        again = f"python -m kvdirect_app.bench reproduce {'--quick ' if results['quick'] else ''}--out DIR"
+        gr.Markdown(head.replace("Every number below", f"Reproduce it with `{again}`. Every number below"),
+                    elem_id="kvd-claims-table")
+    with gr.Accordion("Details: every measured row", open=False):
+        gr.Markdown(re.sub(r"!\[[^\]]*\]\([^)]*\)", "", details))
+
+
+def _panes(first: Session) -> list[Pane]:
+    """One column per pane: earlier turns clamped to two lines (hover or focus shows all of them), the last reply
+    in full (a 64-token reply fits `PANE_MAX_PX`; a longer conversation scrolls, kept at its end); the first
+    screen's recording fills them."""
+    panes = []
+    with gr.Row(elem_id="kvd-panes"):
+        for i in range(max_panes()):
+            label = first.shown[i] if i < len(first.shown) else None
+            with gr.Column(visible=label is not None, min_width=290, elem_classes="kvd-pane") as box:
+                head = gr.HTML(views.pane_header(first, label) if label else "")
+                chat = gr.Chatbot(views.messages(first, label) if label else [], show_label=False, height="auto",
+                                  min_height=120, max_height=PANE_MAX_PX,
+                                  layout="panel", buttons=[], elem_classes="kvd-chat",
+                                  placeholder="Replies stream here.", feedback_options=None)
+            panes.append(Pane(box, head, chat))
+    return panes
+
+
+def first_screen() -> Session:
+    """The page as it opens: the recall recording's end (its scoreboard, panes, plots), or nothing."""
+    name = playback.first_name()
+    if name is None:
+        return Session()
+    try:
+        return playback.fold(playback.open_recording(name))
+    except RecordingError as e:  # a broken shipped file: the page opens empty and the log says why
+        import logging
+
+        logging.getLogger(__name__).error("the first screen's recording %s cannot be played: %s", name, e)
+        return Session()
+
+
+def _recordings(first: Session):
+    """The sidebar's recordings: the shipped ones in a picker, the pace, a file of one's own."""
+    choices = playback.offered()
+    picker = gr.Dropdown(choices, value=playback.first_name(), label="Recorded runs", elem_id="kvd-recordings",
+                         info="played back at the recorded pace (or faster); every number is the recorded one")
+    speed = gr.Radio(list(playback.SPEEDS), value=playback.DEFAULT_SPEED, label="Replay speed", elem_id="kvd-speed")
+    upload = gr.UploadButton("📂 Open a recording file (.json / .json.gz)", file_types=[".json", ".gz"],
+                             file_count="single", type="filepath", variant="secondary", elem_id="kvd-upload",
+                             visible=not hosted())  # a hosted demo opens no visitor's file (`RecordingButtons.replay`)
+    return picker, speed, upload
+
+
+TABS = ("Chat", "Token map", "Time & agreement", "Frontier", "Geometry", "Tasks", "Claims", "Export", "Help")
+
+
+def build_demo(model: str | None = None, strategies: list[str] | None = None, budget: int = 64,
+               max_new_tokens: int = 64) -> gr.Blocks:
+    """The Studio page.  Launch it with `launch_options()` (theme and CSS go to `launch()` in Gradio 6).
+
+    Laid out for a projector: at 1280x720 a one-line header, the tab row (`TABS`, the chat first), the message
+    box and the scoreboard (every pane's verdict, memory and time) are on the first screen; the memory curve
+    and the panes follow in the Chat tab; the settings live in a drawer, closed at start.
+    """
+    model = model or default_model()
+    empty = first_screen()
+    table = scenarios()
+    with gr.Blocks(title="KV-Direct Studio", analytics_enabled=False) as demo:
+        handlers = Handlers(None, demo)
+        # Each visitor's state starts as a name only (Gradio copies the initial value per session): the first
+        # screen's recording is folded into a visitor's session when a handler first needs it.
+        session = gr.State(Session(pending=playback.first_name() if empty.recording else None),
+                           time_to_live=session_ttl_s(), delete_callback=handlers.forget)
+        with gr.Sidebar(label="Settings", open=False, width=360, elem_id="kvd-side"):
+            controls = _controls(model, strategies, budget, max_new_tokens)
+            scenario = gr.Dropdown([(f"{name} · {s.get('about', '')}", name) for name, s in table.items()],
+                                   value=next(iter(table), None), label="Scripted conversation",
+                                   elem_id="kvd-scenario")
+            play = gr.Button("▶ Play scenario", variant="secondary", elem_id="kvd-play", interactive=False)
+            picker, speed, upload = _recordings(empty)
+        banner = gr.HTML(views.header_html(), elem_id="kvd-header")
+        with gr.Tabs(elem_id="kvd-tabs"):
+            with gr.Tab(TABS[0], elem_id="kvd-tab-chat"):
+                status = gr.HTML(views.status("Loading the model… The recorded run below needs none: ▶ Replay it "
+                                              "plays it now.", "busy"), elem_id="kvd-status")
+                with gr.Row(elem_id="kvd-ask"):
+                    prompt = gr.Textbox(show_label=False, placeholder="Ask something; every pane gets the same turn",
+                                        scale=5, min_width=560, lines=1, max_lines=6, autofocus=True,
+                                        elem_id="kvd-prompt", max_length=limits().max_prompt_chars)
+                    # The buttons that start a run work once a model is ready (`Handlers._runs_enabled`).
+                    send = gr.Button("Send", variant="primary", scale=0, min_width=100, elem_id="kvd-send",
+                                     interactive=False)
+                    stop = gr.Button("■ Stop", variant="stop", scale=0, min_width=100, interactive=False,
+                                     elem_id="kvd-stop")
+                with gr.Row(elem_id="kvd-recorded", equal_height=True):
+                    recall = gr.Button("▶ Recall demo", scale=0, min_width=140, size="sm", elem_id="kvd-recall",
+                                       visible=RECALL in table, interactive=False)
+                    regenerate = gr.Button("↻ Regenerate", scale=0, min_width=130, size="sm",
+                                           elem_id="kvd-regenerate", interactive=False)
+                    clear = gr.Button("Clear", scale=0, min_width=80, size="sm", elem_id="kvd-clear")
+                    settings = gr.Button("⚙ Settings", scale=0, min_width=120, size="sm", elem_id="kvd-settings")
+                    line = gr.HTML(views.recording_line(empty), elem_id="kvd-recording-line")
+                    replay = gr.Button("▶ Replay it", scale=0, min_width=120, elem_id="kvd-replay", size="sm",
+                                       visible=bool(playback.offered()))
+                    live = gr.Button("▶ Run it live", scale=0, min_width=130, elem_id="kvd-live", size="sm",
+                                     visible=bool(empty.recording), interactive=False)
+                board = gr.HTML(scoreboard_html(empty), elem_id="kvd-board")
+                # The scoreboard and the memory curve within two screens (the bytes' story), the panes after them.
+                memory = gr.Plot(memory_figure(empty), show_label=False, elem_id="kvd-memory")
+                panes = _panes(empty)
+            with gr.Tab(TABS[1], elem_id="kvd-tab-map"):
+                with gr.Row():
+                    label0, other0, layer0 = views.telling_view(empty, empty.token_maps)
+                    map_label = gr.Dropdown(empty.shown, value=label0, label="Strategy", scale=3,
+                                            elem_id="kvd-map-label")
+                    map_other = gr.Dropdown(empty.shown, value=other0, label="…beside", scale=3,
+                                            elem_id="kvd-map-other")
+                    layers = len(next(iter(empty.token_maps.values()))["states"]) if empty.token_maps else 30
+                    map_layer = gr.Slider(0, max(1, layers - 1), value=layer0, step=1, label="Layer",
+                                          scale=2, elem_id="kvd-map-layer")
+                token_map = gr.HTML(runner.map_pair_html(empty, label0, layer0, other0), elem_id="kvd-token-map")
+                attention = gr.Plot(runner.attention_plot(empty, label0, layer0), show_label=False,
+                                    elem_id="kvd-attention")
+            with gr.Tab(TABS[2], elem_id="kvd-tab-time"):
+                latency = gr.Plot(latency_figure(empty), show_label=False, elem_id="kvd-latency")
+                agreement = gr.Plot(agreement_figure(empty), show_label=False, elem_id="kvd-agreement")
+            with gr.Tab(TABS[3], elem_id="kvd-tab-frontier"):
+                gr.Markdown(asset("frontier.md"))
+                with gr.Row():
+                    source = gr.Dropdown([FRONTIER_CURRENT, *table], value=FRONTIER_CURRENT, scale=3,
+                                         label="Conversation")
+                    draw = gr.Button("Draw the frontier", variant="secondary", scale=1, elem_id="kvd-draw")
+                    cancel = gr.Button("Cancel the drawing", variant="stop", scale=1, interactive=False,
+                                       elem_id="kvd-frontier-cancel")
+                frontier_status = gr.HTML("", elem_id="kvd-frontier-status")
+                frontier_plot = gr.Plot(frontier_figure([]), show_label=False, elem_id="kvd-frontier")
+            with gr.Tab(TABS[4], elem_id="kvd-tab-geometry"):
+                geometry = gr.HTML(elem_id="kvd-geometry")
+            with gr.Tab(TABS[5], elem_id="kvd-tasks"):
+                tasks_tab()
+            with gr.Tab(TABS[6], elem_id="kvd-claims"):
+                _claims_tab()
+            with gr.Tab(TABS[7], elem_id="kvd-tab-export"):
+                gr.Markdown("Downloads hold the last finished (or stopped) turn's run.")
+                with gr.Row():
+                    downloads = [gr.DownloadButton(text, interactive=False, variant="secondary")
+                                 for text in ("Run (JSON)", "Steps (CSV)", "Summary (CSV)", "Plots (HTML)")]
+                    record = gr.DownloadButton("Recording (.json.gz)", interactive=False, variant="secondary",
+                                               elem_id="kvd-download-recording")
+            with gr.Tab(TABS[8], elem_id="kvd-about"):
+                gr.Markdown(asset("about.md"))
+        actions = Actions(prompt, send, stop, regenerate, clear, scenario, play, recall)
+        shown = Views(status, board, memory, latency, agreement, map_label, map_other, map_layer, token_map, attention, geometry,
+                      *downloads, banner)
+        studio = Studio(session, controls, actions, shown, panes,
+                        FrontierTab(source, draw, cancel, frontier_status, frontier_plot),
+                        Recordings(line, picker, speed, upload, replay, live, record))
+        handlers.s = studio
+        _wire(demo, studio, handlers)
+        # The sidebar opens from the Chat tab too (its own toggle is a small arrow at the page's edge).
+        settings.click(None, js="() => document.querySelector('#kvd-side .toggle-button').click()")
+        gr.api(runner.compare, api_name="compare")
+    demo.kvd_handlers = handlers  # the tests drive the handlers directly too
+    return demo
+
+
+def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
+    c, a, v = studio.controls, studio.actions, studio.views
+    out = studio.outputs()
+    model_inputs = c.by_name("model", "custom_model", "device", "dtype")
+    # A newer choice supersedes an older one still loading (always_last); loads do not wait behind runs.
+    load = dict(fn=h.load_model, inputs=[studio.session], inputs_kwargs=model_inputs, outputs=out,
+                api_visibility="private", trigger_mode="always_last", concurrency_id="load", concurrency_limit=4,
+                show_progress="hidden")
+    demo.load(**load)
+    for trigger in (c.model.input, c.device.input, c.dtype.input, c.custom_model.submit):
+        trigger(**load)
+    run = dict(outputs=out, concurrency_id="generate", trigger_mode="once", show_progress="hidden")
+
+    def queued(trigger, fn, inputs, **kw):
+        """Say the run's place in line at once (no queue), then run it in the queue, and while it waits say again,
+        every second, what holds the slot and how far that is (a queue of its own: it never waits itself)."""
+        first = trigger(h.enqueue, inputs=[studio.session], outputs=[v.status], queue=False,
+                        api_visibility="private", show_progress="hidden")
+        first.success(fn, inputs=inputs, inputs_kwargs=c.by_name(), **run, **kw)
+        first.success(h.waiting, inputs=[studio.session], outputs=[v.status], concurrency_id="line",
+                      concurrency_limit=None, api_visibility="private", show_progress="hidden")
+
+    # The API's endpoints (send, regenerate, play_scenario) are the runs themselves; API clients see the queue's
+    # own rank, and a full queue answers with Gradio's "queue is full".
+    queued(a.send.click, h.send, [studio.session, a.prompt], api_name="send")
+    queued(a.prompt.submit, h.send, [studio.session, a.prompt], api_visibility="private")
+    queued(a.regenerate.click, h.regenerate, [studio.session], api_name="regenerate")
+    queued(a.play.click, h.play_scenario, [studio.session, a.scenario], api_name="play_scenario")
+    queued(a.recall.click, h.play_recall, [studio.session], api_visibility="private")
+    a.stop.click(h.stop, inputs=[studio.session], outputs=[v.status], queue=False, api_visibility="private")
+    a.clear.click(h.clear, inputs=[studio.session], outputs=out, api_visibility="private")
+    f = studio.frontier
+    f.draw.click(h.frontier, inputs=[studio.session, f.source], inputs_kwargs=c.by_name(),
+                 outputs=[f.status, f.plot, f.draw, f.cancel], concurrency_id="generate", trigger_mode="once",
+                 show_progress="hidden", api_name="frontier")
+    f.cancel.click(h.cancel_frontier, inputs=[studio.session], outputs=[f.status], queue=False,
+                   api_visibility="private")
+    demo.unload(h.closed)
+    for trigger in (v.map_label.input, v.map_other.input, v.map_layer.release, v.map_layer.input):  # arrow keys too
+        trigger(h.token_map, inputs=[studio.session, v.map_label, v.map_layer, v.map_other],
+                outputs=[v.token_map, v.attention],
+                api_visibility="private")
+    r = studio.recordings
+    # Playing a recording needs no model and waits behind no run: its own queue, a few at once.
+    replay = dict(outputs=out, concurrency_id="replay", concurrency_limit=8, trigger_mode="always_last",
+                  show_progress="hidden", api_visibility="private")
+    r.replay.click(h.replay, inputs=[studio.session, r.picker, r.speed], **replay)
+    r.upload.upload(h.replay, inputs=[studio.session, r.picker, r.speed, r.upload], **replay)
+    queued(r.live.click, h.run_live, [studio.session], api_visibility="private")

@@ -1,0 +1,34 @@
+"""The tokenizer of a model preset, without loading the model (for generating task samples and for tests)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+
+@lru_cache(maxsize=None)
+def tokenizer_for(preset: str):
+    """A preset's tokenizer: the model cache's copy where `make install` left one (under a second), else read
+    from the preset's GGUF file (seconds); a tiny preset's byte-level tokenizer.  Shared: do not modify it."""
+    from ...models import model_cache
+    from ...plain.catalog import presets
+    from ...models.loading import DTYPES, ModelError, byte_tokenizer, gguf_location
+    from .generate import SampleError
+
+    table = presets()
+    if preset not in table:
+        raise SampleError(f"preset: {preset!r} is not allowed; allowed: {', '.join(table)}")
+    p = table[preset]
+    if p["kind"] == "tiny":
+        return byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    for dtype in DTYPES.values():  # every dtype's copy holds the same tokenizer files
+        folder = model_cache.folder(preset, p, dtype)
+        if folder is not None and (folder / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(folder)
+    location = gguf_location(p)
+    if location is None:
+        raise ModelError(f"model: {preset}'s tokenizer ships in the package {p['package']}, which is not "
+                         f"installed; install it: {p['install']}")
+    path, file = location
+    return AutoTokenizer.from_pretrained(str(path), gguf_file=file)

@@ -1,0 +1,452 @@
+"""Run several KV-cache strategies in lockstep on one conversation.
+
+The full cache is always the reference.  In every step the reference, each
+strategy and each teacher-forced twin (`teacher.py`) are fed their tokens;
+by default they go through the model together, one layer at a time, each
+with its own cache, bit for bit as if run one after another (`forwards.py`,
+`lockstep.py`), and the reference's cache is updated first at every layer,
+so a strategy can compare what it hands to attention with what the
+reference holds for the same step.  Every piece of a step runs in a region
+of the engine's observer (`observe.py`): a lane's own work, the shared pass,
+an instrument's work (`instruments.py`), the engine's own (choosing tokens,
+detokenising, events); each step reports its wall time and every part as
+its clock read it, and what no clock covered as unattributed.  Each lane's
+bytes are measured by the allocator the tensors live in (`meters.py`: the
+allocator's ledger on the CPU) and kept beside what the strategy lists and
+the formula (`lanes.ByteBook`); a prompt longer than `prefill_chunk` tokens
+is fed in pieces, with a progress event per piece.  Sessions can be parked
+between turns and resumed.
+
+The engine yields plain dict events and never imports gradio.  It is built of parts, one reason each: the turn and
+its steps (here), the state between turns (`between.py`: park, resume, a saved context, the thread count), the
+lanes' token maps and attention snapshots (`lanemaps.py`), a step's figures and the run's summary (`summary.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from typing import Callable, Iterator
+
+import torch
+
+from .between import CONTEXT, BetweenTurns
+from .forwards import Forwards, Item
+from ..models.geometry import ModelGeometry
+from .hooks import InputTap, model_lock
+from ..measure.instruments import MEMORY_MODES, Instruments
+from ..kernels.invariant import Kernels
+from ..kernels.invariant import brief as kernels_brief
+from .lanemaps import LaneMaps
+from .lanes import ByteBook, Lane, TurnBytes
+from .lockstep import batch_linears
+from ..measure.memory import AllocationTracer
+from ..models.loading import LoadedModel
+from ..measure.observe import ENGINE, Observer, Owner, instrument, storage_sizes, watch
+from ..models.prompts import InputError, Prompter
+from ..strategies import Strategy
+from ..strategies.full import Full
+from .summary import Summary, memory_instrument, step_summary
+from .teacher import agree, observe
+from ..plain.text import ReplyText
+from ..models.threads import one_thread, pin, probe_determinism
+
+__all__ = ["Engine", "InputError", "InputTap", "Prompter", "model_lock", "run_to_end", "MEMORY_MODES",
+           "memory_instrument", "step_summary"]
+
+PREFILL_CHUNK = 1024
+
+
+class Engine(BetweenTurns, LaneMaps, Summary):
+    """Lockstep runner.  `run(turns)` yields events; `results()` gives the summary afterwards.
+
+    Parameters
+    ----------
+    threads : pinned for every forward, on whichever thread runs it (default: torch's count now).
+    memory : "allocator" (the allocator the tensors live in: held bytes and peaks measured per lane), "trace" (the
+        allocator's every allocation, auditing the meter), "storage" (the tensors each strategy lists: declared,
+        not measured), "none" (formula only), or "auto" (the default: "allocator" where it can be read, else
+        "storage", and the instrument's name says why).
+    instruments : False turns every instrument off (no memory, comparison, twins, agreement, snapshot, digest or
+        RSS work at all): the engine then only runs the lanes.
+    compare : False runs one strategy alone, as deployed, with no reference (`bench run --solo`).
+    batch : every lane of a step in one pass through the model (bit-identical to one by one, which False does).
+    twins : keep measuring agreement after a divergence on a teacher-forced twin (one more forward per lane).
+    prefill_chunk : a prompt longer than this is fed in pieces of this many tokens (every lane the same).
+    """
+
+    def __init__(self, loaded: LoadedModel, strategies: list[Strategy], max_new_tokens: int = 64,
+                 raw: bool = False, threads: int | None = None, memory: str = "auto", compare: bool = True,
+                 batch: bool = True, twins: bool = True, prefill_chunk: int = PREFILL_CHUNK, kernels: str = "invariant",
+                 instruments: bool = True):
+        if max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens: {max_new_tokens} must be >= 1")
+        if threads is not None and threads < 1:
+            raise InputError(f"--threads: {threads} must be >= 1")
+        if prefill_chunk < 1:
+            raise InputError(f"--prefill-chunk: {prefill_chunk} must be >= 1")
+        self.loaded = loaded
+        self.model = loaded.model
+        self.max_new_tokens = max_new_tokens
+        self.threads = threads or torch.get_num_threads()
+        self.prompter = Prompter(loaded, raw)
+        self.geometry = ModelGeometry.from_config(loaded.config, loaded.dtype)
+        if memory not in MEMORY_MODES:
+            raise InputError(f"--memory: {memory!r} is not allowed; allowed: {', '.join(MEMORY_MODES)}")
+        self.instruments = Instruments(memory=memory, twins=twins) if instruments else Instruments.off()
+        self.memory, self.instrument, meter = memory_instrument(self.instruments.memory, loaded.device)
+        self.instruments.memory = self.memory  # what ran ("auto" resolved), as the results say
+        self.tracer = AllocationTracer(loaded.device, enabled=self.memory == "trace")
+        self.observer = Observer(loaded.device, meter, self.tracer)
+        weakref.finalize(self, self.observer.close)
+        self.peak_source = {"allocator": "measured" if meter is not None and meter.has_peak else "formula",
+                            "trace": "trace", "storage": "formula", "none": None}[self.memory]
+        self.twins, self.prefill_chunk = self.instruments.twins, prefill_chunk
+        self.steps: list[dict] = []  # per decode step: its wall time and each part's
+        # Probed now, outside every timed step (the verdicts stay with the loaded model).
+        self.kernels = Kernels.for_model(loaded, kernels, self.threads)
+        self.forwards = Forwards(self.model, loaded.device, self.geometry, self.observer, self.tracer, self.threads,
+                                 batch, self.kernels, self.instruments)
+        self.determinism = probe_determinism(loaded.device, loaded.dtype, self.threads)
+        # The model's, the probes' and the strategies' first instances' blocks are no run's; the lanes' strategies
+        # are built again inside their regions (`_lane`), after this.
+        self.observer.count_unattributed_from_now()
+        self.solo = not compare
+        if self.solo:  # one strategy as deployed alone: it drives the conversation, nothing is compared
+            if len(strategies) != 1:
+                raise InputError(f"--solo: runs exactly one strategy, got {len(strategies)}")
+            self.reference, self.lanes = self._lane(strategies[0]), []
+            self.show = [strategies[0].label]
+        else:
+            ref = Full()
+            specs = [s.spec() for s in strategies if s.spec() != ref.spec()]
+            if len(set(specs)) != len(specs):  # two lanes of one spec would share one owner's bytes
+                raise InputError(f"strategies: {next(x for x in specs if specs.count(x) > 1)!r} is listed twice")
+            self.reference = self._lane(ref)
+            self.lanes = [self._lane(s) for s in strategies if s.spec() != ref.spec()]
+            self.show = [s.label if s.spec() != ref.spec() else ref.label for s in strategies]
+        self.prompt_ids: list[int] = []
+        self.turn_chunks: list[list[int]] = []
+        self.turn_seconds: list[float] = []  # wall time of each turn, from its first forward to its last
+        self.parked = False
+        self.saved_context: dict | None = None  # label -> (cache, history length, forwards): `turn(save_context=)`
+        self.unattributed_peak = 0  # the most bytes no lane's work held after a step (`_unattributed`)
+        self.observer.register(CONTEXT)
+
+    def about(self) -> dict:
+        """Per shown strategy: the first line of its docstring and the settings it adapted (plain data, for a page
+        that draws from events alone)."""
+        out = {}
+        for lane in self.all_lanes:
+            doc = (type(lane.strategy).__doc__ or "").strip()
+            out[lane.label] = {"doc": doc.splitlines()[0] if doc else "", "notes": list(lane.strategy.notes)}
+        return out
+
+    def _lane(self, strategy: Strategy) -> Lane:
+        """The strategy's lane: the strategy made again from its settings inside the lane's own region, then its
+        cache, so that whatever it allocates when it is made (in `__post_init__`) is the lane's, never a baseline."""
+        lane = Lane(strategy, None, strategy.label, ByteBook(measured=self.memory != "none",
+                                                             peak_source=self.peak_source))
+        self.observer.register(lane.owner)
+        with self._work(lane.owner, "build"):
+            lane.strategy = _made_again(strategy)
+            lane.cache = watch(lane.strategy.build_cache(self.model))
+        lane.cache.model = self.model  # what its twins share (`StrategyCache.fork`)
+        lane.cache.use_kernels(self.kernels)
+        if self.loaded.device.type == "cuda" and self.memory in ("allocator", "trace"):
+            # The caching allocator rounds blocks: measured and formula compared like for like.
+            lane.book.held_sizes = lambda: list(storage_sizes(*lane.cache.state_tensors()).values())
+        return lane
+
+    @contextlib.contextmanager
+    def _work(self, owner: Owner, op: str):
+        """`owner`'s work outside a pass (building, forking, ending a turn, parking, resuming): a region of the
+        observer, traced in a session of its own with ``--memory trace`` (the session's start and fold are the
+        trace's work)."""
+        tracer, observer = self.tracer, self.observer
+        if tracer.enabled:
+            with observer.region(instrument("trace"), "session"):
+                tracer.start(owner.label)
+        try:
+            with observer.region(owner, op):
+                yield
+        finally:
+            if tracer.enabled:
+                with observer.region(instrument("trace"), "session"):
+                    tracer.stop()
+
+    @property
+    def all_lanes(self) -> list[Lane]:
+        return [self.reference, *self.lanes]
+
+    def _held(self, lane: Lane) -> int | None:
+        return self.forwards.held(lane)
+
+    # --- the run -------------------------------------------------------------
+    def turn(self, text: str, ids: list[int] | None = None, answer_prefix: str = "", question: list[int] | None = None,
+             save_context: bool = False, from_context: bool = False) -> Iterator[dict]:
+        """One user turn for every strategy, continuing the conversation; yields "turn", "prefill"..., "step"...,
+        "turn_end".
+
+        Hooks go on the (shared, read-only) model for the turn only, under a
+        per-model lock, so sessions sharing a model never see each other's
+        hooks.  Closing the generator early (a stop button) ends the turn
+        cleanly: every token chosen so far has been fed.  `ids` gives the first
+        turn's token ids directly (benchmarks at an exact context length);
+        `answer_prefix` opens a later turn's reply (fed after the user turn, as
+        a task's answer prefix: `bench tasks --multiturn`).
+
+        `question` (token ids) is read after the prompt, which the strategies compress at its end as usual, and
+        nothing is evicted from then until the turn ends: kvpress's setting (`bench tasks --question after`), where
+        the context is compressed alone and the question and the answer are read with the press off.
+        `save_context` keeps every lane's cache as it stands after the prompt, before the question (the engine's
+        own copy, whose bytes are no lane's); a later turn `from_context` starts every lane from that copy, its
+        earlier questions and answers cut, and reads `question` alone as its prompt, nothing evicted (kvpress's
+        multi-question mode: `bench tasks --multiturn --history drop`).
+        """
+        if not text or not text.strip():
+            raise InputError("--prompt: empty prompt; give a non-empty user message")
+        k = len(self.turn_chunks)
+        if ids is not None and k != 0:
+            raise InputError("token ids can only be given for the first turn")
+        if answer_prefix and k == 0:
+            raise InputError("an answer prefix opens a later turn; the first turn's ids hold its own")
+        if question is not None and not question:
+            raise InputError("question: empty; give the token ids read after the prompt, or None")
+        if save_context and question is None:
+            raise InputError("save_context: the context is what precedes a question; give question= too")
+        if from_context and (self.saved_context is None or question is None or answer_prefix):
+            raise InputError("from_context: needs a context saved by an earlier turn (save_context=True) and the "
+                             "question's ids (question=), which hold their own answer prefix")
+        if k == 0:
+            first = list(ids) if ids is not None else self.prompter.first(text)
+            if len(first) >= self.loaded.max_context:
+                raise InputError(
+                    f"--prompt: {len(first)} tokens, longer than the model's context of {self.loaded.max_context}")
+            self.prompt_ids = first
+        with model_lock(self.model):
+            previous_threads = torch.get_num_threads()
+            tap = InputTap(self.model, self.loaded.device)
+            try:
+                if k == 0 and self.instruments.compare:
+                    for lane in self.lanes:
+                        if lane.strategy.kv_comparable:
+                            self.observer.compare_with(lane.owner, self.reference.cache)
+                    yield {"type": "start", "strategies": self.show, "reference": self.reference.label,
+                           "prompt_ids": self.prompt_ids, "threads": self.threads, "memory": self.instrument,
+                           "determinism": self.determinism, "about": self.about(),
+                           "kernels": self.kernels.report(), "kernels_line": kernels_brief(self.kernels.report())}
+                if self.parked:
+                    self._resume(tap)
+                    yield {"type": "resume", "lanes": {lane.label: lane.parks[-1] for lane in self.all_lanes}}
+                yield from self._turn(k, text, tap, answer_prefix, question, save_context, from_context)
+            finally:
+                tap.close()
+                for lane in self.all_lanes:
+                    if lane.active:  # interrupted: all chosen tokens were fed, nothing is pending
+                        lane.active = False
+                        self._end_turn(lane)
+                pin(previous_threads)
+
+    def _caches(self, lane: Lane) -> list[tuple[Owner, object]]:
+        """The lane's cache and its twin's (if any), with their owners."""
+        return [(owner, cache) for owner, cache in ((lane.owner, lane.cache), (lane.twin, lane.tf_cache))
+                if cache is not None]
+
+    def _end_turn(self, lane: Lane):
+        """The turn is over for this lane: drop what only the turn needed, then count what stays."""
+        for owner, cache in self._caches(lane):
+            with self._work(owner, "end_turn"):
+                cache.end_turn()
+        if lane.replies:
+            lane.texts[-1] = lane.replies[-1].final()
+        seen = lane.cache.get_seq_length()
+        held = self._held(lane)
+        formula = lane.strategy.formula_between_turns(self.geometry, seen, lane.forwards)
+        obs = self.observer
+        if self.memory != "none":
+            lane.book.declared(formula, obs.declared(lane.cache))
+        if self.memory == "trace" and obs.meter is not None:  # the meter beside the trace, between turns too
+            lane.book.audit("between turns", seen, obs.held(lane.owner), None, held, None)
+        lane.book.between_turns(seen, held, formula, obs.outside(lane.owner) if self.memory != "none" else None)
+        lane.keeping = False
+        if self.instruments.digests:
+            lane.kv_digest = obs.digest(lane.cache)
+
+    @contextlib.contextmanager
+    def kernel_scope(self):
+        """The run's kernels around work outside a step's pass (a resume, a benchmark's rebuild): every linear of
+        the model and the replays' attention as the forwards computed them."""
+        with batch_linears(self.model, 1, self.kernels), self.kernels.applied():
+            yield
+
+    def run(self, turns: list[str], park: bool = False) -> Iterator[dict]:
+        """Every turn in order (parking every session between turns when `park`), then "done" with `results()`."""
+        if not turns or any(not t or not t.strip() for t in turns):
+            raise InputError("--prompt: empty prompt; give a non-empty user message")
+        for i, text in enumerate(turns):
+            if park and i:
+                yield self.park()
+            yield from self.turn(text)
+        yield {"type": "done", "result": self.results()}
+
+    def _prefill(self, k: int, items: list[Item], tap: InputTap, first_piece: int = 0) -> Iterator[dict]:
+        """Every lane's prompt, in pieces of at most `prefill_chunk` tokens; an event after each piece.
+        `first_piece`: the pieces already fed in this turn (a question read after the prompt continues them)."""
+        total = max(len(item.ids) for item in items)
+        size = self.prefill_chunk
+        for piece, start in enumerate(range(0, total, size)):
+            pieces = [Item(item.lane, item.ids[start:start + size], item.twin, start + size < len(item.ids))
+                      for item in items if item.ids[start:start + size]]
+            self.forwards.run(pieces, tap, turn_start=True, piece=first_piece + piece)
+            if total > size:
+                yield {"type": "prefill", "turn": k, "done": min(start + size, total), "total": total}
+
+    def _turn(self, k: int, text: str, tap: InputTap, answer_prefix: str = "", question: list[int] | None = None,
+              save_context: bool = False, from_context: bool = False) -> Iterator[dict]:
+        ref, lanes = self.reference, self.lanes
+        if from_context:
+            self._from_context()
+        tail = self.prompter.encode(answer_prefix, False) if answer_prefix else []
+        after = [] if from_context or question is None else list(question)  # read after the prompt, nothing evicted
+        chunk = lambda lane: (list(question) if from_context else self.prompt_ids if k == 0 else
+                              self.prompter.next(text, lane.pending) + tail)
+        ref_chunk = chunk(ref)
+        if ref.cache.get_seq_length() + len(ref_chunk) + len(after) >= self.loaded.max_context:
+            raise InputError(f"turn {k + 1}: the conversation passes the model's context of {self.loaded.max_context}")
+        self.turn_chunks.append(ref_chunk + after)
+        yield {"type": "turn", "turn": k, "user": text, "chunk_ids": ref_chunk + after}
+        for lane in self.all_lanes:
+            lane.book.turns.append(TurnBytes(k))
+            lane.keeping = from_context
+        obs = self.observer
+        started = obs.now()
+        items = [Item(ref, ref_chunk)]
+        for lane in lanes:
+            items.append(Item(lane, chunk(lane)))
+            if lane.tf_cache is not None:
+                items.append(Item(lane, ref_chunk, twin=True))
+        yield from self._prefill(k, items, tap)
+        if save_context:
+            self._save_context()
+        if after:
+            for lane in self.all_lanes:
+                lane.keeping = True
+            pieces = -(-len(ref_chunk) // self.prefill_chunk)
+            yield from self._prefill(k, [Item(item.lane, after, item.twin) for item in items], tap, pieces)
+        for lane in self.all_lanes:
+            lane.tokens.append([])
+            lane.texts.append("")
+            lane.replies.append(ReplyText(self.loaded.tokenizer))
+            lane.active, lane.pending = True, None
+        index = 0
+        inst = self.instruments
+        fork = self._fork if self.twins and inst.agreement else None
+        while ref.active or any(lane.active for lane in lanes):
+            step_started, mark = obs.now(), obs.mark()
+            ref_token = self._choose(ref, index) if ref.active else None
+            ref_logits = ref.logits if ref_token is not None else None
+            event = {"type": "step", "turn": k, "index": index, "lanes": {}}
+            # Agreement for every lane in one pass over the stacked logits, on one thread: per lane, a few small
+            # ops on a vocabulary's logits each woke the second thread and waited for the GIL behind the page's
+            # handler (113 ms a step in the app, 3 ms in the CLI).
+            with obs.region(instrument("agreement"), "agree") if inst.agreement else contextlib.nullcontext(), \
+                    one_thread():
+                compared = [(lane, observe(lane, ref_token, ref_logits, obs, fork, inst.agreement)) for lane in lanes]
+                compared = [(lane, logits) for lane, logits in compared if logits is not None]
+                if compared:
+                    obs.counts["agreement"] += len(compared)
+                    agree([lane for lane, _ in compared], [logits for _, logits in compared], ref_token, ref_logits)
+            for lane in lanes:
+                if lane.active:
+                    self._choose(lane, index)
+            items = []
+            if ref_token is not None and ref.active:
+                items.append(Item(ref, [ref_token]))
+            for lane in lanes:
+                token = lane.tokens[k][-1] if lane.tokens[k] and len(lane.tokens[k]) == index + 1 else None
+                if token is not None and lane.active:
+                    items.append(Item(lane, [token]))
+                if lane.tf_cache is not None and ref_token is not None and ref.active:
+                    items.append(Item(lane, [ref_token], twin=True))
+            fed = {item.lane.label for item in items if not item.twin}
+            self.forwards.run(items, tap, turn_start=False)
+            with obs.region(ENGINE, "events"):
+                for lane in self.all_lanes:
+                    if len(lane.tokens[k]) == index + 1:
+                        event["lanes"][lane.label] = self._lane_event(lane, k)
+            event.update(self._step_figures(step_started, mark, fed))
+            yield event
+            index += 1
+        self.turn_seconds.append(obs.now() - started)
+        for lane in self.all_lanes:
+            self._end_turn(lane)
+        yield {"type": "turn_end", "turn": k, "texts": {lane.label: lane.texts[k] for lane in self.all_lanes},
+               "seconds": self.turn_seconds[-1],
+               "bytes": {lane.label: lane.book.turns[-1].summary() for lane in self.all_lanes}}
+
+    def _fork(self, lane: Lane):
+        """The lane's teacher-forced twin, forked from its cache at its first divergence (the twins' work)."""
+        self.observer.register(lane.twin)
+        with self._work(lane.twin, "fork"):
+            lane.tf_cache = lane.cache.fork()
+        if self.instruments.compare and lane.strategy.kv_comparable:
+            self.observer.compare_with(lane.twin, self.reference.cache)
+
+    def _choose(self, lane: Lane, index: int) -> int:
+        """Greedy token at `index` of the current turn; ends the lane's turn on EOS, the token limit or the context."""
+        with self.observer.region(ENGINE, "choose"):
+            token = int(torch.argmax(lane.logits))
+            lane.tokens[-1].append(token)
+        with self.observer.region(ENGINE, "detokenize"):
+            lane.texts[-1] = lane.replies[-1].add(token)
+        seen = lane.cache.get_seq_length()
+        if token in self.loaded.eos_ids:
+            lane.active = False
+        elif index + 1 >= self.max_new_tokens or seen + 1 >= self.loaded.max_context:
+            lane.active, lane.pending = False, token
+        return token
+
+    def _lane_event(self, lane: Lane, k: int) -> dict:
+        last = (lane.times.decode or lane.times.prefill)[-1]
+        token = lane.tokens[k][-1]
+        with self.observer.region(ENGINE, "detokenize"):
+            piece = self.loaded.tokenizer.decode([token])
+        return {
+            "token_id": token,
+            "piece": piece,
+            "text": lane.texts[k],
+            "active": lane.active,
+            "fed": lane.active,  # the last token of a turn is not fed; its latency is the previous step's
+            "prefill_ms": 1e3 * lane.times.prefill[-1]["total"],
+            "seen": lane.cache.get_seq_length(),
+            **lane.book.last,
+            "rss_bytes": self.forwards.rss,
+            "latency_ms": {op: 1e3 * s for op, s in last.items()},
+            "diverged": lane.diverged,
+            "kl_mean": lane.kl_sum / lane.tf_steps if lane.tf_steps else 0.0,
+        }
+
+
+def _made_again(strategy: Strategy) -> Strategy:
+    """A new instance of the strategy with the same settings and label (its `__init__` and `__post_init__` run
+    again, where the caller is); the strategy itself where its class cannot be made from its fields."""
+    try:
+        again = dataclasses.replace(strategy)
+    except (TypeError, ValueError):
+        return strategy
+    again._label = getattr(strategy, "_label", None)
+    return again
+
+
+def run_to_end(engine: Engine, turns: list[str], park: bool = False,
+               progress: Callable[[str], None] | None = None) -> dict:
+    """Consume every event; return the summary.  `progress` gets a line per prompt piece read (long prompts)."""
+    result = None
+    for event in engine.run(turns, park=park):
+        if event["type"] == "done":
+            result = event["result"]
+        elif event["type"] == "prefill" and progress is not None:
+            progress(f"turn {event['turn'] + 1}: read {event['done']:,} of {event['total']:,} prompt tokens")
+    return result

@@ -1,0 +1,3 @@
+"""Measurement, outside the strategies: observers of what a lane holds (`observe`), the memory instruments
+(`instruments`, `meters`, `memory`), the allocator's ledger in C++ (`ledger`, with `ledger.cpp`) and step timing
+(`metrics`)."""
