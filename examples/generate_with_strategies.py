@@ -12,8 +12,8 @@ import argparse
 import torch
 
 from kvdirect_app import strategy_cache
-from kvdirect_app.models.compat import DynamicCache
 from kvdirect_app.models import load_model
+from kvdirect_app.models.compat import DynamicCache
 from kvdirect_app.plain.units import fmt_bytes
 
 SPECS = ["full", "kvdirect:budget=8", "anchorkv:spacing=2:budget=8", "h2o:budget=8"]

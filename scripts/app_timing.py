@@ -13,10 +13,10 @@ pane's own figures and the step's wall time below them.  `--json` writes every f
 import argparse
 import json
 import os
-import threading
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 

@@ -33,11 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kvdirect_app  # noqa: E402,F401  (thread settings before torch)
 import torch  # noqa: E402
 
-from kvdirect_app.kernels import invariant as K  # noqa: E402
+import kvdirect_app  # noqa: E402,F401  (thread settings before torch)
 from kvdirect_app.engine import Engine, run_to_end  # noqa: E402
+from kvdirect_app.kernels import invariant as K  # noqa: E402
 from kvdirect_app.models import load_model  # noqa: E402
 from kvdirect_app.strategies import parse_specs  # noqa: E402
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kvdirect_app  # noqa: E402,F401  (thread settings before torch)
 import torch  # noqa: E402
 
+import kvdirect_app  # noqa: E402,F401  (thread settings before torch)
 from kvdirect_app import strategy_cache  # noqa: E402
-from kvdirect_app.models.compat import DynamicCache  # noqa: E402
 from kvdirect_app.models import load_model  # noqa: E402
+from kvdirect_app.models.compat import DynamicCache  # noqa: E402
 from kvdirect_app.models.prompts import filler_ids  # noqa: E402
 
 SPECS = ["dynamic", "full", "kvdirect:budget=64", "kvdirect:budget=64:rebuild=turn", "anchorkv:spacing=30:budget=64",

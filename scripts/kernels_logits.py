@@ -15,11 +15,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kvdirect_app  # noqa: E402,F401
 import torch  # noqa: E402
 
-from kvdirect_app.engine import lockstep  # noqa: E402
-from kvdirect_app.engine import Engine, run_to_end  # noqa: E402
+import kvdirect_app  # noqa: E402,F401
+from kvdirect_app.engine import (  # noqa: E402
+    Engine,
+    lockstep,  # noqa: E402
+    run_to_end,
+)
 from kvdirect_app.models import load_model  # noqa: E402
 from kvdirect_app.strategies import parse_specs  # noqa: E402
 

@@ -10,13 +10,13 @@ from dataclasses import replace
 import pytest
 
 from kvdirect_app.benchmarks import api as benchmarks
-from kvdirect_app.plain import stats
+from kvdirect_app.benchmarks.task_suite import generate as g
 from kvdirect_app.cli import main
 from kvdirect_app.engine.runner import Engine
 from kvdirect_app.models.loading import load_model
+from kvdirect_app.plain import stats
 from kvdirect_app.strategies import Strategy, parse_spec
 from kvdirect_app.strategies.scored import Scored
-from kvdirect_app.benchmarks.task_suite import generate as g
 
 pytestmark = pytest.mark.check
 

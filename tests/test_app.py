@@ -9,16 +9,15 @@ gradio_client = pytest.importorskip("gradio_client")
 
 from gradio_client.exceptions import AppError  # noqa: E402
 
-from kvdirect_app.plain.scenarios import scenarios  # noqa: E402
-from kvdirect_app.plain.schema import VERSIONS  # noqa: E402
+from kvdirect_app.app.ui.runner import compare_specs  # noqa: E402
+from kvdirect_app.app.ui.settings import catalogue, default_names, expand  # noqa: E402
 from kvdirect_app.engine.runner import Engine, run_to_end  # noqa: E402
 from kvdirect_app.models.loading import load_model  # noqa: E402
+from kvdirect_app.plain.scenarios import scenarios  # noqa: E402
+from kvdirect_app.plain.schema import VERSIONS  # noqa: E402
 from kvdirect_app.strategies import parse_specs  # noqa: E402
 
-from kvdirect_app.app.ui.runner import compare_specs  # noqa: E402
-
 from .runs import differences  # noqa: E402
-from kvdirect_app.app.ui.settings import catalogue, default_names, expand  # noqa: E402
 
 TINY = "tiny-llama"
 # Timings and process memory differ from run to run, and so do the bytes outside torch (Python's buffers a first
@@ -135,8 +134,8 @@ def test_scenario_plays_to_the_end_and_exports_what_the_engine_gives(app):
     rows = exported["steps"]
     assert {r["strategy"] for r in rows} == set(want["strategies"])
     # The Export tab's recording plays back to the same results and the same step rows.
-    from kvdirect_app.plain.recording import load
     from kvdirect_app.app.ui.playback import fold
+    from kvdirect_app.plain.recording import load
 
     recorded = load(paths[0])
     assert recorded["meta"]["source"] == "app" and recorded["meta"]["scenario"] == "capitals"
@@ -221,8 +220,8 @@ def test_kernels_setting_reaches_the_run_its_status_and_the_compare_endpoint(app
     # own check (a caller of the handlers, or a radio without that check) names the setting too.
     with pytest.raises(AppError, match=r"not in the list of choices: \['invariant', 'native'\]"):
         client.predict("Say hi.", api_name="/send", **_controls(kernels="turbo"))
-    from kvdirect_app.plain.limits import SettingError
     from kvdirect_app.app.ui.settings import Settings
+    from kvdirect_app.plain.limits import SettingError
 
     with pytest.raises(SettingError, match="kernels: 'turbo' is not allowed; allowed: invariant, native"):
         Settings.from_controls(_controls(kernels="turbo"))
@@ -462,8 +461,8 @@ def test_a_conversations_roofline_is_this_machines_best_over_its_rows():
     thread count, the model's own weight bytes, over as many rows as the conversation's lanes."""
     import torch
 
-    from kvdirect_app.benchmarks import roofline
     from kvdirect_app.app import service
+    from kvdirect_app.benchmarks import roofline
 
     talk = service.Conversation("tiny-llama", "cpu", "float32", ["full", "window:budget=4", "h2o:budget=4"], 2)
     roof = talk.roofline()

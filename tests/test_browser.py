@@ -32,12 +32,12 @@ pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
                                 reason=f"no Chromium at {CHROMIUM}: install Debian's package (apt-get install -y chromium)")
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (requirements-dev.txt)")
 
-from kvdirect_app.claims import reproduce  # noqa: E402
 from kvdirect_app.app.ui import build_demo, tasks_view  # noqa: E402
 from kvdirect_app.app.ui.layout import TABS  # noqa: E402
+from kvdirect_app.app.ui.settings import default_names, title  # noqa: E402
+from kvdirect_app.claims import reproduce  # noqa: E402
 
 from .conftest import launch_local  # noqa: E402
-from kvdirect_app.app.ui.settings import default_names, title  # noqa: E402
 
 
 class ServerLog(logging.Handler):
@@ -658,8 +658,8 @@ def test_a_recording_file_opens_and_an_old_version_is_refused(url, browser, tmp_
     page goes on working: the good file plays again)."""
     import json as _json
 
-    from kvdirect_app.plain import recording
     from kvdirect_app.app.ui import playback
+    from kvdirect_app.plain import recording
 
     rec = playback.open_recording(playback.first_name())
     good = recording.save(rec, tmp_path / "mine.json.gz")

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdirect_app.benchmarks import api as benchmarks, conformance
+from kvdirect_app.benchmarks import api as benchmarks
+from kvdirect_app.benchmarks import conformance
 from kvdirect_app.cli import main
 from kvdirect_app.strategies import Strategy, StrategyError, parse_spec
 

@@ -3,8 +3,22 @@
 import pytest
 
 from kvdirect_app.claims import papers
-from kvdirect_app.claims.verdicts import (DIRECTION_ONLY, EQUAL, EXACT_TOLERANCE, FAILS, HIGHER, HOLDS, LOWER,
-                                          NOT_MEASURED, SIZE_TOLERANCE, VERDICTS, judge, rule_text, stated, worst)
+from kvdirect_app.claims.verdicts import (
+    DIRECTION_ONLY,
+    EQUAL,
+    EXACT_TOLERANCE,
+    FAILS,
+    HIGHER,
+    HOLDS,
+    LOWER,
+    NOT_MEASURED,
+    SIZE_TOLERANCE,
+    VERDICTS,
+    judge,
+    rule_text,
+    stated,
+    worst,
+)
 
 pytestmark = pytest.mark.check  # the inner loop (`make check`)
 

@@ -94,8 +94,8 @@ def test_alone_runs_each_strategy_in_a_process_of_its_own_and_loads_no_model_its
     """The parent's own load would be the largest RSS of the process tree that `/usr/bin/time` sees."""
     from pathlib import Path
 
-    from kvdirect_app.models import loading as models
     from kvdirect_app.cli.run import GNU_TIME
+    from kvdirect_app.models import loading as models
 
     models._LOADED.pop(("tiny-qwen2", "float32", "cpu"), None)
     out = tmp_path / "alone.json"

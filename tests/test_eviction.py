@@ -16,8 +16,8 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from kvdirect_app import bench
-from kvdirect_app.models import compat
 from kvdirect_app.engine.runner import Engine, InputTap, run_to_end
+from kvdirect_app.models import compat
 from kvdirect_app.strategies import parse_spec, parse_specs
 from kvdirect_app.strategies.scored import ScoredLayer
 

@@ -17,8 +17,8 @@ import pytest
 
 from kvdirect_app import bench
 from kvdirect_app.benchmarks import executors
-from kvdirect_app.plain.errors import UserError
 from kvdirect_app.benchmarks.executors import CellError, CellUserError, ExecutorError, run_cells
+from kvdirect_app.plain.errors import UserError
 
 from .runs import differences
 

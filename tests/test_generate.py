@@ -19,9 +19,9 @@ import threading
 import pytest
 import torch
 
-from kvdirect_app.models import compat
 from kvdirect_app import strategy_cache
 from kvdirect_app.engine.integration import CacheInUse, UnsupportedCall
+from kvdirect_app.models import compat
 from kvdirect_app.strategies import StrategyError, registry
 
 from .conftest import TINY_FAMILIES, all_sliding, tiny
@@ -179,8 +179,8 @@ def test_every_registered_strategy_runs_inside_generate():
     differs; the lossy ones miss rows), and the model left as it was.
 
     Mutation (applied, fails): `Verifier.report`'s `exact` ignores missing rows -> H2O verified exact."""
-    from kvdirect_app.strategies.base import Strategy
     from kvdirect_app.strategies import available  # noqa: F401  (fills the registry)
+    from kvdirect_app.strategies.base import Strategy
 
     loaded = tiny("tiny-qwen3")
     reference = _two_turns(loaded)

@@ -26,14 +26,14 @@ import mmap
 import pickle
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 
-from kvdirect_app.measure import ledger
 from kvdirect_app.engine.runner import Engine
+from kvdirect_app.measure import ledger
 from kvdirect_app.strategies import Strategy, parse_specs
 from kvdirect_app.strategies.window import Window
 

@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdirect_app.plain.schema import validate
 from kvdirect_app.app.ui.settings import COMPLETION
+from kvdirect_app.plain.schema import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,27 +18,27 @@ import psutil
 import pytest
 import torch
 
-from kvdirect_app.engine import runner as engine_module
+from kvdirect_app.app.ui.scoreboard import scoreboard_html
+from kvdirect_app.app.ui.session import Session
 from kvdirect_app.engine import lockstep
-from kvdirect_app.measure import observe
+from kvdirect_app.engine import runner as engine_module
 from kvdirect_app.engine.runner import Engine, run_to_end
 from kvdirect_app.kernels.invariant import Kernels
+from kvdirect_app.kernels.replay import KVProjector, LayerReplayer
+from kvdirect_app.measure import observe
 from kvdirect_app.measure.memory import AllocationTracer
 from kvdirect_app.measure.meters import LedgerMeter
-from kvdirect_app.models.loading import load_model
 from kvdirect_app.measure.observe import Observer, current
-from kvdirect_app.kernels.replay import KVProjector, LayerReplayer
+from kvdirect_app.models.loading import load_model
+from kvdirect_app.plain.text import ReplyText
 from kvdirect_app.strategies import Strategy, StrategyCache, parse_specs
 from kvdirect_app.strategies.anchorkv import AnchorKV, AnchorStore
+from kvdirect_app.strategies.base import FullLayer
 from kvdirect_app.strategies.full import Full
 from kvdirect_app.strategies.h2o import H2O
 from kvdirect_app.strategies.kvdirect import KVDirect, ResidualLayer
-from kvdirect_app.strategies.base import FullLayer
 from kvdirect_app.strategies.scored import ScoredLayer
 from kvdirect_app.strategies.window import Window
-from kvdirect_app.plain.text import ReplyText
-from kvdirect_app.app.ui.scoreboard import scoreboard_html
-from kvdirect_app.app.ui.session import Session
 
 from .conftest import tiny
 

@@ -14,16 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvdirect_app.engine.runner import Engine, InputError, run_to_end
 from kvdirect_app.kernels import invariant as K
 from kvdirect_app.kernels import probes
 from kvdirect_app.models.threads import threads_set
-from kvdirect_app.engine.runner import Engine, run_to_end
-from kvdirect_app.engine.runner import InputError
 from kvdirect_app.plain.errors import UserError
 from kvdirect_app.strategies import parse_specs
 
-from .runs import ANCHORKV_EXTRA, KVDIRECT_LANES, TINY_FAMILIES, all_sliding
-from .runs import TINY_TURNS as TURNS, run_once, tiny, tiny_union
+from .runs import ANCHORKV_EXTRA, KVDIRECT_LANES, TINY_FAMILIES, all_sliding, run_once, tiny, tiny_union
+from .runs import TINY_TURNS as TURNS
 from .test_smollm2 import SMOL_EXACT, SMOL_TURNS, smollm2_run
 
 # Lanes of the union run (tests/runs.py): its one-thread half of the comparisons below.

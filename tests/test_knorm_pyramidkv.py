@@ -12,17 +12,17 @@ import torch
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
-from kvdirect_app.models import compat
 from kvdirect_app import strategy_cache
-from kvdirect_app.engine.runner import Engine
 from kvdirect_app.engine.hooks import InputTap
-from kvdirect_app.kernels.invariant import Kernels
 from kvdirect_app.engine.lockstep import Row, run_batch
+from kvdirect_app.engine.runner import Engine
+from kvdirect_app.kernels.invariant import Kernels
 from kvdirect_app.measure.observe import Observer, Owner
+from kvdirect_app.models import compat
+from kvdirect_app.models.threads import threads_set
 from kvdirect_app.strategies import parse_spec, parse_specs
 from kvdirect_app.strategies.base import FullLayer
 from kvdirect_app.strategies.scored import ScoredLayer, fit_mask, per_layer
-from kvdirect_app.models.threads import threads_set
 
 from .runs import tiny
 from .test_eviction import N_KV, TURN_PLAN, TURNS, _drive, _kept

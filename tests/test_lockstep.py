@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvdirect_app.engine.runner import Engine
-from kvdirect_app.strategies import parse_specs
 from kvdirect_app.plain.text import ReplyText
+from kvdirect_app.strategies import parse_specs
 
 from .runs import LOCKSTEP, TINY_FAMILIES, TINY_TURNS, all_sliding, one_by_one, run_once, tiny, tiny_union
 

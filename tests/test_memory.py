@@ -4,10 +4,10 @@ must catch, peaks they must bound; the ledger held to the trace on every strateg
 import pytest
 import torch
 
-from kvdirect_app.models import compat
 from kvdirect_app.engine.runner import Engine, run_to_end
 from kvdirect_app.measure.memory import AllocationTracer, harness
 from kvdirect_app.measure.observe import storage_sizes
+from kvdirect_app.models import compat
 from kvdirect_app.strategies import parse_specs
 from kvdirect_app.strategies.anchorkv import AnchorCache
 from kvdirect_app.strategies.kvdirect import ResidualLayer

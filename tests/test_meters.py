@@ -80,12 +80,12 @@ def test_blocks_are_their_owners_wherever_they_are_freed_and_peaks_reset(book):
             freeing.join()
         assert (book.live(a), book.live(b), book.peak(b)) == (0, 40, 40)
         seen = []
-        worker = threading.Thread(target=lambda: seen.append(torch.zeros(N)))  # started in b's work: works for b
+        worker = threading.Thread(target=lambda: seen.append(torch.zeros(N)))  # noqa: F821 (deleted after the closure last runs); started in b's work: works for b
         with book.working_for(b):
             worker.start()
             worker.join()
         assert book.live(b) == 40 + 4 * N and seen[0].numel() == N
-        elsewhere = threading.Thread(target=lambda: seen.append(torch.zeros(N)))  # started outside: for nobody
+        elsewhere = threading.Thread(target=lambda: seen.append(torch.zeros(N)))  # noqa: F821 (deleted after the closure last runs); started outside: for nobody
         elsewhere.start()
         elsewhere.join()
         assert book.live(b) == 40 + 4 * N

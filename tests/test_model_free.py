@@ -6,11 +6,20 @@ import pytest
 import torch
 from torch import nn
 
+from kvdirect_app.kernels.replay import (
+    BLOCK_FROM,
+    BLOCK_ROWS,
+    _linear_rows_batched,
+    _linear_rows_loop,
+    _rows_blocked,
+    _rows_loop,
+    linear_rows,
+    rows_are_exact,
+    rows_kernel_is_exact,
+)
 from kvdirect_app.measure.metrics import token_match
-from kvdirect_app.kernels.replay import (BLOCK_FROM, BLOCK_ROWS, _linear_rows_batched, _linear_rows_loop, _rows_blocked,
-                                 _rows_loop, linear_rows, rows_are_exact, rows_kernel_is_exact)
-from kvdirect_app.strategies import StrategyError, parse_spec, parse_specs, registry
 from kvdirect_app.measure.observe import storage_sizes
+from kvdirect_app.strategies import StrategyError, parse_spec, parse_specs, registry
 
 from .conftest import bad_spec_error
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvdirect_app.models import loading as models
 from kvdirect_app.engine.runner import Engine, run_to_end
+from kvdirect_app.models import loading as models
 from kvdirect_app.models.loading import ModelError, load_model
 from kvdirect_app.strategies import parse_specs
 
@@ -78,9 +78,9 @@ def test_a_space_defaults_to_smollm2_where_the_hub_cache_holds_it_else_to_gemma_
     """Mutations that fail it: `default_model` back to packaged presets only, `hub_copy` taking a cached config
     without weights for the model, hosted mode not offering a preset's cached Hub copy, or Gemma's label without
     `model_note`."""
-    from kvdirect_app.plain import catalog
-    from kvdirect_app.engine import validate
     from kvdirect_app.app.ui.settings import COMPLETION, default_model, model_choices
+    from kvdirect_app.engine import validate
+    from kvdirect_app.plain import catalog
 
     def labels():
         return {name: label for label, name in model_choices()}
@@ -110,9 +110,9 @@ def test_gemma_base_continues_text_without_a_chat_template_and_its_ready_status_
     handler's status without `model_note` or without the source."""
     import html
 
-    from kvdirect_app.models.prompts import Prompter
     from kvdirect_app.app.ui import build_demo
     from kvdirect_app.app.ui.session import Session
+    from kvdirect_app.models.prompts import Prompter
 
     assert Prompter(gemma3).first("The sky is") == gemma3.tokenizer("The sky is")["input_ids"]
     h = build_demo(model="tiny-llama").kvd_handlers

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvdirect_app.measure import ledger, memory
-from kvdirect_app.engine.runner import Engine
-from kvdirect_app.strategies import Strategy, parse_specs
-from kvdirect_app.strategies.window import Window
 from kvdirect_app.app.ui.scoreboard import scoreboard_html
 from kvdirect_app.app.ui.session import Session
+from kvdirect_app.engine.runner import Engine
+from kvdirect_app.measure import ledger, memory
+from kvdirect_app.strategies import Strategy, parse_specs
+from kvdirect_app.strategies.window import Window
 
 from .conftest import tiny
 

@@ -10,14 +10,12 @@ import psutil
 import pytest
 
 from kvdirect_app import bench
-from kvdirect_app.engine import guard, validate
-from kvdirect_app.engine import Engine
-from kvdirect_app.plain.errors import UserError
+from kvdirect_app.app.ui.session import Session
+from kvdirect_app.engine import Engine, guard, validate
 from kvdirect_app.models import load_model
 from kvdirect_app.models.prompts import filler_ids
+from kvdirect_app.plain.errors import UserError
 from kvdirect_app.strategies import parse_specs
-from kvdirect_app.app.ui.session import Session
-
 
 gradio_client = pytest.importorskip("gradio_client")
 from gradio_client.exceptions import AppError  # noqa: E402

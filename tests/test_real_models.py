@@ -1,7 +1,7 @@
 """AnchorKV and KV-Direct on the two embedded real models (a few spacings each)."""
 
-from kvdirect_app.models.prompts import filler_ids
 from kvdirect_app.engine.runner import Engine
+from kvdirect_app.models.prompts import filler_ids
 from kvdirect_app.strategies import parse_specs
 
 

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from kvdirect_app.models import compat
 from kvdirect_app.claims import recompute as rc
+from kvdirect_app.models import compat
+
 from .conftest import tiny
 
 BATCHES = (1, 2)

@@ -14,15 +14,15 @@ import re
 import pytest
 
 from kvdirect_app import bench
-from kvdirect_app.plain import recording
 from kvdirect_app.app import service
-from kvdirect_app.plain.recording import FORMAT, VERSION, RecordingError, Recorder
-from kvdirect_app.plain.scenarios import scenarios
 from kvdirect_app.app.ui import playback, runner, views
 from kvdirect_app.app.ui.plots import all_figures
 from kvdirect_app.app.ui.scoreboard import scoreboard_html
 from kvdirect_app.app.ui.session import Session
 from kvdirect_app.app.ui.settings import default_names, expand
+from kvdirect_app.plain import recording
+from kvdirect_app.plain.recording import FORMAT, VERSION, Recorder, RecordingError
+from kvdirect_app.plain.scenarios import scenarios
 
 TINY = "tiny-llama"
 
@@ -320,8 +320,8 @@ def test_replaying_folds_the_file_and_a_message_then_starts_a_new_conversation(h
 
 
 def test_a_hosted_run_stops_at_its_time_budget_and_says_so(handlers, monkeypatch):
-    from kvdirect_app.plain import limits as limits_module
     from kvdirect_app.app.ui import handlers as handlers_module
+    from kvdirect_app.plain import limits as limits_module
 
     monkeypatch.setattr(handlers_module, "limits", lambda: limits_module.Limits(run_seconds=0.0))
     session = Session()
@@ -338,8 +338,8 @@ def test_a_hosted_run_stops_at_its_time_budget_and_says_so(handlers, monkeypatch
 
 
 def test_the_expected_wait_is_the_median_of_the_last_runs_capped_by_the_budget(monkeypatch):
-    from kvdirect_app.plain import limits as limits_module
     from kvdirect_app.app.ui import line as line_module
+    from kvdirect_app.plain import limits as limits_module
 
     line = line_module.Line()
     monkeypatch.setattr(line_module, "limits", lambda: limits_module.Limits())

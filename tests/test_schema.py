@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 
 from kvdirect_app import bench
-from kvdirect_app.plain import recording
 from kvdirect_app.claims import reproduce
+from kvdirect_app.plain import recording
 from kvdirect_app.plain.schema import VERSIONS, SchemaError, check, schema_of, stamp, validate
 
 ROOT = Path(__file__).resolve().parents[1]

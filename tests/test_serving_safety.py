@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from kvdirect_app.app.studio import loopback, serving
 from kvdirect_app.plain import specs
 from kvdirect_app.plain.hosted import hosted, misread
 from kvdirect_app.strategies import StrategyError, parse_spec
-from kvdirect_app.app.studio import loopback, serving
 
 gradio_client = pytest.importorskip("gradio_client")
 from gradio_client.exceptions import AppError  # noqa: E402

@@ -9,12 +9,12 @@ from dataclasses import replace
 
 import pytest
 
+from kvdirect_app.app.ui import tasks_view
 from kvdirect_app.benchmarks import api as benchmarks
+from kvdirect_app.benchmarks.task_suite import scores
 from kvdirect_app.cli import main
 from kvdirect_app.plain.schema import SchemaError, stamp, validate
 from kvdirect_app.strategies.window import Window
-from kvdirect_app.benchmarks.task_suite import scores
-from kvdirect_app.app.ui import tasks_view
 
 TINY = benchmarks.TasksConfig(model="tiny-llama", contexts="512", depths="0,100", tasks="niah_single_number",
                               budgets="8,64", strategies="kvdirect,anchorkv,window,h2o", threads=1)
@@ -251,8 +251,8 @@ def tiny_multi():
 
 @pytest.mark.check
 def test_a_conversation_runs_turn_by_turn_each_turn_scored_and_exact_lanes_equal_the_full_cache(tiny_multi):
-    from kvdirect_app.models.loading import load_model
     from kvdirect_app.benchmarks.task_suite import generate
+    from kvdirect_app.models.loading import load_model
 
     out = tiny_multi
     validate(stamp("tasks", out))

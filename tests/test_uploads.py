@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from kvdirect_app.app.ui import tasks_view
 from kvdirect_app.plain import jsonfile, recording
 from kvdirect_app.plain.recording import RecordingError
 from kvdirect_app.plain.schema import SchemaError
-from kvdirect_app.app.ui import tasks_view
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from kvdirect_app.engine.runner import Engine
-from kvdirect_app.models.loading import byte_tokenizer, load_model
-from kvdirect_app.plain.palette import base_colour, colours
-from kvdirect_app.strategies import parse_specs
-from kvdirect_app.plain.text import ReplyText
 from kvdirect_app.app.ui.export import write_exports
 from kvdirect_app.app.ui.plots import agreement_figure, latency_figure, memory_figure
 from kvdirect_app.app.ui.session import Session
 from kvdirect_app.app.ui.settings import REFERENCE
 from kvdirect_app.app.ui.views import BYTE_SOURCES, messages, pane_header, reply_markup, token_map_html
+from kvdirect_app.engine.runner import Engine
+from kvdirect_app.models.loading import byte_tokenizer, load_model
+from kvdirect_app.plain.palette import base_colour, colours
+from kvdirect_app.plain.text import ReplyText
+from kvdirect_app.strategies import parse_specs
 
 ANCHORKV = "anchorkv:spacing=2:budget=8"
 # window and streaming_llm (no sinks to speak of at this budget) hold the same bytes at every step.

@@ -19,8 +19,8 @@ from typing import MutableMapping
 
 def _warm_up(name: str):
     """Load the default model while the page is being opened (it is cached and shared read-only)."""
-    from . import service
     from ..plain.errors import UserError
+    from . import service
 
     try:
         service.load(name, dtype="float32", device="auto")

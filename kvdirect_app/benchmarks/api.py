@@ -30,16 +30,16 @@ import psutil
 import torch
 
 from ..engine import guard, validate
-from . import sweeps
 from ..engine.runner import MEMORY_MODES, PREFILL_CHUNK, Engine, model_lock
-from ..plain.errors import UserError
-from ..models.geometry import ModelGeometry, breakeven_report, load_config
 from ..kernels.invariant import MODES as KERNEL_MODES
+from ..models.geometry import ModelGeometry, breakeven_report, load_config
 from ..models.loading import load_model, resolve_dtype
 from ..models.prompts import Prompter, filler_ids
+from ..plain.errors import UserError
 from ..plain.scenarios import scenarios
 from ..strategies import parse_spec
 from ..strategies.anchorkv import AnchorKV, rebuild_all
+from . import sweeps
 from .task_suite.scores import run_tasks
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."

@@ -50,8 +50,8 @@ from typing import Callable
 
 import torch
 
-from ..models import compat
 from ..engine.runner import Engine
+from ..models import compat
 from ..models.loading import load_model
 from ..plain.specs import settings_of
 from ..strategies import parse_spec

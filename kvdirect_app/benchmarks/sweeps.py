@@ -20,12 +20,12 @@ import torch
 
 from ..engine import validate
 from ..engine.runner import Engine, run_to_end
-from ..plain.errors import UserError
-from .executors import check_executor, run_cells
 from ..models.loading import LoadedModel, load_model
 from ..models.prompts import InputError
+from ..plain.errors import UserError
 from ..plain.specs import external, settings_of
 from ..strategies import Strategy, StrategyError, parse_spec, registry
+from .executors import check_executor, run_cells
 
 GRID = [1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256, 362, 512, 724, 1024, 1448, 2048, 2896, 4096]
 

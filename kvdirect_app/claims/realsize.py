@@ -43,10 +43,10 @@ from pathlib import Path
 import torch
 
 from ..models import compat
+from ..models.loading import LoadedModel, resolve_device, resolve_dtype
 from ..plain import rss
 from ..plain.catalog import PRESETS_DIR
 from ..plain.errors import UserError
-from ..models.loading import LoadedModel, resolve_device, resolve_dtype
 
 LABEL = "random weights at the real config"
 SEED = 1234
@@ -150,6 +150,7 @@ def random_model(config: str, dtype: str = "bfloat16", device: str = "cpu", seed
     """The model of a public config with seeded random weights (the module docstring says how), wrapped as the
     engine takes it, with a tokenizer over its whole vocabulary."""
     from transformers import AutoModelForCausalLM
+
     from ..models.compat import no_init_weights
 
     path = config_path(config)

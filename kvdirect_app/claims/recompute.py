@@ -107,8 +107,8 @@ class Recomputer:
     """
 
     def __init__(self, loaded, layer: int | None = None, device=None):
-        from ..models import compat
         from ..kernels.replay import KVProjector
+        from ..models import compat
 
         model = loaded.model
         specs = compat.layer_specs(model.config)
@@ -179,7 +179,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, host_copy: bool = False,
     gen = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(size, size, generator=gen).to(device, dtype)
     b = torch.randn(size, size, generator=gen).to(device, dtype)
-    flops_s = 2 * size ** 3 / _time(lambda: torch.mm(a, b), device, repeats)
+    flops_s = 2 * size ** 3 / _time(lambda: torch.mm(a, b), device, repeats)  # noqa: F821 (deleted after the closure last runs)
     del a, b
     elements = copy_bytes // torch.empty((), dtype=dtype).element_size()
     src = torch.empty(elements, dtype=dtype, device=device).normal_()
@@ -280,10 +280,10 @@ def _measure(loaded, batch_sizes, contexts, layer, repeats, device, host_copy, m
                 v_old, v_new = values[..., :n - 1, :].contiguous(), values[..., n - 1:, :].contiguous()
 
                 def read():
-                    return torch.cat([k_old, k_new], dim=-2), torch.cat([v_old, v_new], dim=-2)
+                    return torch.cat([k_old, k_new], dim=-2), torch.cat([v_old, v_new], dim=-2)  # noqa: F821 (deleted after the closure last runs)
 
                 read_s = _time(read, dev, repeats)
-                recompute_s = _time(lambda: recompute(residuals), dev, repeats)
+                recompute_s = _time(lambda: recompute(residuals), dev, repeats)  # noqa: F821 (deleted after the closure last runs)
                 row.update(read_ms=read_s * 1e3, recompute_ms=recompute_s * 1e3, speedup=read_s / recompute_s)
                 if host_copy:
                     k_host = keys.to("cpu").pin_memory()

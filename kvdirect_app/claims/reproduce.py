@@ -331,9 +331,8 @@ def gather(model: str, quick: bool, executor: str, device: str = "auto", workers
     import torch
 
     from ..benchmarks.executors import run_cells
-    from ..plain.recording import commit
-
     from ..engine import validate
+    from ..plain.recording import commit
 
     cells = plan(model, quick, device, validate.threads(threads))
     resumed = _resumed(kept, cells) if kept is not None else {}

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from ..benchmarks.api import (BreakevenConfig, CapacityConfig, ReplayConfig, breakeven, capacity, replay)
+from ..benchmarks.api import BreakevenConfig, CapacityConfig, ReplayConfig, breakeven, capacity, replay
 from ..models.loading import DTYPES
 from ..plain.units import fmt, fmt_bytes, table
 from .common import THREADS, TOKENS, whole, write_json

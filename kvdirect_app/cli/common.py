@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from ..engine.runner import MEMORY_MODES, PREFILL_CHUNK
-from ..plain.errors import UserError
 from ..models.loading import DEVICES, DTYPES
+from ..plain.errors import UserError
 from ..plain.schema import stamp
 
 

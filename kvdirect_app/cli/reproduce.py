@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..engine import validate
 from ..benchmarks.executors import check_executor
+from ..engine import validate
 from .common import THREADS, WORKERS, CliError
 
 

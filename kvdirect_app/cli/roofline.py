@@ -19,11 +19,11 @@ import time
 
 from ..benchmarks import roofline
 from ..engine.runner import Engine, run_to_end
-from ..plain.errors import UserError
 from ..kernels.invariant import Kernels, describe
 from ..models.loading import DTYPES, load_model
-from ..strategies import parse_specs
 from ..models.threads import pin
+from ..plain.errors import UserError
+from ..strategies import parse_specs
 from .common import THREADS, whole, write_json
 
 PANES = "full,kvdirect:budget=64,anchorkv:spacing=30:budget=64,h2o,streaming_llm,snapkv,tova"

@@ -28,13 +28,13 @@ from pathlib import Path
 
 import psutil
 
-from ..plain import rss
+from ..benchmarks.api import RunConfig, check, consume, first_turn_events, run
 from ..kernels.invariant import describe
 from ..measure.metrics import token_match
+from ..plain import rss
 from ..plain.recording import Recorder, save
 from ..plain.scenarios import scenarios
 from ..plain.units import fmt, fmt_bytes, table
-from ..benchmarks.api import RunConfig, check, consume, first_turn_events, run
 from .common import CliError, add_conversation_options, write_json
 
 

@@ -5,8 +5,17 @@ transformers' `generate` (`integration`, the public `kvdirect_app.strategy_cache
 `Engine` and `run_to_end` are re-exported here: ``from kvdirect_app.engine import Engine`` is the documented way
 in."""
 
-from .runner import (MEMORY_MODES, Engine, InputError, InputTap, Prompter, memory_instrument, model_lock,
-                     run_to_end, step_summary)
+from .runner import (
+                     MEMORY_MODES,
+                     Engine,
+                     InputError,
+                     InputTap,
+                     Prompter,
+                     memory_instrument,
+                     model_lock,
+                     run_to_end,
+                     step_summary,
+)
 
 __all__ = ["Engine", "InputError", "InputTap", "Prompter", "model_lock", "run_to_end", "MEMORY_MODES",
            "memory_instrument", "step_summary"]

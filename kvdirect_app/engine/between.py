@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from .hooks import InputTap, model_lock
 from ..kernels.invariant import Kernels
 from ..measure.observe import Owner
 from ..models.prompts import InputError
 from ..models.threads import pin
+from .hooks import InputTap, model_lock
 
 # Whose bytes a saved context is (`Engine.turn(save_context=True)`): the engine's copy, kept for later turns, no lane's.
 CONTEXT = Owner("saved context", "engine")

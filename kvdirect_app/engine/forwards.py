@@ -31,21 +31,20 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from ..plain import rss
-from ..models.geometry import ModelGeometry
-from .hooks import InputTap
-from ..measure.instruments import Instruments
 from ..kernels.invariant import Kernels
-from .lanes import Lane
-from .lockstep import Row, run_batch
+from ..kernels.replay import check_rows_kernels
+from ..measure.instruments import Instruments
 from ..measure.memory import AllocationTracer
 from ..measure.metrics import OPS
 from ..measure.observe import SHARED, Observer, instrument
-from ..kernels.replay import check_rows_kernels
+from ..models.geometry import ModelGeometry
+from ..models.threads import pin
+from ..plain import rss
 from ..strategies.base import ContractError, Forward
 from ..strategies.scored import Scored, over_budget
-from ..models.threads import pin
-
+from .hooks import InputTap
+from .lanes import Lane
+from .lockstep import Row, run_batch
 
 
 @dataclass

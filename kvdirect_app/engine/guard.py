@@ -23,12 +23,14 @@ from pathlib import Path
 import psutil
 import torch
 
-from ..plain.errors import UserError
+from ..kernels.invariant import ATTENTION_ROWS_BYTES, BLOCK
+from ..models import compat
 from ..models.geometry import ModelGeometry
+from ..plain.errors import UserError
+from ..plain.units import fmt_bytes
 from ..strategies import Strategy
 from ..strategies.base import Forward
 from ..strategies.full import Full
-from ..plain.units import fmt_bytes
 
 LIMIT_ENV = "KVDIRECT_MEMORY_LIMIT"
 HEADROOM = 1.25  # what the estimate leaves out: allocator slack, Python objects, the page's own figures
@@ -106,8 +108,6 @@ def activation_bytes(config, geom: ModelGeometry, q: int, context: int, scores: 
     their softmax (SDPA's kernels work in blocks and never hold them: measured, a 1,024-token piece over
     2,000 tokens of SmolLM2 stays below this bound); `replayed` old tokens run through a layer (AnchorKV's
     replay).  `block`: the invariant kernels' block attention replaces the model's (eager) one."""
-    from ..models import compat
-
     cfg = compat.text_config(config)
     b = geom.bytes_per_element
     heads = cfg.num_attention_heads
@@ -125,9 +125,6 @@ def block_attention_bytes(config, geom: ModelGeometry, queries: int, context: in
     (off the CPU): over `queries` (a chunk of them at a time, `kernels` bounds it) and `context` keys, two copies of
     its scores (masked, then exponentiated), and the blocks' P@V and their running sum (float32).  The CPU's
     fixed-order attention holds less (one row of scores per thread and its output), so the guard stays above it."""
-    from ..models import compat
-    from ..kernels.invariant import ATTENTION_ROWS_BYTES, BLOCK
-
     cfg = compat.text_config(config)
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads

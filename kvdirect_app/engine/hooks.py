@@ -11,7 +11,6 @@ from ..models import compat
 from ..strategies import StrategyCache
 from ..strategies.scored import fit_mask
 
-
 _MODEL_LOCKS: dict[int, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
 

@@ -84,17 +84,17 @@ from typing import Iterator
 
 import torch
 
-from ..models import compat
+from ..kernels.replay import check_rows_kernels
 from ..measure import ledger, meters
-from ..plain.errors import UserError
-from ..models.geometry import ModelGeometry
-from .hooks import InputTap, model_lock
 from ..measure.memory import harness
 from ..measure.metrics import OPS
 from ..measure.observe import Observer, Owner, watch
-from ..kernels.replay import check_rows_kernels
+from ..models import compat
+from ..models.geometry import ModelGeometry
+from ..plain.errors import UserError
 from ..strategies import StrategyCache, parse_spec
 from ..strategies.base import Forward
+from .hooks import InputTap, model_lock
 
 CACHE = Owner("strategy_cache", "lane")  # the cache's work, in its observer's regions
 

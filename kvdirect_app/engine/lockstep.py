@@ -49,10 +49,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..models import compat
 from ..kernels.invariant import Kernels, native_now
-from ..measure.observe import ENGINE, SHARED, Observer, Owner, instrument
 from ..kernels.replay import linear_rows
+from ..measure.observe import ENGINE, SHARED, Observer, Owner, instrument
+from ..models import compat
 from ..strategies import StrategyCache
 from ..strategies.scored import attention_probs, fit_mask
 

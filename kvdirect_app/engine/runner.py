@@ -31,26 +31,26 @@ from typing import Callable, Iterator
 
 import torch
 
-from .between import CONTEXT, BetweenTurns
-from .forwards import Forwards, Item
-from ..models.geometry import ModelGeometry
-from .hooks import InputTap, model_lock
-from ..measure.instruments import MEMORY_MODES, Instruments
 from ..kernels.invariant import Kernels
 from ..kernels.invariant import brief as kernels_brief
+from ..measure.instruments import MEMORY_MODES, Instruments
+from ..measure.memory import AllocationTracer
+from ..measure.observe import ENGINE, Observer, Owner, instrument, storage_sizes, watch
+from ..models.geometry import ModelGeometry
+from ..models.loading import LoadedModel
+from ..models.prompts import InputError, Prompter
+from ..models.threads import one_thread, pin, probe_determinism
+from ..plain.text import ReplyText
+from ..strategies import Strategy
+from ..strategies.full import Full
+from .between import CONTEXT, BetweenTurns
+from .forwards import Forwards, Item
+from .hooks import InputTap, model_lock
 from .lanemaps import LaneMaps
 from .lanes import ByteBook, Lane, TurnBytes
 from .lockstep import batch_linears
-from ..measure.memory import AllocationTracer
-from ..models.loading import LoadedModel
-from ..measure.observe import ENGINE, Observer, Owner, instrument, storage_sizes, watch
-from ..models.prompts import InputError, Prompter
-from ..strategies import Strategy
-from ..strategies.full import Full
 from .summary import Summary, memory_instrument, step_summary
 from .teacher import agree, observe
-from ..plain.text import ReplyText
-from ..models.threads import one_thread, pin, probe_determinism
 
 __all__ = ["Engine", "InputError", "InputTap", "Prompter", "model_lock", "run_to_end", "MEMORY_MODES",
            "memory_instrument", "step_summary"]

@@ -9,9 +9,9 @@ from collections import defaultdict
 import torch
 
 from ..measure import ledger, meters
-from .lanes import Lane
 from ..measure.metrics import token_match
 from ..models.prompts import InputError
+from .lanes import Lane
 from .teacher import kv_summary
 
 

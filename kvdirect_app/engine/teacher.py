@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from .lanes import Lane
 from ..measure.observe import Observer
+from .lanes import Lane
 
 
 def observe(lane: Lane, ref_token: int | None, ref_logits: torch.Tensor | None, observer: Observer,

@@ -17,12 +17,19 @@ from dataclasses import dataclass
 import torch
 
 from ..models.geometry import ModelGeometry
-from ..plain.limits import HOSTED, LOCAL, Limits, SettingError, integer, limits, text  # noqa: F401  (the checks' one door)
-from ..plain.hosted import hosted
-from ..models.loading import DTYPES, LoadedModel, available_devices, offered_presets, presets, resolve_device
+from ..models.loading import (
+    DTYPES,
+    LoadedModel,
+    available_devices,
+    offered_presets,
+    presets,
+    resolve_device,
+    unavailable_reason,
+)
 from ..models.prompts import Prompter
-from ..strategies import Strategy, parse_specs
-
+from ..plain.hosted import hosted
+from ..plain.limits import HOSTED, LOCAL, Limits, SettingError, integer, limits, text  # noqa: F401  (the checks' one door)
+from ..strategies import Strategy, parse_specs, registry
 
 MAX_THREADS = 1024
 
@@ -58,8 +65,6 @@ def model_name(value) -> str:
     name = value.strip()
     if name in presets():
         if name not in offered_presets():
-            from ..models.loading import unavailable_reason
-
             raise SettingError(f"model: {name} is not offered here: {unavailable_reason(name)}; "
                                f"allowed: {', '.join(offered_presets())}")
         return name
@@ -97,8 +102,6 @@ def device_dtype(device, dtype) -> tuple[str, str]:
 def strategies(value, cap: Limits) -> tuple[Strategy, ...]:
     specs = ",".join(value) if isinstance(value, (list, tuple)) else value
     if not isinstance(specs, str) or not specs.strip():
-        from ..strategies import registry
-
         raise SettingError(f"strategies: none given; allowed: {', '.join(registry())}")
     parsed = parse_specs(specs)
     if len(parsed) > cap.max_strategies:

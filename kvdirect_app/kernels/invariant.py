@@ -45,9 +45,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..models import compat
+from ..models.threads import one_thread
+from ..plain.errors import UserError
 from . import dots, probes
 from .probes import ROWS, Verdict, attention_rows_key, linear_key
-from ..models.threads import one_thread
 
 MODES = ("invariant", "native")
 BLOCK = probes.BLOCK  # keys per attention block, blocks anchored at absolute position 0
@@ -197,8 +199,6 @@ class Kernels:
     @classmethod
     def for_model(cls, loaded, mode: str, threads: int) -> "Kernels":
         if mode not in MODES:
-            from ..plain.errors import UserError
-
             raise UserError(f"kernels: {str(mode)[:40]!r} is not allowed; allowed: {', '.join(MODES)}")
         kernels = cls("native", threads, requested=mode, store=loaded.probes)
         if mode == "invariant":
@@ -241,8 +241,6 @@ class Kernels:
 
     def _probe(self, model, device, dtype) -> str | None:
         """None when every kernel of the model passed its check or probe at this thread count and across counts."""
-        from ..models import compat
-
         why = self._linears(model, device, dtype)
         if why is not None:
             return why

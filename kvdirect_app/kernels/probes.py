@@ -49,9 +49,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import dots
-from ..plain.paths import cache
 from ..models.threads import one_thread, threads_set
+from ..plain.paths import cache
+from . import dots
 
 VERSION = 5  # stored verdicts of another version are not read: bump it when a kernel or the probe changes
 ROWS = (16, 32, 64, 128, 256, 512)  # every probed GEMM of the invariant path has one of these row counts

@@ -57,12 +57,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from torch.autograd import ProfilerConfig, ProfilerState, _disable_profiler, _enable_profiler, _prepare_profiler
 from torch._C._autograd import _enable_record_function
 from torch._C._profiler import ProfilerActivity, _ExperimentalConfig, _ExtraFields_Allocation
+from torch.autograd import ProfilerConfig, ProfilerState, _disable_profiler, _enable_profiler, _prepare_profiler
 
-from . import ledger
 from ..plain import rss
+from . import ledger
 
 HARNESS = "kvdirect::harness"
 OWNER = "kvdirect::owner::"

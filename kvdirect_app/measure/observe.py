@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ledger
 from ..strategies import Strategy
+from . import ledger
 
 _ACTIVE = threading.local()  # .observers: the observers with an open region on this thread, innermost last
 

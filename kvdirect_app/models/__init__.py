@@ -4,8 +4,16 @@ adapter (`compat`), the geometry a cache's size follows from, prompts and the th
 `load_model` and its companions are re-exported here: ``from kvdirect_app.models import load_model`` is the
 documented way in."""
 
-from .loading import (DTYPES, LoadedModel, ModelError, available_devices, is_loaded, load_model, resolve_device,
-                      resolve_dtype)
+from .loading import (
+                      DTYPES,
+                      LoadedModel,
+                      ModelError,
+                      available_devices,
+                      is_loaded,
+                      load_model,
+                      resolve_device,
+                      resolve_dtype,
+)
 
 __all__ = ["DTYPES", "LoadedModel", "ModelError", "available_devices", "is_loaded", "load_model", "resolve_device",
            "resolve_dtype"]

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.configuration_utils import PreTrainedConfig as PretrainedConfig
 from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
@@ -23,6 +22,7 @@ from transformers.cache_utils import (
     DynamicSlidingWindowLayer,
     get_layer_types_and_kwargs,
 )
+from transformers.configuration_utils import PreTrainedConfig as PretrainedConfig
 
 # The keyword that hands a model's forward, and `generate`, its cache (transformers 5 renamed `past_key_values`
 # to `cache`; the old name is a deprecated alias until 6.0).

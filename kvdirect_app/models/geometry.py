@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
+from ..plain.catalog import PRESETS_DIR, presets
 from . import compat
+from .loading import gguf_location
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 TOKEN_ID_BYTES = 4
@@ -187,8 +189,6 @@ def load_config(source, dtype: torch.dtype | None = None):
     path = Path(source)
     if path.is_file():
         return load_config(json.loads(path.read_text()))
-    from ..plain.catalog import PRESETS_DIR, presets
-
     bundled = PRESETS_DIR / "configs" / f"{source}.json"
     if bundled.is_file():
         return load_config(json.loads(bundled.read_text()))
@@ -196,8 +196,6 @@ def load_config(source, dtype: torch.dtype | None = None):
     if preset is not None and preset["kind"] == "tiny":
         return load_config(dict(preset["config"]))
     if preset is not None:
-        from .loading import gguf_location
-
         location = gguf_location(preset)
         if location is not None:
             return AutoConfig.from_pretrained(str(location[0]), gguf_file=location[1])

@@ -19,12 +19,21 @@ from typing import Callable
 
 import torch
 
-from . import model_cache
 from ..plain import rss
-from ..plain.catalog import (DEVICES, HUB, HUB_CACHE, embedded_presets, hub_copy, offered_presets, package_dir, presets,
-                      unavailable_reason)
+from ..plain.catalog import (
+    DEVICES,
+    HUB,
+    HUB_CACHE,
+    embedded_presets,
+    hub_copy,
+    offered_presets,
+    package_dir,
+    presets,
+    unavailable_reason,
+)
 from ..plain.errors import UserError
 from ..plain.hosted import hosted
+from . import model_cache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TINY_SEED = 1234

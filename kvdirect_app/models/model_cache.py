@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..plain.errors import UserError
-from .loading import LoadedModel
 from ..plain.scenarios import PRESETS_DIR
+from .loading import LoadedModel
 
 
 class InputError(UserError):

@@ -47,14 +47,23 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import compat
-from ..plain import rss
-from ..models.geometry import ModelGeometry
 from ..kernels.invariant import native
 from ..kernels.replay import LayerReplayer
+from ..models import compat
+from ..models.geometry import ModelGeometry
+from ..plain import rss
 from .base import SlidingLayer, Strategy, StrategyCache, StrategyError, window_layer_bytes, window_layer_transient
-from .rebuild import (MODES, REBUILDS, REPLAY_ROWS, RebuildingLayer, chunks_of, covered, record_run, rebuilding_persistent,
-                      rebuilding_transient)
+from .rebuild import (
+    MODES,
+    REBUILDS,
+    REPLAY_ROWS,
+    RebuildingLayer,
+    chunks_of,
+    covered,
+    rebuilding_persistent,
+    rebuilding_transient,
+    record_run,
+)
 
 REPLAYS = ("cascade", "naive")
 # A cascade step that replays this many old tokens hands the heap's freed pages back to the OS after each layer:

@@ -24,8 +24,8 @@ import torch
 
 from ..models import compat
 from ..models.compat import Cache, DynamicLayer
-from ..plain.errors import UserError
 from ..models.geometry import ModelGeometry
+from ..plain.errors import UserError
 
 
 class Forward(typing.NamedTuple):

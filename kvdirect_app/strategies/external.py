@@ -25,17 +25,16 @@ from pathlib import Path
 
 from ..plain.hosted import hosted
 from ..plain.specs import external, is_file, refusal
+from .anchorkv import AnchorKV
 from .base import Strategy, StrategyError
+from .kvdirect import KVDirect
+from .scored import Scored
 
 CARRIED = "_strategy_files"  # a cell's key: {path: text} of the strategy files it names
 _TEXTS: dict[str, str] = {}  # path -> text carried here from the process that planned the cell
 
 
 def public_bases() -> tuple[type, ...]:
-    from .anchorkv import AnchorKV
-    from .kvdirect import KVDirect
-    from .scored import Scored
-
     return Scored, KVDirect, AnchorKV
 
 

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import compat
-from ..models.geometry import ModelGeometry
 from ..kernels.invariant import native
 from ..kernels.replay import KVProjector
+from ..models import compat
+from ..models.geometry import ModelGeometry
 from .base import SlidingLayer, Strategy, StrategyCache, window_layer_bytes, window_layer_transient
-from .rebuild import MODES, REBUILDS, RebuildingLayer, record_run, rebuilding_persistent, rebuilding_transient
+from .rebuild import MODES, REBUILDS, RebuildingLayer, rebuilding_persistent, rebuilding_transient, record_run
 
 
 class ResidualLayer(RebuildingLayer):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import typing
 
+from ..plain.specs import external, settings_of
 from . import available  # noqa: F401  (imports every strategy module so the registry is full)
 from . import external as outside
-from ..plain.specs import external, settings_of
 from .base import Strategy, StrategyError
 
 

@@ -74,12 +74,20 @@ from typing import Callable, ClassVar
 import torch
 from torch import nn
 
+from ..kernels.replay import HeadProjection
 from ..models import compat
 from ..models.compat import CacheLayerMixin
 from ..models.geometry import ModelGeometry
-from ..kernels.replay import HeadProjection
-from .base import (ContractError, Forward, FullLayer, SlidingLayer, Strategy, StrategyCache, window_layer_bytes,
-                   window_layer_transient)
+from .base import (
+    ContractError,
+    Forward,
+    FullLayer,
+    SlidingLayer,
+    Strategy,
+    StrategyCache,
+    window_layer_bytes,
+    window_layer_transient,
+)
 
 POSITION_DTYPE = torch.int32
 POSITION_BYTES = 4

@@ -9,9 +9,9 @@ from __future__ import annotations
 import html
 import math
 
-from .. import service
 from ...claims.papers import CLAIMS
 from ...plain.units import fmt_bytes
+from .. import service
 
 PAPER = "gemma-3-4b"  # the model of the KV-Direct paper's byte figures
 QUOTED = ("bytes", "turns20", "agreement", "recompute")  # the claims about bytes and tokens, quoted here

@@ -6,26 +6,33 @@ import re
 
 import gradio as gr
 
-from .. import service
-from ...plain.catalog import DTYPE_NAMES
 from ...claims import render, reproduce
+from ...plain.catalog import DTYPE_NAMES
 from ...plain.frontier import frontier_figure
 from ...plain.hosted import hosted
 from ...plain.limits import limits
 from ...plain.paths import data
-from ...plain.scenarios import scenarios
-from . import runner
 from ...plain.recording import RecordingError
-from . import playback, views
+from ...plain.scenarios import scenarios
+from .. import service
+from . import playback, runner, views
 from .claims_cards import cards_html
 from .components import Actions, Controls, FrontierTab, Pane, Recordings, Studio, Views
 from .handlers import FRONTIER_CURRENT, RECALL, Handlers, session_ttl_s
 from .plots import agreement_figure, latency_figure, memory_figure
 from .scoreboard import scoreboard_html
-from .tasks_tab import tasks_tab
 from .session import Session
-from .settings import (any_declares, catalogue, default_model, default_names, max_panes, missing_models_note,
-                       model_choices, title)
+from .settings import (
+    any_declares,
+    catalogue,
+    default_model,
+    default_names,
+    max_panes,
+    missing_models_note,
+    model_choices,
+    title,
+)
+from .tasks_tab import tasks_tab
 
 ASSETS = data("assets")
 LIVE_REBUILD = "turn"  # the live defaults (docs/perf.md, "Live defaults": what a 64-token turn costs with them)

@@ -20,7 +20,6 @@ import traceback
 from typing import Callable, Iterator
 
 from ...plain import rss
-from .. import service
 from ...plain.errors import OutOfMemory, UserError
 from ...plain.frontier import frontier_figure, points_from_rows
 from ...plain.hosted import hosted
@@ -28,6 +27,7 @@ from ...plain.limits import integer, limits
 from ...plain.recording import Recorder, attention_layer, map_layer
 from ...plain.specs import external
 from ...plain.units import fmt_bytes
+from .. import service
 from .settings import KERNELS, REFERENCE, RunConfig, Settings, default_model, expand
 
 USER_ERRORS = (UserError,)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import service
 from ...plain.catalog import embedded_presets, hub_copy, is_test_model, offered_presets, presets, unavailable_reason
 from ...plain.limits import SettingError, integer, limits
 from ...plain.specs import STRATEGY_DIR, external, name_of, page_folder, settings_of
+from .. import service
 
 REFERENCE = "full"  # the engine's reference lane: every other lane is compared with it
 PREFERRED_MODELS = ("smollm2-135m", "gemma3-270m")  # the first that loads here is the default (`default_model`)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import html
 import re
 
+from ...plain.palette import colours
 from ...plain.paths import data
 from ...plain.specs import name_of
 from ...plain.units import fmt_bytes  # one byte format for the CLI tables and the page
-from ...plain.palette import colours
 from .session import LaneView, Session, TurnReply
 from .settings import REFERENCE, title
 

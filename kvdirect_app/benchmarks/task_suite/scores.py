@@ -27,22 +27,21 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
-
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
 from ...engine import guard, validate
-from ...plain import rss, stats
 from ...engine.runner import Engine
-from ...plain.errors import UserError
-from ..executors import Ticker, check_executor, run_cells
-from ...plain.limits import limits
-from ...models.loading import load_model
 from ...kernels.probes import environment
+from ...models.loading import load_model
+from ...plain import rss, stats
+from ...plain.errors import UserError
+from ...plain.limits import limits
 from ...plain.recording import commit, today
 from ...strategies import StrategyError, parse_spec
+from ..executors import Ticker, check_executor, run_cells
 from . import generate
 
 ANSWER_TOKENS = 64  # the memory guard's bound on an answer (every task's max_new_tokens is below it)

@@ -10,8 +10,8 @@ def tokenizer_for(preset: str):
     """A preset's tokenizer: the model cache's copy where `make install` left one (under a second), else read
     from the preset's GGUF file (seconds); a tiny preset's byte-level tokenizer.  Shared: do not modify it."""
     from ...models import model_cache
-    from ...plain.catalog import presets
     from ...models.loading import DTYPES, ModelError, byte_tokenizer, gguf_location
+    from ...plain.catalog import presets
     from .generate import SampleError
 
     table = presets()
