@@ -5,9 +5,12 @@ fixture or run are one work unit (`GROUPS`: a test module, a tiny family's union
 whole to one worker, the longest first.  `make check` runs the tests marked `check` (the inner loop).
 """
 
+import atexit
 import contextlib
 import os
+import shutil
 import socket
+import tempfile
 
 import pytest
 
@@ -20,6 +23,16 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 # Every results file the suite writes (bench run/sweep/reproduce/..., the compare endpoint), in this process or
 # in a subprocess, is validated against its JSON Schema (docs/schema/) before it is written (kvdirect_app/plain/schema.py).
 os.environ["KVDIRECT_VALIDATE_JSON"] = "1"
+
+# The invariance probe's kept verdicts (kernels/probes.py) go to a folder of this run's own, empty at its start, so
+# that no test reads a file an earlier run on this machine left behind (a clean clone's cache holds none), and the
+# suite never writes into the user's cache.  The built libraries and the models' kept copies stay where `make
+# install` put them: they are the install's, and a missing one is made again, the same.  A folder set by hand wins.
+PROBE_FOLDER = None  # the folder made here (None where one was set by hand)
+if not os.environ.get("KVDIRECT_PROBE_CACHE"):
+    PROBE_FOLDER = tempfile.mkdtemp(prefix="kvdirect-probes-")
+    os.environ["KVDIRECT_PROBE_CACHE"] = PROBE_FOLDER
+    atexit.register(shutil.rmtree, PROBE_FOLDER, ignore_errors=True)
 
 import torch  # noqa: E402
 

@@ -6,6 +6,8 @@ an edited or stale file is replaced and said, never used.  Tiny weights built he
 Each test's docstring names the mutation of probes.py it catches (each was applied and seen failing)."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,3 +193,17 @@ def test_the_probe_computes_on_the_verdicts_device(monkeypatch):
 
     ok, why = probes.probe_rows(CallMean(), 16, torch.float32, "cpu", 1)
     assert not ok and "row 0 alone differs" in why
+
+
+def test_the_suite_keeps_its_probe_verdicts_in_a_folder_of_its_own():
+    """conftest.py points `KVDIRECT_PROBE_CACHE` at a folder made empty for this run, so no test reads verdicts an
+    earlier run on this machine left behind, and none are written to the user's cache.  Fails where conftest.py
+    stops setting it (the default folder is under ~/.cache)."""
+    from .conftest import PROBE_FOLDER
+    from .runs import tiny
+
+    if PROBE_FOLDER is None:
+        pytest.skip("KVDIRECT_PROBE_CACHE was set by hand")
+    assert os.environ["KVDIRECT_PROBE_CACHE"] == PROBE_FOLDER
+    path = tiny("tiny-llama").probes.path
+    assert path is not None and Path(PROBE_FOLDER) in path.parents
