@@ -12,7 +12,7 @@ shows is named (`WHERE`), and a mutation of that mechanism makes its test fail:
 * threads not inheriting their starter's owner (`ledger._inherit_owners` a no-op): the thread ways;
 * numpy's default handler left as numpy's (`kv_numpy_install` not called): the thread's and the fresh context's
   numpy copies;
-* the strategy built outside its lane's region (`engine._made_again` returning the strategy as it is): the
+* the strategy built outside its lane's region (`lanes.made_again` returning the strategy as it is): the
   buffer made in `__post_init__`.
 """
 

@@ -29,7 +29,7 @@ declared and formula (a wrong list), the book records it; the tables show all.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -226,3 +226,19 @@ class Lane:
     def twin(self) -> Owner:
         """The teacher-forced twin is the engine's measuring device, not the strategy's state."""
         return Owner(f"{self.label} (teacher-forced twin)", "twin")
+
+    def caches(self) -> list[tuple[Owner, StrategyCache]]:
+        """The lane's cache and its twin's (if any), with their owners: what a turn's end, a park or a resume visits."""
+        return [(owner, cache) for owner, cache in ((self.owner, self.cache), (self.twin, self.tf_cache))
+                if cache is not None]
+
+
+def made_again(strategy: Strategy) -> Strategy:
+    """A new instance of the strategy with the same settings and label (its `__init__` and `__post_init__` run
+    again, where the caller is); the strategy itself where its class cannot be made from its fields."""
+    try:
+        again = replace(strategy)
+    except (TypeError, ValueError):
+        return strategy
+    again._label = getattr(strategy, "_label", None)
+    return again

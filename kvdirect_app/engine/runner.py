@@ -18,14 +18,15 @@ is fed in pieces, with a progress event per piece.  Sessions can be parked
 between turns and resumed.
 
 The engine yields plain dict events and never imports gradio.  It is built of parts, one reason each: the turn and
-its steps (here), the state between turns (`between.py`: park, resume, a saved context, the thread count), the
-lanes' token maps and attention snapshots (`lanemaps.py`), a step's figures and the run's summary (`summary.py`).
+its steps (here), the state between turns (`between.py`: park, resume, a saved context, the thread count's kernels),
+the lanes' token maps and attention snapshots (`lanemaps.py`), a step's figures and the run's summary (`summary.py`'s
+`Report`).  The parts are plain functions and one object, each given what it reads; the engine keeps the state they
+change and its public methods hand them over.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
 from typing import Callable, Iterator
 
@@ -43,13 +44,13 @@ from ..models.threads import one_thread, pin, probe_determinism
 from ..plain.text import ReplyText
 from ..strategies import Strategy
 from ..strategies.full import Full
-from .between import CONTEXT, BetweenTurns
+from . import between, lanemaps
+from .between import CONTEXT
 from .forwards import Forwards, Item
 from .hooks import InputTap, model_lock
-from .lanemaps import LaneMaps
-from .lanes import ByteBook, Lane, TurnBytes
+from .lanes import ByteBook, Lane, TurnBytes, made_again
 from .lockstep import batch_linears
-from .summary import Summary, memory_instrument, step_summary
+from .summary import Report, memory_instrument, step_summary
 from .teacher import agree, observe
 
 __all__ = ["Engine", "InputError", "InputTap", "Prompter", "model_lock", "run_to_end", "MEMORY_MODES",
@@ -58,7 +59,7 @@ __all__ = ["Engine", "InputError", "InputTap", "Prompter", "model_lock", "run_to
 PREFILL_CHUNK = 1024
 
 
-class Engine(BetweenTurns, LaneMaps, Summary):
+class Engine:
     """Lockstep runner.  `run(turns)` yields events; `results()` gives the summary afterwards.
 
     Parameters
@@ -103,7 +104,6 @@ class Engine(BetweenTurns, LaneMaps, Summary):
         self.peak_source = {"allocator": "measured" if meter is not None and meter.has_peak else "formula",
                             "trace": "trace", "storage": "formula", "none": None}[self.memory]
         self.twins, self.prefill_chunk = self.instruments.twins, prefill_chunk
-        self.steps: list[dict] = []  # per decode step: its wall time and each part's
         # Probed now, outside every timed step (the verdicts stay with the loaded model).
         self.kernels = Kernels.for_model(loaded, kernels, self.threads)
         self.forwards = Forwards(self.model, loaded.device, self.geometry, self.observer, self.tracer, self.threads,
@@ -131,7 +131,9 @@ class Engine(BetweenTurns, LaneMaps, Summary):
         self.turn_seconds: list[float] = []  # wall time of each turn, from its first forward to its last
         self.parked = False
         self.saved_context: dict | None = None  # label -> (cache, history length, forwards): `turn(save_context=)`
-        self.unattributed_peak = 0  # the most bytes no lane's work held after a step (`_unattributed`)
+        # The step figures and the summary: the run's fixed facts now, what changes passed by each call.
+        self.report = Report(loaded, self.observer, self.forwards, self.instruments, self.memory, self.instrument,
+                             self.determinism, self.solo, self.twins, max_new_tokens)
         self.observer.register(CONTEXT)
 
     def about(self) -> dict:
@@ -150,7 +152,7 @@ class Engine(BetweenTurns, LaneMaps, Summary):
                                                              peak_source=self.peak_source))
         self.observer.register(lane.owner)
         with self._work(lane.owner, "build"):
-            lane.strategy = _made_again(strategy)
+            lane.strategy = made_again(strategy)
             lane.cache = watch(lane.strategy.build_cache(self.model))
         lane.cache.model = self.model  # what its twins share (`StrategyCache.fork`)
         lane.cache.use_kernels(self.kernels)
@@ -230,9 +232,7 @@ class Engine(BetweenTurns, LaneMaps, Summary):
             tap = InputTap(self.model, self.loaded.device)
             try:
                 if k == 0 and self.instruments.compare:
-                    for lane in self.lanes:
-                        if lane.strategy.kv_comparable:
-                            self.observer.compare_with(lane.owner, self.reference.cache)
+                    self._compare()
                     yield {"type": "start", "strategies": self.show, "reference": self.reference.label,
                            "prompt_ids": self.prompt_ids, "threads": self.threads, "memory": self.instrument,
                            "determinism": self.determinism, "about": self.about(),
@@ -249,14 +249,9 @@ class Engine(BetweenTurns, LaneMaps, Summary):
                         self._end_turn(lane)
                 pin(previous_threads)
 
-    def _caches(self, lane: Lane) -> list[tuple[Owner, object]]:
-        """The lane's cache and its twin's (if any), with their owners."""
-        return [(owner, cache) for owner, cache in ((lane.owner, lane.cache), (lane.twin, lane.tf_cache))
-                if cache is not None]
-
     def _end_turn(self, lane: Lane):
         """The turn is over for this lane: drop what only the turn needed, then count what stays."""
-        for owner, cache in self._caches(lane):
+        for owner, cache in lane.caches():
             with self._work(owner, "end_turn"):
                 cache.end_turn()
         if lane.replies:
@@ -307,7 +302,9 @@ class Engine(BetweenTurns, LaneMaps, Summary):
               save_context: bool = False, from_context: bool = False) -> Iterator[dict]:
         ref, lanes = self.reference, self.lanes
         if from_context:
-            self._from_context()
+            between.from_context(self.all_lanes, self.saved_context, self._work)
+            if self.instruments.compare and not self.solo:
+                self._compare()
         tail = self.prompter.encode(answer_prefix, False) if answer_prefix else []
         after = [] if from_context or question is None else list(question)  # read after the prompt, nothing evicted
         chunk = lambda lane: (list(question) if from_context else self.prompt_ids if k == 0 else
@@ -329,7 +326,7 @@ class Engine(BetweenTurns, LaneMaps, Summary):
                 items.append(Item(lane, ref_chunk, twin=True))
         yield from self._prefill(k, items, tap)
         if save_context:
-            self._save_context()
+            self.saved_context = between.save_context(self.all_lanes, self.observer)
         if after:
             for lane in self.all_lanes:
                 lane.keeping = True
@@ -376,7 +373,7 @@ class Engine(BetweenTurns, LaneMaps, Summary):
                 for lane in self.all_lanes:
                     if len(lane.tokens[k]) == index + 1:
                         event["lanes"][lane.label] = self._lane_event(lane, k)
-            event.update(self._step_figures(step_started, mark, fed))
+            event.update(self.report.step_figures(step_started, mark, fed, self.all_lanes, len(self.turn_chunks)))
             yield event
             index += 1
         self.turn_seconds.append(obs.now() - started)
@@ -385,6 +382,80 @@ class Engine(BetweenTurns, LaneMaps, Summary):
         yield {"type": "turn_end", "turn": k, "texts": {lane.label: lane.texts[k] for lane in self.all_lanes},
                "seconds": self.turn_seconds[-1],
                "bytes": {lane.label: lane.book.turns[-1].summary() for lane in self.all_lanes}}
+
+    def _compare(self):
+        """Every comparable lane's K/V compared with the reference's from now on."""
+        for lane in self.lanes:
+            if lane.strategy.kv_comparable:
+                self.observer.compare_with(lane.owner, self.reference.cache)
+
+    # --- between turns (`between.py`) ------------------------------------------
+    def park(self) -> dict:
+        """Between turns: every cache keeps only its persistent state (full KV, inputs, anchors or token ids).
+
+        The next `turn()` resumes each cache first (timed), rebuilding K/V exactly where the strategy
+        rebuilds on resume.  Returns a "park" event with the parked bytes per strategy, measured and by formula.
+        """
+        event = between.park(self.all_lanes, self._work, self.geometry, self._held)
+        self.parked = True
+        return event
+
+    def resume(self) -> dict:
+        """Rebuild every parked cache now (`turn()` does this itself when needed); returns a "resume" event."""
+        with model_lock(self.model):
+            tap = InputTap(self.model, self.loaded.device)
+            try:
+                self._resume(tap)
+            finally:
+                tap.close()
+        return {"type": "resume", "lanes": {lane.label: lane.parks[-1] for lane in self.all_lanes}}
+
+    def set_threads(self, threads: int) -> None:
+        """Between turns: the forwards, rebuilds and replays that follow run at `threads`.  With invariant kernels
+        the probe must pass at that count too (it runs now if it has not); a count where it fails is refused,
+        not switched to other kernels."""
+        probed = between.kernels_at(self.loaded, self.kernels, threads, self.all_lanes)
+        # The verdicts proven at `threads` from now on, everywhere the old ones were: the forwards, every cache
+        # (its rebuilds and replays), the saved context's copies.
+        self.kernels = self.forwards.kernels = probed
+        between.use_kernels(probed, self.all_lanes, self.saved_context)
+        self.threads = self.forwards.threads = threads
+        if not probed.invariant:
+            self.forwards.check_native()
+
+    @torch.inference_mode()
+    def _resume(self, tap: InputTap):
+        pin(self.threads)
+        with self.kernel_scope():
+            between.resume_lanes(self.all_lanes, tap, self.observer, self._work, self.tracer, self.peak_source)
+        self.parked = False
+
+    # --- what the page draws (`lanemaps.py`) and the summary (`summary.py`) ----
+    def _shown(self, label: str) -> Lane:
+        return self.reference if label == self.reference.label else next(l for l in self.lanes if l.label == label)
+
+    def token_map(self, label: str, layer: int) -> dict:
+        """`lanemaps.token_map` of the lane shown as `label`."""
+        return lanemaps.token_map(self._shown(label), self.loaded.tokenizer, layer)
+
+    def token_maps(self) -> dict:
+        """`lanemaps.token_maps` of every shown lane: {label: {"tokens": [...], "states": [[...] per layer]}}."""
+        return lanemaps.token_maps({label: self._shown(label) for label in self.show}, self.loaded.tokenizer,
+                                   len(self.reference.cache.layers))
+
+    def attention_map(self, label: str, layer: int) -> dict | None:
+        """`lanemaps.attention_map` of the lane shown as `label` (None before the first turn)."""
+        return lanemaps.attention_map(self._shown(label), self.loaded.tokenizer, layer)
+
+    def attention_maps(self) -> dict:
+        """`lanemaps.attention_maps` of every shown lane: {label: {"position", "turn", "tokens", "layers"}}."""
+        return lanemaps.attention_maps({label: self._shown(label) for label in self.show}, self.loaded.tokenizer,
+                                       len(self.reference.cache.layers))
+
+    def results(self) -> dict:
+        """The run's summary (`Report.results`), with what the engine has now."""
+        return self.report.results(self.reference, self.lanes, self.show, self.threads, self.kernels,
+                                   self.prompt_ids, self.turn_chunks, self.turn_seconds)
 
     def _fork(self, lane: Lane):
         """The lane's teacher-forced twin, forked from its cache at its first divergence (the twins' work)."""
@@ -409,35 +480,7 @@ class Engine(BetweenTurns, LaneMaps, Summary):
         return token
 
     def _lane_event(self, lane: Lane, k: int) -> dict:
-        last = (lane.times.decode or lane.times.prefill)[-1]
-        token = lane.tokens[k][-1]
-        with self.observer.region(ENGINE, "detokenize"):
-            piece = self.loaded.tokenizer.decode([token])
-        return {
-            "token_id": token,
-            "piece": piece,
-            "text": lane.texts[k],
-            "active": lane.active,
-            "fed": lane.active,  # the last token of a turn is not fed; its latency is the previous step's
-            "prefill_ms": 1e3 * lane.times.prefill[-1]["total"],
-            "seen": lane.cache.get_seq_length(),
-            **lane.book.last,
-            "rss_bytes": self.forwards.rss,
-            "latency_ms": {op: 1e3 * s for op, s in last.items()},
-            "diverged": lane.diverged,
-            "kl_mean": lane.kl_sum / lane.tf_steps if lane.tf_steps else 0.0,
-        }
-
-
-def _made_again(strategy: Strategy) -> Strategy:
-    """A new instance of the strategy with the same settings and label (its `__init__` and `__post_init__` run
-    again, where the caller is); the strategy itself where its class cannot be made from its fields."""
-    try:
-        again = dataclasses.replace(strategy)
-    except (TypeError, ValueError):
-        return strategy
-    again._label = getattr(strategy, "_label", None)
-    return again
+        return self.report.lane_event(lane, k)
 
 
 def run_to_end(engine: Engine, turns: list[str], park: bool = False,

@@ -177,7 +177,7 @@ class Session:
         if kind == "start":
             self.user_turns, self.steps, self.position, self.rss, self.result, self.token_maps = [], 0, 0, [], None, None
             self.step_times = []
-            self.unattributed, self.unattributed_peak = None, 0  # no lane's bytes (`Engine._unattributed`)
+            self.unattributed, self.unattributed_peak = None, 0  # no lane's bytes (`Report.unattributed`)
             self.seen = []
             self.attention_maps = None
             self.shown = list(event["strategies"])
