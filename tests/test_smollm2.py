@@ -20,7 +20,7 @@ SMOL_FAST = "full,kvdirect:budget=16:mode=fast"  # under native kernels (a run o
 def smollm2_run(smollm2):
     # One thread (what each worker of `make test` has anyway): there fast mode's one native GEMM over its old tokens
     # (26 and more here) gives a large call's rows, as the invariant forward's padded GEMMs do (F.linear's rows
-    # agree from 4 rows at one thread on this CPU, from 16 on the Xeons DESIGN.md names; at two threads some
+    # agree from 4 rows at one thread on this CPU, from 16 on the Xeons docs/perf.md names; at two threads some
     # counts above 56 do not there).
     return run_once(smollm2, SMOL_SPECS, SMOL_TURNS, 20, threads=1)
 
@@ -59,8 +59,9 @@ def test_kvdirect_exact_on_smollm2_two_turns(smollm2):
 
 def test_kvdirect_fast_on_smollm2_native_kernels_reports_its_error(smollm2):
     """Under the model's own kernels the forward computed each decoded token's K/V in a one-row call, and fast
-    mode's one GEMM over all old tokens rounds differently (DESIGN.md: ~1e-5 on this CPU, fp32): the second turn
-    rebuilds the first turn's reply, and the report says the K/V differ, by a small measured amount.
+    mode's one GEMM over all old tokens rounds differently (docs/measurement.md, "Kernels"; ~1e-5 on this CPU,
+    fp32): the second turn rebuilds the first turn's reply, and the report says the K/V differ, by a small measured
+    amount.
 
     Mutation that fails it: fast mode taking the shape-faithful path (in kvdirect.py's `rebuild_old`,
     `if self.mode == "fast" and False:`): its K/V become bit-equal and the report says exact."""

@@ -1,4 +1,5 @@
-"""One strategy's state during a run, and its byte book (DESIGN.md, "Metrics").
+"""One strategy's state during a run, and its byte book (docs/measurement.md, "Bytes: the allocator the tensors live
+in").
 
 Bytes come from independent sources, kept side by side:
 

@@ -1,4 +1,4 @@
-"""Batch-invariant kernels: a row's bits do not depend on which call computed it (DESIGN.md, "Batch invariance").
+"""Batch-invariant kernels: a row's bits do not depend on which call computed it (docs/measurement.md, "Kernels").
 
 Two modes for a run (`--kernels`):
 

@@ -10,7 +10,7 @@ the family's `apply_rotary_pos_emb` and rotary embedding) so that, called with
 the same GEMM shapes as the original forward, the result is bit-equal
 (`torch.equal`) to what the model handed its cache.  Shapes matter: on CPU a
 GEMM over many rows can round differently from the same rows one at a time
-(DESIGN.md, "Exactness").  So:
+(docs/measurement.md, "Kernels").  So:
 
 * `project(x, start)`: one GEMM over a chunk, as a prefill chunk was computed;
 * `project_rows(x, positions)`: every row as its own GEMM, as decode steps were

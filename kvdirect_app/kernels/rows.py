@@ -5,7 +5,7 @@ on the call there, so a replay is one ordinary call over all old tokens (`kernel
 
 A decode step computes each token as a one-row forward: its projections are
 one-row GEMMs and its attention is one query over the keys before it.  An
-exact replay must repeat exactly those shapes (DESIGN.md, "Exactness"), so a
+exact replay must repeat exactly those shapes (docs/measurement.md, "Kernels"), so a
 naive replay of `m` decoded tokens calls the decoder layer `m` times, and on
 a CPU the Python and dispatch overhead of those calls dominates.
 

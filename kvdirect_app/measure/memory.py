@@ -1,4 +1,5 @@
-"""Bytes measured by the allocator, not by the caches' own lists (DESIGN.md, "Metrics").
+"""Bytes measured by the allocator, not by the caches' own lists (docs/measurement.md, "Bytes: the allocator the
+tensors live in").
 
 The instrument is PyTorch's allocator reporting: every allocation and free
 that c10's CPU allocator (or the CUDA caching allocator) performs on a thread

@@ -1,5 +1,5 @@
 """Memory meters: whose bytes a piece of work allocated, held after it and at most during it, by the allocator the
-tensors live in (DESIGN.md, "Measuring is not running").
+tensors live in (docs/measurement.md, "Strategies only cache; everything is measured from outside").
 
 The engine's observer (`observe.py`) tells a meter when an owner's work begins and ends (`enter`/`leave`,
 nested); the meter answers `held(owner)` and, since `reset(owner)`, `peak(owner)` (None where the platform

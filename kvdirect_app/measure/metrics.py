@@ -1,4 +1,5 @@
-"""Token match and timing helpers (DESIGN.md, "Metrics"); agreement and KL are `teacher.agree`'s."""
+"""Token match and timing helpers (docs/measurement.md, "Every part of a step is timed where it runs"); agreement and
+KL are `teacher.agree`'s."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The engine's observers: who is working now, for how long, with whose memory (DESIGN.md, "Measuring is not
-running").
+"""The engine's observers: who is working now, for how long, with whose memory (docs/measurement.md,
+"Strategies only cache; everything is measured from outside").
 
 A strategy only caches: its settings, what it keeps, what it drops or rebuilds.  Everything measured about it is
 measured here, from outside its code:

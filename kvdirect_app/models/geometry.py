@@ -1,4 +1,5 @@
-"""Bytes per token from a model config alone (DESIGN.md, "The mathematics").
+"""Bytes per token from a model config alone: the formula docs/measurement.md's "Bytes: the allocator the tensors
+live in" checks the measurement against.
 
 Notation: `L` layers, hidden size `d`, `n_kv` key/value heads of size `d_h`,
 `b` bytes per element.  A layer that owns a cache holds `2 * n_kv * d_h * b`

@@ -7,7 +7,7 @@ keep the input and recompute K/V on demand.
 Here, on every global-attention layer, the last `budget` tokens keep their
 K/V; every token also keeps its attention input (the normed residual
 `norm_l(r_l)`, `d` elements: as good as `r_l` for pure projection and one norm
-cheaper per step, DESIGN.md).  K/V of tokens older than the budget are rebuilt
+cheaper per step, docs/strategies.md).  K/V of tokens older than the budget are rebuilt
 from those inputs at their original absolute positions:
 
 * ``mode=exact``: shape-faithful replay, each prefill chunk as one GEMM and
