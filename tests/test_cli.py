@@ -82,7 +82,7 @@ def test_the_module_runs_as_a_program_and_fails_cleanly(tmp_path):
     strict = schema_of("breakeven") | {"required": [*schema_of("breakeven")["required"], "no_such_field"]}
     (schemas / "breakeven.json").write_text(json.dumps(strict))
     (tmp_path / "presets").symlink_to(ROOT / "presets")
-    code = ("import sys; from kvdirect_app import paths; paths.CHECKOUT = paths.Path(sys.argv[1]); "
+    code = ("import sys; from kvdirect_app.plain import paths; paths.CHECKOUT = paths.Path(sys.argv[1]); "
             "from kvdirect_app import bench; sys.exit(bench.main(['breakeven', '--model', 'smollm2-135m', "
             "'--json', sys.argv[2]]))")
     out = tmp_path / "b.json"

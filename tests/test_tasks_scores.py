@@ -148,7 +148,7 @@ def test_smollm2_a_window_of_64_cannot_see_a_needle_in_the_middle_and_exact_lane
 
 KEPT_HEAP = """
 import resource, torch
-from kvdirect_app import rss
+from kvdirect_app.plain import rss
 
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -31,7 +31,7 @@ def one_line(error) -> str:
 BOMB = f"""
 import json, resource, sys, zlib
 sys.path.insert(0, {str(ROOT)!r})
-from kvdirect_app import recording
+from kvdirect_app.plain import recording
 packer, zeros = zlib.compressobj(9, zlib.DEFLATED, 31), bytes({MIB})
 bomb = b"".join([packer.compress(zeros) for _ in range(1024)] + [packer.flush()])  # 1 GiB of zeros, ~1 MiB
 del zeros
