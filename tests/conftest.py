@@ -28,10 +28,11 @@ os.environ["KVDIRECT_VALIDATE_JSON"] = "1"
 # that no test reads a file an earlier run on this machine left behind (a clean clone's cache holds none), and the
 # suite never writes into the user's cache.  The built libraries and the models' kept copies stay where `make
 # install` put them: they are the install's, and a missing one is made again, the same.  A folder set by hand wins.
-PROBE_FOLDER = None  # the folder made here (None where one was set by hand)
+# Under xdist the controller makes it and its workers inherit both variables: the folder is still the run's own.
+PROBE_FOLDER = os.environ.get("KVDIRECT_SUITE_PROBES")  # the folder this run made (None where one was set by hand)
 if not os.environ.get("KVDIRECT_PROBE_CACHE"):
     PROBE_FOLDER = tempfile.mkdtemp(prefix="kvdirect-probes-")
-    os.environ["KVDIRECT_PROBE_CACHE"] = PROBE_FOLDER
+    os.environ["KVDIRECT_PROBE_CACHE"] = os.environ["KVDIRECT_SUITE_PROBES"] = PROBE_FOLDER
     atexit.register(shutil.rmtree, PROBE_FOLDER, ignore_errors=True)
 
 import torch  # noqa: E402
