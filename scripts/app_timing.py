@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from playwright import sync_api  # noqa: E402
 
 from kvdirect_app.app.ui import build_demo  # noqa: E402
+from tests.app.test_browser import ARGS, CHROMIUM  # noqa: E402
 from tests.conftest import launch_local  # noqa: E402
-from tests.test_browser import ARGS, CHROMIUM  # noqa: E402
 
 PROMPT = "Why is the sky blue?"
 EVERY_PANE_HAS_A_TOKEN = """() => {

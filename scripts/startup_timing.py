@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from playwright import sync_api  # noqa: E402
 
-from tests.test_browser import ARGS, CHROMIUM  # noqa: E402
+from tests.app.test_browser import ARGS, CHROMIUM  # noqa: E402
 
 
 def free_port() -> int:

@@ -70,7 +70,7 @@ def bad_spec_error(text: str) -> str:
 @pytest.fixture(scope="session")
 def app():
     """The Studio launched once per process on loopback (tiny model by default, 6 new tokens) and a gradio_client
-    session on it; every app test that needs no process of its own uses it (test_app.py, test_public.py)."""
+    session on it; every app test that needs no process of its own uses it (tests/app/test_app.py, test_public.py)."""
     with running_app("tiny-llama", 6) as launched:
         yield launched
 
@@ -121,7 +121,7 @@ FIRST = ("test_browser", "recall demo", "test_stress", "visitors", "apps", "test
 
 
 def group_of(nodeid: str) -> str:
-    """A test's group, from its id alone (the controller schedules by ids): `tests/test_x.py::test_y[params]`."""
+    """A test's group, from its id alone (the controller schedules by ids): `tests/layer/test_x.py::test_y[params]`."""
     if nodeid.split("/")[-1] in OWN:
         return OWN[nodeid.split("/")[-1]]
     module = nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")

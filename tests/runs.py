@@ -5,8 +5,8 @@ The tiny families' checks (KV-Direct's and AnchorKV's exactness, lanes batched a
 attention snapshot, eviction at a budget larger than the conversation) read one *union* run per family and
 dtype (`tiny_union`): every lane any of them asserts on, in one lockstep engine over one three-turn
 conversation.  A lane's figures do not depend on which other lanes share its engine (batched and one-by-one
-passes give the same bits: `test_lockstep.py` checks it on this very run), so each check sees what its own
-smaller run would have shown.
+passes give the same bits: `tests/engine/test_lockstep.py` checks it on this very run), so each check sees what
+its own smaller run would have shown.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def run_once(loaded, specs: str | tuple | list, turns=TINY_TURNS, max_new_tokens
     the attention snapshots off."""
     specs = specs if isinstance(specs, str) else ",".join(dict.fromkeys(specs))
     # The allocator's trace unless a test asks for another instrument: the tests' byte checks are against it, and
-    # every traced run audits the allocator's ledger (the default instrument) beside it (`test_memory.py`).
+    # every traced run audits the allocator's ledger (the default instrument) beside it
+    # (`tests/measure/test_memory.py`).
     options.setdefault("memory", "trace")
     key = (loaded.name, str(loaded.dtype), str(loaded.device), specs, tuple(turns), max_new_tokens, park, steps,
            snapshots, tuple(sorted(options.items())))

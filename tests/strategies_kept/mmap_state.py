@@ -1,4 +1,5 @@
-"""A strategy that keeps an `mmap` on itself: its state cannot be deep-copied (tests/test_twins_and_shapes.py)."""
+"""A strategy that keeps an `mmap` on itself: its state cannot be deep-copied
+(tests/kernels/test_twins_and_shapes.py)."""
 
 import mmap
 from dataclasses import dataclass

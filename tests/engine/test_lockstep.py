@@ -1,0 +1,105 @@
+"""Lanes in one batched pass per step give the same bits as lanes one after another.
+
+Every lane's and every teacher-forced twin's logits are compared with
+`torch.equal` after every step; tokens, K/V reports and measured state bytes
+must be identical too.  Then: prompts fed in pieces, incremental reply text,
+and runs without teacher-forced twins.
+"""
+
+import pytest
+import torch
+
+from kvdirect_app.engine.runner import Engine
+from kvdirect_app.plain.text import ReplyText
+from kvdirect_app.strategies import parse_specs
+
+from ..runs import LOCKSTEP, TINY_FAMILIES, TINY_TURNS, all_sliding, one_by_one, run_once, tiny, tiny_union
+
+SAME = ("token_ids", "kv_exact", "max_abs_dk", "max_abs_dv", "max_abs_dlogit", "kl_mean", "teacher_forced_agreement",
+        "rebuilt_token_layers")
+
+
+def assert_same_bits(batched_run, specs=LOCKSTEP):
+    """Lanes one after another (a run of `specs` alone, `batch=False`) against the same lanes in a batched run
+    (which may hold more lanes: a lane's bits do not depend on who else is in the batch)."""
+    one_run = one_by_one(batched_run, specs)
+    one, batched = one_run.result, batched_run.result
+    assert batched["batched"] and not one["batched"]
+    assert one_run.kinds == batched_run.kinds and len(one_run.steps) == len(batched_run.steps) > 4
+    for a, b in zip(one_run.steps, batched_run.steps):
+        assert set(a) <= set(b)
+        for label, (logits, twin) in a.items():
+            logits_b, twin_b = b[label]
+            assert torch.equal(logits, logits_b), label
+            assert (twin is None) == (twin_b is None) and (twin is None or torch.equal(twin, twin_b)), label
+    for label, r in one["strategies"].items():
+        rb = batched["strategies"][label]
+        assert {k: r[k] for k in SAME} == {k: rb[k] for k in SAME}, label
+        for key in ("persistent_peak", "between_turns_peak", "final_persistent", "formula_matches_measurement"):
+            assert r["state_bytes"][key] == rb["state_bytes"][key], (label, key)
+        assert rb["state_bytes"]["formula_matches_measurement"], label
+    return one, batched
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_batched_lanes_give_the_same_bits_as_lanes_one_after_another(family):
+    run = tiny_union(family)
+    loaded = run.engine.loaded
+    one, batched = assert_same_bits(run)
+    # Some lanes diverged, so twins ran in the batch too (not on a model whose every layer slides: its window
+    # holds what every strategy's budget does).
+    assert any(r["first_divergence"] is not None for r in batched["strategies"].values()) != all_sliding(loaded)
+    assert batched["shared_pass_ms_mean"] is not None and batched["strategies"]["full"]["latency_ms"]["decode_shared_ms_mean"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
+def test_batched_lanes_in_bf16(family, dtype):
+    assert_same_bits(tiny_union(family, dtype))
+
+
+def test_batched_lanes_on_smollm2(smollm2):
+    specs = "full,kvdirect:budget=16,anchorkv:spacing=30:budget=16,h2o:budget=16,snapkv:budget=16,tova:budget=16"
+    batched_run = run_once(smollm2, specs, ["What is the capital of France?"], 8, steps=True, threads=1)
+    one, batched = assert_same_bits(batched_run, specs)
+    assert batched["strategies"]["kvdirect:budget=16"]["kv_exact"] is True
+
+
+def test_a_long_prompt_is_fed_in_pieces_the_same_for_every_lane():
+    loaded = tiny("tiny-llama")
+    prompt = "A long message about caches and residual streams. " * 3
+    batched_run = run_once(loaded, LOCKSTEP, [prompt, "Summarise."], 8, steps=True, threads=1, prefill_chunk=40)
+    one, batched = assert_same_bits(batched_run)
+    engine = Engine(loaded, parse_specs("full,kvdirect:budget=4"), max_new_tokens=3, prefill_chunk=40)
+    events = list(engine.run([prompt]))
+    progress = [e for e in events if e["type"] == "prefill"]
+    assert [e["done"] for e in progress] == [min(40 * (i + 1), progress[0]["total"]) for i in range(len(progress))]
+    assert progress[-1]["done"] == progress[-1]["total"] == len(engine.prompt_ids) > 80
+    r = events[-1]["result"]["strategies"]["kvdirect:budget=4"]
+    assert r["kv_exact"] and r["rebuilt_token_layers"] > 0 and r["latency_ms"]["ttft_ms"] > 0
+
+
+def test_without_twins_agreement_stops_at_the_first_divergence():
+    result = run_once(tiny("tiny-llama"), "full,window:budget=4", TINY_TURNS[:2], 8, twins=False).result
+    r = result["strategies"]["window:budget=4"]
+    assert result["teacher_forced_twins"] is False
+    assert r["first_divergence"] is not None
+    assert r["teacher_forced_steps"] <= r["first_divergence"] + 1
+
+
+class _Bytes:
+    """A byte-level tokenizer: decoding a prefix of a multi-byte character gives U+FFFD."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("text", ["plain words", "é à ü", "数字 and 🙂 mixed", "ǅ🙂🙂é"])
+def test_reply_text_streams_without_broken_characters_and_ends_as_the_full_decode(text):
+    reply = ReplyText(_Bytes())
+    seen = []
+    for b in text.encode("utf-8"):
+        seen.append(reply.add(b))
+    assert all("\ufffd" not in s for s in seen)
+    assert all(a == b[:len(a)] for a, b in zip(seen, seen[1:]))  # only ever grows
+    assert seen[-1] == text == reply.final()

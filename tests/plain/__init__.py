@@ -1,0 +1,1 @@
+"""Tests of `kvdirect_app.plain`, the torch-free layer: the results files' schema."""
