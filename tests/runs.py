@@ -19,23 +19,26 @@ from kvdirect_app.engine.runner import Engine
 from kvdirect_app.models.loading import load_model
 from kvdirect_app.strategies import parse_specs
 
+from .specs import EVICTION, every
+
 TINY_FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-olmo2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3"]
 TINY_TURNS = ("Tell me about caches.", "Why do keys need positions?")
 TINY_NEW_TOKENS = 8
-EVICTION = ("window", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "pyramidkv")
 
 # KV-Direct: 1 and 5 < prompt < sliding window 12 < 16 < the whole conversation < 500.
 KVDIRECT_BUDGETS = (1, 5, 16, 500)
 KVDIRECT_LANES = tuple(f"kvdirect:budget={b}:mode=exact" for b in KVDIRECT_BUDGETS) + ("kvdirect:budget=3:rebuild=turn",)
 ANCHORKV_EXTRA = ("anchorkv:spacing=2:budget=3:token_id_anchor=false:replay=naive",
                   "anchorkv:anchors=dp:spacing=2:budget=2:rebuild=step", "anchorkv:anchors=0-2:budget=1")
-# Every strategy once, exact and lossy: the lanes compared batched against one by one.
-LOCKSTEP = ("full", "kvdirect:budget=4", "kvdirect:budget=3:mode=fast", "anchorkv:spacing=2:budget=3:rebuild=step",
-            "anchorkv:spacing=2:budget=3", "h2o:budget=8", "snapkv:budget=16", "tova:budget=6", "streaming_llm:budget=8",
-            "window:budget=6", "knorm:budget=6", "pyramidkv:budget=8:window=2")
+# Every strategy once, exact and lossy (tests/specs.py: a strategy not named here joins at budget 6): the lanes
+# compared batched against one by one.
+LOCKSTEP = every(("full", "kvdirect:budget=4", "kvdirect:budget=3:mode=fast", "anchorkv:spacing=2:budget=3:rebuild=step",
+                  "anchorkv:spacing=2:budget=3", "h2o:budget=8", "snapkv:budget=16", "tova:budget=6",
+                  "streaming_llm:budget=8", "window:budget=6", "knorm:budget=6", "pyramidkv:budget=8:window=2"),
+                 budget=6)
 ATTENTION = ("full", "kvdirect:budget=4", "anchorkv:spacing=2:budget=3", "h2o:budget=8", "snapkv:budget=16",
              "window:budget=6")
-LARGE_BUDGET = tuple(f"{name}:budget=400" for name in EVICTION)
+LARGE_BUDGET = tuple(f"{name}:budget=400" for name in EVICTION)  # every eviction strategy (tests/specs.py)
 # AnchorKV's one-chunk replay (KV-Direct's fast mode is among LOCKSTEP's lanes).
 ANCHORKV_FAST = ("anchorkv:spacing=2:budget=2:mode=fast:rebuild=step",)
 

@@ -1,7 +1,7 @@
 """`bench check-strategy` and a strategy from one's own file in every command: the example passes the kit on every
 model, each built-in passes it, and a strategy that breaks a rule fails that rule in one line (exit 1).  File and
-module specs run in `bench run`, `tasks` and `sweep` with the figures a built-in gets (on Ray: tests/benchmarks/test_executors.py);
-hosted mode refuses them."""
+module specs run in `bench run`, `tasks` and `sweep` with the figures a built-in gets (on Ray:
+tests/benchmarks/test_executors.py); hosted mode refuses them."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from kvdirect_app.benchmarks import api as benchmarks
 from kvdirect_app.benchmarks import conformance
 from kvdirect_app.cli import main
 from kvdirect_app.strategies import Strategy, StrategyError, parse_spec
+
+from ..specs import every
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = "examples/random_eviction.py:RandomEviction"
@@ -102,8 +104,7 @@ def test_the_example_passes_every_rule_on_every_model():
 
 
 @pytest.mark.check
-@pytest.mark.parametrize("spec", ["window", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "pyramidkv",
-                                  "kvdirect", "anchorkv:spacing=2", "anchorkv:rebuild=step", "full"])
+@pytest.mark.parametrize("spec", every(("anchorkv:spacing=2", "anchorkv:rebuild=step")))  # the rest at defaults
 def test_every_built_in_passes(spec):
     findings = conformance.check(spec, TINY)
     assert not _failed(findings), _failed(findings)

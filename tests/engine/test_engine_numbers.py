@@ -22,11 +22,14 @@ from kvdirect_app.strategies import parse_spec, parse_specs
 from kvdirect_app.strategies.anchorkv import AnchorCache
 
 from ..conftest import tiny
+from ..specs import every
 
 TURNS = ["Tell me about caches.", "Why do keys need positions?"]
-EVERY = ("full,kvdirect:budget=4,anchorkv:spacing=2:budget=4:rebuild=step,anchorkv:spacing=3:budget=4,"
-         "window:budget=6,streaming_llm:budget=8,h2o:budget=8,snapkv:budget=16:window=4,tova:budget=6,knorm:budget=6,"
-         "pyramidkv:budget=16:window=4")
+# Every strategy (tests/specs.py: one not named here joins at budget 6).
+EVERY = ",".join(every(("full", "kvdirect:budget=4", "anchorkv:spacing=2:budget=4:rebuild=step",
+                        "anchorkv:spacing=3:budget=4", "window:budget=6", "streaming_llm:budget=8", "h2o:budget=8",
+                        "snapkv:budget=16:window=4", "tova:budget=6", "knorm:budget=6", "pyramidkv:budget=16:window=4"),
+                       budget=6))
 
 
 def _events(loaded, specs, **options):

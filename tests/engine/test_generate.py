@@ -22,9 +22,10 @@ import torch
 from kvdirect_app import strategy_cache
 from kvdirect_app.engine.integration import CacheInUse, UnsupportedCall
 from kvdirect_app.models import compat
-from kvdirect_app.strategies import StrategyError, registry
+from kvdirect_app.strategies import StrategyError
 
 from ..conftest import TINY_FAMILIES, all_sliding, tiny
+from ..specs import every
 
 EXACT = ("full", "kvdirect:budget=4", "anchorkv:spacing=2:budget=3", "kvdirect:budget=4:rebuild=step",
          "anchorkv:spacing=2:budget=3:rebuild=step")
@@ -179,14 +180,10 @@ def test_every_registered_strategy_runs_inside_generate():
     differs; the lossy ones miss rows), and the model left as it was.
 
     Mutation (applied, fails): `Verifier.report`'s `exact` ignores missing rows -> H2O verified exact."""
-    from kvdirect_app.strategies import available  # noqa: F401  (fills the registry)
-    from kvdirect_app.strategies.base import Strategy
-
     loaded = tiny("tiny-qwen3")
     reference = _two_turns(loaded)
     hooks = _hooks(loaded.model)
-    for name, cls in sorted(Strategy.registry.items()):
-        spec = name if "budget" not in cls.settings() else f"{name}:budget=6"
+    for spec in every(budget=6):  # every registered strategy (tests/specs.py)
         with strategy_cache(loaded.model, spec, verify=True) as cache:
             tokens = _two_turns(loaded, cache)
         report = cache.report()
@@ -553,8 +550,7 @@ def test_every_registered_strategy_serves_a_prompt_fed_in_pieces_as_one_prompt(f
     prompts = (torch.tensor([tokens[:33]]), torch.tensor([tokens[40:52]]))
     assert [p.shape[1] for p in prompts] == [33, 12]
     hooks = _hooks(loaded.model)
-    for name, cls in sorted(registry().items()):
-        spec = name if "budget" not in cls.settings() else f"{name}:budget=6"
+    for spec in every(budget=6):  # every registered strategy (tests/specs.py)
         whole, whole_cache = _pieces_turns(loaded, spec, None, prompts)
         pieces, cache = _pieces_turns(loaded, spec, 8, prompts)
         assert pieces == whole, spec

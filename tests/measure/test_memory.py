@@ -14,6 +14,7 @@ from kvdirect_app.strategies.kvdirect import ResidualLayer
 
 from ..conftest import tiny
 from ..runs import TINY_FAMILIES, tiny_union
+from ..specs import every
 
 TURNS = ["Tell me about caches.", "Why do keys need positions?"]
 
@@ -249,9 +250,10 @@ def test_the_default_instrument_matches_the_formula_and_its_peak_bounds_the_form
     turns, what each strategy lists agrees too, and each step's measured peak (the lane's own allocations at their
     highest) is at least the formula's (held + the strategy's buffers: a lower bound), for every strategy."""
     loaded = tiny(family)
-    specs = ("full,kvdirect:budget=4,kvdirect:budget=3:rebuild=turn,anchorkv:spacing=2:budget=3:rebuild=step,"
-             "anchorkv:spacing=2:budget=3,window:budget=6,streaming_llm:budget=8,h2o:budget=8,snapkv:budget=16,"
-             "tova:budget=6,knorm:budget=6,pyramidkv:budget=8:window=2")
+    specs = ",".join(every(("full", "kvdirect:budget=4", "kvdirect:budget=3:rebuild=turn",  # every strategy (specs.py)
+                            "anchorkv:spacing=2:budget=3:rebuild=step", "anchorkv:spacing=2:budget=3", "window:budget=6",
+                            "streaming_llm:budget=8", "h2o:budget=8", "snapkv:budget=16", "tova:budget=6",
+                            "knorm:budget=6", "pyramidkv:budget=8:window=2"), budget=6))
     result = run_to_end(Engine(loaded, parse_specs(specs), max_new_tokens=6, threads=1), TURNS)
     assert result["memory_instrument"] == "allocator ledger (cpu)"
     for spec, r in result["strategies"].items():

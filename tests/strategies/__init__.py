@@ -1,2 +1,2 @@
-"""Tests of `kvdirect_app.strategies`: each family's exactness or eviction rule, and the contract the engine
-holds them to."""
+"""Tests of `kvdirect_app.strategies`: each family's exactness or eviction rule, the contract the engine holds
+them to, and the table of every strategy's spec that the other tests share (tests/specs.py)."""

@@ -23,9 +23,9 @@ from kvdirect_app.strategies.scored import ScoredLayer
 
 from ..conftest import bad_spec_error
 from ..runs import LARGE_BUDGET, tiny, tiny_union
+from ..specs import EVICTION
 
 TURNS = ["Tell me about caches.", "Why do keys need positions?", "Summarise."]
-EVICTION = ("window", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "pyramidkv")
 
 
 THREADS = 1  # tiny matrices: a second thread only adds overhead (and stalls on a busy machine)
