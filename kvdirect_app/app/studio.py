@@ -16,12 +16,14 @@ import threading
 from pathlib import Path
 from typing import MutableMapping
 
+from ..plain.errors import UserError
+from ..plain.hosted import ENV, ON, hosted, misread
+from ..plain.specs import STRATEGY_DIR, serve
+from . import service
+
 
 def _warm_up(name: str):
     """Load the default model while the page is being opened (it is cached and shared read-only)."""
-    from ..plain.errors import UserError
-    from . import service
-
     try:
         service.load(name, dtype="float32", device="auto")
     except UserError as e:
@@ -46,9 +48,6 @@ def serving(environ: MutableMapping[str, str]) -> tuple[str, bool, Path | None, 
     stranger's code.  The operator's switch (`STRATEGY_DIR`) opts in one folder of their own, honoured only when
     nobody else can reach the page: a server bound to loopback with no share link.  Any other bind or a share
     link serves strangers, so it runs in hosted mode (set in `environ`, which worker processes inherit)."""
-    from ..plain.hosted import ENV, ON, hosted, misread
-    from ..plain.specs import STRATEGY_DIR
-
     host = environ.get("GRADIO_SERVER_NAME") or "127.0.0.1"
     share = (environ.get("GRADIO_SHARE") or "").strip().lower() in ON
     lines = [line for line in [misread(environ)] if line]
@@ -77,23 +76,20 @@ def serving(environ: MutableMapping[str, str]) -> tuple[str, bool, Path | None, 
 
 
 def main() -> None:
-    from ..plain.specs import serve
-    from .ui import build_demo, launch_options
-    from .ui.runner import queue_options, session_capacity
-    from .ui.settings import default_model
+    from .ui import build_demo, launch_options, runner, settings  # lazy: gradio (~5 s) loads after serving()
 
     host, share, folder, lines = serving(os.environ)
     for line in lines:
         print(line)
     serve(folder)  # from here on, a strategy file loads only from `folder`, whichever route names it
-    model = default_model()
+    model = settings.default_model()
     demo = build_demo(model=model)
-    demo.queue(**queue_options()).launch(
+    demo.queue(**runner.queue_options()).launch(
         server_name=host,
         share=share,
         server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
         show_error=False,  # a visitor sees our one-line messages, never a traceback
-        state_session_capacity=session_capacity(),
+        state_session_capacity=runner.session_capacity(),
         prevent_thread_lock=True,
         **launch_options(),
     )

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from ..plain.errors import UserError
-from . import anchor, check, docs, record, reproduce, roofline, run, sweep, tasks
+from . import anchor, check, doc_figures, record, reproduce, roofline, run, sweep, tasks
 
 
 class Parser(argparse.ArgumentParser):
@@ -25,7 +25,7 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m kvdirect_app.bench", description="KV-Direct Studio benchmarks: tables and JSON")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (run, record, sweep, anchor, reproduce, tasks, roofline, check, docs):
+    for module in (run, record, sweep, anchor, reproduce, tasks, roofline, check, doc_figures):
         module.register(sub)
     return parser
 

@@ -1,5 +1,8 @@
 """Figures that cannot go stale: every measured figure in the README and docs/ is rendered from a committed results
-file (`bench docs`), and `bench docs --check` says which figure disagrees with its file.
+file (`bench docs`), and `bench docs --check` says which figure disagrees with its file (exit 1), as CI runs it;
+both commands are here (`register`), beside the figures they render and check.
+
+    python -m kvdirect_app.bench docs --check
 
 A figure in a page is a marker around its text:
 
@@ -17,6 +20,7 @@ cannot vouch for it, so the pages keep none).
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import re
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..plain.units import fmt_bytes
+from .common import CliError
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = ("README.md", "docs/*.md")
@@ -144,3 +149,28 @@ def render(root: Path = ROOT) -> list[str]:
 
 def markers(root: Path = ROOT) -> int:
     return sum(len(MARKER.findall(p.read_text(encoding="utf-8"))) for p in pages(root))
+
+
+# --- the command ---------------------------------------------------------------------------------------------------
+def cmd_docs(args) -> int:
+    try:
+        if args.check:
+            stale = check()
+            for s in stale:
+                print(s.line())
+            print(f"{markers()} figures in {len(pages())} pages; "
+                  + (f"{len(stale)} disagree with their results files" if stale else "every one as its file says"))
+            return 1 if stale else 0
+        changed = render()
+    except FigureError as e:
+        raise CliError(str(e)) from None
+    print(f"re-rendered {len(changed)} page(s): {', '.join(changed) or 'none changed'}")
+    return 0
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("docs", help="the README's and docs/'s figures from their results files (--check: "
+                                           "say which disagree)")
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 naming each figure that disagrees")
+    p.set_defaults(func=cmd_docs)
+    return p

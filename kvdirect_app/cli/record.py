@@ -13,6 +13,8 @@ same file from any run).
 from __future__ import annotations
 
 from ..app.ui.settings import REBUILDS, default_names, expand
+from ..engine import validate
+from ..models.loading import load_model
 from .common import CliError, add_conversation_options
 from .run import cmd_run
 
@@ -21,8 +23,6 @@ BUDGET = 64
 
 def page_specs(model: str, dtype: str, device: str, rebuild: str, budget: int = BUDGET) -> str:
     """The page's default panes as specs (the same expansion as its sidebar), for this model's depth."""
-    from ..models.loading import load_model
-
     layers = load_model(model, dtype=dtype, device=device).config.num_hidden_layers
     return ",".join(expand(name, budget, layers, "exact", rebuild) for name in default_names())
 
@@ -33,8 +33,6 @@ def cmd_record(args) -> int:
     if not args.out.endswith((".json", ".json.gz")):
         raise CliError(f"--out: {args.out!r}; a recording's name ends in .json or .json.gz")
     if args.strategies is None:
-        from ..engine import validate
-
         model = validate.model_name(args.model)
         device, dtype = validate.device_dtype(args.device, args.dtype)
         args.strategies = page_specs(model, dtype, device, args.rebuild)

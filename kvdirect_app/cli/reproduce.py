@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 
 from ..benchmarks.executors import check_executor
+from ..claims import render, reproduce
 from ..engine import validate
+from ..models.loading import presets
 from .common import THREADS, WORKERS, CliError
 
 
 def cmd_reproduce(args) -> int:
-    from ..claims import render, reproduce
-
     if args.render is not None:
         folder = Path(args.render)
         try:
@@ -27,8 +27,6 @@ def cmd_reproduce(args) -> int:
         print(render.render(results).split(render.DETAILS)[0])
         print(f"re-rendered from {folder / 'results.json'}: wrote {', '.join(str(p) for p in paths)}")
         return 0
-    from ..models.loading import presets
-
     if validate.model_name(args.model) not in presets():
         raise CliError(f"model: unknown model {args.model!r}; allowed: the presets ({', '.join(presets())})")
     validate.device_dtype(args.device, "float32")

@@ -27,14 +27,18 @@ import tempfile
 from pathlib import Path
 
 import psutil
+import torch
 
 from ..benchmarks.api import RunConfig, check, consume, first_turn_events, run
+from ..engine import validate
+from ..engine.runner import Engine
 from ..kernels.invariant import describe
 from ..measure.metrics import token_match
 from ..plain import rss
 from ..plain.recording import Recorder, save
 from ..plain.scenarios import scenarios
 from ..plain.units import fmt, fmt_bytes, table
+from ..strategies import parse_specs
 from .common import CliError, add_conversation_options, write_json
 
 
@@ -143,8 +147,6 @@ def print_result(result: dict):
 
 
 def cmd_run(args) -> int:
-    from ..engine.runner import Engine
-
     if args.alone and args.solo:
         raise CliError("give --alone or --solo, not both")
     if getattr(args, "record", None) and (args.alone or args.solo):
@@ -153,8 +155,6 @@ def cmd_run(args) -> int:
     turns, raw = config.turns()
     if args.alone and not args.dry_run:
         # The parent loads no model (its load would be the largest RSS of the tree): each child checks and runs.
-        from ..engine import validate
-
         req = validate.request(args.model, args.device, args.dtype, args.strategies, args.max_new_tokens, turns, raw)
         return run_alone(args, list(req.strategies))
     if args.dry_run:
@@ -187,8 +187,6 @@ def cmd_run(args) -> int:
 
 def recording_meta(args, turns: list[str], raw: bool) -> dict:
     """What a recording made by the CLI says about its run (the engine's start and done events add the rest)."""
-    from ..strategies import parse_specs
-
     scenario = scenarios().get(args.scenario or "", {})
     expect = [len(turns) - 1, scenario["expect"]] if scenario.get("expect") else None
     return {"source": "bench " + ("record" if getattr(args, "command", "") == "record" else "run"),
@@ -203,8 +201,6 @@ def recording_meta(args, turns: list[str], raw: bool) -> dict:
 def touch_weights(model):
     """Read one value of every page of the weights: a cached copy is mapped from its file, and its pages would
     otherwise come in during the run's first forward and count as the run's growth."""
-    import torch
-
     with torch.inference_mode():
         for p in model.parameters():
             flat = p.detach().reshape(-1)

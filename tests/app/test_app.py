@@ -461,14 +461,14 @@ def test_a_conversations_roofline_is_this_machines_best_over_its_rows():
     thread count, the model's own weight bytes, over as many rows as the conversation's lanes."""
     import torch
 
-    from kvdirect_app.app import service
+    from kvdirect_app.app import engine_side, service
     from kvdirect_app.benchmarks import roofline
 
     talk = service.Conversation("tiny-llama", "cpu", "float32", ["full", "window:budget=4", "h2o:budget=4"], 2)
     roof = talk.roofline()
     assert roof["rows"] == 3 and roof["threads"] == talk.engine.threads
     weights = roofline.model_side(talk.engine.loaded)
-    here = service._machine(talk.engine.threads, torch.float32)
+    here = engine_side._machine(talk.engine.threads, torch.float32)
     assert roof == {**roofline.best_ms(weights["weight_bytes"], weights["params"], 3, here["gemm_gflops"]["float32"],
                                        here["bandwidth_gbs"]),
                     "gemm_gflops": here["gemm_gflops"]["float32"], "bandwidth_gbs": here["bandwidth_gbs"],

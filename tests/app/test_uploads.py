@@ -241,8 +241,8 @@ def test_a_hosted_demo_hides_and_refuses_every_upload(monkeypatch, tmp_path):
     monkeypatch.setattr(jsonfile, "read", unread)
     file = tmp_path / "mine.json"
     file.write_text("{}")
-    buttons = RecordingButtons.__new__(RecordingButtons)  # the handler alone: `_seen` and `_refuse` stubbed
-    buttons._seen, buttons._refuse = (lambda *a: None), (lambda session, message: iter([message]))
+    buttons = RecordingButtons(None, seen=lambda *a: None, refuse=lambda session, message: iter([message]),
+                               render=None, run=None)  # the handler alone: what it uses stubbed
     said = list(buttons.replay(Session(), None, "instant", str(file)))
     assert len(said) == 1 and "Opening a recording file is off on this hosted demo" in said[0], said
     opened = next(f.fn for f in page.fns.values() if f.name == "opened")

@@ -1,17 +1,19 @@
 """The Frontier tab's drawing: every ticked strategy at a few budgets on one conversation, run after run, said to
-whoever waits for the slot, cancellable (part of `handlers.Handlers`)."""
+whoever waits for the slot, cancellable (a part `handlers.Handlers` holds)."""
 
 from __future__ import annotations
 
 import logging
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Iterator
 
 import gradio as gr
 
 from ...plain.scenarios import scenarios
 from . import playback, runner, views
+from .components import Studio
 from .line import FRONTIER_JOB, LINE, Job
 from .session import Session
 from .settings import Settings
@@ -21,15 +23,18 @@ FRONTIER_CURRENT = "this conversation"
 FRONTIER_BUDGETS = (16, 64)
 
 
+@dataclass(eq=False)  # compared and hashed by identity: Gradio holds its bound methods as handlers
 class FrontierDrawing:
     """Draw the frontier, and cancel the drawing."""
+
+    studio: Studio  # the page's components (the Frontier tab's)
 
     # --- the frontier ----------------------------------------------------------
     def frontier(self, session: Session, source: str, **controls) -> Iterator[dict]:
         """Every ticked strategy at a few settings on one conversation, run after run; the frontier plot when done
         (or, cancelled, of the runs done).  Whoever waits for the slot meanwhile is told it is the frontier drawing
         and how far it is; its Cancel ends it after the step in progress."""
-        f = self.s.frontier
+        f = self.studio.frontier
         busy = lambda message: {f.status: views.status(message, "busy"), f.draw: gr.Button(interactive=False),
                                 f.cancel: gr.Button(interactive=True)}
         done = lambda message, kind: {f.status: views.status(message, kind), f.draw: gr.Button(interactive=True),

@@ -8,7 +8,6 @@ between steps, so the turn is always closed cleanly, on the thread that opened i
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 import traceback
@@ -26,7 +25,7 @@ from .components import Studio
 from .export import write_exports
 from .frontier_drawing import FRONTIER_CURRENT, FrontierDrawing
 from .line import LINE, Job, Queueing
-from .model_choice import ModelChoice
+from .model_choice import ModelChoice, regenerable
 from .pace import HEARTBEAT_S, PLOTS_EVERY_S, PLOTS_SHARE, UI_EVERY_S
 from .plots import agreement_figure, latency_figure, memory_figure
 from .recording_buttons import RECALL, RecordingButtons
@@ -34,7 +33,7 @@ from .scoreboard import scoreboard_html
 from .session import Session
 from .settings import RunConfig, Settings
 
-__all__ = ["Handlers", "FRONTIER_CURRENT", "RECALL", "session_ttl_s"]
+__all__ = ["Handlers", "FRONTIER_CURRENT", "RECALL", "forget", "session_ttl_s"]
 log = logging.getLogger(__name__)
 LONG_PROMPT_TOKENS = 1000  # a run that reads more prompt tokens than this asks first, with its time and memory
 
@@ -44,30 +43,42 @@ def session_ttl_s() -> int:
     return 15 * 60 if hosted() else 2 * 3600
 
 
-class Handlers(Queueing, ModelChoice, RecordingButtons, FrontierDrawing):
-    """Every button's handler: the turn's own here (send, regenerate, a scenario, stop, clear, drawing the page),
-    each other reason in a part of its own (`line.Queueing`, `model_choice.ModelChoice`,
-    `recording_buttons.RecordingButtons`, `frontier_drawing.FrontierDrawing`)."""
+def forget(session: Session):
+    """A session's state expired or its tab closed: stop its run, drop its engine and caches (the page's state's
+    `delete_callback`)."""
+    if isinstance(session, Session):
+        session.stop_requested = True
+        LINE.leave(session)
+        if not session.busy:
+            session.clear()
+            runner.release_memory()
 
-    def __init__(self, studio: Studio | None, demo: gr.Blocks | None = None):
+
+class Handlers:
+    """Every button's handler: the turn's own here (send, regenerate, a scenario, stop, clear, drawing the page),
+    each other reason in a part it holds, given what that part uses: `queueing` (`line.Queueing`: the place in
+    line), `model_choice` (`model_choice.ModelChoice`: loading a model), `recording_buttons`
+    (`recording_buttons.RecordingButtons`: replaying a recording, running it live) and `frontier_drawing`
+    (`frontier_drawing.FrontierDrawing`).  The parts' handlers are named here too (`self.load_model`, ...), as the
+    page wires them (`layout._wire`) and the tests call them."""
+
+    def __init__(self, studio: Studio, demo: gr.Blocks | None = None):
         self.s, self.demo = studio, demo
         self.visitors: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
-        self.loads = itertools.count(1)  # each model choice's number: only the newest may write the status
+        self.queueing = Queueing(seen=self._seen)
+        self.model_choice = ModelChoice(studio, seen=self._seen)
+        self.recording_buttons = RecordingButtons(studio, seen=self._seen, refuse=self._refuse, render=self.render,
+                                                  run=self._run)
+        self.frontier_drawing = FrontierDrawing(studio)
+        self.enqueue, self.waiting = self.queueing.enqueue, self.queueing.waiting
+        self.load_model = self.model_choice.load_model
+        self.replay, self.run_live = self.recording_buttons.replay, self.recording_buttons.run_live
+        self.frontier, self.cancel_frontier = self.frontier_drawing.frontier, self.frontier_drawing.cancel_frontier
 
     # --- visitors --------------------------------------------------------------
     def _seen(self, session: Session, request: gr.Request | None):
         if request is not None and getattr(request, "session_hash", None):
             self.visitors[request.session_hash] = session
-
-    @staticmethod
-    def forget(session: Session):
-        """A session's state expired or its tab closed: stop its run, drop its engine and caches."""
-        if isinstance(session, Session):
-            session.stop_requested = True
-            LINE.leave(session)
-            if not session.busy:
-                session.clear()
-                runner.release_memory()
 
     def closed(self, request: gr.Request):
         """The tab was closed: free what its session holds now.  Gradio would keep the session's copy of the page
@@ -76,7 +87,7 @@ class Handlers(Queueing, ModelChoice, RecordingButtons, FrontierDrawing):
         key = getattr(request, "session_hash", None) or ""
         session = self.visitors.pop(key, None)
         if session is not None:
-            self.forget(session)
+            forget(session)
         holder = getattr(self.demo, "state_holder", None)
         if holder is not None and key in getattr(holder, "session_data", {}):
             with holder.lock:
@@ -100,7 +111,7 @@ class Handlers(Queueing, ModelChoice, RecordingButtons, FrontierDrawing):
         r = self.s.recordings
         for button in (a.send, a.clear, a.play, a.recall, r.replay, r.live):
             out[button] = gr.Button(interactive=not busy)
-        out[a.regenerate] = gr.Button(interactive=self._regenerable(session, busy))
+        out[a.regenerate] = gr.Button(interactive=regenerable(session, busy))
         out[r.line] = views.recording_line(session)
         out[r.live] = gr.Button(interactive=not busy, visible=bool(session.recording))  # reruns what is on screen
         c = self.s.controls

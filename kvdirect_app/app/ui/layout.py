@@ -1,7 +1,8 @@
-"""The page: components grouped in small dataclasses, wired to the handlers in one place."""
+"""The page: components grouped in small dataclasses, wired to the handlers in one place, and its launch options."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 import gradio as gr
@@ -10,6 +11,7 @@ from ...claims import render, reproduce
 from ...plain.catalog import DTYPE_NAMES
 from ...plain.frontier import frontier_figure
 from ...plain.hosted import hosted
+from ...plain.jsonfile import MAX_BYTES
 from ...plain.limits import limits
 from ...plain.paths import data
 from ...plain.recording import RecordingError
@@ -18,7 +20,7 @@ from .. import service
 from . import playback, runner, views
 from .claims_cards import cards_html
 from .components import Actions, Controls, FrontierTab, Pane, Recordings, Studio, Views
-from .handlers import FRONTIER_CURRENT, RECALL, Handlers, session_ttl_s
+from .handlers import FRONTIER_CURRENT, RECALL, Handlers, forget, session_ttl_s
 from .plots import agreement_figure, latency_figure, memory_figure
 from .scoreboard import scoreboard_html
 from .session import Session
@@ -147,8 +149,6 @@ def first_screen() -> Session:
     try:
         return playback.fold(playback.open_recording(name))
     except RecordingError as e:  # a broken shipped file: the page opens empty and the log says why
-        import logging
-
         logging.getLogger(__name__).error("the first screen's recording %s cannot be played: %s", name, e)
         return Session()
 
@@ -180,11 +180,10 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
     empty = first_screen()
     table = scenarios()
     with gr.Blocks(title="KV-Direct Studio", analytics_enabled=False) as demo:
-        handlers = Handlers(None, demo)
         # Each visitor's state starts as a name only (Gradio copies the initial value per session): the first
         # screen's recording is folded into a visitor's session when a handler first needs it.
         session = gr.State(Session(pending=playback.first_name() if empty.recording else None),
-                           time_to_live=session_ttl_s(), delete_callback=handlers.forget)
+                           time_to_live=session_ttl_s(), delete_callback=forget)
         with gr.Sidebar(label="Settings", open=False, width=360, elem_id="kvd-side"):
             controls = _controls(model, strategies, budget, max_new_tokens)
             scenario = gr.Dropdown([(f"{name} · {s.get('about', '')}", name) for name, s in table.items()],
@@ -201,7 +200,7 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
                     prompt = gr.Textbox(show_label=False, placeholder="Ask something; every pane gets the same turn",
                                         scale=5, min_width=560, lines=1, max_lines=6, autofocus=True,
                                         elem_id="kvd-prompt", max_length=limits().max_prompt_chars)
-                    # The buttons that start a run work once a model is ready (`Handlers._runs_enabled`).
+                    # The buttons that start a run work once a model is ready (`ModelChoice._runs_enabled`).
                     send = gr.Button("Send", variant="primary", scale=0, min_width=100, elem_id="kvd-send",
                                      interactive=False)
                     stop = gr.Button("■ Stop", variant="stop", scale=0, min_width=100, interactive=False,
@@ -269,13 +268,39 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
         studio = Studio(session, controls, actions, shown, panes,
                         FrontierTab(source, draw, cancel, frontier_status, frontier_plot),
                         Recordings(line, picker, speed, upload, replay, live, record))
-        handlers.s = studio
+        handlers = Handlers(studio, demo)
         _wire(demo, studio, handlers)
         # The sidebar opens from the Chat tab too (its own toggle is a small arrow at the page's edge).
         settings.click(None, js="() => document.querySelector('#kvd-side .toggle-button').click()")
         gr.api(runner.compare, api_name="compare")
     demo.kvd_handlers = handlers  # the tests drive the handlers directly too
     return demo
+
+
+def launch_options() -> dict:
+    """Theme, CSS and the upload cap for `demo.launch(...)` (Gradio 6 takes them there, not in `Blocks`).
+
+    `max_file_size`: Gradio's upload route refuses a larger file itself (HTTP 413) while it streams in, before any
+    of our code reads it: the largest file the page opens (`jsonfile.MAX_BYTES`, a recording or a tasks result),
+    and nothing at all on a hosted demo, whose page opens no visitor's file."""
+    # Local fonts only: the demo must render offline (no web fonts).
+    theme = gr.themes.Default(
+        primary_hue="blue", neutral_hue="slate", text_size=gr.themes.sizes.text_lg,
+        font=["system-ui", "-apple-system", "Segoe UI", "Roboto", "sans-serif"],
+        font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"],
+    )
+    # The styles are drawn for a light page (projectors wash out dark ones): drop the dark class if the OS asked for it.
+    # A pane's chat keeps its last reply in view (the first screen's recording has eight turns; a live reply grows),
+    # unless the visitor is reading it with the pointer on it.
+    start = """() => {
+      document.body.classList.remove('dark'); document.documentElement.classList.remove('dark');
+      const stick = () => document.querySelectorAll('.block.kvd-chat').forEach(chat => {
+        if (!chat.matches(':hover')) chat.scrollTop = chat.scrollHeight; });
+      new MutationObserver(stick).observe(document.body, {childList: true, subtree: true, characterData: true});
+    }"""
+    return {"theme": theme, "css_paths": [ASSETS / name for name in ("studio.css", "claims.css")
+                                                        if (ASSETS / name).is_file()], "js": start,
+            "max_file_size": 0 if hosted() else MAX_BYTES}
 
 
 def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):

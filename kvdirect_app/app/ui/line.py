@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import gradio as gr
 
@@ -119,12 +120,15 @@ class Line:
 LINE = Line()
 
 
+@dataclass(eq=False)  # compared and hashed by identity: Gradio holds its bound methods as handlers
 class Queueing:
-    """The handlers that say where a run stands in line (part of `handlers.Handlers`)."""
+    """The handlers that say where a run stands in line (a part `handlers.Handlers` holds)."""
+
+    seen: Callable[[Session, gr.Request | None], None]  # notes a visitor's session (`Handlers._seen`)
 
     def enqueue(self, session: Session, request: gr.Request = None) -> str:
         """Said the moment a run is asked for: where it stands in line (`waiting` keeps it up to date)."""
-        self._seen(session, request)
+        self.seen(session, request)
         if session.busy:
             return views.status("A turn is still running: wait for it or press Stop.", "error")
         LINE.join(session)

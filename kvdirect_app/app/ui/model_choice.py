@@ -1,18 +1,21 @@
 """The model choice: loading a model from the page, saying where it came from, and which run buttons can act
-(part of `handlers.Handlers`)."""
+(a part `handlers.Handlers` holds)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import time
 import traceback
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import gradio as gr
 
 from .. import service
 from . import playback, runner, views
+from .components import Studio
 from .geometry_panel import geometry_html, memory_banner, memory_words
 from .session import Session
 from .settings import model_note
@@ -20,13 +23,18 @@ from .settings import model_note
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)  # compared and hashed by identity: Gradio holds its bound methods as handlers
 class ModelChoice:
     """Loading the chosen model (`load_model`) and the buttons a ready model enables."""
 
+    studio: Studio  # the page's components (the status, the controls, the panes, the run buttons)
+    seen: Callable[[Session, gr.Request | None], None]  # notes a visitor's session (`Handlers._seen`)
+    loads: Iterator[int] = field(default_factory=lambda: itertools.count(1))  # each choice's number: the newest speaks
+
     # --- the model -------------------------------------------------------------
     def load_model(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
-        c, v = self.s.controls, self.s.views
-        self._seen(session, request)
+        c, v = self.studio.controls, self.studio.views
+        self.seen(session, request)
         session.asked = None
         number = session.load_number = next(self.loads)
         if session.busy:
@@ -98,16 +106,16 @@ class ModelChoice:
         session.memory_words = (name, memory_words(name, facts))
         playback.unfold(session)  # the first screen's recording, whose panes say it too
         return {pane.head: views.pane_header(session, label)
-                for pane, label in zip(self.s.panes, session.shown)}
+                for pane, label in zip(self.studio.panes, session.shown)}
 
     def _runs_enabled(self, session: Session) -> dict:
         """The buttons that start a run, shown disabled until a model is ready (a click before it would only wait)."""
-        a, r = self.s.actions, self.s.recordings
+        a, r = self.studio.actions, self.studio.recordings
         return {**{b: gr.Button(interactive=not session.busy) for b in (a.send, a.recall, a.play, r.live)},
-                a.regenerate: gr.Button(interactive=self._regenerable(session, session.busy))}
+                a.regenerate: gr.Button(interactive=regenerable(session, session.busy))}
 
-    @staticmethod
-    def _regenerable(session: Session, busy: bool) -> bool:
-        """Regenerate can act: a live conversation to replay, nothing running (before a turn it would only say
-        "nothing to regenerate yet"; on a recording, that it is one)."""
-        return not busy and bool(session.user_turns) and not session.recording
+
+def regenerable(session: Session, busy: bool) -> bool:
+    """Regenerate can act: a live conversation to replay, nothing running (before a turn it would only say
+    "nothing to regenerate yet"; on a recording, that it is one)."""
+    return not busy and bool(session.user_turns) and not session.recording

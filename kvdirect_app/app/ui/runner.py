@@ -19,6 +19,8 @@ import threading
 import traceback
 from typing import Callable, Iterator
 
+import gradio as gr
+
 from ...plain import rss
 from ...plain.errors import OutOfMemory, UserError
 from ...plain.frontier import frontier_figure, points_from_rows
@@ -28,6 +30,8 @@ from ...plain.recording import Recorder, attention_layer, map_layer
 from ...plain.specs import external
 from ...plain.units import fmt_bytes
 from .. import service
+from . import views
+from .plots import attention_figure
 from .settings import KERNELS, REFERENCE, RunConfig, Settings, default_model, expand
 
 USER_ERRORS = (UserError,)
@@ -38,7 +42,7 @@ log = logging.getLogger(__name__)
 def gpu(fn):
     """`spaces.GPU` where the `spaces` package is importable (it does nothing off ZeroGPU), else `fn`."""
     try:
-        import spaces
+        import spaces  # lazy: an optional dependency (installed on Hugging Face Spaces only)
     except ImportError:
         return fn
     return spaces.GPU(duration=180)(fn)
@@ -359,8 +363,6 @@ def compare(prompt: str, model: str = "", strategies: str = "full,kvdirect:mode=
     "native"; the JSON's `kernels` says which ran and why.  Every input goes through `validate` and the memory guard; a bad
     one is answered with its one-line message (never a traceback).
     """
-    import gradio as gr
-
     try:
         if not isinstance(strategies, str):
             raise UserError("strategies: expected text like 'full,kvdirect:budget=64'")
@@ -383,8 +385,6 @@ def compare(prompt: str, model: str = "", strategies: str = "full,kvdirect:mode=
 def map_pair_html(session, label: str | None, layer: int, other: str | None = None) -> str:
     """The token map of `label` at `layer` (beside `other`'s, if given), the scenario's answer outlined; from the
     session's engine, or from its recorded maps."""
-    from . import views
-
     if label is None:
         return views.token_map_html(None, "", 0)
     words = session.expect[1] if session.expect else None
@@ -418,9 +418,6 @@ def attention_data(session, label: str) -> callable:
 
 def attention_plot(session, label: str | None, layer: int):
     """The attention figure of the token map's strategy at `layer`, against the full cache."""
-    from .plots import attention_figure
-    from .views import marked_tokens
-
     if label is None:
         return attention_figure(session, None, 0, None, None)
     try:
@@ -429,7 +426,7 @@ def attention_plot(session, label: str | None, layer: int):
     except (IndexError, KeyError, StopIteration):
         full = other = None
     words = session.expect[1] if session.expect else None
-    marks = tuple(marked_tokens(d["tokens"], words) if d else set() for d in (full, other))
+    marks = tuple(views.marked_tokens(d["tokens"], words) if d else set() for d in (full, other))
     note = None
     if full is None and session.recorded is not None and session.token_maps is not None:
         note = "This recording holds no attention snapshot (it was made before they were recorded): ▶ Run it live"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ...plain.recording import label as recording_label
 from .settings import REFERENCE, RunConfig
 
 
@@ -149,9 +150,7 @@ class Session:
     @property
     def recorded_label(self) -> str:
         """'recorded on <device>, <date>' while a recording is on screen, else ''."""
-        from ...plain.recording import label
-
-        return label(self.recording) if self.recording else ""
+        return recording_label(self.recording) if self.recording else ""
 
     @property
     def reference(self) -> LaneView | None:

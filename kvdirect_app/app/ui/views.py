@@ -7,6 +7,7 @@ import re
 
 from ...plain.palette import colours
 from ...plain.paths import data
+from ...plain.recording import describe
 from ...plain.specs import name_of
 from ...plain.units import fmt_bytes  # one byte format for the CLI tables and the page
 from .session import LaneView, Session, TurnReply
@@ -352,8 +353,6 @@ def recording_line(session: Session) -> str:
         what = "▶ Replay it plays the recorded run picked under ⚙ Settings ▸ Recorded runs."
         return (f'<div class="kvd-recording" title="{what}"><b>Live on this machine.</b> <span class="kvd-note">'
                 f'{what}</span></div>') if session.shown else ""
-    from ...plain.recording import describe
-
     what = meta.get("scenario") or "a recorded conversation"
     says = {"recall": "a locker code told in turn 1, asked for seven turns later: the exact panes still say it, "
                       "the eviction baselines have dropped it"}.get(meta.get("scenario") or "", meta.get("about", ""))
