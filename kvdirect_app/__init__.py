@@ -44,7 +44,7 @@ def __getattr__(name: str):
     """`from kvdirect_app import strategy_cache` imports torch only when asked for it (the recording player and
     the package's settings above need no torch)."""
     if name == "strategy_cache":
-        from .engine.integration import strategy_cache
+        from .engine.integration import strategy_cache  # lazy: the package's settings and the page need no torch
 
         return strategy_cache
     raise AttributeError(f"module 'kvdirect_app' has no attribute {name!r}")

@@ -24,10 +24,11 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 # in a subprocess, is validated against its JSON Schema (docs/schema/) before it is written (kvdirect_app/plain/schema.py).
 os.environ["KVDIRECT_VALIDATE_JSON"] = "1"
 
-# The invariance probe's kept verdicts (kernels/probes.py) go to a folder of this run's own, empty at its start, so
-# that no test reads a file an earlier run on this machine left behind (a clean clone's cache holds none), and the
-# suite never writes into the user's cache.  The built libraries and the models' kept copies stay where `make
-# install` put them: they are the install's, and a missing one is made again, the same.  A folder set by hand wins.
+# The invariance probe's kept verdicts (models/probe_verdicts.py) go to a folder of this run's own, empty at its
+# start, so that no test reads a file an earlier run on this machine left behind (a clean clone's cache holds none),
+# and the suite never writes into the user's cache.  The built libraries and the models' kept copies stay where
+# `make install` put them: they are the install's, and a missing one is made again, the same.  A folder set by hand
+# wins.
 # Under xdist the controller makes it and its workers inherit both variables: the folder is still the run's own.
 PROBE_FOLDER = os.environ.get("KVDIRECT_SUITE_PROBES")  # the folder this run made (None where one was set by hand)
 if not os.environ.get("KVDIRECT_PROBE_CACHE"):

@@ -155,7 +155,7 @@ class Recomputer:
 
 def _time(fn, device: torch.device, repeats: int) -> float:
     """Median seconds per call of `fn` over `repeats` samples, after one warm-up call."""
-    from ..measure.metrics import clock
+    from ..measure.timing import clock
 
     t0 = clock(device)
     fn()

@@ -33,7 +33,7 @@ from ..benchmarks.api import RunConfig, check, consume, first_turn_events, run
 from ..engine import validate
 from ..engine.runner import Engine
 from ..kernels.invariant import describe
-from ..measure.metrics import token_match
+from ..measure.agreement import token_match
 from ..plain import rss
 from ..plain.recording import Recorder, save
 from ..plain.scenarios import scenarios

@@ -1,6 +1,7 @@
 """The engine: every chosen strategy in lockstep on one conversation (`runner`), with its lanes, forwards, hooks,
-turns and token maps, the run's report, the preflight checks (`guard`, `validate`) and the integration with
-transformers' `generate` (`integration`, the public `kvdirect_app.strategy_cache`).
+the state between turns (`between_turns`), teacher-forced twins (`teacher_forcing`), token maps (`token_maps`), the
+run's report (`summary`), the preflight checks (`guard`, `validate`) and the integration with transformers'
+`generate` (`integration`, the public `kvdirect_app.strategy_cache`, with `cache_hooks` and `verifier`).
 
 `Engine` and `run_to_end` are re-exported here: ``from kvdirect_app.engine import Engine`` is the documented way
 in."""

@@ -13,7 +13,7 @@ lane's cache work (``cache_update``, and inside it ``recompute``,
 (``other``: begin and end of its step, its masks), and ``shared``: the
 pass's own region (projections, MLP, norms, embedding and head of all N
 rows), charged by rows: 1/N to each (a lane's forward or a twin's).  Every
-latency row has the same ops (`metrics.OPS`, zero where an op did not run).
+latency row has the same ops (`timing.OPS`, zero where an op did not run).
 
 Teacher-forced twins are the measurement's own device, not a lane: their rows
 ride in the lanes' pass (one read of the weights for all), and everything
@@ -35,8 +35,8 @@ from ..kernels.invariant import Kernels
 from ..kernels.replay import check_rows_kernels
 from ..measure.instruments import Instruments
 from ..measure.memory import AllocationTracer
-from ..measure.metrics import OPS
 from ..measure.observe import SHARED, Observer, instrument
+from ..measure.timing import OPS
 from ..models.geometry import ModelGeometry
 from ..models.threads import pin
 from ..plain import rss

@@ -9,7 +9,7 @@ import torch
 
 from ..models import compat
 from ..strategies import StrategyCache
-from ..strategies.scored import fit_mask
+from ..strategies.scored_attention import fit_mask
 
 _MODEL_LOCKS: dict[int, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()

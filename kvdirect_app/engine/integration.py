@@ -72,149 +72,37 @@ One strategy cache per model at a time: the hooks and the model's lock are
 per model, so a second `strategy_cache` on the same model (or an engine turn
 running on it) is refused with an error saying so; caches on different
 models work independently.
+
+Here: `strategy_cache` itself and the cache's side (`GenerateCache`, mixed
+into the strategy's cache class for the block: the guards on the Cache API
+and the report).  The model's side, the hooks and wrappers the block puts on
+the model and what they count, is `cache_hooks.py` (`CacheHooks`, `Ledger`);
+`verify=True`'s check is `verifier.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
-import time
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
 from ..kernels.replay import check_rows_kernels
 from ..measure import ledger, meters
-from ..measure.memory import harness
-from ..measure.metrics import OPS
-from ..measure.observe import Observer, Owner, watch
-from ..models import compat
+from ..measure.observe import Observer, watch
+from ..measure.timing import OPS
 from ..models.geometry import ModelGeometry
 from ..plain.errors import UserError
 from ..strategies import StrategyCache, parse_spec
-from ..strategies.base import Forward
-from .hooks import InputTap, model_lock
+from .cache_hooks import CACHE, CacheHooks, Ledger, UnsupportedCall
+from .hooks import model_lock
+from .verifier import Verifier
 
-CACHE = Owner("strategy_cache", "lane")  # the cache's work, in its observer's regions
+__all__ = ["CacheInUse", "UnsupportedCall", "Verifier", "strategy_cache"]
 
 
 class CacheInUse(UserError):
     """A second strategy cache (or an engine turn) on a model that already has one installed."""
-
-
-class UnsupportedCall(UserError):
-    """A way into a strategy cache that it cannot serve exactly; the message says what to do instead."""
-
-
-@dataclass
-class Ledger:
-    """What the context manager counts of one cache, forward by forward."""
-
-    forwards: list[Forward] = field(default_factory=list)
-    held: list[int | None] = field(default_factory=list)  # bytes the allocator holds for the cache after each forward
-    peak: list[int | None] = field(default_factory=list)  # ... the highest during each forward
-    declared: list[int] = field(default_factory=list)  # bytes of the tensors the cache lists after each forward
-    formula: list[int] = field(default_factory=list)  # the same from the config alone
-    forward_s: list[float] = field(default_factory=list)  # wall time of each forward (the model's whole pass)
-    turns: int = 0
-    tokens: int = 0  # tokens the cache's forwards have fed so far
-    decoding: bool = False  # the last forward (or `generate` prompt) was a one-token step
-    starts_turn: bool = False  # the forward in progress is a turn's prompt (its first piece, when in pieces)
-    prompt: bool = False  # the forward in progress is a turn's prompt or a piece of it
-    more_prompt: bool = False  # more pieces of this prompt follow the forward in progress
-    prompt_total: int = 0  # tokens of the prompt `generate`'s prefill feeds, while it runs (else 0)
-    prompt_left: int = 0  # of those, the tokens not yet fed
-    q: int = 0  # tokens of the forward in progress
-    step: set[int] | None = None  # layers updated by the forward in progress; None: none of this cache's runs
-    broken: bool = False  # a forward raised part-way: the layers are out of step
-    started: float = 0.0
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as integers of its width (so -0.0 differs from 0.0 and a NaN equals its own bits)."""
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def _rows_differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """(T,) True where token row t of a and b (1, H, T, d) differs in any bit."""
-    return (_bits(a) != _bits(b)).any(dim=-1).any(dim=1)[0]
-
-
-class Verifier:
-    """Checks what a cache hands attention against what a full cache would hand it in the same run.
-
-    A shadow `DynamicCache` (the model's own layer types: sliding layers keep their window) is fed the new
-    K/V the model computes at each layer, the same tensors the strategy gets; what it hands attention is the
-    full cache's K/V of this run, old tokens included.  Each layer's handed K/V are compared with it bit for
-    bit, token row by token row.  Equal at every layer of every forward means attention read exactly what it
-    would have read with the full cache, so the run is the full cache's run.
-
-    A layer that hands attention fewer rows than the full cache (an eviction strategy once it has evicted)
-    cannot be lined up row by row: its rows are counted as missing, none of them as checked (they are the
-    stored K/V of the tokens it kept: nothing there was rebuilt).  Costs a full cache's K/V (dropped when the
-    block ends) and one compare per layer and forward, on its own timer.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        self.shadow = compat.DynamicCache(config=model.config)
-        self.checked = self.rebuilt = self.mismatched = self.missing = 0
-        self.first_mismatch: dict | None = None
-        self.seconds = 0.0
-
-    def expect(self, key_states: torch.Tensor, value_states: torch.Tensor, layer: int):
-        """The full cache's K/V for this layer after this forward's new `key_states`/`value_states`."""
-        t0 = time.perf_counter()
-        with harness():
-            out = self.shadow.update(key_states, value_states, layer)
-        self.seconds += time.perf_counter() - t0
-        return out
-
-    def check(self, forward: int, layer: int, keys: torch.Tensor, values: torch.Tensor, expected, rebuilt: int,
-              end: int):
-        """`keys`/`values` (1, H, T, d) handed to attention at `layer` in forward `forward`, whose first `rebuilt`
-        rows were rebuilt or replayed; `end`: tokens seen after this forward (row T-1 is token end-1)."""
-        t0 = time.perf_counter()
-        rk, rv = expected
-        with harness():
-            if keys.shape != rk.shape or values.shape != rv.shape:
-                heads_dims = keys.shape[:-2] == rk.shape[:-2] and keys.shape[-1] == rk.shape[-1]
-                if heads_dims and values.shape[-2] == keys.shape[-2] < rk.shape[-2]:  # fewer rows: evicted
-                    self.missing += rk.shape[-2] - keys.shape[-2]
-                else:
-                    self.mismatched += rk.shape[-2]
-                    self._first(forward, layer, None, False, f"shape {tuple(keys.shape)} != {tuple(rk.shape)}")
-            else:
-                rows = rk.shape[-2]
-                self.checked += rows
-                self.rebuilt += rebuilt
-                if not (torch.equal(_bits(keys), _bits(rk)) and torch.equal(_bits(values), _bits(rv))):
-                    bad = _rows_differing(keys, rk) | _rows_differing(values, rv)
-                    self.mismatched += int(bad.sum())
-                    row = int(bad.nonzero()[0, 0])
-                    dk = float((keys[..., row, :].float() - rk[..., row, :].float()).abs().max())
-                    dv = float((values[..., row, :].float() - rv[..., row, :].float()).abs().max())
-                    self._first(forward, layer, end - rows + row, row < rebuilt, f"max |dK| {dk:g}, max |dV| {dv:g}")
-        self.seconds += time.perf_counter() - t0
-
-    def _first(self, forward: int, layer: int, token: int | None, rebuilt: bool, what: str):
-        if self.first_mismatch is None:
-            self.first_mismatch = {"forward": forward, "layer": layer, "token": token, "rebuilt": rebuilt,
-                                   "what": what}
-
-    def close(self):
-        """Drop the shadow (a full cache's K/V); the counts stay for `report`."""
-        self.shadow = None
-
-    def report(self) -> dict:
-        return {
-            "checked_token_layers": self.checked,
-            "rebuilt_token_layers": self.rebuilt,
-            "mismatched_token_layers": self.mismatched,
-            "missing_token_layers": self.missing,
-            "exact": self.checked > 0 and self.mismatched == 0 and self.missing == 0,
-            "first_mismatch": self.first_mismatch,
-        }
 
 
 class GenerateCache:
@@ -298,7 +186,7 @@ class GenerateCache:
         does not count makes it False); `formula_between_turns`: what it keeps once the turn ends.
         `rebuilt_token_layers`: K/V rebuilt (KV-Direct) or replayed (AnchorKV), in token x layer;
         `evicted_token_layers`: tokens a layer no longer holds in any form (the lossy strategies); `ms`: the
-        cache's time per op (`metrics.OPS`: its update, rebuild, replay, scoring, setup), and the forwards' wall
+        cache's time per op (`timing.OPS`: its update, rebuild, replay, scoring, setup), and the forwards' wall
         time, in milliseconds.  `claims_exact`: whether the strategy promises the full cache's bits (its class's
         promise, not a check); `verified`: what `verify=True` checked (`Verifier.report`), None when nothing was
         checked.
@@ -355,57 +243,6 @@ def _reporting(cache: StrategyCache) -> StrategyCache:
     return cache
 
 
-def _carries(cache, args, kwargs) -> bool:
-    """Whether a forward was handed `cache`, under any name or position."""
-    return any(v is cache for v in kwargs.values()) or any(a is cache for a in args)
-
-
-def _check_call(call: dict, seen: int) -> int:
-    """The token count of a forward of the cache (`call`: its arguments by name), or `UnsupportedCall` naming
-    what to change; `seen`: tokens the cache has seen."""
-    ids = call.get("input_ids")
-    if not isinstance(ids, torch.Tensor):
-        raise UnsupportedCall("strategy_cache: pass input_ids (1, T) to a forward of the cache (not inputs_embeds: "
-                              "the anchors and replays start from token ids)")
-    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
-        raise UnsupportedCall("strategy_cache: generate with input_ids of batch size 1 (one conversation) and at "
-                              f"least one token; got {tuple(ids.shape)}")
-    q = ids.shape[1]
-    if call.get("use_cache") is False:
-        raise UnsupportedCall("strategy_cache: use_cache=False re-feeds the whole sequence at every step; leave "
-                              "use_cache on (the default) to generate with a strategy cache")
-    positions = call.get("position_ids")
-    if positions is not None:
-        want = torch.arange(seen, seen + q, device=positions.device).view(1, q)
-        if tuple(positions.shape) != (1, q) or not bool((positions == want).all()):
-            raise UnsupportedCall(f"strategy_cache: position_ids must be the next positions {seen}..{seen + q - 1} "
-                                  "(the cache has seen "
-                                  f"{seen} tokens); leave them out, or feed only the tokens the cache has not seen")
-    _check_mask(call.get("attention_mask"))
-    return q
-
-
-def _check_mask(mask):
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.all())):
-        raise UnsupportedCall("strategy_cache: attention_mask must be all ones (one unpadded conversation, 2-D) or "
-                              "left out")
-
-
-def _prompt_tokens(input_ids, generation_config, model_kwargs: dict, past: int) -> int:
-    """Tokens `generate`'s prefill (transformers 5.24's `GenerationMixin._prefill`) feeds, in one forward or in pieces
-    of `prefill_chunk_size`: the tokens of `input_ids` after the `past` ones the cache has seen when the attention
-    mask covers exactly `input_ids` (the whole conversation passed), else all of `input_ids` (only the new tokens
-    passed, the mask covering the conversation).  0 when it feeds embeddings (the forward's check refuses them)."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or model_kwargs.get("inputs_embeds") is not None:
-        return 0
-    mask = model_kwargs.get("attention_mask")
-    mask_length = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", -1)
-    return input_ids.shape[1] - past if mask_length == input_ids.shape[1] else input_ids.shape[1]
-
-
-_MISSING = object()
-
-
 @contextlib.contextmanager
 def strategy_cache(model: torch.nn.Module, spec: str, verify: bool = False) -> Iterator[StrategyCache]:
     """A KV-cache strategy for `model.generate(..., cache=cache)` and `model(input_ids, cache=cache)`.
@@ -436,7 +273,7 @@ def strategy_cache(model: torch.nn.Module, spec: str, verify: bool = False) -> I
         raise CacheInUse(f"strategy_cache({spec!r}): this model already has a strategy cache (or an engine turn) "
                          "on it; leave that `with` block first (the input hooks are per model), or load a second "
                          "copy of the model")
-    handles, tap, verifier, wrapped, observer = [], None, None, {}, None
+    hooks, verifier, observer = None, None, None
     try:
         device = next(model.parameters()).device
         check_rows_kernels(model)  # the row kernels a rebuild uses, picked (and checked) now
@@ -451,134 +288,15 @@ def strategy_cache(model: torch.nn.Module, spec: str, verify: bool = False) -> I
             cache = _reporting(watch(strategy.build_cache(model)))
         cache.model = model
         cache.observer, cache.instrument = observer, instrument
-        cache.ledger = led = Ledger()
-        cache.geometry = geom = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
+        cache.ledger = Ledger()
+        cache.geometry = geometry = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
         cache.verifier = verifier = Verifier(model) if verify else None
-        tap = InputTap(model, device)
-        signature = inspect.signature(model.forward)
-        var_kw = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-
-        def named(args, kwargs) -> dict:
-            call = dict(signature.bind_partial(*args, **kwargs).arguments)
-            return {**call, **call.pop(var_kw, {})} if var_kw else call
-
-        def before(module, args, kwargs):
-            if not _carries(cache, args, kwargs):
-                return  # another cache's forward (or none): not ours to count
-            if led.broken or led.step is not None:
-                raise UnsupportedCall("strategy_cache: an earlier forward (or generate's prompt fed in pieces) on this "
-                                      "cache did not finish (it raised part-way, or this one runs inside it), so its "
-                                      "layers are out of step; open a new strategy_cache for this conversation")
-            try:
-                call = named(args, kwargs)
-            except TypeError:
-                return  # arguments the forward itself refuses: it raises before any layer runs
-            q = _check_call(call, led.tokens)
-            ids = call["input_ids"]
-            if led.prompt_total:  # a piece of the prompt `generate`'s prefill feeds (the whole of it, unchunked)
-                if q > led.prompt_left:
-                    raise UnsupportedCall(f"strategy_cache: generate's prefill fed a forward of {q} tokens where its "
-                                          f"prompt had {led.prompt_left} of {led.prompt_total} left; pass "
-                                          "prefill_chunk_size=None")
-                first = led.prompt_left == led.prompt_total
-                # Each generate call's prompt of several new tokens is a turn's, however many pieces feed it.
-                starts = first and (not led.forwards or led.prompt_total > 1)
-                prompt, more = starts or not first, q < led.prompt_left
-            else:  # a direct forward: a prompt after decode steps starts a new turn
-                starts = not led.forwards or (q > 1 and led.decoding)
-                prompt, more = starts, False
-            if starts and led.forwards:
-                cache.end_turn()
-            led.starts_turn, led.prompt, led.more_prompt = starts, prompt, more
-            led.turns += starts
-            led.q, led.step = q, set()
-            led.started = time.perf_counter()
-            tap.target(cache, region=lambda: observer.region(CACHE, "cache_update"))
-            observer.reset_peaks([CACHE])
-            with observer.region(CACHE, "other"):
-                cache.begin_step(ids[0].tolist(), more)
-
-        def after(module, args, kwargs, output):
-            if led.step is None or not _carries(cache, args, kwargs):
-                return
-            tap.clear()
-            if output is None:  # the forward raised (this hook is always called): some layers moved, some not
-                led.broken, led.step = True, None
-                return
-            missed = sorted(set(range(len(cache.layers))) - led.step)
-            led.step = None
-            if missed:
-                led.broken = True
-                raise UnsupportedCall(f"strategy_cache: a forward left layers {missed} of the cache out (a model "
-                                      "that skips layers); run every decoder layer, and open a new strategy_cache")
-            q = led.q
-            with observer.region(CACHE, "other"):
-                cache.end_step()
-            led.tokens += q
-            led.forward_s.append(time.perf_counter() - led.started)
-            led.forwards.append(Forward(q, prompt=led.prompt, open=led.more_prompt))
-            if led.prompt_total:
-                led.prompt_left -= q
-                led.decoding = led.prompt_total == 1  # as the unchunked prompt would leave it
-            else:
-                led.decoding = q == 1
-            seen = cache.get_seq_length()
-            led.held.append(observer.held(CACHE))
-            led.peak.append(observer.peak(CACHE))
-            led.declared.append(observer.declared(cache))
-            led.formula.append(strategy.formula_persistent(geom, seen, led.forwards))
-
-        prefill_of_model = getattr(model, "_prefill", None)
-        batch_of_model = getattr(model, "generate_batch", None)
-
-        def prefill(input_ids, generation_config, model_kwargs, *args, **kwargs):
-            """`generate`'s prefill: tells `before` how many prompt tokens it feeds (in pieces, with
-            `prefill_chunk_size`), and checks after it that they were all fed."""
-            if not _carries(cache, (), model_kwargs) or led.step is not None or led.prompt_total:
-                return prefill_of_model(input_ids, generation_config, model_kwargs, *args, **kwargs)
-            _check_mask(model_kwargs.get("attention_mask"))  # the whole prompt's, before a piece changes the cache
-            total = max(0, _prompt_tokens(input_ids, generation_config, model_kwargs, cache.get_seq_length()))
-            led.prompt_total = led.prompt_left = total
-            try:
-                out = prefill_of_model(input_ids, generation_config, model_kwargs, *args, **kwargs)
-            except BaseException:
-                # Refused or raised after some pieces: they wait for a last one that will not come.
-                led.broken |= led.prompt_left < led.prompt_total
-                led.prompt_total = led.prompt_left = 0
-                raise
-            left, led.prompt_total, led.prompt_left = led.prompt_left, 0, 0
-            if left:  # its last piece never came: the layers wait for it
-                led.broken = True
-                raise UnsupportedCall(f"strategy_cache: generate's prefill fed {total - left} of its prompt's {total} "
-                                      "tokens, so the cache's layers are out of step; pass prefill_chunk_size=None "
-                                      "and open a new strategy_cache")
-            return out
-
-        def generate_batch(*args, **kwargs):
-            if _carries(cache, args, kwargs):
-                raise UnsupportedCall("strategy_cache: cache_implementation='paged' (continuous batching) runs a "
-                                      "paged cache of its own and ignores this one; leave cache_implementation unset "
-                                      "to generate with a strategy cache")
-            return batch_of_model(*args, **kwargs)
-
-        for name, wrapper, original in (("_prefill", prefill, prefill_of_model),
-                                        ("generate_batch", generate_batch, batch_of_model)):
-            if original is not None:
-                wrapped[name] = model.__dict__.get(name, _MISSING)
-                object.__setattr__(model, name, wrapper)
-        handles.append(model.register_forward_pre_hook(before, with_kwargs=True))
-        handles.append(model.register_forward_hook(after, with_kwargs=True, always_call=True))
+        hooks = CacheHooks(model, cache, strategy, observer, geometry, device)
+        hooks.install()
         yield cache
     finally:
-        for name, previous in wrapped.items():
-            if previous is _MISSING:
-                object.__delattr__(model, name)
-            else:
-                object.__setattr__(model, name, previous)
-        for h in handles:
-            h.remove()
-        if tap is not None:
-            tap.close()
+        if hooks is not None:
+            hooks.remove()
         if verifier is not None:
             verifier.close()
         if observer is not None:

@@ -36,8 +36,8 @@ from typing import Callable
 import torch
 
 from ..measure.memory import cuda_block_range
-from ..measure.metrics import StepTimes
 from ..measure.observe import Owner
+from ..measure.timing import StepTimes
 from ..strategies import Strategy, StrategyCache
 
 MISMATCHES_KEPT = 20

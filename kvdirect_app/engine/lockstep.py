@@ -54,7 +54,7 @@ from ..kernels.replay import linear_rows
 from ..measure.observe import ENGINE, SHARED, Observer, Owner, instrument
 from ..models import compat
 from ..strategies import StrategyCache
-from ..strategies.scored import attention_probs, fit_mask
+from ..strategies.scored_attention import attention_probs, fit_mask
 
 LANES_IMPLEMENTATION = "kvdirect_lanes"
 _LOCAL = threading.local()  # .batch: the Batch in progress on this thread

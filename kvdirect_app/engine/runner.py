@@ -1,7 +1,7 @@
 """Run several KV-cache strategies in lockstep on one conversation.
 
 The full cache is always the reference.  In every step the reference, each
-strategy and each teacher-forced twin (`teacher.py`) are fed their tokens;
+strategy and each teacher-forced twin (`teacher_forcing.py`) are fed their tokens;
 by default they go through the model together, one layer at a time, each
 with its own cache, bit for bit as if run one after another (`forwards.py`,
 `lockstep.py`), and the reference's cache is updated first at every layer,
@@ -18,10 +18,10 @@ is fed in pieces, with a progress event per piece.  Sessions can be parked
 between turns and resumed.
 
 The engine yields plain dict events and never imports gradio.  It is built of parts, one reason each: the turn and
-its steps (here), the state between turns (`between.py`: park, resume, a saved context, the thread count's kernels),
-the lanes' token maps and attention snapshots (`lanemaps.py`), a step's figures and the run's summary (`summary.py`'s
-`Report`).  The parts are plain functions and one object, each given what it reads; the engine keeps the state they
-change and its public methods hand them over.
+its steps (here), the state between turns (`between_turns.py`: park, resume, a saved context, the thread count's
+kernels), the lanes' token maps and attention snapshots (`token_maps.py`), a step's figures and the run's summary
+(`summary.py`'s `Report`).  The parts are plain functions and one object, each given what it reads; the engine
+keeps the state they change and its public methods hand them over.
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ from ..models.threads import one_thread, pin, probe_determinism
 from ..plain.text import ReplyText
 from ..strategies import Strategy
 from ..strategies.full import Full
-from . import between, lanemaps
-from .between import CONTEXT
+from . import between_turns, token_maps
+from .between_turns import CONTEXT
 from .forwards import Forwards, Item
 from .hooks import InputTap, model_lock
 from .lanes import ByteBook, Lane, TurnBytes, made_again
 from .lockstep import batch_linears
 from .summary import Report, memory_instrument, step_summary
-from .teacher import agree, observe
+from .teacher_forcing import agree, observe
 
 __all__ = ["Engine", "InputError", "InputTap", "Prompter", "model_lock", "run_to_end", "MEMORY_MODES",
            "memory_instrument", "step_summary"]
@@ -302,7 +302,7 @@ class Engine:
               save_context: bool = False, from_context: bool = False) -> Iterator[dict]:
         ref, lanes = self.reference, self.lanes
         if from_context:
-            between.from_context(self.all_lanes, self.saved_context, self._work)
+            between_turns.from_context(self.all_lanes, self.saved_context, self._work)
             if self.instruments.compare and not self.solo:
                 self._compare()
         tail = self.prompter.encode(answer_prefix, False) if answer_prefix else []
@@ -326,7 +326,7 @@ class Engine:
                 items.append(Item(lane, ref_chunk, twin=True))
         yield from self._prefill(k, items, tap)
         if save_context:
-            self.saved_context = between.save_context(self.all_lanes, self.observer)
+            self.saved_context = between_turns.save_context(self.all_lanes, self.observer)
         if after:
             for lane in self.all_lanes:
                 lane.keeping = True
@@ -389,14 +389,14 @@ class Engine:
             if lane.strategy.kv_comparable:
                 self.observer.compare_with(lane.owner, self.reference.cache)
 
-    # --- between turns (`between.py`) ------------------------------------------
+    # --- between turns (`between_turns.py`) ------------------------------------
     def park(self) -> dict:
         """Between turns: every cache keeps only its persistent state (full KV, inputs, anchors or token ids).
 
         The next `turn()` resumes each cache first (timed), rebuilding K/V exactly where the strategy
         rebuilds on resume.  Returns a "park" event with the parked bytes per strategy, measured and by formula.
         """
-        event = between.park(self.all_lanes, self._work, self.geometry, self._held)
+        event = between_turns.park(self.all_lanes, self._work, self.geometry, self._held)
         self.parked = True
         return event
 
@@ -414,11 +414,11 @@ class Engine:
         """Between turns: the forwards, rebuilds and replays that follow run at `threads`.  With invariant kernels
         the probe must pass at that count too (it runs now if it has not); a count where it fails is refused,
         not switched to other kernels."""
-        probed = between.kernels_at(self.loaded, self.kernels, threads, self.all_lanes)
+        probed = between_turns.kernels_at(self.loaded, self.kernels, threads, self.all_lanes)
         # The verdicts proven at `threads` from now on, everywhere the old ones were: the forwards, every cache
         # (its rebuilds and replays), the saved context's copies.
         self.kernels = self.forwards.kernels = probed
-        between.use_kernels(probed, self.all_lanes, self.saved_context)
+        between_turns.use_kernels(probed, self.all_lanes, self.saved_context)
         self.threads = self.forwards.threads = threads
         if not probed.invariant:
             self.forwards.check_native()
@@ -427,30 +427,30 @@ class Engine:
     def _resume(self, tap: InputTap):
         pin(self.threads)
         with self.kernel_scope():
-            between.resume_lanes(self.all_lanes, tap, self.observer, self._work, self.tracer, self.peak_source)
+            between_turns.resume_lanes(self.all_lanes, tap, self.observer, self._work, self.tracer, self.peak_source)
         self.parked = False
 
-    # --- what the page draws (`lanemaps.py`) and the summary (`summary.py`) ----
+    # --- what the page draws (`token_maps.py`) and the summary (`summary.py`) --
     def _shown(self, label: str) -> Lane:
         return self.reference if label == self.reference.label else next(l for l in self.lanes if l.label == label)
 
     def token_map(self, label: str, layer: int) -> dict:
-        """`lanemaps.token_map` of the lane shown as `label`."""
-        return lanemaps.token_map(self._shown(label), self.loaded.tokenizer, layer)
+        """`token_maps.token_map` of the lane shown as `label`."""
+        return token_maps.token_map(self._shown(label), self.loaded.tokenizer, layer)
 
     def token_maps(self) -> dict:
-        """`lanemaps.token_maps` of every shown lane: {label: {"tokens": [...], "states": [[...] per layer]}}."""
-        return lanemaps.token_maps({label: self._shown(label) for label in self.show}, self.loaded.tokenizer,
-                                   len(self.reference.cache.layers))
+        """`token_maps.token_maps` of every shown lane: {label: {"tokens": [...], "states": [[...] per layer]}}."""
+        return token_maps.token_maps({label: self._shown(label) for label in self.show}, self.loaded.tokenizer,
+                                     len(self.reference.cache.layers))
 
     def attention_map(self, label: str, layer: int) -> dict | None:
-        """`lanemaps.attention_map` of the lane shown as `label` (None before the first turn)."""
-        return lanemaps.attention_map(self._shown(label), self.loaded.tokenizer, layer)
+        """`token_maps.attention_map` of the lane shown as `label` (None before the first turn)."""
+        return token_maps.attention_map(self._shown(label), self.loaded.tokenizer, layer)
 
     def attention_maps(self) -> dict:
-        """`lanemaps.attention_maps` of every shown lane: {label: {"position", "turn", "tokens", "layers"}}."""
-        return lanemaps.attention_maps({label: self._shown(label) for label in self.show}, self.loaded.tokenizer,
-                                       len(self.reference.cache.layers))
+        """`token_maps.attention_maps` of every shown lane: {label: {"position", "turn", "tokens", "layers"}}."""
+        return token_maps.attention_maps({label: self._shown(label) for label in self.show},
+                                         self.loaded.tokenizer, len(self.reference.cache.layers))
 
     def results(self) -> dict:
         """The run's summary (`Report.results`), with what the engine has now."""

@@ -10,14 +10,14 @@ import torch
 
 from ..kernels.invariant import Kernels
 from ..measure import ledger, meters
+from ..measure.agreement import token_match
 from ..measure.instruments import Instruments
-from ..measure.metrics import token_match
 from ..measure.observe import ENGINE, Observer
 from ..models.loading import LoadedModel
 from ..models.prompts import InputError
 from .forwards import Forwards
 from .lanes import Lane
-from .teacher import kv_summary
+from .teacher_forcing import kv_summary
 
 
 class Report:

@@ -7,7 +7,7 @@ Two modes for a run (`--kernels`):
   on the CPU the fixed-order linears (`dots.py`: every output one dot
   product in one order, threads splitting the output columns, so a row's
   bits are the same whatever the call, by construction; a check confirms it
-  at start); on another device the vendor's GEMM at row counts (`probes.ROWS`)
+  at start); on another device the vendor's GEMM at row counts (`probe_verdicts.ROWS`)
   that the probe proved invariant on that device, dtype and thread count,
   zero rows added; attention is `block_attention` (keys in fixed blocks of 64
   anchored at position 0, an exact maximum, per-block sums and P@V of fixed
@@ -21,7 +21,7 @@ Two modes for a run (`--kernels`):
   linear, which reads the weights once (each lane's attention is its own
   call, timed as its own).
 * ``native``: the model's own kernels; exactness comes from repeating the
-  original shapes (`replay.py`, `rows.py`: each decoded token as its own row).
+  original shapes (`replay.py`, `row_replay.py`: each decoded token as its own row).
   Bit-equal to transformers' own one-row decode.
 
 `Kernels.for_model` checks, outside any timed or traced region, the
@@ -46,10 +46,10 @@ import torch
 import torch.nn.functional as F
 
 from ..models import compat
+from ..models.probe_verdicts import ROWS, Verdict, attention_rows_key, dtype_name, linear_key
 from ..models.threads import one_thread
 from ..plain.errors import UserError
 from . import dots, probes
-from .probes import ROWS, Verdict, attention_rows_key, linear_key
 
 MODES = ("invariant", "native")
 BLOCK = probes.BLOCK  # keys per attention block, blocks anchored at absolute position 0
@@ -175,15 +175,15 @@ class Kernels:
 
     `for_model` checks the fixed-order linears (CPU) or proves every linear layer's shape (elsewhere), and proves
     each attention geometry and each row-wise norm of the model (once per model and thread count: the verdicts live
-    on the loaded model's `probes.Store`, the GEMMs' on disk too); any failure means ``native``, and `reason` says
-    why.
+    on the loaded model's `probe_verdicts.Store`, the GEMMs' on disk too); any failure means ``native``, and
+    `reason` says why.
     """
 
     mode: str
     threads: int
     requested: str = "invariant"
     reason: str | None = None  # why `native` where `invariant` was asked for
-    store: object = None  # probes.Store of the loaded model
+    store: object = None  # the loaded model's probe_verdicts.Store
     dots: str | None = None  # the fixed-order linears' path (CPU: "avx512", "avx2", "scalar"); None: probed GEMMs
     linears: dict = field(default_factory=dict)  # off the CPU: (weight shape, bias) -> Verdict at `threads`
     rows: Verdict | None = None  # the block attention's GEMMs
@@ -221,7 +221,7 @@ class Kernels:
                 return f"fixed-order linears: {why}"
             self.dots = dots.path()
             for k, bias in sorted({(m.in_features, m.bias is not None) for m in layers}):
-                key = ("dots", k, bias, probes._name(dtype), self.dots, self.threads)
+                key = ("dots", k, bias, dtype_name(dtype), self.dots, self.threads)
                 ok, why = self.store.get(key, lambda: probes.check_dots(k, bias, dtype, self.dots, self.threads))
                 if not ok:
                     return f"fixed-order linears: {why}"
@@ -247,7 +247,7 @@ class Kernels:
         for m in model.modules():
             name = type(m).__name__
             if name.endswith("RMSNorm") and getattr(m, "weight", None) is not None:
-                key = ("rows", name, tuple(m.weight.shape), probes._name(dtype), str(device), self.threads)
+                key = ("rows", name, tuple(m.weight.shape), dtype_name(dtype), str(device), self.threads)
                 ok, why = self.store.get(key, lambda: probes.probe_rows(m, m.weight.shape[-1], dtype, device,
                                                                         self.threads))
                 if not ok:
@@ -271,7 +271,7 @@ class Kernels:
                 if group > rows.largest:
                     return f"{group} query heads per key head: more rows than the attention's largest proven count"
                 self.rows = rows
-            key = ("block attention", geometry, probes._name(dtype), str(device), self.threads)
+            key = ("block attention", geometry, dtype_name(dtype), str(device), self.threads)
             ok, why = self.store.get(key, lambda: probes.probe_attention(
                 self.attention, *geometry[:3], dtype, device, self.threads,
                 window=geometry[3], softcap=geometry[4]))

@@ -32,8 +32,8 @@ from torch import nn
 from ..models import compat
 from .invariant import INVARIANT_ATTENTION, invariant_attention, native_now
 from .invariant import active as active_kernels
-from .rows import RowsContext
-from .rows import rows as rows_scope
+from .row_replay import RowsContext
+from .row_replay import rows as rows_scope
 
 
 def _rows_batched(weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
@@ -271,7 +271,7 @@ class LayerReplayer:
     needs one layer's K/V and one hidden state per token at a time.
 
     Consecutive one-token chunks (decoded tokens) of a global layer go
-    through the layer in one call that keeps each row's shapes (`rows.py`),
+    through the layer in one call that keeps each row's shapes (`row_replay.py`),
     once the first such call of each layer type was checked bit-equal to
     separate calls here; `rows_exact` records the check.
 

@@ -54,6 +54,10 @@ try:
     import resource
 except ImportError:  # not on POSIX
     resource = None
+try:
+    import numpy
+except ImportError:  # the hooks outside torch are built without numpy's where it is absent
+    numpy = None
 
 SOURCE = Path(__file__).with_name("ledger.cpp")
 CACHE_ENV = "KVDIRECT_LEDGER_CACHE"
@@ -63,9 +67,7 @@ UNATTRIBUTED = 0  # the owner of every block allocated outside a named owner's w
 def _python_flags() -> list[str]:
     """Python's and (where numpy is there) numpy's headers: the hooks outside torch are built with them."""
     flags = [f"-I{sysconfig.get_paths()['include']}", "-DKV_PYTHON"]
-    try:
-        import numpy
-    except ImportError:
+    if numpy is None:
         return flags
     return flags + [f"-I{numpy.get_include()}", "-DKV_NUMPY"]
 

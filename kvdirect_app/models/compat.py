@@ -23,6 +23,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 from transformers.configuration_utils import PreTrainedConfig as PretrainedConfig
+from transformers.initialization import no_init_weights as _no_init_weights
 
 # The keyword that hands a model's forward, and `generate`, its cache (transformers 5 renamed `past_key_values`
 # to `cache`; the old name is a deprecated alias until 6.0).
@@ -125,10 +126,17 @@ def forward_rows(model: nn.Module, input_ids: torch.Tensor, cache: Cache, positi
     return out.logits[:, -1].float()
 
 
+def _modeling():
+    """transformers' modeling and masking modules (its attention registry, its mask builders), imported once a
+    model runs: the command line and the page start without them."""
+    from transformers import masking_utils, modeling_utils  # lazy: ~2.5 s of import that only running a model needs
+
+    return masking_utils, modeling_utils
+
+
 def mask_function(layer_type: str):
     """The masking_utils builder a model's forward uses for layers of this type."""
-    from transformers import masking_utils
-
+    masking_utils, _ = _modeling()
     return {
         "full_attention": masking_utils.create_causal_mask,
         "sliding_attention": masking_utils.create_sliding_window_causal_mask,
@@ -144,18 +152,17 @@ def input_embeddings(model: torch.nn.Module) -> torch.nn.Module:
 def attention_function(attn: nn.Module, implementation: str | None = None):
     """The attention function the module calls for `implementation` (default: its config's now): from
     transformers' registry, else the family's own eager function."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+    _, modeling_utils = _modeling()
     eager = getattr(sys.modules[type(attn).__module__], "eager_attention_forward", None)
-    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation or attn.config._attn_implementation, eager)
+    registry = modeling_utils.ALL_ATTENTION_FUNCTIONS
+    return registry.get_interface(implementation or attn.config._attn_implementation, eager)
 
 
 def register_attention(name: str, fn):
     """Add an attention function under a new name (transformers' public registry; existing names untouched)."""
-    from transformers import AttentionInterface
-
-    if name not in AttentionInterface._global_mapping:
-        AttentionInterface.register(name, fn)
+    _, modeling_utils = _modeling()
+    if name not in modeling_utils.AttentionInterface._global_mapping:
+        modeling_utils.AttentionInterface.register(name, fn)
 
 
 @contextlib.contextmanager
@@ -181,6 +188,4 @@ def run_decoder_layer(layer: torch.nn.Module, hidden: torch.Tensor, mask, positi
 def no_init_weights():
     """transformers' context in which a model's modules are built without initialising their weights (the
     real-size checks fill every parameter themselves: a 4B model's own init takes minutes on two cores)."""
-    from transformers.initialization import no_init_weights as skip
-
-    return skip()
+    return _no_init_weights()

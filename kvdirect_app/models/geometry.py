@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from ..plain.catalog import PRESETS_DIR, presets
 from . import compat
@@ -182,8 +183,6 @@ class ModelGeometry:
 
 def load_config(source, dtype: torch.dtype | None = None):
     """A transformers config from a dict, a config.json path, or a model name (preset, Hub id, local path)."""
-    from transformers import AutoConfig
-
     if isinstance(source, dict):
         data = {k: v for k, v in source.items() if not k.startswith("_")}
         return AutoConfig.for_model(data.pop("model_type"), **data)

@@ -18,6 +18,11 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from huggingface_hub import constants, model_info
+from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers import models as tokenizer_models
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from ..plain import rss
 from ..plain.catalog import (
@@ -34,6 +39,7 @@ from ..plain.catalog import (
 from ..plain.errors import UserError
 from ..plain.hosted import hosted
 from . import model_cache
+from .probe_verdicts import Store
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TINY_SEED = 1234
@@ -54,13 +60,11 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     # The invariance probe's verdicts for this model's kernels (kernels.Kernels), kept as long as the model is, and
-    # on disk for the next start (probes.Store).
-    probes: object = field(default=None, repr=False)
+    # on disk for the next start (probe_verdicts.Store).
+    probes: Store | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.probes is None:
-            from ..kernels.probes import Store
-
             self.probes = Store(self.name, self.dtype, self.device)
 
     @property
@@ -117,15 +121,12 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 def byte_tokenizer():
     """A byte-level tokenizer (256 bytes + <s>, </s>, <pad>) with a small chat template, built in memory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     specials = ["<s>", "</s>", "<pad>"]
     for s in specials:
         vocab[s] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok = Tokenizer(tokenizer_models.BPE(vocab=vocab, merges=[]))
     tok.add_special_tokens(specials)
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -139,8 +140,6 @@ def byte_tokenizer():
 
 
 def _tiny(name: str, preset: dict, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     tokenizer = byte_tokenizer()
     cfg = dict(preset["config"])
     model_type = cfg.pop("model_type")
@@ -182,9 +181,6 @@ def _hub_check(ref: str) -> dict:
 
     Returns the keywords `from_pretrained` needs (offline: the local cache only).
     """
-    from huggingface_hub import constants, model_info
-    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
-
     if constants.HF_HUB_OFFLINE:
         return {"local_files_only": True}
     try:
@@ -206,8 +202,6 @@ def _hub_check(ref: str) -> dict:
 def _pretrained(name: str, preset: dict | None, dtype, device, progress) -> LoadedModel:
     """A GGUF preset (or its Hub copy when the package is absent: in hosted mode only where `hub_copy` found it), a
     Hub id, or a local folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     kwargs = {}
     source = name
     chat = None

@@ -38,6 +38,8 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from ..plain.paths import cache
 
@@ -61,8 +63,6 @@ def _version(package: str) -> str:
 
 def manifest(name: str, preset: dict, dtype: torch.dtype) -> dict:
     """What a cached copy must have been made from to be used: any change makes a new folder."""
-    import transformers
-
     return {"format": FORMAT, "preset": name, "package": preset["package"], "package_version": _version(preset["package"]),
             "file": preset["file"], "transformers": transformers.__version__, "torch": torch.__version__,
             "dtype": str(dtype).removeprefix("torch.")}
@@ -110,8 +110,6 @@ def save(model: torch.nn.Module, tokenizer, path: Path, want: dict) -> str | Non
 def load(path: Path, dtype: torch.dtype):
     """(model, tokenizer) from a cached copy: the model built on the meta device, its weights assigned from the
     file mapped into memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
     config = AutoConfig.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     with torch.device("meta"):

@@ -11,6 +11,8 @@ import importlib.util
 import tomllib
 from pathlib import Path
 
+from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+
 from .hosted import hosted
 from .paths import data
 
@@ -59,8 +61,6 @@ def _hub_copy(ref: str) -> str | None:
       dead Hub (no network, a firewall) costs those seconds once, not a hung download at the first message;
     * else None.  Kept for the process's life: a Hub that comes back later is seen at the next start.
     """
-    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
-
     try:
         config = try_to_load_from_cache(ref, "config.json")
     except ValueError:  # not a Hub id
@@ -78,8 +78,6 @@ def _hub_copy(ref: str) -> str | None:
 
 def unavailable_reason(name: str) -> str | None:
     """Why a preset cannot be loaded here (None: it can, from its package or its Hub copy)."""
-    from huggingface_hub import constants
-
     p = presets()[name]
     if p["kind"] == "tiny" or package_dir(p["package"]) is not None or hub_copy(p) is not None:
         return None

@@ -26,9 +26,16 @@ WAIT_FOR_LOAD = """        <script>
 """
 
 
+def _kaleido():
+    """kaleido, imported when a PNG is first drawn."""
+    import kaleido  # lazy: a Chromium driver (~0.2 s of import) only drawing a PNG needs
+
+    return kaleido
+
+
 def page():
     """kaleido's page without MathJax, with the stand-in that waits for the page's `load` first in its head."""
-    import kaleido
+    kaleido = _kaleido()
 
     class Page(kaleido.PageGenerator):
         header = kaleido.PageGenerator.header.replace("<head>", "<head>\n" + WAIT_FOR_LOAD, 1)
@@ -39,9 +46,8 @@ def page():
 
 
 def write_png(fig, path, width: int, height: int, scale: float = 1) -> Path:
-    import kaleido
-
-    data = kaleido.calc_fig_sync(fig, opts={"format": "png", "width": width, "height": height, "scale": scale},
+    """`fig` drawn as a PNG of `width` x `height` (times `scale`) into `path`, through `page()`."""
+    data = _kaleido().calc_fig_sync(fig, opts={"format": "png", "width": width, "height": height, "scale": scale},
                                  kopts={"page_generator": page()})
     path = Path(path)
     path.write_bytes(data)

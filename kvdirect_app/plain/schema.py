@@ -70,7 +70,7 @@ def validate(document: dict) -> None:
     """Check `document` against its kind's JSON Schema (needs `jsonschema`, a dev dependency); SchemaError names
     the first field that does not match."""
     try:
-        import jsonschema  # the [dev] extra; only validation needs it
+        import jsonschema  # lazy: an optional dependency (the [dev] extra); only validation needs it
     except ImportError:
         raise SchemaError("KVDIRECT_VALIDATE_JSON is set, but validating needs jsonschema: pip install "
                           "'kvdirect-studio[dev]' (or unset KVDIRECT_VALIDATE_JSON)") from None

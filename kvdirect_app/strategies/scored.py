@@ -31,19 +31,21 @@ them:
   them).  The mask is built once per layer type, sized by the first global
   layer; budgets never grow with depth and skipped layers come first, so that
   layer holds the most tokens, and a layer holding fewer takes the mask's
-  rightmost columns (`fit_mask`, in `lockstep.lanes_attention`): its stored
-  keys, all before the queries, visible, the chunk's own keys causal.  The
-  invariant kernels' block attention reads each layer's own keys as positions
-  end-T..end-1, which is the same rule.
+  rightmost columns (`scored_attention.fit_mask`, in
+  `lockstep.lanes_attention`): its stored keys, all before the queries,
+  visible, the chunk's own keys causal.  The invariant kernels' block
+  attention reads each layer's own keys as positions end-T..end-1, which is
+  the same rule.
 * Selection is per KV head (`per_head = True`: each KV head keeps its own
   `budget` tokens, as H2O and SnapKV do) or per layer (`per_head = False`: all
   heads keep the same tokens).  Grouped-query heads: the attention of the
   query heads of one group is *averaged* onto their KV head.
 * Attention weights, for the strategies that need them, are computed inside
   the cache layer, never by switching the model to eager attention: the engine
-  hands each layer its attention input (`capture`), `QueryProjector` rebuilds
-  the queries from it (q_proj, q_norm where the family has one, RoPE at the
-  original positions, as `replay.KVProjector` does for keys), and
+  hands each layer its attention input (`capture`), `QueryProjector`
+  (`scored_attention.py`) rebuilds the queries from it (q_proj, q_norm where
+  the family has one, RoPE at the original positions, as
+  `replay.KVProjector` does for keys), and
   `softmax(q K^T * module.scaling + causal mask)` is taken in fp32 over the
   candidates, with Gemma 2's logit soft-capping (`tanh(x / cap) * cap`) where
   the module has one.
@@ -72,9 +74,7 @@ from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
 import torch
-from torch import nn
 
-from ..kernels.replay import HeadProjection
 from ..models import compat
 from ..models.compat import CacheLayerMixin
 from ..models.geometry import ModelGeometry
@@ -88,68 +88,13 @@ from .base import (
     window_layer_bytes,
     window_layer_transient,
 )
+from .scored_attention import QueryProjector, attention_probs
 
 POSITION_DTYPE = torch.int32
 POSITION_BYTES = 4
 BUFFER_DTYPE = torch.float32
 BUFFER_BYTES = 4
 DECODES = ("grow", "hold")  # while decoding: keep every new token until the next prompt, or hold the budget
-
-
-class QueryProjector:
-    """Rebuilds the queries of one attention layer from its attention input, as the model computes them
-    (`replay.HeadProjection`: q_proj, q_norm where the family has one, RoPE), with the module's scaling and
-    logit soft-capping.
-    """
-
-    def __init__(self, model: nn.Module, spec: compat.LayerSpec):
-        attn = compat.attention_module(compat.decoder_layers(model)[spec.index])
-        self.query = HeadProjection(model, spec, "q_proj", norm="q_norm", rotate=True)
-        self.scaling: float = attn.scaling
-        self.softcap: float | None = getattr(attn, "attn_logit_softcapping", None)
-
-    def queries(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """x (1, n, d): attention inputs of tokens at positions start..start+n-1 -> queries (1, H, n, d_h)."""
-        return self.query(x, start)
-
-
-def attention_probs(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
-                    key_positions: torch.Tensor, scaling: float, softcap: float | None = None,
-                    window: int | None = None) -> torch.Tensor:
-    """Causal attention probabilities in fp32, query heads grouped onto their KV head.
-
-    queries (1, H, n, d_h), keys (1, n_kv, T, d_h), query_positions (n,),
-    key_positions (1, G, T) with G 1 or n_kv; `window`: a sliding layer's (a query at p sees keys after
-    p - window).  Returns (1, n_kv, H // n_kv, n, T).
-    """
-    _, heads, n, d_h = queries.shape
-    n_kv = keys.shape[1]
-    q = queries.float().view(1, n_kv, heads // n_kv, n, d_h)
-    logits = torch.einsum("bkgnd,bktd->bkgnt", q, keys.float()) * scaling
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    keys_at, query_at = key_positions.long()[:, :, None, None, :], query_positions.long()[None, None, None, :, None]
-    visible = keys_at <= query_at
-    if window is not None:
-        visible &= keys_at > query_at - window
-    logits = logits.masked_fill(~visible, float("-inf"))
-    return torch.softmax(logits, dim=-1)
-
-
-def fit_mask(mask: torch.Tensor | None, keys: int, who: str = "a cache", layer: int | None = None
-             ) -> torch.Tensor | None:
-    """The mask of a layer type (sized by its first layer, which holds the most keys) for a layer handing attention
-    `keys` keys: its rightmost columns.  Every cache hands attention its stored keys, all before the queries, then
-    the step's own, so those columns say: stored keys visible, the chunk's own keys causal.  A layer handing
-    attention more keys than the mask has columns breaks the rule that budgets never grow with depth
-    (`ContractError`, naming `who`)."""
-    if mask is None or mask.shape[-1] == keys:
-        return mask
-    if mask.shape[-1] < keys:
-        raise ContractError(f"{who}: layer {layer} hands attention {keys} keys, more than the {mask.shape[-1]} its "
-                            "layer type's first layer holds (the mask is built once per layer type, sized by that "
-                            "layer); allowed: budgets that never grow with depth (`Scored.layer_budgets`)")
-    return mask[..., -keys:]
 
 
 def over_budget(cache, seen: int, forwards: list) -> str | None:

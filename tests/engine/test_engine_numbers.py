@@ -15,8 +15,8 @@ import torch
 
 from kvdirect_app.engine import guard
 from kvdirect_app.engine.runner import Engine, run_to_end
-from kvdirect_app.measure.metrics import OPS
 from kvdirect_app.measure.observe import Owner
+from kvdirect_app.measure.timing import OPS
 from kvdirect_app.plain import rss
 from kvdirect_app.strategies import parse_spec, parse_specs
 from kvdirect_app.strategies.anchorkv import AnchorCache

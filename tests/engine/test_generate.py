@@ -651,7 +651,7 @@ def test_a_prefill_that_feeds_other_than_its_prompt_is_refused(off, monkeypatch)
     Mutations (each applied, each fails): no `if left:` check after the prefill -> one too many: generate returns
     with the prompt left open; no `q > led.prompt_left` check in `before` -> one too few: the last piece runs on
     the cache (and the check after the prefill says so instead)."""
-    from kvdirect_app.engine import integration as module
+    from kvdirect_app.engine import cache_hooks as module
 
     counted = module._prompt_tokens
     monkeypatch.setattr(module, "_prompt_tokens", lambda *args: counted(*args) + off)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kvdirect_app.engine.runner import Engine, InputError, run_to_end
 from kvdirect_app.kernels import invariant as K
 from kvdirect_app.kernels import probes
+from kvdirect_app.models import probe_verdicts
 from kvdirect_app.models.threads import threads_set
 from kvdirect_app.plain.errors import UserError
 from kvdirect_app.strategies import parse_specs
@@ -115,10 +116,10 @@ def test_the_fixed_order_kernels_are_checked_at_every_start_and_nothing_is_kept_
     input width, each attention geometry, each norm) and nothing is written to the probe store, which keeps only the
     probed GEMMs' verdicts of the kernels off the CPU (its file is tested in tests/kernels/test_probes.py).
     Mutation that fails it: the dots checks stored with keep=True (a file appears, and a later start would trust it)."""
-    monkeypatch.setenv(probes.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(probe_verdicts.CACHE_ENV, str(tmp_path))
     loaded = tiny("tiny-llama")
     for _ in range(2):
-        store = probes.Store(loaded.name, loaded.dtype, loaded.device)
+        store = probe_verdicts.Store(loaded.name, loaded.dtype, loaded.device)
         kernels = K.Kernels.for_model(SimpleNamespace(model=loaded.model, device=loaded.device, dtype=loaded.dtype,
                                                       probes=store), "invariant", 1)
         report = kernels.report()
@@ -181,7 +182,7 @@ def test_a_query_has_the_same_bits_alone_and_in_a_prompt():
 def _probe_cases(threads: int, rounds: int) -> list[str]:
     """The attention probe's cases (SmolLM2's geometry), `rounds` times over, in this process; what differed."""
     attention = K.Kernels("invariant", threads)
-    attention.store = probes.Store("cases", torch.float32, "cpu")
+    attention.store = probe_verdicts.Store("cases", torch.float32, "cpu")
     failures = []
     for _ in range(rounds):
         ok, why = probes.probe_attention(attention.attention, 9, 3, 64, torch.float32,
@@ -195,7 +196,7 @@ def test_the_attention_probe_repeated_200_times_at_two_threads_under_load_never_
     """The block attention's reductions run on one thread in an order fixed by the shapes: its probe's cases,
     200 times at 2 threads with twice as many busy processes as cores, see no variation (on a CPU where a
     reduction's split followed the scheduling, some of these would differ)."""
-    monkeypatch.setenv(probes.CACHE_ENV, "off")
+    monkeypatch.setenv(probe_verdicts.CACHE_ENV, "off")
     stop = multiprocessing.Event()
     busy = [multiprocessing.Process(target=_busy, args=(stop,), daemon=True) for _ in range(2 * (os.cpu_count() or 2))]
     for b in busy:

@@ -17,7 +17,7 @@ from kvdirect_app.kernels.replay import (
     rows_are_exact,
     rows_kernel_is_exact,
 )
-from kvdirect_app.measure.metrics import token_match
+from kvdirect_app.measure.agreement import token_match
 from kvdirect_app.measure.observe import storage_sizes
 from kvdirect_app.strategies import StrategyError, parse_spec, parse_specs, registry
 
@@ -75,10 +75,10 @@ def test_token_match_counts_over_turns_and_finds_the_first_divergence():
 
 
 def test_agreement_is_exact_for_equal_logits_and_matches_the_definition():
-    """`teacher.agree` takes every lane's KL, agreement and max |dlogit| in one pass over stacked logits: equal
+    """`teacher_forcing.agree` takes every lane's KL, agreement and max |dlogit| in one pass over stacked logits: equal
     logits give exactly 0 (what the exact strategies must show), others the definition's KL."""
     from kvdirect_app.engine.lanes import Lane
-    from kvdirect_app.engine.teacher import agree
+    from kvdirect_app.engine.teacher_forcing import agree
 
     a = torch.tensor([1.0, 2.0, 3.0, 0.5] * 1000)
     b = torch.tensor([3.0, 2.0, 1.0, 0.5] * 1000)

@@ -3,7 +3,8 @@ offset, twice, and the large call at one thread), a stored verdict is only compa
 an edited or stale file is replaced and said, never used.  Tiny weights built here, the store in a tmp folder
 (`KVDIRECT_PROBE_CACHE`): no model, and the user's cache is never touched.
 
-Each test's docstring names the mutation of probes.py it catches (each was applied and seen failing)."""
+Each test's docstring names the mutation of probes.py or models/probe_verdicts.py it catches (each was applied and
+seen failing)."""
 
 import json
 import os
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from kvdirect_app.kernels import invariant as K
 from kvdirect_app.kernels import probes
+from kvdirect_app.models import probe_verdicts
 
 WEIGHT = torch.randn(48, 32, generator=torch.Generator().manual_seed(0))
 
@@ -22,23 +24,24 @@ WEIGHT = torch.randn(48, 32, generator=torch.Generator().manual_seed(0))
 @pytest.fixture
 def probed(tmp_path, monkeypatch) -> list:
     """The store in tmp_path; the linear probes that ran, in order."""
-    monkeypatch.setenv(probes.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(probe_verdicts.CACHE_ENV, str(tmp_path))
     calls, real = [], probes.probe_linear
     monkeypatch.setattr(probes, "probe_linear", lambda *a: calls.append(a) or real(*a))
     return calls
 
 
-def start() -> probes.Store:
+def start() -> probe_verdicts.Store:
     """The store of a fresh start (what `models.load_model` makes for a model)."""
-    return probes.Store("tiny", torch.float32, "cpu")
+    return probe_verdicts.Store("tiny", torch.float32, "cpu")
 
 
-def verdict(store: probes.Store, threads: int = 1, weight: torch.Tensor = WEIGHT) -> probes.Verdict:
+def verdict(store: probe_verdicts.Store, threads: int = 1,
+            weight: torch.Tensor = WEIGHT) -> probe_verdicts.Verdict:
     """WEIGHT's verdict as `Kernels.for_model` asks the store for it."""
     return K.Kernels("invariant", threads, store=store)._linear_verdict(weight, None, threads)
 
 
-def edit(store: probes.Store, change):
+def edit(store: probe_verdicts.Store, change):
     """The file with `change(data)` applied: a tampered or broken file."""
     data = json.loads(store.path.read_text())
     store.path.write_text(change(data) if callable(change) else change)
@@ -53,7 +56,7 @@ def entry(change):
     return apply
 
 
-def replaced(store: probes.Store, fresh: probes.Verdict, said: str = "the probe here finds"):
+def replaced(store: probe_verdicts.Store, fresh: probe_verdicts.Verdict, said: str = "the probe here finds"):
     """The file's verdict was not used: the probe's is, the run says so, and the file now holds the probe's."""
     assert store.confirmed == 0 and any(said in note for note in store.notes), store.notes
     assert start().stored == {fresh.key: fresh}
@@ -116,7 +119,7 @@ def test_counts_the_probe_never_tried_are_ignored_and_said(probed, monkeypatch, 
     probed at ROWS[0] only): the entry is not one the probe could have written; `pad(17)` never gives 17.
     Mutation: `_stored` without its check that the counts are `candidates_of(key)`."""
     if where == "head":
-        monkeypatch.setattr(probes, "HEAD_ELEMENTS", WEIGHT.numel())
+        monkeypatch.setattr(probe_verdicts, "HEAD_ELEMENTS", WEIGHT.numel())
     first = start()
     verdict(first)
     field = "failed" if where == "failed" else "proven"

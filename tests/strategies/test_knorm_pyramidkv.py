@@ -22,7 +22,8 @@ from kvdirect_app.models import compat
 from kvdirect_app.models.threads import threads_set
 from kvdirect_app.strategies import parse_spec, parse_specs
 from kvdirect_app.strategies.base import FullLayer
-from kvdirect_app.strategies.scored import ScoredLayer, fit_mask, per_layer
+from kvdirect_app.strategies.scored import ScoredLayer, per_layer
+from kvdirect_app.strategies.scored_attention import fit_mask
 
 from ..runs import tiny
 from .test_eviction import N_KV, TURN_PLAN, TURNS, _drive, _kept

@@ -3,7 +3,7 @@
 Plain Python (no gradio, no torch): `Session.apply(event)` folds each engine
 event into per-strategy records (text with token boundaries, bytes, latency,
 agreement with the full cache) that the panes and plots are drawn from.
-Token agreement follows `metrics.token_match`: every position the full
+Token agreement follows `agreement.token_match`: every position the full
 cache produced counts; a strategy that stops early or runs on is a mismatch.
 """
 

@@ -34,8 +34,8 @@ import torch
 
 from ...engine import guard, validate
 from ...engine.runner import Engine
-from ...kernels.probes import environment
 from ...models.loading import load_model
+from ...models.probe_verdicts import environment
 from ...plain import rss, stats
 from ...plain.errors import UserError
 from ...plain.limits import limits

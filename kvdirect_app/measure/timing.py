@@ -1,5 +1,6 @@
-"""Token match and timing helpers (docs/measurement.md, "Every part of a step is timed where it runs"); agreement and
-KL are `teacher.agree`'s."""
+"""Timing (docs/measurement.md, "Every part of a step is timed where it runs"): the clock a region reads, the ops every
+latency row has, and a lane's seconds per op, forward by forward (`StepTimes`).  How far a strategy's tokens agree
+with the reference's is `agreement.py`'s; teacher-forced agreement and KL are `engine/teacher_forcing.py`'s."""
 
 from __future__ import annotations
 
@@ -16,28 +17,6 @@ def clock(device: torch.device) -> float:
     elif device.type == "mps":
         torch.mps.synchronize()
     return time.perf_counter()
-
-
-def token_match(reference: list[list[int]], tokens: list[list[int]]) -> tuple[float, int | None]:
-    """Fraction of the reference's positions (over all turns) where `tokens` agree, and the first divergence.
-
-    A position the strategy did not reach, or reached past the reference's end,
-    is a mismatch; the divergence index counts over the concatenated turns.
-    """
-    matched, total, offset, first = 0, 0, 0, None
-    for ref, got in zip(reference, tokens):
-        for i, t in enumerate(ref):
-            same = i < len(got) and got[i] == t
-            matched += same
-            if not same and first is None:
-                first = offset + i
-        if first is None and len(got) > len(ref):
-            first = offset + len(ref)
-        total += len(ref)
-        offset += len(ref)
-    if total == 0:
-        return 1.0, first
-    return matched / total, first
 
 
 # The ops of every latency row, in every lane, batched or alone (zero where an op did not run); see forwards.py.
