@@ -2,7 +2,7 @@
 
 `service` is the page's torch-free facade; it imports this module on the first call that needs the engine
 (`service._engine`, the one lazy import between the page and torch), so the page starts without torch.  Nothing in
-the UI (`kvdirect_app/app/ui/`) imports this module: `tests/test_ui_plain.py` reads their imports.  What these
+the UI (`kvdirect_app/app/ui/`) imports this module: `tests/app/test_ui_plain.py` reads their imports.  What these
 functions take and return is plain Python, except `build_engine` and `build_sweep`, whose objects stay inside
 `service.Conversation` and `service.FrontierRun`.
 """

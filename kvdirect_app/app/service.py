@@ -6,7 +6,7 @@ it calls the functions here, which reach the engine through `engine_side`
 the one lazy import between the page and torch).  What they take and return is
 plain Python (str, numbers, lists, dicts), and a run's events are the engine's
 own plain dicts, so the page draws the same from a live run and from a file.
-`tests/test_ui_plain.py` imports the whole UI in an interpreter where
+`tests/app/test_ui_plain.py` imports the whole UI in an interpreter where
 importing torch fails, and reads every UI module's imports.
 
 Errors: bad input raises `errors.UserError` (one line naming the setting);

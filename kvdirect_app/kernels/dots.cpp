@@ -6,7 +6,7 @@
 //   * the lanes summed as a fixed tree: l + (l+8) for l < 8, then l + (l+4), then l + (l+2), then 0 + 1;
 //   * the bias added last, then the result rounded once to the output's type (bf16: to nearest, ties to even).
 // AVX-512 holds the 16 lanes in one register, AVX2 in two, the scalar path in an array: the same operations on
-// the same numbers, so the three give the same bits (tests/test_dots.py checks them against each other).
+// the same numbers, so the three give the same bits (tests/kernels/test_dots.py checks them against each other).
 //
 // Threads split the output columns, never a reduction: each output is computed whole by one thread, so the
 // thread count changes who computes it, not its bits.  Each thread reads its columns' weights once for a block of

@@ -19,7 +19,7 @@ weights straight from the file mapped into memory (`torch.load(mmap=True)`,
 `load_state_dict(assign=True)`): nothing is copied or dequantised, the
 weights' pages are read as the first forward touches them, and the load's
 peak RSS is what the process holds after it.  The tensors are the ones the
-GGUF load produced, bit for bit (`tests/test_models.py` compares them).
+GGUF load produced, bit for bit (`tests/models/test_models.py` compares them).
 
 `KVDIRECT_MODEL_CACHE` names the folder (default: ``$XDG_CACHE_HOME`` or
 ``~/.cache``, then ``kvdirect-studio/models``); ``KVDIRECT_MODEL_CACHE=off``
