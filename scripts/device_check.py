@@ -179,9 +179,9 @@ def recordings(device: str, out: dict, quick: bool, dest: Path):
 def claims(device: str, out: dict, quick: bool, dest: Path):
     """`bench reproduce --quick` on a tiny model, every cell on this device: rows 7 and 7b (exactness on CPU and
     on accelerators) and 8 (residual patching) as the report judges them."""
-    from kvdirect_app.claims import render, reproduce
+    from kvdirect_app.claims import cells, render
 
-    results = reproduce.gather("tiny-llama", quick=True, executor="local", device=device, workers=1)
+    results = cells.gather("tiny-llama", quick=True, executor="local", device=device, workers=1)
     render.write(results, dest / "claims")
     out["claims"] = {name: {"verdict": c["verdict"], "measured_on": c["measured_on"]}
                      for name, c in results["claims"].items() if name in ("exactness", "exactness_accelerator",

@@ -32,7 +32,8 @@ nothing a subclass overrides (`limits`, `layer_budgets`, its formulas, `exact`) 
 * against the full cache: tokens and K/V; a strategy that claims exactness (`claims_exact`: an exact family's
   subclass) must keep both equal.
 
-A rule that fails exits 1 (`bench check-strategy`); the engine's cheap checks (shape, NaN, the budget its own
+Each rule's verdict, and the bounds it allows, is `conformance_rules`'s.  A rule that fails exits 1 (`bench
+check-strategy`); the engine's cheap checks (shape, NaN, the budget its own
 limits give) also guard every run.
 """
 
@@ -45,7 +46,6 @@ import hashlib
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -55,36 +55,20 @@ from ..models import compat
 from ..models.loading import load_model
 from ..plain.specs import settings_of
 from ..strategies import parse_spec
-from ..strategies.base import ContractError, Forward, SlidingLayer, StrategyError
+from ..strategies.base import ContractError, Forward, StrategyError
 from ..strategies.scored import Scored, ScoredLayer, per_layer
+from . import conformance_rules as rules
+from .conformance_rules import Finding
 
 MODELS = ("tiny-llama", "tiny-gemma3", "smollm2-135m")
 TURNS = ("Tell me about caches: what they keep, what they drop, and why the positions of the keys matter.",
          "And the values?", "One more sentence, please.")
-# What a lane may hold outside torch beyond a plain window's: its own bookkeeping in Python (lists of chunk bounds, a
-# few numbers per layer) up to this plus this share of what its tensors hold; a copy of its keys kept outside torch
-# is as large as the keys themselves, and grows with every step that keeps one.
-OUTSIDE_ALLOWANCE = 4096
-OUTSIDE_SHARE = 0.25
 PLAIN = "window"
 # A run of the kit's three turns takes ~3 s on SmolLM2 and under 1 s on a tiny family (2 cores, measured); a built-in's
 # score() takes milliseconds on the kit's prompts.
 RUN_SECONDS = 30.0
 SCORE_SECONDS = 0.5
-# Bytes a lane may hold after a turn beyond its family's formula at its budget: a few numbers of its own per layer.
-BUDGET_SLACK = 4096
 PACKAGE = Scored.__module__.rpartition(".")[0] + "."  # the package's own strategies: their classes are the families
-
-
-@dataclass
-class Finding:
-    rule: str
-    model: str
-    ok: bool
-    words: str
-
-    def line(self) -> str:
-        return f"{'ok  ' if self.ok else 'FAIL'} {self.rule} on {self.model}: {self.words}"
 
 
 class _Stop(Exception):
@@ -135,7 +119,7 @@ def _digest(t) -> bytes | None:
     return hashlib.blake2b(t.contiguous().view(torch.uint8).numpy(), digest_size=16).digest() if t.numel() else b""
 
 
-class _Probe:
+class Probe:
     """What the kit watches during one run, from outside the strategy's code: where the run is, its time, the tokens
     each layer holds after every forward, what it holds at each turn's end; with `scores`, every `score()` call
     (its time, its scores, the step before and after it)."""
@@ -289,7 +273,7 @@ class _Probe:
 
 
 @contextlib.contextmanager
-def _alarm(probe: _Probe):
+def _alarm(probe: Probe):
     """Stops a run that hangs inside one forward (a `score()` that never returns) after `RUN_SECONDS`: an alarm,
     where the kit runs on the main thread (elsewhere the probe's checks between forwards and calls stop it)."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
@@ -308,7 +292,7 @@ def _alarm(probe: _Probe):
         signal.signal(signal.SIGALRM, previous)
 
 
-def _run(loaded, candidate: str, plain: str, kernels: str, chunk: int, probe: _Probe) -> tuple[Engine, dict]:
+def _run(loaded, candidate: str, plain: str, kernels: str, chunk: int, probe: Probe) -> tuple[Engine, dict]:
     strategies = {}  # by canonical spec: the window (or the full cache) checked is its own reference, once
     for text in ("full", plain, candidate):
         strategies.setdefault(parse_spec(text).spec(), parse_spec(text))
@@ -324,7 +308,7 @@ def _run(loaded, candidate: str, plain: str, kernels: str, chunk: int, probe: _P
         return engine, engine.results()
 
 
-def _attempt(name: str, loaded, candidate: str, plain: str, kernels: str, chunk: int, probe: _Probe):
+def _attempt(name: str, loaded, candidate: str, plain: str, kernels: str, chunk: int, probe: Probe):
     """One run; where it cannot end, the finding that says why (the rule, the step, one line) instead."""
     how = f"{kernels} kernels, prompts in pieces of {chunk}"
     try:
@@ -377,10 +361,10 @@ def _check_model(spec: str, name: str, loaded, add: Callable[..., None]):
     native one.  A run that cannot end is one finding; the rules it leaves unjudged are not printed."""
     candidate, plain = _budget(spec, loaded)
     strategy = parse_spec(candidate)
-    probes: list[_Probe] = []
+    probes: list[Probe] = []
 
     def attempt(kernels: str, chunk: int, scores: bool = False):
-        probes.append(_Probe(strategy, loaded, scores))
+        probes.append(Probe(strategy, loaded, scores))
         run, stopped = _attempt(name, loaded, candidate, plain, kernels, chunk, probes[-1])
         return probes[-1], run, stopped
 
@@ -389,19 +373,19 @@ def _check_model(spec: str, name: str, loaded, add: Callable[..., None]):
     if stopped is None:
         measured, second, stopped = attempt("invariant", 16)
     skip = {stopped.rule} if stopped else set()
-    add(*(f for f in _watched(name, watched) if f.rule not in skip))
+    add(*(f for f in rules.judged_inside(name, watched) if f.rule not in skip))
     if stopped is not None:
         if "budget" not in skip:
-            add(_budget_finding(name, watched, None, None, plain))
+            add(rules.budget(name, watched, None, None, plain))
         add(stopped)
         return
     add(Finding("contract", name, True, "every forward within the contract (invariant kernels, prompts in pieces "
                                         "of 16)"))
     engine, result = second
     r, window = result["strategies"][measured.lane.label], result["strategies"][parse_spec(plain).label]
-    add(_budget_finding(name, watched, measured, window, plain), _determinism(name, watched, measured))
-    add(*_bytes(name, r, window, result))
-    add(_sliding(name, measured.lane.cache, loaded), _against_full(name, r, strategy.claims_exact))
+    add(rules.budget(name, watched, measured, window, plain), rules.determinism(name, watched, measured))
+    add(*rules.stored_bytes(name, r, window, result))
+    add(rules.sliding_layers(name, measured.lane.cache, loaded), rules.against_full(name, r, strategy.claims_exact))
     _, _, stopped = attempt("native", 1024)
     add(stopped or Finding("contract", name, True, "every forward within the contract (native kernels, prompts in "
                                                    "pieces of 1024)"))
@@ -410,133 +394,3 @@ def _check_model(spec: str, name: str, loaded, add: Callable[..., None]):
                                         f"{max(p.seconds() for p in probes):.1f} s)" +
                     (f", each score() call within {SCORE_SECONDS:g} s (the slowest {1e3 * watched.slowest:.1f} ms)"
                      if watched.calls else "")))
-
-
-def _first(probe: _Probe, rule: str) -> str:
-    broken = probe.broken[rule]
-    return broken[0] + (f" (and {len(broken) - 1} more)" if len(broken) > 1 else "")
-
-
-def _watched(name: str, probe: _Probe) -> list[Finding]:
-    """The rules judged inside the first run's layers, on the calls it made (all of them where it ended)."""
-    if probe.family is None and not probe.calls:
-        return [Finding(rule, name, True, "n/a: no score() (a strategy that evicts nothing)")
-                for rule in ("scores", "read-only step")]
-    out = []
-    for rule, words in (("scores", f"every score() call ({probe.calls}) on the model's device, in a full-precision "
-                                   "dtype, no -inf, no more +inf than the layer keeps"),
-                        ("read-only step", f"every score() call ({probe.calls}) left the step's keys and positions "
-                                           "as it found them")):
-        out.append(Finding(rule, name, False, _first(probe, rule)) if rule in probe.broken else
-                   Finding(rule, name, True, words))
-    return out
-
-
-def _budget_finding(name: str, watched: _Probe, measured: _Probe | None, window: dict | None,
-                    plain: str) -> Finding:
-    """The tokens each layer held (the watched run, every forward) and the bytes held after each turn (the measured
-    run, the allocator's), against what the family keeps at that budget; the plain window's bytes beside them."""
-    fam = watched.family
-    if fam is None:
-        return Finding("budget", name, True, "n/a: it evicts nothing (what it holds is its formula's: bytes)")
-    if "budget" in watched.broken:
-        return Finding("budget", name, False, _first(watched, "budget"))
-    tokens = (f"every layer within what {type(fam).__name__} keeps at budget={fam.budget}, read from its keys after "
-              f"each of {watched.forwards} forwards")
-    if measured is None:
-        return Finding("budget", name, True, tokens + " (while it ran)")
-    lane = measured.lane
-    turns = [t for t in lane.book.turns if t.between is not None]
-    if not turns:
-        return Finding("budget", name, True, tokens + "; its bytes not measured here (no allocator could be read)")
-    worst = None
-    for (turn, count, _, _), held in zip(measured.ends, turns):
-        forwards = lane.forwards[:count]
-        allowed = fam.formula_between_turns(measured.geometry, sum(f.q for f in forwards), forwards)
-        if held.between > allowed + BUDGET_SLACK and worst is None:
-            worst = (turn, held.between, allowed)
-    plain_bytes = window["state_bytes"]["between_turns_peak"]
-    if worst is not None:
-        turn, held, allowed = worst
-        return Finding("budget", name, False, f"holds {held:,} B after turn {turn}, more than the {allowed:,} B "
-                                              f"{type(fam).__name__} holds there at budget={fam.budget} (the plain "
-                                              f"window: {plain_bytes:,} B at most, {plain}); allowed: its family's "
-                                              f"bytes + {BUDGET_SLACK:,} B (its own formulas do not widen them)")
-    peak = lane.book.between_turns_peak
-    return Finding("budget", name, True, f"{tokens}; {peak:,} B held between turns at most (the plain window: "
-                                         f"{plain_bytes:,} B at {plain})")
-
-
-def _determinism(name: str, first: _Probe, second: _Probe) -> Finding:
-    """The same spec run twice on the same kernels: the same tokens, the same keys and values held after every turn."""
-    for (turn, _, tokens, held), (_, _, again, held_again) in zip(first.ends, second.ends):
-        if tokens != again:
-            return Finding("determinism", name, False, f"two runs of the same spec answered turn {turn} differently "
-                                                       f"({tokens} and {again}); allowed: a seeded draw "
-                                                       "(torch.Generator().manual_seed), the same choice every run")
-        if held != held_again:
-            return Finding("determinism", name, False, f"two runs of the same spec held different keys or values "
-                                                       f"after turn {turn}; allowed: a seeded draw "
-                                                       "(torch.Generator().manual_seed), the same choice every run")
-    return Finding("determinism", name, True, f"two runs: the same tokens and the same keys and values held after "
-                                              f"each of {len(first.ends)} turns")
-
-
-def _bytes(name: str, r: dict, window: dict, result: dict) -> list[Finding]:
-    sb = r["state_bytes"]
-    out = []
-    if sb["formula_matches_measurement"] is None:
-        out.append(Finding("bytes", name, True, "not measured here (no allocator could be read): formula only"))
-    elif sb["formula_matches_measurement"]:
-        out.append(Finding("bytes", name, True, f"measured = formula at every step and between turns "
-                                                f"({sb['between_turns_peak']:,} B held between turns at most)"))
-    else:
-        where, seen, measured, formula = sb["mismatches"][0]
-        out.append(Finding("bytes", name, False, f"measured differs from its formula at {sb['mismatch_count']} "
-                                                 f"points, first at {where} with {seen} tokens seen: {measured:,} B "
-                                                 f"measured, {formula:,} B by its formula"))
-    if sb["declared_mismatch_count"]:
-        out.append(Finding("bytes", name, False, f"the tensors it lists (state_tensors) differ from its formula at "
-                                                 f"{sb['declared_mismatch_count']} forwards"))
-    mine, plain = sb["outside_torch"]["held"], window["state_bytes"]["outside_torch"]["held"]
-    unattributed = (result.get("unattributed_bytes") or {}).get("bytes", 0)
-    allowed = None if plain is None else plain + OUTSIDE_ALLOWANCE + OUTSIDE_SHARE * (sb["final_persistent"] or 0)
-    if mine is not None and allowed is not None and mine > allowed:
-        out.append(Finding("nothing hidden", name, False, f"holds {mine:,} B outside torch (numpy's data, Python's "
-                                                          f"buffers) against the plain window's {plain:,} B (allowed: "
-                                                          f"{allowed:,.0f} B): state belongs in tensors its formula "
-                                                          "counts"))
-    elif unattributed:
-        parts = ", ".join(f"{part.replace('_', ' ')} {n:,} B" for part, n in result["unattributed_bytes"].items()
-                          if part not in ("bytes", "peak") and n)
-        out.append(Finding("nothing hidden", name, False, f"the run left {unattributed:,} B no lane holds ({parts}: "
-                                                          "Python objects, malloc, mmap or a file mapping kept beside "
-                                                          "its tensors, or owner 0)"))
-    else:
-        out.append(Finding("nothing hidden", name, True, "nothing outside torch beyond a plain window's, nothing "
-                                                         "unattributed"))
-    return out
-
-
-def _sliding(name: str, cache, loaded) -> Finding:
-    specs = compat.layer_specs(loaded.config)
-    sliding = [s.index for s in specs if s.is_sliding]
-    wrong = [i for i in sliding if type(cache.layers[i]) is not SlidingLayer]
-    if not sliding:
-        return Finding("sliding layers", name, True, "none in this model")
-    if wrong:
-        return Finding("sliding layers", name, False, f"layers {wrong} are sliding-window layers the strategy "
-                                                      "replaced; allowed: leave them as the full cache keeps them")
-    return Finding("sliding layers", name, True, f"{len(sliding)} sliding-window layers left as the full cache's")
-
-
-def _against_full(name: str, r: dict, exact: bool) -> Finding:
-    """Tokens and K/V against the full cache; a strategy that claims exactness (the instance's `claims_exact`, not
-    the class's `exact`: the exact families decide by their settings) must keep both equal."""
-    match, kv = r["token_match"], r["kv_exact"]
-    words = (f"token match {match:.3f}, first divergence {r['first_divergence']}, K/V exact: "
-             f"{'n/a (lossy)' if kv is None else kv}")
-    if exact and (match != 1.0 or kv is not True):
-        return Finding("against the full cache", name, False, f"it claims exactness (claims_exact), so every token "
-                                                              f"and bit-equal K/V: {words}")
-    return Finding("against the full cache", name, True, words + (" (claims exactness)" if exact else ""))

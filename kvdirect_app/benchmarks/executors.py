@@ -36,17 +36,22 @@ a user error).
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
+import torch
+
 from ..plain.errors import UserError
+from ..strategies import external
 
 EXECUTORS = ("local", "ray")
 GPU_FRACTION = 0.25  # the default share of a GPU one cell asks Ray for; pass `resources` to change it
@@ -159,14 +164,8 @@ class Ticker:
 def _call(fn, cell: dict, threads: int):
     """Run one cell in a worker: the strategy files it carries made known, torch's threads pinned to the cell's CPU
     count first."""
-    from ..strategies.external import provided
-
-    cell = provided(cell)
-    try:
-        import torch
-    except ImportError:  # a cell function that needs no torch
-        torch = None
-    if torch is not None and threads >= 1 and torch.get_num_threads() != threads:
+    cell = external.provided(cell)
+    if threads >= 1 and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return fn(cell)
 
@@ -177,9 +176,6 @@ def _die_with(parent: int) -> None:
     signal), so that a run stopped with a signal leaves no worker computing a cell for nobody; where there is no
     such signal the pool's own shutdown is all there is."""
     if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the parent ended before the signal was asked for
             os._exit(1)
@@ -228,7 +224,7 @@ def _take(future, i: int, cells: list[dict], results: list, ticker: Ticker) -> C
 # --- ray: one task per cell -------------------------------------------------------------------------------------
 def _import_ray():
     try:
-        import ray
+        import ray  # lazy: optional (requirements-ray.txt), needed by --executor ray alone
     except ImportError:
         raise ExecutorError(RAY_MISSING) from None
     return ray
@@ -253,10 +249,8 @@ def _run_ray(fn, cells: list[dict], wants: list[dict], ticker: Ticker) -> list:
     try:
         if started and not address:
             _fits(wants, ray.cluster_resources(), ("num_gpus", "GPU"))
-        from ..strategies.external import carry
-
         task = ray.remote(_call)
-        cells = [carry(cell) for cell in cells]  # a strategy file a cell names travels with it
+        cells = [external.carry(cell) for cell in cells]  # a strategy file a cell names travels with it
         refs = [task.options(num_cpus=w["num_cpus"], num_gpus=w["num_gpus"]).remote(fn, cell,
                                                                                      max(1, int(round(w["num_cpus"]))))
                 for cell, w in zip(cells, wants)]

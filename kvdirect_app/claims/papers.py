@@ -4,7 +4,8 @@ Each claim has one or more figures: what it measures, the paper's value (a
 number or a range), the unit, the model it was measured on (where our notes
 name one), the direction in which it is a claim, the value at which the
 claimed effect vanishes, and the tolerance the verdict rule allows
-(`verdicts.judge`).  `sections` computes our figure under the same `key`.
+(`verdicts.judge`).  `sections` (one module per claim) computes our figure under
+the same `key`.
 """
 
 from __future__ import annotations

@@ -23,10 +23,12 @@ Plain forwards without a cache, the model's own kernels, on the device the model
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import plotly.graph_objects as go
+import torch
+
+from ..models import compat
+from ..models.threads import pin
 
 DONOR = ("Translate into French, word by word, and keep the punctuation: the old lighthouse keeper climbs the "
          "stairs every evening to light the lamp, and the ships pass safely through the narrow strait.")
@@ -36,16 +38,12 @@ RECIPIENT = ("Write a Python function that returns the sum of the squares of the
 
 def _kl(reference: torch.Tensor, other: torch.Tensor) -> float:
     """max over the given positions of KL(reference || other), in float64, from logits (positions, vocab)."""
-    import torch
-
     p = torch.log_softmax(reference.double(), dim=-1)
     q = torch.log_softmax(other.double(), dim=-1)
     return float((p.exp() * (p - q)).sum(-1).max())
 
 
 def _ids(loaded) -> tuple[torch.Tensor, torch.Tensor]:
-    import torch
-
     tok = loaded.tokenizer
     a, b = tok.encode(DONOR), tok.encode(RECIPIENT)
     n = min(len(a), len(b))
@@ -59,10 +57,6 @@ def measure(loaded, threads: int | None = None) -> dict:
     Returns a JSON-ready dict: model, dtype, device, tokens, per-layer rows {layer, kl, max_abs_dlogit,
     control_kl, control_max_abs_dlogit}, and the worst of each.
     """
-    import torch
-
-    from ..models.threads import pin
-
     previous = torch.get_num_threads()
     if threads:
         pin(threads)
@@ -73,10 +67,6 @@ def measure(loaded, threads: int | None = None) -> dict:
 
 
 def _measure(loaded, threads: int) -> dict:
-    import torch
-
-    from ..models import compat
-
     model = loaded.model
     layers = compat.decoder_layers(model)
     donor, recipient = _ids(loaded)
@@ -133,8 +123,6 @@ def _measure(loaded, threads: int) -> dict:
 def figure(results: list[dict], model: str):
     """KL per layer for the report's model and the real (not tiny) models: every position patched (0 at every
     layer where the claim holds) and the control (the last position only); the tiny families are in the table."""
-    import plotly.graph_objects as go
-
     fig = go.Figure()
     for r in [r for r in results if r["model"] == model or not r["model"].startswith("tiny-")]:
         layers = [row["layer"] for row in r["rows"]]

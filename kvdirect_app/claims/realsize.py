@@ -35,18 +35,25 @@ context (`distinct_new_tokens` in the result says how much).  A multimodal confi
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import time
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from ..engine.runner import Engine
 from ..models import compat
+from ..models.geometry import ModelGeometry, load_config
 from ..models.loading import LoadedModel, resolve_device, resolve_dtype
 from ..plain import rss
 from ..plain.catalog import PRESETS_DIR
 from ..plain.errors import UserError
+from ..strategies import parse_specs
 
 LABEL = "random weights at the real config"
 SEED = 1234
@@ -73,8 +80,6 @@ def config_path(config: str) -> Path:
 def text_config(path: Path):
     """The decoder's config from a config.json (a multimodal config's text part), with no special token ids:
     the prompt is random ids and decoding stops at the token limit alone."""
-    from ..models.geometry import load_config
-
     cfg = compat.text_config(load_config(json.loads(path.read_text())))
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(cfg, key, None)
@@ -84,10 +89,7 @@ def text_config(path: Path):
 def id_tokenizer(vocab_size: int):
     """A word-level tokenizer over the whole vocabulary, id i written ``<i>``, built in memory: lets the engine
     show (and a test read) any id the model can emit; it has no special tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel(vocab={f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+    tok = Tokenizer(WordLevel(vocab={f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
@@ -149,14 +151,10 @@ def fill_random(model: torch.nn.Module, seed: int, std: float) -> dict:
 def random_model(config: str, dtype: str = "bfloat16", device: str = "cpu", seed: int = SEED) -> LoadedModel:
     """The model of a public config with seeded random weights (the module docstring says how), wrapped as the
     engine takes it, with a tokenizer over its whole vocabulary."""
-    from transformers import AutoModelForCausalLM
-
-    from ..models.compat import no_init_weights
-
     path = config_path(config)
     torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)
     cfg = text_config(path)
-    with no_init_weights():  # the module tree only: every parameter is filled below, once
+    with compat.no_init_weights():  # the module tree only: every parameter is filled below, once
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
     model.tie_weights()  # skipped with the init: the head is the embedding again where the config ties them
     std = float(getattr(cfg, "initializer_range", 0.02) or 0.02)
@@ -241,10 +239,6 @@ def measure(config: str, dtype: str, prompt_tokens: int = 300, new_tokens: int =
     logits were finite and how many distinct ids it generated, `lanes` (spec -> `lane_verdict`) and `exact` (every
     lane's checks held).
     """
-    from ..engine.runner import Engine
-    from ..models.geometry import ModelGeometry
-    from ..strategies import parse_specs
-
     _check(prompt_tokens, new_tokens, threads, budget)
     started = time.perf_counter()
     loaded = random_model(config, dtype, device, seed)
@@ -311,8 +305,6 @@ def measure(config: str, dtype: str, prompt_tokens: int = 300, new_tokens: int =
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvdirect_app.claims.realsize CONFIG DTYPE [--prompt-tokens N] [--new-tokens N] [--threads N]
     [--json PATH]``: one measurement, printed as a table and written as JSON."""
-    import argparse
-
     p = argparse.ArgumentParser(prog="python -m kvdirect_app.claims.realsize", description=__doc__.splitlines()[0])
     p.add_argument("config", help="a config.json, or a bundled config's name: "
                                   + ", ".join(sorted(x.stem for x in CONFIGS_DIR.glob("*.json"))))

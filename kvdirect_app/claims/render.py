@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import plotly.graph_objects as go
+
 from ..plain.png import write_png
 from ..plain.units import fmt_bytes
+from . import recompute_report
 
 DETAILS = "## Details"
 
@@ -185,7 +188,7 @@ def _details(results: dict) -> list[str]:
 
 
 def _resumed(results: dict) -> str:
-    """What of the run was taken from an earlier one that did not end (`reproduce.gather`'s `kept`)."""
+    """What of the run was taken from an earlier one that did not end (`cells.gather`'s `kept`)."""
     kept = [c for c in results["cells"] if isinstance(c.get("resumed"), dict)]
     if not kept:
         return f" at commit {results['commit']}" if results.get("commit") else ""
@@ -207,9 +210,8 @@ def render(results: dict) -> str:
 
 
 def figures(results: dict) -> dict:
-    import plotly.graph_objects as go
-
-    from . import patching, recompute
+    """The report's plots: token match against budget (the recall sweep), recompute vs read, residual patching."""
+    from . import patching  # lazy: it imports torch; the UI loads this module (and never plots) without it
 
     rows = results["sections"]["agreement"]["rows"]
     fig = go.Figure()
@@ -221,7 +223,7 @@ def figures(results: dict) -> dict:
                       xaxis=dict(title="budget (tokens of K/V kept)", type="log"),
                       yaxis=dict(title="token match", range=[0, 1.05]), font=dict(size=16), template="plotly_white")
     cell = next(c for c in results["cells"] if c["section"] == "recompute")
-    return {"agreement": fig, "recompute": recompute.figure(cell["json"]),
+    return {"agreement": fig, "recompute": recompute_report.figure(cell["json"]),
             "patching": patching.figure(results["sections"]["patching"]["runs"], results["model"])}
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..benchmarks.executors import check_executor
-from ..claims import render, reproduce
+from ..claims import cells, render, reproduce
 from ..engine import validate
 from ..models.loading import presets
 from .common import THREADS, WORKERS, CliError
@@ -37,11 +37,11 @@ def cmd_reproduce(args) -> int:
     if out.exists() and not out.is_dir():
         raise CliError(f"--out: {args.out!r} is a file; allowed: a folder (created if absent)")
     print(f"reproduce: {args.model}, {'quick' if args.quick else 'full'}, executor {args.executor}…", file=sys.stderr)
-    results = reproduce.gather(args.model, args.quick, args.executor, device=args.device, workers=args.workers,
-                               threads=args.threads, say=lambda line: print(line, file=sys.stderr, flush=True),
-                               kept=out / reproduce.KEPT)
+    results = cells.gather(args.model, args.quick, args.executor, device=args.device, workers=args.workers,
+                           threads=args.threads, say=lambda line: print(line, file=sys.stderr, flush=True),
+                           kept=out / cells.KEPT)
     paths = render.write(results, out)
-    reproduce.forget(out / reproduce.KEPT)
+    cells.forget(out / cells.KEPT)
     print(render.render(results).split(render.DETAILS)[0])
     print(f"wrote {', '.join(str(p) for p in paths)} in {results['seconds']:.0f} s")
     return 0

@@ -10,7 +10,7 @@ convention, nominal) and the measured one beside it (1 - the bytes held after th
 the measured bytes held after the answer and the peak during it, then the needle map (context x depth) per
 strategy; says whether every exact strategy's answers equalled the full cache's in every cell (checked
 token for token; the exit status is 1 if one did not).  With --multiturn each cell is a conversation (turn 1 a
-context with a needle per turn, every turn asking about another; `generate.conversation`) and the score is
+context with a needle per turn, every turn asking about another; `task_suite.conversation`) and the score is
 printed by turn as well.
 """
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 
+from ..benchmarks import task_suite
 from ..benchmarks.api import TasksConfig, tasks
 from ..benchmarks.executors import EXECUTORS
-from ..benchmarks.task_suite import generate
 from ..benchmarks.task_suite.scores import DEFAULT, MULTITURN, MULTITURN_QUICK, QUICK
 from ..plain.units import fmt, fmt_bytes, table
 from .common import THREADS, TOKENS, WORKERS, whole, write_json
@@ -110,7 +110,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--contexts", help=f"comma-separated prompt lengths in tokens (default {DEFAULT['contexts']}; "
                                       f"--quick {QUICK['contexts']}); at most the model's context")
     p.add_argument("--depths", help=f"comma-separated needle depths, percent 0..100 (default {DEFAULT['depths']})")
-    p.add_argument("--tasks", help=f"comma-separated, from {', '.join(generate.TASKS)} (default "
+    p.add_argument("--tasks", help=f"comma-separated, from {', '.join(task_suite.TASKS)} (default "
                                    f"{DEFAULT['tasks']}; --quick {QUICK['tasks']})")
     p.add_argument("--samples", type=whole(1, 1000, "samples per cell"), default=None, help="seeds per task x context x depth (default 1), or "
                                                              f"conversations per task x context with --multiturn "
@@ -119,14 +119,14 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="conversations: turn 1 carries a context with a needle (or, --haystack document with qa, the "
                         "report) per turn and asks about one; each later turn asks about another, answered from turn "
                         "1 alone, the cache carried over; scored per turn. Tasks from "
-                        f"{', '.join(generate.MULTITURN_TASKS)} (default {MULTITURN['tasks']}, ratios "
+                        f"{', '.join(task_suite.MULTITURN_TASKS)} (default {MULTITURN['tasks']}, ratios "
                         f"{MULTITURN['ratios']}, contexts {MULTITURN['contexts']}; --quick: " + "; ".join(
                             f"{k} {v}" for k, v in MULTITURN_QUICK.items()) + ")")
     p.add_argument("--asked", default=None,
                    help="with --multiturn: comma-separated turns that ask about turn 1, one needle each (e.g. 5,10,20); "
                         "the others are the twenty-turn scenario's chat, scored by nothing (default: every turn asks)")
-    p.add_argument("--turns", type=whole(2, generate.MAX_TURNS, "turns per conversation"), default=None,
-                   help=f"with --multiturn: turns per conversation, 2..{generate.MAX_TURNS} (default "
+    p.add_argument("--turns", type=whole(2, task_suite.MAX_TURNS, "turns per conversation"), default=None,
+                   help=f"with --multiturn: turns per conversation, 2..{task_suite.MAX_TURNS} (default "
                         f"{MULTITURN['turns']})")
     p.add_argument("--question", default=None, choices=None,
                    help="where the question is read: after (the context compressed alone, then the question and the "
@@ -139,7 +139,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "to turn, as in a conversation) or drop (every question from the compressed context, the "
                         "earlier questions and answers cut: kvpress's multi-question mode; needs --question after)")
     p.add_argument("--seed", type=whole(), default=0, help="the first seed")
-    p.add_argument("--haystack", default="noise", help=f"one of {', '.join(generate.HAYSTACKS)}")
+    p.add_argument("--haystack", default="noise", help=f"one of {', '.join(task_suite.HAYSTACKS)}")
     p.add_argument("--quick", action="store_true", help="the quick grid (" + "; ".join(
         f"{k} {v}" for k, v in QUICK.items()) + ")")
     p.add_argument("--dtype", default="float32")

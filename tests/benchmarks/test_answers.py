@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from kvdirect_app.benchmarks import api as benchmarks
-from kvdirect_app.benchmarks.task_suite import generate as g
+from kvdirect_app.benchmarks import task_suite as g
 from kvdirect_app.cli import main
 from kvdirect_app.engine.runner import Engine
 from kvdirect_app.models.loading import load_model

@@ -1,4 +1,5 @@
-"""The RULER-style task generators (kvdirect_app/benchmarks/task_suite/generate.py) and the long document's QA set (tasks/qa.py),
+"""The RULER-style task generators (kvdirect_app/benchmarks/task_suite: single_turn.py, multi_turn.py,
+haystack.py) and the long document's QA set (tasks/qa.py),
 on SmolLM2's tokenizer alone (no model): determinism, needle depth, prompt length, the QA set against the file,
 the scores, the one-line errors."""
 
@@ -7,7 +8,7 @@ import re
 
 import pytest
 
-from kvdirect_app.benchmarks.task_suite import generate as g
+from kvdirect_app.benchmarks import task_suite as g
 from kvdirect_app.benchmarks.task_suite import qa
 from kvdirect_app.benchmarks.task_suite.tokenizer import tokenizer_for
 

@@ -251,7 +251,7 @@ def tiny_multi():
 
 @pytest.mark.check
 def test_a_conversation_runs_turn_by_turn_each_turn_scored_and_exact_lanes_equal_the_full_cache(tiny_multi):
-    from kvdirect_app.benchmarks.task_suite import generate
+    from kvdirect_app.benchmarks.task_suite import multi_turn
     from kvdirect_app.models.loading import load_model
 
     out = tiny_multi
@@ -261,13 +261,13 @@ def test_a_conversation_runs_turn_by_turn_each_turn_scored_and_exact_lanes_equal
         ("niah_single_number", 512, 0, None), ("niah_single_number", 512, 1, None)]
     loaded = load_model("tiny-llama", progress=lambda msg: None)
     for cell in out["cells"]:
-        conv = generate.conversation("niah_single_number", loaded.tokenizer, 512, 3, cell["seed"], chat=loaded.chat)
+        conv = multi_turn.conversation("niah_single_number", loaded.tokenizer, 512, 3, cell["seed"], chat=loaded.chat)
         assert [(t["question"], t["references"], t["needle_depth"]) for t in cell["turns"]] == [
             (t.question, list(t.answers), t.needle_depth) for t in conv.turns]
         full = cell["lanes"]["full"]
         for spec, lane in cell["lanes"].items():
             assert len(lane["replies"]) == 3 and lane["reply"] == lane["replies"][0]
-            assert lane["scores"] == generate.score_turns(conv, lane["replies"])
+            assert lane["scores"] == multi_turn.score_turns(conv, lane["replies"])
             assert lane["score"] == pytest.approx(sum(lane["scores"]) / 3)
             if lane["exact"]:
                 assert lane["equal_full_turns"] == [True] * 3 and lane["replies"] == full["replies"]

@@ -143,7 +143,7 @@ def test_the_committed_run_renders_with_the_verdicts_its_numbers_give(committed)
     """Every claim's verdict on the committed run as worked out by hand (`COMMITTED_VERDICTS`), and the replay's
     note on either side of the pass ratio, on the committed numbers and on round ones written here.
 
-    Mutation that fails it: the replay note's two per-pass costs swapped (`sections._replay`'s else branch printing
+    Mutation that fails it: the replay note's two per-pass costs swapped (`sections.cascade_replay.build`'s else branch printing
     the naive pass's ms as the cascade's and the other way round): the old test recomputed only which note to
     expect, not its numbers."""
     assert verdicts(committed) == COMMITTED_VERDICTS
@@ -219,7 +219,7 @@ def test_claim_2_is_judged_on_kv_directs_own_lane(committed, tmp_path, capsys):
     The MHA model's row (r = 0.5) is checked against its own numbers, worked out by hand: the full cache peaks at
     489,017 B, KV-Direct's lane at 537,841 B, 0.909x, not above 1.1x: does not hold.  Mutation that fails that
     part: the full cache's lane looked up among every model's rows instead of the model's own (`full = next(...
-    for r in rows ...)` in `sections._turns20`), which makes the MHA ratio 30,837,264 / 537,841 = 57.3x (holds);
+    for r in rows ...)` in `sections.twenty_turns.build`), which makes the MHA ratio 30,837,264 / 537,841 = 57.3x (holds);
     the old test required only some ratio above 0 and any verdict."""
     own = copy.deepcopy(committed)
     set_peak_ratio(own, 10.0, prefix="kvdirect")
@@ -438,7 +438,7 @@ def test_exactness_counts_only_runs_that_rebuilt(committed):
     forwards' of every run, the rebuilds' of the counted runs only.
 
     Mutation that fails it: the note's exact rebuilds read from every run (`rows`) instead of the counted ones
-    (`sections._exactness`): the fast lane's "native" joins them; the old test checked the forwards' kernels
+    (`sections.exactness.build`): the fast lane's "native" joins them; the old test checked the forwards' kernels
     against its own recomputation and never the rebuilds'."""
     hand = copy.deepcopy(committed)
     hand["cells"] = [c for c in hand["cells"] if c["section"] != "exactness"] + [
@@ -832,7 +832,7 @@ def test_the_twenty_turn_section_scores_answers_at_turns_5_10_and_20_from_the_mu
     """Hand-made: a 20-turn conversation cell whose lane scores n/100 at turn n (the full cache 1 at every turn):
     the section reads turns 5, 10 and 20, i.e. 0.05, 0.10, 0.20 (an index off by one would read 0.06...);
     the note names the lane's equal answers.  Without the cell the section says it was not measured."""
-    from kvdirect_app.claims import sections
+    from kvdirect_app.claims.sections import twenty_turns
 
     by_turn = {"full": [{"turn": n, "score": 1.0, "answers_equal_full": 1, "n": 1} for n in range(1, 21)],
                "anchorkv:budget=32": [{"turn": n, "score": 1.0, "answers_equal_full": 1, "n": 1} for n in range(1, 21)],
@@ -843,12 +843,12 @@ def test_the_twenty_turn_section_scores_answers_at_turns_5_10_and_20_from_the_mu
     cell = {"kind": "tasks", "section": "turns20", "json": {
         "model": "m", "turns": 20, "cells": [{}], "contexts": [1024], "budgets": [32], "by_turn": by_turn,
         "rows": rows, "exact_answers_equal_full": True}}
-    a = sections._answers20({"cells": [cell]})
+    a = twenty_turns.answer_scores({"cells": [cell]})
     lanes = {r["strategy"]: r for r in a["lanes"]}
     assert a["at"] == [5, 10, 20] and lanes["h2o:budget=32"]["scores"] == [0.05, 0.10, 0.20]
     assert lanes["anchorkv:budget=32"]["equal_full"] == 20 and lanes["h2o:budget=32"]["equal_full"] == 1
-    note = sections._answers_note(a, "anchorkv")
+    note = twenty_turns.answers_note(a, "anchorkv")
     assert "turns 5/10/20" in note and "anchorkv:budget=32 1/1/1, 20 of 20 answers equal" in note
     assert "h2o 0.05/0.1/0.2" in note
-    assert sections._answers20({"cells": []}) is None
-    assert "not measured" in sections._answers_note(None, "kvdirect")
+    assert twenty_turns.answer_scores({"cells": []}) is None
+    assert "not measured" in twenty_turns.answers_note(None, "kvdirect")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvdirect_app.claims import recompute as rc
+from kvdirect_app.claims.verdicts import SIZE_TOLERANCE
 from kvdirect_app.models import compat
 
 from ..conftest import tiny
@@ -107,7 +108,7 @@ def _rule(result) -> str:
     best = max(r["speedup"] for r in rows)
     host = [r["host_speedup"] for r in rows if r.get("host_speedup") is not None]
     top = max([best, *host])
-    if top >= rc.PAPER_SPEEDUP * (1 - rc.SIZE_TOLERANCE):
+    if top >= rc.PAPER_SPEEDUP * (1 - SIZE_TOLERANCE):
         return "holds"
     return "holds in direction, not in size" if top > 1 else "does not hold here"
 

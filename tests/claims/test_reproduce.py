@@ -8,7 +8,7 @@ import re
 import pytest
 
 from kvdirect_app import bench
-from kvdirect_app.claims import papers, render, reproduce
+from kvdirect_app.claims import cells, papers, render, reproduce
 from kvdirect_app.claims.verdicts import DIRECTION_ONLY, FAILS, HOLDS, NOT_MEASURED, VERDICTS
 from kvdirect_app.plain.units import fmt_bytes
 
@@ -37,7 +37,7 @@ def allowed_numbers(results: dict) -> set[str]:
     sentences the report derives (reasons, notes: `DERIVED`).
 
     Mutation that fails `test_every_number_in_the_report_comes_from_results_json`: a number hard-coded into a
-    reason or note (e.g. `sections._turns20` appending "about 4711.5x in the paper's setting")."""
+    reason or note (e.g. `sections.twenty_turns.build` appending "about 4711.5x in the paper's setting")."""
     seen = set()
 
     def walk(x):
@@ -248,7 +248,7 @@ def test_a_run_that_did_not_end_resumes_from_its_finished_cells(report, tmp_path
     finds there as they are (marked resumed, named in the report) and runs the rest, a cell planned otherwise
     included; the folder is gone once results.json is written."""
     out, results, _ = report
-    assert not (out / reproduce.KEPT).exists()  # the fixture's run ended: nothing kept
+    assert not (out / cells.KEPT).exists()  # the fixture's run ended: nothing kept
     planned = reproduce.plan(MODEL, True, "auto", 1)
     finished = {c["name"]: c for c in results["cells"]}
     missing, other = [c["name"] for c in planned if c["kind"] == "breakeven"][:2]  # arithmetic: fast to run again
@@ -259,7 +259,7 @@ def test_a_run_that_did_not_end_resumes_from_its_finished_cells(report, tmp_path
         done["env"] = {**done["env"], "processor": "kept by the earlier run"}
         if c["name"] == other:  # kept with other settings than planned now: run again
             c = {**c, "config": {**c["config"], "dtype": "float32"}}
-        reproduce._keep(tmp_path / reproduce.KEPT, c, done, "0123abcd")
+        cells._keep(tmp_path / cells.KEPT, c, done, "0123abcd")
     assert bench.main(["reproduce", "--model", MODEL, "--quick", "--out", str(tmp_path)]) == 0
     assert f"resuming: {len(planned) - 2} of {len(planned)} cells kept in" in capsys.readouterr().err
     again = json.loads((tmp_path / "results.json").read_text())
@@ -275,7 +275,7 @@ def test_a_run_that_did_not_end_resumes_from_its_finished_cells(report, tmp_path
 
     assert (f"({len(planned) - 2} of them resumed from a run that did not end, their time not counted)"
             in cards_html(reproduce.load(tmp_path)))
-    assert not (tmp_path / reproduce.KEPT).exists()
+    assert not (tmp_path / cells.KEPT).exists()
 
 
 def test_quick_runs_its_knobs_and_says_what_it_leaves_out(report):
@@ -351,7 +351,7 @@ def test_the_full_plans_equal_memory_sweep_runs_and_takes_its_target_from_anchor
     lane = sweep["config"]["target"]
     assert lane in run["config"]["strategies"].split(",") and lane.startswith("anchorkv:") and "rebuild=step" in lane
     assert sweep["config"]["max_new_tokens"] == run["config"]["max_new_tokens"]
-    out = reproduce.run_cell(sweep)["json"]
+    out = cells.run_cell(sweep)["json"]
     assert out["probes"][0]["strategy"] == lane and out["target_bytes"] == out["probes"][0]["state_bytes"]["peak"] > 0
     assert [r["strategy"] for r in out["rows"]] == reproduce.EVICTION
     for row in out["rows"]:

@@ -10,7 +10,7 @@ A reply is right when it contains any accepted form as a whole word or phrase (c
 in "a red band", not in "entered"): RULER's string_match_part, with word boundaries, since some answers here are
 short words and numbers.
 
-How a QA sample's context is built (`generate.sample("qa", ...)`) is described there: the fact's paragraph is the
+How a QA sample's context is built (`single_turn.sample("qa", ...)`) is described there: the fact's paragraph is the
 needle; with the "document" haystack it sits in a window of the document (the other paragraphs, in order, repeated
 as needed), with the "noise" haystack in RULER's noise.
 """

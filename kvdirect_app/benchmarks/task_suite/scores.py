@@ -1,9 +1,9 @@
 """Task scores: what a cache strategy costs in answers (`bench tasks`, the Tasks tab, claim 9).
 
-A cell is one generated sample (`generate.sample`: a task, a context length, a needle depth, a seed): its
+A cell is one generated sample (`single_turn.sample`: a task, a context length, a needle depth, a seed): its
 prompt is fed once to every strategy in lockstep with the full cache (`Engine`; lanes that have not diverged
 share the prompt's forward, `lockstep.py`), each lane answers greedily, and each answer is scored against the
-sample's references (`generate.score`: RULER's string_match_all, containment for the QA set).  Every strategy
+sample's references (`single_turn.score`: RULER's string_match_all, containment for the QA set).  Every strategy
 runs at every budget (`:budget=B` appended, as `bench sweep` does); an exact strategy's answer is compared with
 the full cache's token for token in every cell (`equal_full`), never assumed.  Cells are independent: in this
 process, or on the local pool or Ray (`executors.run_cells`).
@@ -17,7 +17,7 @@ whole layers, or more than its budget, shows here what the nominal ratio cannot)
 the answer (what the budget buys; the frontier's axis) and peak during it (for an evicting strategy, the whole
 prompt's K/V before it is trimmed); per strategy and budget, the score by context and depth (the needle heatmap).
 
-With --multiturn a cell is a conversation (`generate.conversation`): every lane answers each turn in lockstep with
+With --multiturn a cell is a conversation (`multi_turn.conversation`): every lane answers each turn in lockstep with
 the full cache, its cache carried over between turns as in the app (SnapKV and PyramidKV compress each user turn's
 prompt); each turn is scored, an exact lane's every turn compared with the full cache's, and the summary adds each
 lane's score by turn (`by_turn`).
@@ -42,7 +42,7 @@ from ...plain.limits import limits
 from ...plain.recording import commit, today
 from ...strategies import StrategyError, parse_spec
 from ..executors import Ticker, check_executor, run_cells
-from . import generate
+from . import haystack, multi_turn, single_turn
 
 ANSWER_TOKENS = 64  # the memory guard's bound on an answer (every task's max_new_tokens is below it)
 # The grids (`bench tasks` without, and with, --quick); a setting given on the command line replaces its entry, and
@@ -113,7 +113,7 @@ class Plan:
     history: str | None = None  # HISTORIES with --multiturn, else None
 
     def depths_for(self, task: str) -> list[int | None]:
-        return [None] if task in generate.DEPTHLESS or self.turns else self.depths
+        return [None] if task in haystack.DEPTHLESS or self.turns else self.depths
 
     def tokens(self, context: int) -> int:
         """A cell's longest conversation in tokens: the prompt, then every turn's question and answer."""
@@ -124,8 +124,8 @@ def plan(config) -> Plan:
     """The grid a `TasksConfig` asks for, every setting checked (one line each); `quick` fills the unset ones."""
     multi = config.multiturn
     q = (MULTITURN_QUICK if config.quick else MULTITURN) if multi else QUICK if config.quick else DEFAULT
-    tasks = _names("tasks", config.tasks or q["tasks"], generate.MULTITURN_TASKS if multi else generate.TASKS)
-    contexts = _ints("contexts", config.contexts or q["contexts"], generate.MIN_CONTEXT, 1 << 20, "tokens of prompt")
+    tasks = _names("tasks", config.tasks or q["tasks"], multi_turn.MULTITURN_TASKS if multi else haystack.TASKS)
+    contexts = _ints("contexts", config.contexts or q["contexts"], haystack.MIN_CONTEXT, 1 << 20, "tokens of prompt")
     if multi and config.depths:
         raise TaskError("depths: not a setting of --multiturn (each turn asks about its own needle, the needles "
                         "spread from 0 to 100 percent of the context); allowed: leave it out")
@@ -133,7 +133,7 @@ def plan(config) -> Plan:
                                     "percent of the context before the needle")
     if config.turns is not None and not multi:
         raise TaskError("turns: a setting of --multiturn; allowed: leave it out, or add --multiturn")
-    turns = (_ints("turns", str(q["turns"] if config.turns is None else config.turns), 2, generate.MAX_TURNS,
+    turns = (_ints("turns", str(q["turns"] if config.turns is None else config.turns), 2, multi_turn.MAX_TURNS,
                    "turns per conversation")[0] if multi else None)
     # The grids have ratios, not budgets: --budgets alone replaces them.
     ratio_text = config.ratios or (q["ratios"] if not config.budgets else None)
@@ -150,8 +150,8 @@ def plan(config) -> Plan:
                         "cell), or leave it out")
     if samples < 1 or samples > 1000:
         raise TaskError(f"samples: {samples} is not allowed; allowed: 1..1000 per cell")
-    if config.haystack not in generate.HAYSTACKS:
-        raise TaskError(f"haystack: {config.haystack!r} is not allowed; allowed: {', '.join(generate.HAYSTACKS)}")
+    if config.haystack not in haystack.HAYSTACKS:
+        raise TaskError(f"haystack: {config.haystack!r} is not allowed; allowed: {', '.join(haystack.HAYSTACKS)}")
     names = [n.strip() for n in config.strategies.split(",") if n.strip() and n.strip() != "full"]
     if len(set(names)) != len(names):
         raise TaskError("strategies: a name is listed twice")
@@ -229,19 +229,19 @@ def task_cell(cell: dict) -> dict:
     after, drop = cell["question"] == "after", cell.get("history") == "drop"
     if cell.get("turns"):
         asked = tuple(cell["asked"]) if cell.get("asked") else None
-        conv = generate.conversation(cell["task"], tok, cell["context"], cell["turns"], cell["seed"],
-                                     haystack=cell["haystack"], chat=loaded.chat, asked=asked)
+        conv = multi_turn.conversation(cell["task"], tok, cell["context"], cell["turns"], cell["seed"],
+                                       haystack=cell["haystack"], chat=loaded.chat, asked=asked)
         first = next(t for t in conv.turns if t.answers)
-        (context, question), turns, max_new = generate.conversation_parts(conv, tok), conv.turns, conv.max_new_tokens
-        scored = lambda replies: generate.score_turns(conv, replies)
+        (context, question), turns, max_new = multi_turn.conversation_parts(conv, tok), conv.turns, conv.max_new_tokens
+        scored = lambda replies: multi_turn.score_turns(conv, replies)
         about = {"depth": None, "needle_depth": first.needle_depth, "references": list(first.answers),
                  "turns": [{"turn": n + 1, "question": t.question, "references": list(t.answers),
                             "needle_depth": t.needle_depth} for n, t in enumerate(turns)]}
     else:
-        s = generate.sample(cell["task"], tok, cell["context"], cell["depth"], cell["seed"],
-                            haystack=cell["haystack"], chat=loaded.chat)
-        (context, question), turns, max_new = generate.prompt_parts(s, tok), [s], s.max_new_tokens
-        scored = lambda replies: [generate.score(s, replies[0])]
+        s = single_turn.sample(cell["task"], tok, cell["context"], cell["depth"], cell["seed"],
+                               haystack=cell["haystack"], chat=loaded.chat)
+        (context, question), turns, max_new = single_turn.prompt_parts(s, tok), [s], s.max_new_tokens
+        scored = lambda replies: [single_turn.score(s, replies[0])]
         about = {"depth": s.depth, "needle_depth": s.needle_depth, "references": list(s.answers)}
     ids = context + question
     compressed = len(context) if after else len(ids)  # what a lane at a ratio compresses
@@ -262,7 +262,7 @@ def task_cell(cell: dict) -> dict:
                 how = (dict(ids=context, question=question, save_context=drop) if after and question else
                        dict(ids=ids))
             elif drop:  # every later question from the compressed context, the earlier answers cut
-                how = dict(question=generate.question_ids(conv, tok, n), from_context=True)
+                how = dict(question=multi_turn.question_ids(conv, tok, n), from_context=True)
             else:
                 how = dict(answer_prefix=turn.answer_prefix)
             for _ in engine.turn(turn.user, **how):
@@ -277,7 +277,7 @@ def task_cell(cell: dict) -> dict:
         equal = [a == b for a, b in zip(r["turn_token_ids"], full["turn_token_ids"])]
         multi = {}
         if len(turns) > 1:  # with the history kept, an answer that stood in the lane's own earlier replies is a copy
-            own, copied = (generate.score_turns_from_context(conv, replies) if not drop else
+            own, copied = (multi_turn.score_turns_from_context(conv, replies) if not drop else
                            (scores, [False] * len(scores)))
             multi = {"replies": replies, "scores": scores, "equal_full_turns": equal, "scores_from_context": own,
                      "copied_turns": copied, "copies": sum(copied),
@@ -433,9 +433,9 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
     if longest >= loaded.max_context:
         more = longest - top
         room = loaded.max_context - 1 - more  # the longest context that leaves room for the answers
-        if room < generate.MIN_CONTEXT:  # no context fits beside the answers: the turns are what to cut
-            fits = max((t for t in range(2, generate.MAX_TURNS + 1)
-                        if replace(p, turns=t).tokens(generate.MIN_CONTEXT) < loaded.max_context), default=None)
+        if room < haystack.MIN_CONTEXT:  # no context fits beside the answers: the turns are what to cut
+            fits = max((t for t in range(2, multi_turn.MAX_TURNS + 1)
+                        if replace(p, turns=t).tokens(haystack.MIN_CONTEXT) < loaded.max_context), default=None)
             raise TaskError(f"turns: {p.turns} turns' questions and answers ({more} tokens) leave no room for a "
                             f"context in {config.model}'s context of {loaded.max_context} tokens; allowed: "
                             + (f"up to {fits} turns" if fits else "a model with a longer context"))
@@ -448,11 +448,11 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
     guard.check(est, loaded.device)
     for task in p.tasks:  # a context too small for a task's needles and question: one line before any cell runs
         if p.turns:
-            generate.conversation(task, loaded.tokenizer, min(p.contexts), p.turns, p.seeds[0], config.haystack,
-                                  chat=loaded.chat, asked=tuple(p.asked) if p.asked else None)
+            multi_turn.conversation(task, loaded.tokenizer, min(p.contexts), p.turns, p.seeds[0], config.haystack,
+                                    chat=loaded.chat, asked=tuple(p.asked) if p.asked else None)
         else:
-            generate.sample(task, loaded.tokenizer, min(p.contexts), p.depths_for(task)[0], p.seeds[0],
-                            config.haystack, chat=loaded.chat)
+            single_turn.sample(task, loaded.tokenizer, min(p.contexts), p.depths_for(task)[0], p.seeds[0],
+                               config.haystack, chat=loaded.chat)
     threads = config.threads if config.threads is not None else (
         1 if config.executor == "local" else torch.get_num_threads())
     what = (f"{p.turns} turns" + (f" asking at {'/'.join(map(str, p.asked))}" if p.asked else "")) if p.turns else \

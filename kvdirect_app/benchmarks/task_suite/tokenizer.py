@@ -4,24 +4,24 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from transformers import AutoTokenizer
+
+from ...models import model_cache
+from ...models.loading import DTYPES, ModelError, byte_tokenizer, gguf_location
+from ...plain.catalog import presets
+from .haystack import SampleError
+
 
 @lru_cache(maxsize=None)
 def tokenizer_for(preset: str):
     """A preset's tokenizer: the model cache's copy where `make install` left one (under a second), else read
     from the preset's GGUF file (seconds); a tiny preset's byte-level tokenizer.  Shared: do not modify it."""
-    from ...models import model_cache
-    from ...models.loading import DTYPES, ModelError, byte_tokenizer, gguf_location
-    from ...plain.catalog import presets
-    from .generate import SampleError
-
     table = presets()
     if preset not in table:
         raise SampleError(f"preset: {preset!r} is not allowed; allowed: {', '.join(table)}")
     p = table[preset]
     if p["kind"] == "tiny":
         return byte_tokenizer()
-    from transformers import AutoTokenizer
-
     for dtype in DTYPES.values():  # every dtype's copy holds the same tokenizer files
         folder = model_cache.folder(preset, p, dtype)
         if folder is not None and (folder / "tokenizer.json").is_file():
