@@ -29,17 +29,19 @@ def main() -> None:
     ids = torch.tensor([tokenizer.encode("The locker code is 4127. Please remember it.")])
     greedy = dict(max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False, pad_token_id=0)
 
-    reference = model.generate(ids, cache=DynamicCache(config=model.config), **greedy)[0, ids.shape[1]:].tolist()
+    reference = model.generate(ids, cache=DynamicCache(config=model.config), **greedy)[0, ids.shape[1] :].tolist()
     print(f"{args.model}: {len(reference)} tokens with transformers' DynamicCache")
     for spec in SPECS:
         with strategy_cache(model, spec, verify=True) as cache:  # the taps are on the model inside the block only
-            out = model.generate(ids, cache=cache, **greedy)[0, ids.shape[1]:].tolist()
+            out = model.generate(ids, cache=cache, **greedy)[0, ids.shape[1] :].tolist()
         r = cache.report()
         same = sum(a == b for a, b in zip(out, reference))
-        print(f"  {spec:<28} same tokens {same:>2}/{len(reference)}  held {fmt_bytes(r['bytes']['held_last']):>9} "
-              f"(formula {fmt_bytes(r['bytes']['formula_last'])}), between turns "
-              f"{fmt_bytes(r['bytes']['formula_between_turns']):>9}  rebuilt {r['rebuilt_token_layers']:>5}, "
-              f"evicted {r['evicted_token_layers']:>4} token-layers  verified exact: {r['verified']['exact']}")
+        print(
+            f"  {spec:<28} same tokens {same:>2}/{len(reference)}  held {fmt_bytes(r['bytes']['held_last']):>9} "
+            f"(formula {fmt_bytes(r['bytes']['formula_last'])}), between turns "
+            f"{fmt_bytes(r['bytes']['formula_between_turns']):>9}  rebuilt {r['rebuilt_token_layers']:>5}, "
+            f"evicted {r['evicted_token_layers']:>4} token-layers  verified exact: {r['verified']['exact']}"
+        )
         if r["claims_exact"] and (out != reference or not r["verified"]["exact"]):
             raise SystemExit(f"{spec}: an exact strategy handed attention other K/V or generated other tokens")
 

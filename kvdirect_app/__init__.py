@@ -33,8 +33,14 @@ import os
 
 __version__ = "0.4.0"  # pyproject.toml's (a test checks they agree)
 
-for _name, _value in (("MKL_DYNAMIC", "FALSE"), ("OMP_DYNAMIC", "FALSE"), ("OMP_WAIT_POLICY", "PASSIVE"),
-                      ("GOMP_SPINCOUNT", "300000"), ("KINETO_LOG_LEVEL", "6"), ("TORCH_CPP_LOG_LEVEL", "ERROR")):
+for _name, _value in (
+    ("MKL_DYNAMIC", "FALSE"),
+    ("OMP_DYNAMIC", "FALSE"),
+    ("OMP_WAIT_POLICY", "PASSIVE"),
+    ("GOMP_SPINCOUNT", "300000"),
+    ("KINETO_LOG_LEVEL", "6"),
+    ("TORCH_CPP_LOG_LEVEL", "ERROR"),
+):
     os.environ.setdefault(_name, _value)
 
 __all__ = ["strategy_cache"]

@@ -10,6 +10,7 @@ the OpenMP workers beside it (torch's and the fixed-order kernels' team), the we
 and Chromium's processes.  With SCREENSHOT, the first screen (1280x720) after the last turn: the scoreboard with each
 pane's own figures and the step's wall time below them.  `--json` writes every figure (docs/perf.md renders them).
 """
+
 import argparse
 import json
 import os
@@ -54,8 +55,15 @@ def cpu_seconds() -> dict[tuple[str, int], float]:
         except OSError:
             continue
         name = names.get(int(task), "")
-        role = ("engine" if name.startswith("kvdirect-compute") else "handlers" if name.startswith("AnyIO") else
-                "server" if name else "openmp_workers")
+        role = (
+            "engine"
+            if name.startswith("kvdirect-compute")
+            else "handlers"
+            if name.startswith("AnyIO")
+            else "server"
+            if name
+            else "openmp_workers"
+        )
         out[role, int(task)] = seconds
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -86,19 +94,34 @@ def main(repeats: int, shot: str | None = None, json_out: str | None = None) -> 
             page.click("#kvd-send")
             page.wait_for_function(EVERY_PANE_HAS_A_TOKEN, timeout=300_000, polling=20)
             first = time.perf_counter() - t0
-            page.wait_for_function("document.querySelector('#kvd-status').innerText.match(/Done|failed|error/i)",
-                                   timeout=600_000, polling=250)  # the poll's own CPU stays small beside the app's
+            page.wait_for_function(
+                "document.querySelector('#kvd-status').innerText.match(/Done|failed|error/i)",
+                timeout=600_000,
+                polling=250,
+            )  # the poll's own CPU stays small beside the app's
             done = time.perf_counter() - t0
             after = cpu_seconds()
             cpu: dict[str, float] = {}
             for (role, ident), seconds in after.items():
                 cpu[role] = round(cpu.get(role, 0.0) + seconds - before.get((role, ident), 0.0), 2)
-            report["turns"].append({"first_token_s": round(first, 2), "send_to_done_s": round(done, 2),
-                                    "cpu_s": cpu, "cpu_offered_s": round(done * (os.cpu_count() or 1), 1)})
-            print(f"first token in every pane {first:.2f} s, Send to Done {done:.2f} s; "
-                  f"status: {page.inner_text('#kvd-status')}", flush=True)
-            print(f"  CPU s in the turn (of {done * (os.cpu_count() or 1):.1f} offered): "
-                  + ", ".join(f"{role} {s:.1f}" for role, s in sorted(cpu.items(), key=lambda kv: -kv[1])), flush=True)
+            report["turns"].append(
+                {
+                    "first_token_s": round(first, 2),
+                    "send_to_done_s": round(done, 2),
+                    "cpu_s": cpu,
+                    "cpu_offered_s": round(done * (os.cpu_count() or 1), 1),
+                }
+            )
+            print(
+                f"first token in every pane {first:.2f} s, Send to Done {done:.2f} s; "
+                f"status: {page.inner_text('#kvd-status')}",
+                flush=True,
+            )
+            print(
+                f"  CPU s in the turn (of {done * (os.cpu_count() or 1):.1f} offered): "
+                + ", ".join(f"{role} {s:.1f}" for role, s in sorted(cpu.items(), key=lambda kv: -kv[1])),
+                flush=True,
+            )
         steps = page.inner_text("#kvd-board")
         rows = ("every pane", "measurement", "unattributed", "step")
         print("the scoreboard's step rows:", " | ".join(line for line in steps.splitlines() if line.startswith(rows)))
@@ -111,34 +134,61 @@ def main(repeats: int, shot: str | None = None, json_out: str | None = None) -> 
         session = next(iter(demo.kvd_handlers.visitors.values()))  # before the tab closes and frees it
         app_ms = {label: session.lanes[label].turn_figures()["ms_per_token"] for label in session.shown}
         engine_s = (session.result or {}).get("turn_seconds", [])
-        print(f"the app's engine time of the last turn (first forward to last token): "
-              f"{engine_s[-1] if engine_s else float('nan'):.1f} s; the rest of Send to Done is the page's "
-              "(handler, Gradio, Chromium on the same cores)")
+        print(
+            f"the app's engine time of the last turn (first forward to last token): "
+            f"{engine_s[-1] if engine_s else float('nan'):.1f} s; the rest of Send to Done is the page's "
+            "(handler, Gradio, Chromium on the same cores)"
+        )
         shown = list(session.shown)
         browser.close()
     demo.close()
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "run.json"
-        subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "run", "--model", "smollm2-135m", "--prompt",
-                        PROMPT, "--max-new-tokens", "64", "--strategies", ",".join(shown), "--json", str(out)],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvdirect_app.bench",
+                "run",
+                "--model",
+                "smollm2-135m",
+                "--prompt",
+                PROMPT,
+                "--max-new-tokens",
+                "64",
+                "--strategies",
+                ",".join(shown),
+                "--json",
+                str(out),
+            ],
+            check=True,
+            capture_output=True,
+        )
         run = json.loads(out.read_text())
         cli = run["strategies"]
     print(f"bench run, same turn: engine time {sum(run['turn_seconds']):.1f} s")
-    report.update(app_engine_s=engine_s[-1] if engine_s else None, cli_engine_s=sum(run["turn_seconds"]),
-                  kernels=run["kernels"]["mode"], linears=run["kernels"].get("dots_path"),
-                  panes={label: {"app_ms_per_step": ms,
-                                 "cli_ms_per_step": cli[label]["latency_ms"]["decode_total_ms_mean"]}
-                         for label, ms in app_ms.items()},
-                  cli_steps={k: run["steps"][k] for k in ("wall_ms_mean", "lanes_ms_mean", "measurement_ms_mean",
-                                                          "unattributed_ms_mean")})
+    report.update(
+        app_engine_s=engine_s[-1] if engine_s else None,
+        cli_engine_s=sum(run["turn_seconds"]),
+        kernels=run["kernels"]["mode"],
+        linears=run["kernels"].get("dots_path"),
+        panes={
+            label: {"app_ms_per_step": ms, "cli_ms_per_step": cli[label]["latency_ms"]["decode_total_ms_mean"]}
+            for label, ms in app_ms.items()
+        },
+        cli_steps={
+            k: run["steps"][k] for k in ("wall_ms_mean", "lanes_ms_mean", "measurement_ms_mean", "unattributed_ms_mean")
+        },
+    )
     print(f"{'strategy':58s} {'app ms/step':>12s} {'CLI ms/step':>12s} {'app/CLI':>8s}")
     for label, ms in app_ms.items():
         c = cli[label]["latency_ms"]["decode_total_ms_mean"]
         print(f"{label:58s} {ms:12.1f} {c:12.1f} {ms / c:8.2f}")
     steps = run["steps"]
-    print(f"bench run per decode step: wall {steps['wall_ms_mean']:.0f} ms = lanes {steps['lanes_ms_mean']:.0f} + "
-          f"measurement {steps['measurement_ms_mean']:.0f} + unattributed {steps['unattributed_ms_mean']:.0f}")
+    print(
+        f"bench run per decode step: wall {steps['wall_ms_mean']:.0f} ms = lanes {steps['lanes_ms_mean']:.0f} + "
+        f"measurement {steps['measurement_ms_mean']:.0f} + unattributed {steps['unattributed_ms_mean']:.0f}"
+    )
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {json_out}")

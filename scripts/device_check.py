@@ -41,8 +41,10 @@ from kvdirect_app.kernels import invariant as K  # noqa: E402
 from kvdirect_app.models import load_model  # noqa: E402
 from kvdirect_app.strategies import parse_specs  # noqa: E402
 
-SEVEN = ("full,kvdirect:budget=64,anchorkv:spacing=30:budget=64:rebuild=step,h2o:budget=64,streaming_llm:budget=64,"
-         "snapkv:budget=64,tova:budget=64")
+SEVEN = (
+    "full,kvdirect:budget=64,anchorkv:spacing=30:budget=64:rebuild=step,h2o:budget=64,streaming_llm:budget=64,"
+    "snapkv:budget=64,tova:budget=64"
+)
 EXACT = "full,kvdirect:budget=16,anchorkv:spacing={s}:budget=16:rebuild=step"  # s: 7 on SmolLM2, 2 on a tiny model
 TURNS = ["What is the capital of France? Answer in one sentence.", "And of Italy?"]
 
@@ -64,8 +66,11 @@ def probe(device: str, out: dict):
         for shape in sorted(shapes):
             w = torch.randn(shape, device=device, dtype=dtype)
             v = probes.probe_linear(w, None, threads)
-            rows[f"{dtype} {shape}"] = {"proven": list(v.counts), "failed": list(v.failed),
-                                        "across_threads": v.across_threads}
+            rows[f"{dtype} {shape}"] = {
+                "proven": list(v.counts),
+                "failed": list(v.failed),
+                "across_threads": v.across_threads,
+            }
         verdict = probes.probe_attention_rows(64, dtype, device)
         attention = functools.partial(K.block_attention, rows=verdict)
         ok, why = probes.probe_attention(attention, 9, 3, 64, dtype, device, threads)
@@ -83,9 +88,17 @@ def exactness(device: str, out: dict, quick: bool):
             for kernels in ("invariant", "native"):
                 r = run_to_end(Engine(loaded, parse_specs(specs), max_new_tokens=10, kernels=kernels), TURNS)
                 table[f"{name} {dtype} {kernels}"] = {
-                    "ran": r["kernels"]["mode"], "reason": r["kernels"]["reason"],
-                    **{s: {"kv_exact": r["strategies"][s]["kv_exact"], "rebuilt": r["strategies"][s]["rebuilt_token_layers"],
-                           "digest": r["strategies"][s]["kv_digest"]} for s in specs.split(",")}}
+                    "ran": r["kernels"]["mode"],
+                    "reason": r["kernels"]["reason"],
+                    **{
+                        s: {
+                            "kv_exact": r["strategies"][s]["kv_exact"],
+                            "rebuilt": r["strategies"][s]["rebuilt_token_layers"],
+                            "digest": r["strategies"][s]["kv_digest"],
+                        }
+                        for s in specs.split(",")
+                    },
+                }
     out["exactness"] = table
 
 
@@ -95,14 +108,24 @@ def seven(device: str, out: dict, quick: bool):
     table = {}
     for kernels in ("invariant", "native"):
         for batch in (True, False):
-            r = run_to_end(Engine(loaded, parse_specs(SEVEN), max_new_tokens=n, kernels=kernels, batch=batch),
-                           ["Why is the sky blue?"])
+            r = run_to_end(
+                Engine(loaded, parse_specs(SEVEN), max_new_tokens=n, kernels=kernels, batch=batch),
+                ["Why is the sky blue?"],
+            )
             table[f"{kernels} {'batched' if batch else 'sequential'}"] = {
-                "turn_seconds": r["turn_seconds"], "ran": r["kernels"]["mode"], "steps": r["steps"],
-                "lanes": {s: {"ms_per_step": v["latency_ms"]["decode_total_ms_mean"],
-                              "ops": {k: v["latency_ms"][k] for k in v["latency_ms"] if k.startswith("decode_")},
-                              "peak_bytes": v["state_bytes"].get("peak"), "kv_exact": v["kv_exact"]}
-                          for s, v in r["strategies"].items()}}
+                "turn_seconds": r["turn_seconds"],
+                "ran": r["kernels"]["mode"],
+                "steps": r["steps"],
+                "lanes": {
+                    s: {
+                        "ms_per_step": v["latency_ms"]["decode_total_ms_mean"],
+                        "ops": {k: v["latency_ms"][k] for k in v["latency_ms"] if k.startswith("decode_")},
+                        "peak_bytes": v["state_bytes"].get("peak"),
+                        "kv_exact": v["kv_exact"],
+                    }
+                    for s, v in r["strategies"].items()
+                },
+            }
     out["seven"] = table
 
 
@@ -114,13 +137,20 @@ def replay4k(device: str, out: dict, quick: bool):
     ids = filler_ids(loaded.tokenizer, context)
     table = {}
     for kernels in ("invariant", "native"):
-        engine = Engine(loaded, parse_specs("full,anchorkv:spacing=30:budget=16:rebuild=step"), max_new_tokens=4,
-                        kernels=kernels, memory="none")
+        engine = Engine(
+            loaded,
+            parse_specs("full,anchorkv:spacing=30:budget=16:rebuild=step"),
+            max_new_tokens=4,
+            kernels=kernels,
+            memory="none",
+        )
         for _ in engine.turn("context", ids=ids):
             pass
         r = engine.results()
-        table[kernels] = {s: {"ms_per_step": v["latency_ms"]["decode_total_ms_mean"], "kv_exact": v["kv_exact"]}
-                          for s, v in r["strategies"].items()}
+        table[kernels] = {
+            s: {"ms_per_step": v["latency_ms"]["decode_total_ms_mean"], "kv_exact": v["kv_exact"]}
+            for s, v in r["strategies"].items()
+        }
     out["replay"] = {"context": context, **table}
 
 
@@ -146,8 +176,11 @@ def generate(device: str, out: dict, quick: bool):
             t0 = time.monotonic()
             with strategy_cache(model, spec) as cache:
                 same = two_turns(cache) == reference
-            table[f"{name} {spec}"] = {"same_tokens": same, "seconds": round(time.monotonic() - t0, 2),
-                                       "rebuilt": cache.report()["rebuilt_token_layers"]}
+            table[f"{name} {spec}"] = {
+                "same_tokens": same,
+                "seconds": round(time.monotonic() - t0, 2),
+                "rebuilt": cache.report()["rebuilt_token_layers"],
+            }
     out["generate"] = table
 
 
@@ -158,21 +191,33 @@ def recordings(device: str, out: dict, quick: bool, dest: Path):
 
     folder = dest / "recordings"
     folder.mkdir(parents=True, exist_ok=True)
-    plan = ([("recall-tiny-llama", ["--model", "tiny-llama", "--scenario", "recall", "--max-new-tokens", "4"])]
-            if quick else
-            [(f"recall-smollm2-135m-{device}", ["--model", "smollm2-135m", "--scenario", "recall"]),
-             (f"long-document-gemma3-270m-{device}", ["--model", "gemma3-270m", "--scenario", "long-document"]),
-             (f"twenty-turns-smollm2-135m-{device}", ["--model", "smollm2-135m", "--scenario", "twenty-turns",
-                                                      "--max-new-tokens", "24"])])
+    plan = (
+        [("recall-tiny-llama", ["--model", "tiny-llama", "--scenario", "recall", "--max-new-tokens", "4"])]
+        if quick
+        else [
+            (f"recall-smollm2-135m-{device}", ["--model", "smollm2-135m", "--scenario", "recall"]),
+            (f"long-document-gemma3-270m-{device}", ["--model", "gemma3-270m", "--scenario", "long-document"]),
+            (
+                f"twenty-turns-smollm2-135m-{device}",
+                ["--model", "smollm2-135m", "--scenario", "twenty-turns", "--max-new-tokens", "24"],
+            ),
+        ]
+    )
     table = {}
     for name, args in plan:
         t0 = time.monotonic()
         path = folder / f"{name}.json.gz"
-        done = subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "record", *args, "--device", device,
-                               "--out", str(path)], capture_output=True, text=True)
-        table[name] = {"rc": done.returncode, "seconds": round(time.monotonic() - t0, 1),
-                       "bytes": path.stat().st_size if path.is_file() else None,
-                       "error": done.stderr.strip().splitlines()[-1:] if done.returncode else None}
+        done = subprocess.run(
+            [sys.executable, "-m", "kvdirect_app.bench", "record", *args, "--device", device, "--out", str(path)],
+            capture_output=True,
+            text=True,
+        )
+        table[name] = {
+            "rc": done.returncode,
+            "seconds": round(time.monotonic() - t0, 1),
+            "bytes": path.stat().st_size if path.is_file() else None,
+            "error": done.stderr.strip().splitlines()[-1:] if done.returncode else None,
+        }
     out["recordings"] = table
 
 
@@ -183,9 +228,11 @@ def claims(device: str, out: dict, quick: bool, dest: Path):
 
     results = cells.gather("tiny-llama", quick=True, executor="local", device=device, workers=1)
     render.write(results, dest / "claims")
-    out["claims"] = {name: {"verdict": c["verdict"], "measured_on": c["measured_on"]}
-                     for name, c in results["claims"].items() if name in ("exactness", "exactness_accelerator",
-                                                                          "patching")}
+    out["claims"] = {
+        name: {"verdict": c["verdict"], "measured_on": c["measured_on"]}
+        for name, c in results["claims"].items()
+        if name in ("exactness", "exactness_accelerator", "patching")
+    }
 
 
 def tasks(device: str, out: dict, quick: bool, dest: Path):
@@ -196,8 +243,11 @@ def tasks(device: str, out: dict, quick: bool, dest: Path):
     small = dict(model="tiny-llama", contexts="512", tasks="niah_single_number") if quick else {}
     result = benchmarks.tasks(benchmarks.TasksConfig(quick=True, device=device, **small), say=lambda line: None)
     (dest / "tasks.json").write_text(json.dumps(stamp("tasks", result)))
-    out["tasks"] = {"exact_answers_equal_full": result["exact_answers_equal_full"], "seconds": result["seconds"],
-                    "rows": {r["spec"]: [r["score"], r["full_score"]] for r in result["rows"]}}
+    out["tasks"] = {
+        "exact_answers_equal_full": result["exact_answers_equal_full"],
+        "seconds": result["seconds"],
+        "rows": {r["spec"]: [r["score"], r["full_score"]] for r in result["rows"]},
+    }
 
 
 def meters(device: str, out: dict, quick: bool):
@@ -220,13 +270,34 @@ def meters(device: str, out: dict, quick: bool):
     table = {}
     try:
         for memory in ("auto", "trace"):
-            r = run_to_end(Engine(loaded, parse_specs(specs.replace("=64", "=4") if quick else specs),
-                                  max_new_tokens=8 if quick else 32, memory=memory), TURNS)
-            table[memory] = {"instrument": r["memory_instrument"],
-                             "lanes": {s: {k: v["state_bytes"][k] for k in (
-                                 "between_turns_peak", "formula_between_turns_peak", "peak", "peak_source",
-                                 "formula_matches_measurement", "mismatch_count", "declared_mismatch_count",
-                                 "meter_audit")} for s, v in r["strategies"].items()}}
+            r = run_to_end(
+                Engine(
+                    loaded,
+                    parse_specs(specs.replace("=64", "=4") if quick else specs),
+                    max_new_tokens=8 if quick else 32,
+                    memory=memory,
+                ),
+                TURNS,
+            )
+            table[memory] = {
+                "instrument": r["memory_instrument"],
+                "lanes": {
+                    s: {
+                        k: v["state_bytes"][k]
+                        for k in (
+                            "between_turns_peak",
+                            "formula_between_turns_peak",
+                            "peak",
+                            "peak_source",
+                            "formula_matches_measurement",
+                            "mismatch_count",
+                            "declared_mismatch_count",
+                            "meter_audit",
+                        )
+                    }
+                    for s, v in r["strategies"].items()
+                },
+            }
     finally:
         Strategy.registry.pop(LeakyWindow.name, None)
     out["meters"] = table
@@ -248,8 +319,12 @@ def main():
     args = ap.parse_args()
     dest = Path(args.out)
     dest.mkdir(parents=True, exist_ok=True)
-    out = {"device": args.device, "torch": torch.__version__,
-           "name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "timings_s": {}}
+    out = {
+        "device": args.device,
+        "torch": torch.__version__,
+        "name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "timings_s": {},
+    }
     for step in (probe, exactness, seven, replay4k, generate, recordings, claims, tasks, meters):
         t0 = time.monotonic()
         try:

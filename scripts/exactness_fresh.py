@@ -49,8 +49,13 @@ SPIN = "import time\nend = time.time() + 3600\nwhile time.time() < end:\n    pas
 
 def one(families: str, dtypes: str, threads: int) -> dict:
     env = {**os.environ, "KVDIRECT_PROBE_CACHE": "off", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", CHILD, families, dtypes, str(threads), SPECS], capture_output=True,
-                          text=True, env=env, timeout=1800)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, families, dtypes, str(threads), SPECS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["(no output)"])[-1][:300]}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -81,24 +86,45 @@ def main() -> int:
                 digests |= seen
                 reasons = sorted({m["reason"] for r in done for m in r.values() if m["mode"] != "invariant"})
                 paths = sorted({m["path"] for r in done for m in r.values() if m["path"]})
-                row = {"threads": threads, "load": load, "runs": args.runs, "models": len(done[0]) if done else 0,
-                       "invariant": kept, "exact": exact, "distinct_digests": len(seen), "paths": paths,
-                       "reasons": reasons, "errors": errors, "wall_seconds": round(time.monotonic() - t0, 1)}
+                row = {
+                    "threads": threads,
+                    "load": load,
+                    "runs": args.runs,
+                    "models": len(done[0]) if done else 0,
+                    "invariant": kept,
+                    "exact": exact,
+                    "distinct_digests": len(seen),
+                    "paths": paths,
+                    "reasons": reasons,
+                    "errors": errors,
+                    "wall_seconds": round(time.monotonic() - t0, 1),
+                }
                 rows.append(row)
-                print(f"threads={threads} {load:5s}: {kept}/{args.runs} kept the invariant kernels on all "
-                      f"{row['models']} models; {exact}/{args.runs} both exact lanes bit-equal on all; "
-                      f"{len(seen)} distinct set(s) of digests; linears: {', '.join(paths) or '-'}"
-                      + (f"; native because: {'; '.join(reasons)}" if reasons else "")
-                      + (f"; errors: {'; '.join(errors)}" if errors else ""), flush=True)
+                print(
+                    f"threads={threads} {load:5s}: {kept}/{args.runs} kept the invariant kernels on all "
+                    f"{row['models']} models; {exact}/{args.runs} both exact lanes bit-equal on all; "
+                    f"{len(seen)} distinct set(s) of digests; linears: {', '.join(paths) or '-'}"
+                    + (f"; native because: {'; '.join(reasons)}" if reasons else "")
+                    + (f"; errors: {'; '.join(errors)}" if errors else ""),
+                    flush=True,
+                )
         finally:
             for p in busy:
                 p.kill()
                 p.wait()
     print(f"digests across every run, thread count and load: {len(digests)} distinct set(s) (1 = the same bits)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu_count": os.cpu_count(), "rows": rows,
-                                               "distinct_digests": len(digests),
-                                               "digests": sorted(digests)}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "cpu_count": os.cpu_count(),
+                    "rows": rows,
+                    "distinct_digests": len(digests),
+                    "digests": sorted(digests),
+                },
+                indent=1,
+            )
+        )
     ok = all(r["invariant"] == r["exact"] == r["runs"] and not r["errors"] for r in rows) and len(digests) == 1
     return 0 if ok else 1
 

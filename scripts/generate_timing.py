@@ -22,8 +22,16 @@ from kvdirect_app.models import load_model  # noqa: E402
 from kvdirect_app.models.compat import DynamicCache  # noqa: E402
 from kvdirect_app.models.prompts import filler_ids  # noqa: E402
 
-SPECS = ["dynamic", "full", "kvdirect:budget=64", "kvdirect:budget=64:rebuild=turn", "anchorkv:spacing=30:budget=64",
-         "anchorkv:spacing=30:budget=64:rebuild=step", "h2o:budget=64", "snapkv:budget=64"]
+SPECS = [
+    "dynamic",
+    "full",
+    "kvdirect:budget=64",
+    "kvdirect:budget=64:rebuild=turn",
+    "anchorkv:spacing=30:budget=64",
+    "anchorkv:spacing=30:budget=64:rebuild=step",
+    "h2o:budget=64",
+    "snapkv:budget=64",
+]
 
 
 def main():
@@ -48,15 +56,19 @@ def main():
                 with strategy_cache(model, spec) as cache:
                     out = model.generate(ids, cache=cache, **greedy)
             times[spec].append(time.perf_counter() - t0)
-            tokens[spec] = out[0, ids.shape[1]:].tolist()
+            tokens[spec] = out[0, ids.shape[1] :].tolist()
     base = statistics.median(times["dynamic"])
-    print(f"{args.model}, {ids.shape[1]} prompt tokens + {args.tokens} new, {torch.get_num_threads()} threads, "
-          f"median of {args.rounds} alternating rounds (prefill included)")
+    print(
+        f"{args.model}, {ids.shape[1]} prompt tokens + {args.tokens} new, {torch.get_num_threads()} threads, "
+        f"median of {args.rounds} alternating rounds (prefill included)"
+    )
     print(f"  {'cache':<44} {'s':>7} {'ms/token':>9} {'x Dynamic':>9}  same tokens")
     for spec in SPECS:
         t = statistics.median(times[spec])
-        print(f"  {spec:<44} {t:>7.2f} {1e3 * t / args.tokens:>9.1f} {t / base:>9.2f}  "
-              f"{tokens[spec] == tokens['dynamic']}")
+        print(
+            f"  {spec:<44} {t:>7.2f} {1e3 * t / args.tokens:>9.1f} {t / base:>9.2f}  "
+            f"{tokens[spec] == tokens['dynamic']}"
+        )
 
 
 if __name__ == "__main__":

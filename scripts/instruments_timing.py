@@ -22,12 +22,18 @@ from kvdirect_app.engine import Engine, run_to_end  # noqa: E402
 from kvdirect_app.models import load_model  # noqa: E402
 from kvdirect_app.strategies import parse_specs  # noqa: E402
 
-SEVEN = ("full,kvdirect:budget=64,anchorkv:anchors=0:budget=64:rebuild=step,h2o:budget=64,streaming_llm:budget=64,"
-         "snapkv:budget=64,tova:budget=64")
+SEVEN = (
+    "full,kvdirect:budget=64,anchorkv:anchors=0:budget=64:rebuild=step,h2o:budget=64,streaming_llm:budget=64,"
+    "snapkv:budget=64,tova:budget=64"
+)
 LIVE = SEVEN.replace("rebuild=step", "rebuild=turn")
-PROMPT = ("Tell me a short story about a lighthouse keeper who finds a message in a bottle, and what happens next.")
-RUNS = (("seven, rebuild=step", SEVEN, {}), ("live defaults, rebuild=turn", LIVE, {}),
-        ("seven, --memory trace", SEVEN, {"memory": "trace"}), ("seven, instruments off", SEVEN, {"instruments": False}))
+PROMPT = "Tell me a short story about a lighthouse keeper who finds a message in a bottle, and what happens next."
+RUNS = (
+    ("seven, rebuild=step", SEVEN, {}),
+    ("live defaults, rebuild=turn", LIVE, {}),
+    ("seven, --memory trace", SEVEN, {"memory": "trace"}),
+    ("seven, instruments off", SEVEN, {"instruments": False}),
+)
 
 
 def main() -> int:
@@ -53,17 +59,30 @@ def main() -> int:
             seconds, result = run(specs, **options)
             steps = result["steps"]
             share = steps["measurement_ms_mean"] / steps["wall_ms_mean"]
-            by = ", ".join(f"{k} {v:.1f}" for k, v in sorted(steps["measurement_by_instrument_ms_mean"].items(),
-                                                               key=lambda kv: -kv[1]))
-            print(f"  {name}: {seconds:.1f} s = {seconds / base:.2f}x; per step {steps['wall_ms_mean']:.0f} ms: "
-                  f"lanes {steps['lanes_ms_mean']:.0f}, measurement {steps['measurement_ms_mean']:.0f} "
-                  f"({100 * share:.1f} %: {by or 'none'}), engine {steps['engine_ms_mean']:.1f}, unattributed "
-                  f"{steps['unattributed_ms_mean']:.1f}", flush=True)
-            rows.append({"repeat": repeat, "run": name, "seconds": seconds, "baseline_seconds": base,
-                         "ratio": seconds / base, "steps": {k: v for k, v in steps.items()
-                                                            if k != "measurement_ms_per_step"},
-                         "attention_ms": {label: r["latency_ms"]["decode_attention_ms_mean"]
-                                          for label, r in result["strategies"].items()}})
+            by = ", ".join(
+                f"{k} {v:.1f}"
+                for k, v in sorted(steps["measurement_by_instrument_ms_mean"].items(), key=lambda kv: -kv[1])
+            )
+            print(
+                f"  {name}: {seconds:.1f} s = {seconds / base:.2f}x; per step {steps['wall_ms_mean']:.0f} ms: "
+                f"lanes {steps['lanes_ms_mean']:.0f}, measurement {steps['measurement_ms_mean']:.0f} "
+                f"({100 * share:.1f} %: {by or 'none'}), engine {steps['engine_ms_mean']:.1f}, unattributed "
+                f"{steps['unattributed_ms_mean']:.1f}",
+                flush=True,
+            )
+            rows.append(
+                {
+                    "repeat": repeat,
+                    "run": name,
+                    "seconds": seconds,
+                    "baseline_seconds": base,
+                    "ratio": seconds / base,
+                    "steps": {k: v for k, v in steps.items() if k != "measurement_ms_per_step"},
+                    "attention_ms": {
+                        label: r["latency_ms"]["decode_attention_ms_mean"] for label, r in result["strategies"].items()
+                    },
+                }
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -41,8 +41,9 @@ def logits_of(loaded, kernels: str, prompt: str, tokens: int):
         import kvdirect_app.engine.forwards as forwards
 
         forwards.run_batch = recording
-        result = run_to_end(Engine(loaded, parse_specs("full"), max_new_tokens=tokens, kernels=kernels,
-                                   memory="none"), [prompt])
+        result = run_to_end(
+            Engine(loaded, parse_specs("full"), max_new_tokens=tokens, kernels=kernels, memory="none"), [prompt]
+        )
     finally:
         lockstep.run_batch = original
         forwards.run_batch = original
@@ -62,10 +63,14 @@ def main():
     same = ta == tb
     n = min(len(la), len(lb))
     diff = (la[:n] - lb[:n]).abs()
-    print(f"{args.model}: {n} steps, tokens identical: {same}; kernels ran: {a['kernels']['mode']} / "
-          f"{b['kernels']['mode']}")
-    print(f"max |Δlogit| {diff.max().item():.3e}, mean over steps of the per-step max {diff.amax(-1).mean().item():.3e}, "
-          f"logit scale (max |logit|) {la.abs().max().item():.1f}")
+    print(
+        f"{args.model}: {n} steps, tokens identical: {same}; kernels ran: {a['kernels']['mode']} / "
+        f"{b['kernels']['mode']}"
+    )
+    print(
+        f"max |Δlogit| {diff.max().item():.3e}, mean over steps of the per-step max {diff.amax(-1).mean().item():.3e}, "
+        f"logit scale (max |logit|) {la.abs().max().item():.1f}"
+    )
     return 0 if same else 1
 
 

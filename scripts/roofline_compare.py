@@ -28,8 +28,13 @@ RUN_KEYS = {"plain full": "plain", "plain": "plain", "panes": "panes", "panes_st
 def roofline(tree: Path, *extra: str) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "roof.json"
-        done = subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "roofline", *extra, "--json", str(out)],
-                              cwd=tree, capture_output=True, text=True, timeout=3600)
+        done = subprocess.run(
+            [sys.executable, "-m", "kvdirect_app.bench", "roofline", *extra, "--json", str(out)],
+            cwd=tree,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
         if done.returncode != 0:
             raise SystemExit(f"bench roofline in {tree} failed: {done.stderr.strip().splitlines()[-1:]}")
         print(done.stdout, flush=True)
@@ -37,8 +42,9 @@ def roofline(tree: Path, *extra: str) -> dict:
 
 
 def commit(tree: Path) -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True,
-                          text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def before(tree: Path, dtype: str) -> dict:
@@ -48,15 +54,26 @@ def before(tree: Path, dtype: str) -> dict:
     runs = {RUN_KEYS[name]: run for name, run in panes["runs"].items()}
     runs["panes_step"] = step["runs"]["panes"]
     plain = runs["plain"]["seconds"]
-    return {"commit": commit(tree), "machine": panes["machine"], "rows": panes["rows"], "runs": runs,
-            "ratios": {"panes": runs["panes"]["seconds"] / plain, "panes_step": runs["panes_step"]["seconds"] / plain},
-            "kernels": panes.get("kernels", {"linears": "probed GEMM"})}
+    return {
+        "commit": commit(tree),
+        "machine": panes["machine"],
+        "rows": panes["rows"],
+        "runs": runs,
+        "ratios": {"panes": runs["panes"]["seconds"] / plain, "panes_step": runs["panes_step"]["seconds"] / plain},
+        "kernels": panes.get("kernels", {"linears": "probed GEMM"}),
+    }
 
 
 def after(dtype: str) -> dict:
     report = roofline(ROOT, "--dtype", dtype)
-    return {"commit": commit(ROOT), "machine": report["machine"], "rows": report["rows"], "runs": report["runs"],
-            "ratios": report["ratios"], "kernels": report["kernels"]}
+    return {
+        "commit": commit(ROOT),
+        "machine": report["machine"],
+        "rows": report["rows"],
+        "runs": report["runs"],
+        "ratios": report["ratios"],
+        "kernels": report["kernels"],
+    }
 
 
 def main() -> int:
@@ -66,16 +83,25 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--json")
     args = parser.parse_args()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     rounds = [{"before": before(args.before, args.dtype), "after": after(args.dtype)} for _ in range(args.rounds)]
     for i, r in enumerate(rounds):
-        print(f"round {i + 1}: panes / plain full {r['before']['ratios']['panes']:.2f}x -> "
-              f"{r['after']['ratios']['panes']:.2f}x; with rebuild=step {r['before']['ratios']['panes_step']:.2f}x -> "
-              f"{r['after']['ratios']['panes_step']:.2f}x")
+        print(
+            f"round {i + 1}: panes / plain full {r['before']['ratios']['panes']:.2f}x -> "
+            f"{r['after']['ratios']['panes']:.2f}x; with rebuild=step {r['before']['ratios']['panes_step']:.2f}x -> "
+            f"{r['after']['ratios']['panes_step']:.2f}x"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu, "dtype": args.dtype, "panes": PANES, "rounds": rounds},
-                                              indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps({"cpu": cpu, "dtype": args.dtype, "panes": PANES, "rounds": rounds}, indent=1) + "\n"
+        )
     return 0
 
 

@@ -19,9 +19,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def peak_rss(model: str, kernels: str) -> int:
     """Bytes: the peak RSS of one `bench run` child with these kernels (`wait4`: that child's own usage)."""
-    child = subprocess.Popen([sys.executable, "-m", "kvdirect_app.bench", "run", "--model", model, "--strategies",
-                              "full", "--max-new-tokens", "8", "--kernels", kernels], cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvdirect_app.bench",
+            "run",
+            "--model",
+            model,
+            "--strategies",
+            "full",
+            "--max-new-tokens",
+            "8",
+            "--kernels",
+            kernels,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     _, status, usage = os.wait4(child.pid, 0)
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode != 0:
@@ -37,7 +53,7 @@ def main() -> int:
     out = {"model": args.model}
     for kernels in ("native", "invariant"):
         out[f"{kernels}_peak_rss_bytes"] = peak_rss(args.model, kernels)
-        print(f"{kernels}: peak RSS {out[f'{kernels}_peak_rss_bytes'] / 2 ** 20:.0f} MiB", flush=True)
+        print(f"{kernels}: peak RSS {out[f'{kernels}_peak_rss_bytes'] / 2**20:.0f} MiB", flush=True)
     out["ratio"] = out["invariant_peak_rss_bytes"] / out["native_peak_rss_bytes"]
     print(f"invariant / native: {out['ratio']:.2f}x")
     if args.json:

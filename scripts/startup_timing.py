@@ -9,6 +9,7 @@ kernels proved).  `--cold` makes the first start load the model the first time (
 the GGUF file is dequantised and a copy kept) and probe the kernels afresh (an empty probe folder); the next
 starts then use both, as every start after the first does.
 """
+
 import os
 import socket
 import subprocess
@@ -37,8 +38,9 @@ def one_start(env: dict) -> dict:
     env = {**env, "GRADIO_SERVER_PORT": str(port), "GRADIO_SERVER_NAME": "127.0.0.1"}
     url = f"http://127.0.0.1:{port}/"
     t0 = time.monotonic()
-    app = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+    app = subprocess.Popen(
+        [sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         while True:
             try:
@@ -54,12 +56,16 @@ def one_start(env: dict) -> dict:
             page = browser.new_page(viewport={"width": 1280, "height": 720})
             opened = time.monotonic()
             page.goto(url)
-            page.wait_for_function("(document.querySelector('#kvd-board') || {innerText: ''}).innerText"
-                                   ".includes('recorded on')", timeout=120_000, polling=20)
+            page.wait_for_function(
+                "(document.querySelector('#kvd-board') || {innerText: ''}).innerText.includes('recorded on')",
+                timeout=120_000,
+                polling=20,
+            )
             board = time.monotonic() - t0
             after_open = time.monotonic() - opened
-            page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('ready')",
-                                   timeout=600_000, polling=50)
+            page.wait_for_function(
+                "document.querySelector('#kvd-status').innerText.includes('ready')", timeout=600_000, polling=50
+            )
             ready = time.monotonic() - t0
             browser.close()
     finally:
@@ -79,9 +85,12 @@ def main(argv: list[str]) -> None:
         for i in range(repeats):
             t = one_start(env)
             kind = "first start, model loaded the first time" if cold and i == 0 else "start with the kept copy"
-            print(f"start {i + 1} ({kind}): page served {t['served']:.1f} s, recorded scoreboard on screen "
-                  f"{t['board']:.1f} s ({t['after_open']:.1f} s after the page was opened), model ready "
-                  f"{t['ready']:.1f} s", flush=True)
+            print(
+                f"start {i + 1} ({kind}): page served {t['served']:.1f} s, recorded scoreboard on screen "
+                f"{t['board']:.1f} s ({t['after_open']:.1f} s after the page was opened), model ready "
+                f"{t['ready']:.1f} s",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

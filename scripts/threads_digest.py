@@ -30,8 +30,26 @@ PROMPTS = [
 
 
 def run(model: str, prompt: str, threads: int, tokens: int, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "kvdirect_app.bench", "run", "--model", model, "--prompt", prompt, "--strategies",
-           SPECS, "--max-new-tokens", str(tokens), "--threads", str(threads), "--memory", "none", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvdirect_app.bench",
+        "run",
+        "--model",
+        model,
+        "--prompt",
+        prompt,
+        "--strategies",
+        SPECS,
+        "--max-new-tokens",
+        str(tokens),
+        "--threads",
+        str(threads),
+        "--memory",
+        "none",
+        "--json",
+        str(out),
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
     return json.loads(out.read_text())
 
@@ -46,17 +64,24 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i, prompt in enumerate(PROMPTS):
             one, two = (run(args.model, prompt, t, args.tokens, Path(tmp) / f"{i}-{t}.json") for t in (1, 2))
-            lanes = {spec: {"digest_equal": one["strategies"][spec]["kv_digest"] == two["strategies"][spec]["kv_digest"],
-                            "tokens_equal": one["strategies"][spec]["token_ids"] == two["strategies"][spec]["token_ids"],
-                            "kv_exact": [one["strategies"][spec]["kv_exact"], two["strategies"][spec]["kv_exact"]]}
-                     for spec in SPECS.split(",")}
+            lanes = {
+                spec: {
+                    "digest_equal": one["strategies"][spec]["kv_digest"] == two["strategies"][spec]["kv_digest"],
+                    "tokens_equal": one["strategies"][spec]["token_ids"] == two["strategies"][spec]["token_ids"],
+                    "kv_exact": [one["strategies"][spec]["kv_exact"], two["strategies"][spec]["kv_exact"]],
+                }
+                for spec in SPECS.split(",")
+            }
             same = all(v["digest_equal"] and v["tokens_equal"] for v in lanes.values())
             ok &= same
             kernels = [one["kernels"]["mode"], two["kernels"]["mode"]]
             rows.append({"prompt": prompt[:60], "kernels": kernels, "same": same, "lanes": lanes})
-            print(f"prompt {i + 1} ({len(prompt)} chars): kernels {kernels[0]} / {kernels[1]}; "
-                  f"{sum(v['digest_equal'] for v in lanes.values())}/{len(lanes)} lanes' digests equal, "
-                  f"{sum(v['tokens_equal'] for v in lanes.values())}/{len(lanes)} tokens equal", flush=True)
+            print(
+                f"prompt {i + 1} ({len(prompt)} chars): kernels {kernels[0]} / {kernels[1]}; "
+                f"{sum(v['digest_equal'] for v in lanes.values())}/{len(lanes)} lanes' digests equal, "
+                f"{sum(v['tokens_equal'] for v in lanes.values())}/{len(lanes)} tokens equal",
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if ok else 1

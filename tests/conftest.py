@@ -100,25 +100,47 @@ def launch_local(demo):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     demo.queue(default_concurrency_limit=1).launch(
-        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options())
+        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options()
+    )
     return demo
 
 
 # --- how the suite is split between workers -----------------------------------------------------------------------
 # Modules that share a process-wide fixture form one group; a test parametrized by a tiny family joins that
 # family's group (its union run, tests/runs.py).  Every other module is a group of its own.
-GROUPS = {"test_app": "apps", "test_public": "apps", "test_recordings": "apps", "test_uploads": "apps",
-          "test_smollm2": "test_kernels"}
-TINY_SHARED = {"test_exactness_tiny", "test_anchorkv", "test_lockstep", "test_attention_view", "test_eviction",
-               "test_kernels"}
+GROUPS = {
+    "test_app": "apps",
+    "test_public": "apps",
+    "test_recordings": "apps",
+    "test_uploads": "apps",
+    "test_smollm2": "test_kernels",
+}
+TINY_SHARED = {
+    "test_exactness_tiny",
+    "test_anchorkv",
+    "test_lockstep",
+    "test_attention_view",
+    "test_eviction",
+    "test_kernels",
+}
 # Tests that run long enough to be a unit of their own (each worker launches its own app for them).
-OWN = {"test_browser.py::test_the_recall_demo_runs_to_done_and_only_the_exact_panes_say_4127": "recall demo",
-       "test_browser.py::test_run_it_live_runs_the_recorded_conversation_here": "recall demo",
-       "test_browser.py::test_a_model_switch_between_turns_replays_the_earlier_turns_on_the_new_model": "recall demo",
-       "test_public.py::test_eight_visitors_at_once_get_their_own_answers_and_memory_comes_back": "visitors"}
+OWN = {
+    "test_browser.py::test_the_recall_demo_runs_to_done_and_only_the_exact_panes_say_4127": "recall demo",
+    "test_browser.py::test_run_it_live_runs_the_recorded_conversation_here": "recall demo",
+    "test_browser.py::test_a_model_switch_between_turns_replays_the_earlier_turns_on_the_new_model": "recall demo",
+    "test_public.py::test_eight_visitors_at_once_get_their_own_answers_and_memory_comes_back": "visitors",
+}
 # The longest units first (measured), so that the two workers end together.
-FIRST = ("test_browser", "recall demo", "test_stress", "visitors", "apps", "test_install", "test_reproduce",
-         "test_executors")
+FIRST = (
+    "test_browser",
+    "recall demo",
+    "test_stress",
+    "visitors",
+    "apps",
+    "test_install",
+    "test_reproduce",
+    "test_executors",
+)
 
 
 def group_of(nodeid: str) -> str:
@@ -126,7 +148,7 @@ def group_of(nodeid: str) -> str:
     if nodeid.split("/")[-1] in OWN:
         return OWN[nodeid.split("/")[-1]]
     module = nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
-    params = nodeid[nodeid.index("[") + 1:-1].split("-") if nodeid.endswith("]") else []
+    params = nodeid[nodeid.index("[") + 1 : -1].split("-") if nodeid.endswith("]") else []
     family = next((f for f in TINY_FAMILIES if f.split("-")[1] in params and "tiny" in params), None)
     if module in TINY_SHARED and family is not None:
         return f"{family}-{'bfloat16' if 'bfloat16' in params else 'float32'}"

@@ -27,17 +27,41 @@ TINY_NEW_TOKENS = 8
 
 # KV-Direct: 1 and 5 < prompt < sliding window 12 < 16 < the whole conversation < 500.
 KVDIRECT_BUDGETS = (1, 5, 16, 500)
-KVDIRECT_LANES = tuple(f"kvdirect:budget={b}:mode=exact" for b in KVDIRECT_BUDGETS) + ("kvdirect:budget=3:rebuild=turn",)
-ANCHORKV_EXTRA = ("anchorkv:spacing=2:budget=3:token_id_anchor=false:replay=naive",
-                  "anchorkv:anchors=dp:spacing=2:budget=2:rebuild=step", "anchorkv:anchors=0-2:budget=1")
+KVDIRECT_LANES = tuple(f"kvdirect:budget={b}:mode=exact" for b in KVDIRECT_BUDGETS) + (
+    "kvdirect:budget=3:rebuild=turn",
+)
+ANCHORKV_EXTRA = (
+    "anchorkv:spacing=2:budget=3:token_id_anchor=false:replay=naive",
+    "anchorkv:anchors=dp:spacing=2:budget=2:rebuild=step",
+    "anchorkv:anchors=0-2:budget=1",
+)
 # Every strategy once, exact and lossy (tests/specs.py: a strategy not named here joins at budget 6): the lanes
 # compared batched against one by one.
-LOCKSTEP = every(("full", "kvdirect:budget=4", "kvdirect:budget=3:mode=fast", "anchorkv:spacing=2:budget=3:rebuild=step",
-                  "anchorkv:spacing=2:budget=3", "h2o:budget=8", "snapkv:budget=16", "tova:budget=6",
-                  "streaming_llm:budget=8", "window:budget=6", "knorm:budget=6", "pyramidkv:budget=8:window=2"),
-                 budget=6)
-ATTENTION = ("full", "kvdirect:budget=4", "anchorkv:spacing=2:budget=3", "h2o:budget=8", "snapkv:budget=16",
-             "window:budget=6")
+LOCKSTEP = every(
+    (
+        "full",
+        "kvdirect:budget=4",
+        "kvdirect:budget=3:mode=fast",
+        "anchorkv:spacing=2:budget=3:rebuild=step",
+        "anchorkv:spacing=2:budget=3",
+        "h2o:budget=8",
+        "snapkv:budget=16",
+        "tova:budget=6",
+        "streaming_llm:budget=8",
+        "window:budget=6",
+        "knorm:budget=6",
+        "pyramidkv:budget=8:window=2",
+    ),
+    budget=6,
+)
+ATTENTION = (
+    "full",
+    "kvdirect:budget=4",
+    "anchorkv:spacing=2:budget=3",
+    "h2o:budget=8",
+    "snapkv:budget=16",
+    "window:budget=6",
+)
 LARGE_BUDGET = tuple(f"{name}:budget=400" for name in EVICTION)  # every eviction strategy (tests/specs.py)
 # AnchorKV's one-chunk replay (KV-Direct's fast mode is among LOCKSTEP's lanes).
 ANCHORKV_FAST = ("anchorkv:spacing=2:budget=2:mode=fast:rebuild=step",)
@@ -71,8 +95,17 @@ class Run:
 _RUNS: dict[tuple, Run] = {}
 
 
-def run_once(loaded, specs: str | tuple | list, turns=TINY_TURNS, max_new_tokens: int = TINY_NEW_TOKENS, *,
-             park: bool = False, steps: bool = False, snapshots: bool = True, **options) -> Run:
+def run_once(
+    loaded,
+    specs: str | tuple | list,
+    turns=TINY_TURNS,
+    max_new_tokens: int = TINY_NEW_TOKENS,
+    *,
+    park: bool = False,
+    steps: bool = False,
+    snapshots: bool = True,
+    **options,
+) -> Run:
     """The run of these lanes over this conversation with these engine options, made the first time it is asked
     for in this process and kept.  `steps` keeps every lane's logits after every step; `snapshots` False turns
     the attention snapshots off."""
@@ -81,8 +114,18 @@ def run_once(loaded, specs: str | tuple | list, turns=TINY_TURNS, max_new_tokens
     # every traced run audits the allocator's ledger (the default instrument) beside it
     # (`tests/measure/test_memory.py`).
     options.setdefault("memory", "trace")
-    key = (loaded.name, str(loaded.dtype), str(loaded.device), specs, tuple(turns), max_new_tokens, park, steps,
-           snapshots, tuple(sorted(options.items())))
+    key = (
+        loaded.name,
+        str(loaded.dtype),
+        str(loaded.device),
+        specs,
+        tuple(turns),
+        max_new_tokens,
+        park,
+        steps,
+        snapshots,
+        tuple(sorted(options.items())),
+    )
     if key not in _RUNS:
         _RUNS[key] = _run(loaded, specs, list(turns), max_new_tokens, park, steps, snapshots, options)
     return _RUNS[key]
@@ -99,15 +142,19 @@ def _run(loaded, specs, turns, max_new_tokens, park, steps, snapshots, options) 
             turn += 1
         elif event["type"] == "step":
             if steps:
-                run.steps.append({lane.label: (lane.logits.clone(),
-                                               None if lane.tf_logits is None else lane.tf_logits.clone())
-                                  for lane in engine.all_lanes})
+                run.steps.append(
+                    {
+                        lane.label: (lane.logits.clone(), None if lane.tf_logits is None else lane.tf_logits.clone())
+                        for lane in engine.all_lanes
+                    }
+                )
             if turn == len(turns) and not run.evicted_at_last_turn and engine.loaded.name.startswith("tiny-"):
                 for label in engine.show:
                     layers = range(len(engine.reference.cache.layers))
                     run.evicted_at_last_turn[label] = {
                         j: {i for i, s in enumerate(engine.token_map(label, j)["states"]) if s == "evicted"}
-                        for j in layers}
+                        for j in layers
+                    }
         elif event["type"] == "done":
             run.result = event["result"]
     return run
@@ -117,14 +164,29 @@ def one_by_one(batched: Run, specs=LOCKSTEP) -> Run:
     """`specs` over the batched run's conversation, with its options, each lane in a pass of its own."""
     engine = batched.engine
     turns = [e["user"] for e in batched.events if e["type"] == "turn"]
-    return run_once(engine.loaded, specs, turns, engine.max_new_tokens, steps=True, batch=False,
-                    threads=engine.threads, prefill_chunk=engine.prefill_chunk, twins=engine.twins,
-                    kernels=engine.kernels.requested)
+    return run_once(
+        engine.loaded,
+        specs,
+        turns,
+        engine.max_new_tokens,
+        steps=True,
+        batch=False,
+        threads=engine.threads,
+        prefill_chunk=engine.prefill_chunk,
+        twins=engine.twins,
+        kernels=engine.kernels.requested,
+    )
 
 
 def union_specs(loaded) -> tuple[str, ...]:
-    lanes = (("full",) + KVDIRECT_LANES + anchorkv_lanes(loaded.config.num_hidden_layers) + ANCHORKV_FAST + LOCKSTEP
-             + ATTENTION)
+    lanes = (
+        ("full",)
+        + KVDIRECT_LANES
+        + anchorkv_lanes(loaded.config.num_hidden_layers)
+        + ANCHORKV_FAST
+        + LOCKSTEP
+        + ATTENTION
+    )
     if loaded.dtype == torch.float32:
         lanes += LARGE_BUDGET
     return tuple(dict.fromkeys(lanes))
@@ -146,6 +208,11 @@ def all_sliding(loaded) -> bool:
 def differences(a, b, path: str = "") -> list[str]:
     """Where two results differ: a path per differing leaf (what a failed comparison prints)."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in dict.fromkeys([*a, *b]) for d in
-                (differences(a[k], b[k], f"{path}/{k}") if k in a and k in b else [f"{path}/{k}: on one side only"])]
+        return [
+            d
+            for k in dict.fromkeys([*a, *b])
+            for d in (
+                differences(a[k], b[k], f"{path}/{k}") if k in a and k in b else [f"{path}/{k}: on one side only"]
+            )
+        ]
     return [] if a == b else [f"{path}: {str(a)[:80]} != {str(b)[:80]}"]

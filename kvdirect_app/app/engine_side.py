@@ -43,8 +43,10 @@ def strategy_catalogue() -> dict[str, dict]:
     out = {}
     for name, cls in registry().items():
         doc = (cls.__doc__ or "").strip()
-        out[name] = {"settings": {f: field.default for f, field in cls.settings().items()},
-                     "doc": doc.splitlines()[0] if doc else ""}
+        out[name] = {
+            "settings": {f: field.default for f, field in cls.settings().items()},
+            "doc": doc.splitlines()[0] if doc else "",
+        }
     return out
 
 
@@ -93,9 +95,15 @@ def load(name: str, dtype: str = "float32", device: str = "auto", progress=None)
     model = loaded(name, dtype, device, progress)
     facts = geometry(name, dtype, device)
     kernels = prove_kernels(model, progress)
-    return {"name": model.name, "source": model.source, "device": str(model.device),
-            "dtype": str(model.dtype).removeprefix("torch."), "layers": facts["layers"], "geometry": facts,
-            "kernels": kernels}
+    return {
+        "name": model.name,
+        "source": model.source,
+        "device": str(model.device),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "layers": facts["layers"],
+        "geometry": facts,
+        "kernels": kernels,
+    }
 
 
 def prove_kernels(model, progress=None) -> str:
@@ -105,8 +113,10 @@ def prove_kernels(model, progress=None) -> str:
     store = model.probes
     threads = torch.get_num_threads()
     if progress is not None:
-        progress("checking the kernels on this CPU" + ("" if store.stored else
-                                                       " (the first start here probes them: ~10-20 s, kept for the next)"))
+        progress(
+            "checking the kernels on this CPU"
+            + ("" if store.stored else " (the first start here probes them: ~10-20 s, kept for the next)")
+        )
     return brief(Kernels.for_model(model, "invariant", threads).report())
 
 
@@ -115,14 +125,31 @@ def is_loaded(name: str, dtype: str, device: str) -> bool:
 
 
 def _geometry_facts(geom) -> dict:
-    return {"layers": geom.num_layers, "hidden_size": geom.hidden_size, "bytes_per_element": geom.bytes_per_element,
-            "per_layer": [{"index": layer.index, "sliding": layer.is_sliding, "window": layer.sliding_window,
-                           "kv_heads": layer.num_kv_heads, "head_dim": layer.head_dim,
-                           "kv_bytes_per_token": layer.kv_bytes_per_token} for layer in geom.layers],
-            "break_even": {"residual": geom.break_even_spacing(token_id_anchor=False),
-                           "token_id": geom.break_even_spacing(token_id_anchor=True),
-                           "global_only": (geom.break_even_spacing(token_id_anchor=True, global_only=True)
-                                           if any(layer.is_sliding for layer in geom.layers) else None)}}
+    return {
+        "layers": geom.num_layers,
+        "hidden_size": geom.hidden_size,
+        "bytes_per_element": geom.bytes_per_element,
+        "per_layer": [
+            {
+                "index": layer.index,
+                "sliding": layer.is_sliding,
+                "window": layer.sliding_window,
+                "kv_heads": layer.num_kv_heads,
+                "head_dim": layer.head_dim,
+                "kv_bytes_per_token": layer.kv_bytes_per_token,
+            }
+            for layer in geom.layers
+        ],
+        "break_even": {
+            "residual": geom.break_even_spacing(token_id_anchor=False),
+            "token_id": geom.break_even_spacing(token_id_anchor=True),
+            "global_only": (
+                geom.break_even_spacing(token_id_anchor=True, global_only=True)
+                if any(layer.is_sliding for layer in geom.layers)
+                else None
+            ),
+        },
+    }
 
 
 def geometry(name: str, dtype: str = "float32", device: str = "auto") -> dict:
@@ -136,25 +163,57 @@ def config_geometry(source: str, dtype: str = "bfloat16") -> dict:
 
 
 # --- runs ----------------------------------------------------------------------------------------------------------
-def prepare(model: str, device: str, dtype: str, specs: list[str], max_new_tokens: int, turns: list[str],
-            raw: bool = False, twins: bool = True, kernels: str = "invariant") -> dict:
+def prepare(
+    model: str,
+    device: str,
+    dtype: str,
+    specs: list[str],
+    max_new_tokens: int,
+    turns: list[str],
+    raw: bool = False,
+    twins: bool = True,
+    kernels: str = "invariant",
+) -> dict:
     req = validate.request(model, device, dtype, specs, max_new_tokens, turns, raw)
     here = loaded(req.model, req.dtype, req.device)
     total = validate.against_model(req, here)
     prompter = Prompter(here, raw)
     prompts = [len(prompter.first(turns[0]))] + [len(prompter.next(turn, None)) for turn in turns[1:]]
-    est = guard.estimate(here.config, here.dtype, list(req.strategies), prompts[0], total, PREFILL_CHUNK,
-                         twins=twins, turns=len(turns), kernels=kernels)
+    est = guard.estimate(
+        here.config,
+        here.dtype,
+        list(req.strategies),
+        prompts[0],
+        total,
+        PREFILL_CHUNK,
+        twins=twins,
+        turns=len(turns),
+        kernels=kernels,
+    )
     guard.check(est, here.device)
     return {"prompt_tokens": prompts, "bytes": est.total}
 
 
-def build_engine(model: str, device: str, dtype: str, specs: list[str], max_new_tokens: int, raw: bool = False,
-                 twins: bool = True, kernels: str = "invariant") -> Engine:
+def build_engine(
+    model: str,
+    device: str,
+    dtype: str,
+    specs: list[str],
+    max_new_tokens: int,
+    raw: bool = False,
+    twins: bool = True,
+    kernels: str = "invariant",
+) -> Engine:
     """A conversation's engine (`service.Conversation` holds it)."""
     with memory():
-        return Engine(loaded(model, dtype, device), parse_specs(",".join(specs)), max_new_tokens=max_new_tokens,
-                      raw=raw, twins=twins, kernels=kernels)
+        return Engine(
+            loaded(model, dtype, device),
+            parse_specs(",".join(specs)),
+            max_new_tokens=max_new_tokens,
+            raw=raw,
+            twins=twins,
+            kernels=kernels,
+        )
 
 
 @functools.cache
@@ -171,10 +230,15 @@ def engine_roofline(engine: Engine) -> dict | None:
     here = _machine(engine.threads, model.dtype)
     weights = roofline.model_side(model)
     rows = len(engine.all_lanes)
-    best = roofline.best_ms(weights["weight_bytes"], weights["params"], rows, roofline.rate_for(here, model.dtype),
-                            here["bandwidth_gbs"])
-    return {**best, "gemm_gflops": roofline.rate_for(here, model.dtype), "bandwidth_gbs": here["bandwidth_gbs"],
-            "threads": here["threads"]}
+    best = roofline.best_ms(
+        weights["weight_bytes"], weights["params"], rows, roofline.rate_for(here, model.dtype), here["bandwidth_gbs"]
+    )
+    return {
+        **best,
+        "gemm_gflops": roofline.rate_for(here, model.dtype),
+        "bandwidth_gbs": here["bandwidth_gbs"],
+        "threads": here["threads"],
+    }
 
 
 def build_sweep(model: str, device: str, dtype: str, turns: list[str], raw: bool, max_new_tokens: int) -> Sweep:
@@ -187,8 +251,9 @@ def run_sweep(sweep: Sweep, entries: list[tuple[str, str, int | None]], should_s
         return sweep.run([(name, parse_spec(spec), budget) for name, spec, budget in entries], should_stop)
 
 
-def compare(prompt: str, model: str, device: str, dtype: str, specs: list[str], max_new_tokens: int,
-            kernels: str = "invariant") -> dict:
+def compare(
+    prompt: str, model: str, device: str, dtype: str, specs: list[str], max_new_tokens: int, kernels: str = "invariant"
+) -> dict:
     prepare(model, device, dtype, specs, max_new_tokens, [prompt], kernels=kernels)
     engine = build_engine(model, device, dtype, specs, max_new_tokens, kernels=kernels)
     with memory():

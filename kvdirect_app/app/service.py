@@ -21,9 +21,25 @@ from typing import Iterator
 from ..plain.catalog import DTYPE_NAMES
 from ..plain.errors import OutOfMemory, UserError
 
-__all__ = ["strategy_catalogue", "check_specs", "canonical_spec", "check_model_name",
-           "check_device_dtype", "devices", "gpu_available", "load", "is_loaded", "geometry", "prepare",
-           "Conversation", "FrontierRun", "compare", "DTYPE_NAMES", "UserError", "OutOfMemory"]
+__all__ = [
+    "strategy_catalogue",
+    "check_specs",
+    "canonical_spec",
+    "check_model_name",
+    "check_device_dtype",
+    "devices",
+    "gpu_available",
+    "load",
+    "is_loaded",
+    "geometry",
+    "prepare",
+    "Conversation",
+    "FrontierRun",
+    "compare",
+    "DTYPE_NAMES",
+    "UserError",
+    "OutOfMemory",
+]
 
 
 def _engine() -> ModuleType:
@@ -94,8 +110,17 @@ def config_geometry(source: str, dtype: str = "bfloat16") -> dict:
 
 
 # --- runs ----------------------------------------------------------------------------------------------------------
-def prepare(model: str, device: str, dtype: str, specs: list[str], max_new_tokens: int, turns: list[str],
-            raw: bool = False, twins: bool = True, kernels: str = "invariant") -> dict:
+def prepare(
+    model: str,
+    device: str,
+    dtype: str,
+    specs: list[str],
+    max_new_tokens: int,
+    turns: list[str],
+    raw: bool = False,
+    twins: bool = True,
+    kernels: str = "invariant",
+) -> dict:
     """Every check before a run (the same `validate` stages as the CLI), then the memory guard; raises UserError.
     Returns {"prompt_tokens": each turn's prompt with its chat template, "bytes": the guard's estimate of the peak}."""
     return _engine().prepare(model, device, dtype, specs, max_new_tokens, turns, raw, twins, kernels)
@@ -111,8 +136,17 @@ class Conversation:
     max_new_tokens, raw, twins, kernels : as `bench run`.
     """
 
-    def __init__(self, model: str, device: str, dtype: str, specs: list[str], max_new_tokens: int,
-                 raw: bool = False, twins: bool = True, kernels: str = "invariant"):
+    def __init__(
+        self,
+        model: str,
+        device: str,
+        dtype: str,
+        specs: list[str],
+        max_new_tokens: int,
+        raw: bool = False,
+        twins: bool = True,
+        kernels: str = "invariant",
+    ):
         self.engine = _engine().build_engine(model, device, dtype, specs, max_new_tokens, raw, twins, kernels)
 
     @property
@@ -179,7 +213,8 @@ class FrontierRun:
         return self.sweep.reference
 
 
-def compare(prompt: str, model: str, device: str, dtype: str, specs: list[str], max_new_tokens: int,
-            kernels: str = "invariant") -> dict:
+def compare(
+    prompt: str, model: str, device: str, dtype: str, specs: list[str], max_new_tokens: int, kernels: str = "invariant"
+) -> dict:
     """One prompt through `specs` in lockstep; the same JSON as `bench run` (checked first, like every run)."""
     return _engine().compare(prompt, model, device, dtype, specs, max_new_tokens, kernels)

@@ -54,8 +54,10 @@ def serving(environ: MutableMapping[str, str]) -> tuple[str, bool, Path | None, 
     if (share or not loopback(host)) and not hosted(environ):
         environ[ENV] = "1"
         where = "a share link" if share else f"bound to {host}, not to loopback"
-        lines.append(f"hosted mode is on: {where} serves strangers (presets only, smaller caps, no strategy files "
-                     "or modules); bind to 127.0.0.1 with no share link for the full studio")
+        lines.append(
+            f"hosted mode is on: {where} serves strangers (presets only, smaller caps, no strategy files "
+            "or modules); bind to 127.0.0.1 with no share link for the full studio"
+        )
     folder = (environ.get(STRATEGY_DIR) or "").strip()
     if not folder:
         return host, share, None, lines
@@ -64,14 +66,19 @@ def serving(environ: MutableMapping[str, str]) -> tuple[str, bool, Path | None, 
         return host, share, None, lines
     path = Path(folder).resolve()
     if not path.is_dir():
-        raise SystemExit(f"error: {STRATEGY_DIR}={folder}: no such folder; allowed: a folder of your strategy files "
-                         "(.py)")
+        raise SystemExit(
+            f"error: {STRATEGY_DIR}={folder}: no such folder; allowed: a folder of your strategy files (.py)"
+        )
     uploads = Path(environ.get("GRADIO_TEMP_DIR") or Path(tempfile.gettempdir()) / "gradio").resolve()
     if uploads.is_relative_to(path):
-        raise SystemExit(f"error: {STRATEGY_DIR}={folder}: holds Gradio's upload folder ({uploads}), so an upload "
-                         "could be run; allowed: a folder of your own strategy files")
-    lines.append(f"{STRATEGY_DIR}: the page's extra specs box may name strategy files (.py) in {path}; nothing "
-                 "outside it, no modules, and never through the compare API")
+        raise SystemExit(
+            f"error: {STRATEGY_DIR}={folder}: holds Gradio's upload folder ({uploads}), so an upload "
+            "could be run; allowed: a folder of your own strategy files"
+        )
+    lines.append(
+        f"{STRATEGY_DIR}: the page's extra specs box may name strategy files (.py) in {path}; nothing "
+        "outside it, no modules, and never through the compare API"
+    )
     return host, share, path, lines
 
 

@@ -65,6 +65,7 @@ class _Config:
 @dataclass(frozen=True)
 class Conversation(_Config):
     """What `run` and `sweep` share: the model, the conversation, the device, timing and memory."""
+
     model: str = "smollm2-135m"
     prompt: str | None = None
     prompt_file: str | None = None
@@ -105,9 +106,16 @@ class Conversation(_Config):
 
     def engine_options(self) -> dict:
         """The Engine keywords these settings give."""
-        return dict(max_new_tokens=self.max_new_tokens, threads=self.threads, memory=self.memory,
-                    batch=not self.sequential, twins=not self.no_twins, prefill_chunk=self.prefill_chunk,
-                    kernels=self.kernels, instruments=not self.no_instruments)
+        return dict(
+            max_new_tokens=self.max_new_tokens,
+            threads=self.threads,
+            memory=self.memory,
+            batch=not self.sequential,
+            twins=not self.no_twins,
+            prefill_chunk=self.prefill_chunk,
+            kernels=self.kernels,
+            instruments=not self.no_instruments,
+        )
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,7 @@ class RunConfig(Conversation):
 @dataclass
 class RunResult:
     """A lockstep run's results: `data` is the JSON `bench run --json` writes (unstamped)."""
+
     data: dict
     engine: object  # the Engine that ran it (its token and attention maps for a recording)
 
@@ -135,8 +144,15 @@ class RunResult:
         return self.data["device"]
 
 
-def check(config: Conversation, specs: str, turns: list[str], raw: bool, compare: bool = True,
-          dry_run: bool = False, say: Callable[[str], None] = print):
+def check(
+    config: Conversation,
+    specs: str,
+    turns: list[str],
+    raw: bool,
+    compare: bool = True,
+    dry_run: bool = False,
+    say: Callable[[str], None] = print,
+):
     """Every setting through `validate` (the same checks as the app and the API), the model loaded, then the
     memory guard.  Returns (request, loaded model, memory estimate, first turn's ids or None)."""
     validate.integer("threads", 1 if config.threads is None else config.threads, 1, 4096)
@@ -149,13 +165,28 @@ def check(config: Conversation, specs: str, turns: list[str], raw: bool, compare
     loaded = load_model(req.model, dtype=req.dtype, device=req.device)
     ids = None
     if config.context is not None:
-        validate.integer("context", config.context, 2, loaded.max_context - 1 - req.max_new_tokens,
-                         "the model's context less max_new_tokens")
+        validate.integer(
+            "context",
+            config.context,
+            2,
+            loaded.max_context - 1 - req.max_new_tokens,
+            "the model's context less max_new_tokens",
+        )
         ids = filler_ids(loaded.tokenizer, config.context)
     total = validate.against_model(req, loaded, prompt_tokens=None if ids is None else len(ids))
     prompt = len(ids) if ids is not None else len(Prompter(loaded, raw).first(turns[0]))
-    est = guard.estimate(loaded.config, loaded.dtype, list(req.strategies), prompt, total, config.prefill_chunk,
-                         twins=not config.no_twins, compare=compare, turns=len(turns), kernels=config.kernels)
+    est = guard.estimate(
+        loaded.config,
+        loaded.dtype,
+        list(req.strategies),
+        prompt,
+        total,
+        config.prefill_chunk,
+        twins=not config.no_twins,
+        compare=compare,
+        turns=len(turns),
+        kernels=config.kernels,
+    )
     if dry_run:
         free, source = guard.available(loaded.device)
         verdict = "fits" if est.total * guard.HEADROOM <= free else "does NOT fit"
@@ -220,6 +251,7 @@ def sweep(config: SweepConfig, say: Callable[[str], None] = _stderr) -> dict:
 class TasksConfig(_Config):
     """Retrieval and QA scores for every strategy (`bench tasks`; `tasks/scores.py`).  Unset grid settings take
     the default grid, or with `quick` the quick one (two contexts, three depths, two tasks, one budget)."""
+
     model: str = "smollm2-135m"
     strategies: str = "kvdirect,anchorkv,window,streaming_llm,h2o,snapkv,tova,knorm,pyramidkv"
     budgets: str | None = None  # unset: the grid's (tasks/scores.py DEFAULT, QUICK), or none beside `ratios`
@@ -319,19 +351,35 @@ def replay(config: ReplayConfig) -> dict:
             with observer.region(lane.owner, "replay"):
                 kv = rebuild_all(cache, kind)
             elapsed = time.perf_counter() - t0
-            exact = all(torch.equal(k, reference.layers[g].keys) and torch.equal(v, reference.layers[g].values)
-                        for g, (k, v) in kv.items())
+            exact = all(
+                torch.equal(k, reference.layers[g].keys) and torch.equal(v, reference.layers[g].values)
+                for g, (k, v) in kv.items()
+            )
             tally = observer.tallies[lane.label]
-            rows[kind] = {"seconds": elapsed, "layer_passes": tally["layer passes"],
-                          "layer_calls": tally["layer calls"], "kv_exact": exact,
-                          "expected_passes": geom.replay_passes(anchors, cascade=kind == "cascade")}
+            rows[kind] = {
+                "seconds": elapsed,
+                "layer_passes": tally["layer passes"],
+                "layer_calls": tally["layer calls"],
+                "kv_exact": exact,
+                "expected_passes": geom.replay_passes(anchors, cascade=kind == "cascade"),
+            }
             del kv
     speedup = rows["naive"]["seconds"] / rows["cascade"]["seconds"]
     ideal = rows["naive"]["layer_passes"] / rows["cascade"]["layer_passes"]
-    return {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads(), "context": config.context, "spacing": config.spacing,
-            "anchors": anchors, "kernels": engine.kernels.report(), "replay": rows, "speedup": speedup,
-            "ideal_pass_ratio": ideal, "speedup_over_ideal": speedup / ideal}
+    return {
+        "model": loaded.name,
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "context": config.context,
+        "spacing": config.spacing,
+        "anchors": anchors,
+        "kernels": engine.kernels.report(),
+        "replay": rows,
+        "speedup": speedup,
+        "ideal_pass_ratio": ideal,
+        "speedup_over_ideal": speedup / ideal,
+    }
 
 
 @dataclass(frozen=True)
@@ -360,8 +408,9 @@ def _capacity_strategies(geom, spacings: list[int], budget: int):
 
 def _session(loaded, strategy, n: int, threads: int | None):
     """One session of `strategy` alone (no reference lane), `n` tokens of context, parked."""
-    engine = Engine(loaded, [strategy], max_new_tokens=1, raw=True, threads=threads, compare=False,
-                    memory="trace")  # parked bytes and resume peaks: the allocator's (the claims report reads them)
+    engine = Engine(
+        loaded, [strategy], max_new_tokens=1, raw=True, threads=threads, compare=False, memory="trace"
+    )  # parked bytes and resume peaks: the allocator's (the claims report reads them)
     for _ in engine.turn("context", ids=filler_ids(loaded.tokenizer, n)):
         pass
     engine.park()
@@ -383,10 +432,15 @@ def _park(loaded, strategy, n: int, sessions: int, threads: int | None) -> dict:
         if event["type"] == "step":
             result = event["lanes"][strategy.label]
             break
-    return {"sessions_parked": len(parked), "parked_bytes_measured": sum(measured) / len(measured),
-            "rss_growth_per_session": (after - before) / len(parked), "resume_ms": resume["resume_ms"],
-            "resume_peak_bytes": resume["resume_peak_bytes"],
-            "next_ttft_ms": None if result is None else result["prefill_ms"], "kernels": engine.kernels.report()}
+    return {
+        "sessions_parked": len(parked),
+        "parked_bytes_measured": sum(measured) / len(measured),
+        "rss_growth_per_session": (after - before) / len(parked),
+        "resume_ms": resume["resume_ms"],
+        "resume_peak_bytes": resume["resume_peak_bytes"],
+        "next_ttft_ms": None if result is None else result["prefill_ms"],
+        "kernels": engine.kernels.report(),
+    }
 
 
 def capacity(config: CapacityConfig, say: Callable[[str], None] = _stderr) -> dict:
@@ -414,15 +468,33 @@ def capacity(config: CapacityConfig, say: Callable[[str], None] = _stderr) -> di
         m = _park(loaded, strategy, n, config.measure, config.threads)
         kernels = m.pop("kernels")
         parked = strategy.formula_parked(geom, config.context)
-        rows.append({"strategy": name, "parked_bytes": parked, "parked_bytes_per_token": parked / config.context,
-                     "sessions": int(memory // parked), "capacity_vs_full": full_bytes / parked,
-                     "measured_at": n, "formula_parked_bytes_at_measure": strategy.formula_parked(geom, n), **m,
-                     # Linear in tokens: a lower bound, since replayed attention grows faster than linearly.
-                     "next_ttft_ms_at_context_lower_bound": None if m["next_ttft_ms"] is None
-                     else m["next_ttft_ms"] * config.context / n,
-                     "estimated": n < config.context})
-    return {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device),
-            "threads": torch.get_num_threads() if config.threads is None else config.threads,
-            "context": config.context, "memory_bytes": memory,
-            "full_kv_bytes": full_bytes, "budget": config.budget, "kernels": kernels, "rows": rows,
-            "max_context": loaded.max_context}
+        rows.append(
+            {
+                "strategy": name,
+                "parked_bytes": parked,
+                "parked_bytes_per_token": parked / config.context,
+                "sessions": int(memory // parked),
+                "capacity_vs_full": full_bytes / parked,
+                "measured_at": n,
+                "formula_parked_bytes_at_measure": strategy.formula_parked(geom, n),
+                **m,
+                # Linear in tokens: a lower bound, since replayed attention grows faster than linearly.
+                "next_ttft_ms_at_context_lower_bound": None
+                if m["next_ttft_ms"] is None
+                else m["next_ttft_ms"] * config.context / n,
+                "estimated": n < config.context,
+            }
+        )
+    return {
+        "model": loaded.name,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "device": str(loaded.device),
+        "threads": torch.get_num_threads() if config.threads is None else config.threads,
+        "context": config.context,
+        "memory_bytes": memory,
+        "full_kv_bytes": full_bytes,
+        "budget": config.budget,
+        "kernels": kernels,
+        "rows": rows,
+        "max_context": loaded.max_context,
+    }

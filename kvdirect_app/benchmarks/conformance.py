@@ -61,8 +61,11 @@ from . import conformance_rules as rules
 from .conformance_rules import Finding
 
 MODELS = ("tiny-llama", "tiny-gemma3", "smollm2-135m")
-TURNS = ("Tell me about caches: what they keep, what they drop, and why the positions of the keys matter.",
-         "And the values?", "One more sentence, please.")
+TURNS = (
+    "Tell me about caches: what they keep, what they drop, and why the positions of the keys matter.",
+    "And the values?",
+    "One more sentence, please.",
+)
 PLAIN = "window"
 # A run of the kit's three turns takes ~3 s on SmolLM2 and under 1 s on a tiny family (2 cores, measured); a built-in's
 # score() takes milliseconds on the kit's prompts.
@@ -158,8 +161,10 @@ class Probe:
         if self.calling is not None:  # stopped inside a score() call that had not returned
             where, started = self.calling
             where = f"a score() call that had run {time.perf_counter() - started:.1f} s, at {where}"
-        return (f"the run took more than {RUN_SECONDS:g} s: stopped {self.seconds():.1f} s in, at {where}; allowed: "
-                f"{RUN_SECONDS:g} s a run of the kit's three turns")
+        return (
+            f"the run took more than {RUN_SECONDS:g} s: stopped {self.seconds():.1f} s in, at {where}; allowed: "
+            f"{RUN_SECONDS:g} s a run of the kit's three turns"
+        )
 
     def check_time(self):
         if self.seconds() > RUN_SECONDS:
@@ -184,11 +189,17 @@ class Probe:
         self.calls, self.slowest = self.calls + 1, max(self.slowest, spent)
         if spent > SCORE_SECONDS:
             raise _Stop("time", f"score() took {spent:.2f} s at {where}; allowed: {SCORE_SECONDS:g} s a call")
-        changed = [name for name, now, was in zip(("keys", "positions"), (_digest(keys), _digest(positions)), before)
-                   if now != was]
+        changed = [
+            name
+            for name, now, was in zip(("keys", "positions"), (_digest(keys), _digest(positions)), before)
+            if now != was
+        ]
         if changed:
-            self._broke("read-only step", f"score() changed the step's {' and '.join(changed)} in place at {where}; "
-                                          "allowed: read them (attention reads the same tensors), write step.buffers")
+            self._broke(
+                "read-only step",
+                f"score() changed the step's {' and '.join(changed)} in place at {where}; "
+                "allowed: read them (attention reads the same tensors), write step.buffers",
+            )
         if isinstance(scores, torch.Tensor):
             self._check_scores(layer, step, scores, where)
         self.check_time()
@@ -196,26 +207,36 @@ class Probe:
 
     def _check_scores(self, layer: ScoredLayer, step, scores: torch.Tensor, where: str):
         if scores.device != step.keys.device:
-            raise _Stop("scores", f"score() returned scores on {scores.device} at {where}; allowed: the model's "
-                                  f"device ({step.keys.device})")
+            raise _Stop(
+                "scores",
+                f"score() returned scores on {scores.device} at {where}; allowed: the model's "
+                f"device ({step.keys.device})",
+            )
         allowed = list(dict.fromkeys((torch.float32, torch.float64, step.keys.dtype)))
         if scores.dtype not in allowed:
-            self._broke("scores", f"score() returned {str(scores.dtype).removeprefix('torch.')} scores at {where}; "
-                                  f"allowed: {', '.join(str(d).removeprefix('torch.') for d in allowed)} (the model's "
-                                  "keys are " + str(step.keys.dtype).removeprefix("torch.") + ")")
+            self._broke(
+                "scores",
+                f"score() returned {str(scores.dtype).removeprefix('torch.')} scores at {where}; "
+                f"allowed: {', '.join(str(d).removeprefix('torch.') for d in allowed)} (the model's "
+                "keys are " + str(step.keys.dtype).removeprefix("torch.") + ")",
+            )
             return
         if bool(torch.isneginf(scores).any()):
             self._broke("scores", f"score() returned -inf at {where}; allowed: numbers, or +inf to protect a token")
         if not step.evicts:
             return
-        limits = layer.strategy.limits(Forward(step.q, layer.prefill, layer.prompt_open, layer.keep_all), step.seen,
-                                       layer.count)
+        limits = layer.strategy.limits(
+            Forward(step.q, layer.prefill, layer.prompt_open, layer.keep_all), step.seen, layer.count
+        )
         limit = None if limits is None else per_layer(limits, layer.rank)
         protected = int(torch.isposinf(scores).sum(dim=-1).max()) if scores.numel() else 0
         if limit is not None and protected > limit:
-            self._broke("scores", f"score() protected {protected} of {scores.shape[-1]} candidates with +inf at "
-                                  f"{where}, more than the {limit} the layer keeps (an overflow?): the tie rule "
-                                  "chose, not the scores; allowed: +inf only for tokens that must stay")
+            self._broke(
+                "scores",
+                f"score() protected {protected} of {scores.shape[-1]} candidates with +inf at "
+                f"{where}, more than the {limit} the layer keeps (an overflow?): the tie rule "
+                "chose, not the scores; allowed: +inf only for tokens that must stay",
+            )
 
     # --- between forwards --------------------------------------------------------------------------------------------
     def after(self, event: dict):
@@ -227,12 +248,17 @@ class Probe:
         elif kind == "prefill":
             done, total = event["done"], event["total"]
             self.at = f"turn {self.turn}'s prompt, {done} of {total} tokens read"
-            self.where = f"turn {self.turn}'s prompt, after {done} tokens" if done < total else \
-                f"turn {self.turn}, decode step 1"
+            self.where = (
+                f"turn {self.turn}'s prompt, after {done} tokens"
+                if done < total
+                else f"turn {self.turn}, decode step 1"
+            )
         elif kind == "step":
             self.steps += 1
-            self.at, self.where = f"turn {self.turn}, decode step {self.steps}", f"turn {self.turn}, decode step " \
-                                                                               f"{self.steps + 1}"
+            self.at, self.where = (
+                f"turn {self.turn}, decode step {self.steps}",
+                f"turn {self.turn}, decode step {self.steps + 1}",
+            )
         elif kind == "turn_end":
             self.ends.append((self.turn, len(self.lane.forwards), list(self.lane.tokens[-1]), self._held_digest()))
             self.at = self.where = f"the end of turn {self.turn}"
@@ -265,10 +291,13 @@ class Probe:
             held = keys.shape[-2] if isinstance(keys, torch.Tensor) and keys.dim() >= 2 else 0
             limit = per_layer(allowed, slots[spec.index][0]) if spec.index in slots else seen
             if held > limit:
-                self._broke("budget", f"layer {spec.index} holds {held} tokens after {self.at} ({seen} seen), more "
-                                      f"than the {limit} {type(fam).__name__} keeps there at budget={fam.budget}; "
-                                      "allowed: at most its family's (its own limits or layer_budgets do not widen "
-                                      "it)")
+                self._broke(
+                    "budget",
+                    f"layer {spec.index} holds {held} tokens after {self.at} ({seen} seen), more "
+                    f"than the {limit} {type(fam).__name__} keeps there at budget={fam.budget}; "
+                    "allowed: at most its family's (its own limits or layer_budgets do not widen "
+                    "it)",
+                )
                 return
 
 
@@ -297,8 +326,15 @@ def _run(loaded, candidate: str, plain: str, kernels: str, chunk: int, probe: Pr
     for text in ("full", plain, candidate):
         strategies.setdefault(parse_spec(text).spec(), parse_spec(text))
     with _alarm(probe):
-        engine = Engine(loaded, list(strategies.values()), max_new_tokens=5, threads=1, twins=False,
-                        kernels=kernels, prefill_chunk=chunk)
+        engine = Engine(
+            loaded,
+            list(strategies.values()),
+            max_new_tokens=5,
+            threads=1,
+            twins=False,
+            kernels=kernels,
+            prefill_chunk=chunk,
+        )
         probe.attach(engine, parse_spec(candidate).spec())
         for n, text in enumerate(TURNS):
             if n == 2:  # the last turn after a park: the resume rebuilds what the strategy promised
@@ -379,18 +415,35 @@ def _check_model(spec: str, name: str, loaded, add: Callable[..., None]):
             add(rules.budget(name, watched, None, None, plain))
         add(stopped)
         return
-    add(Finding("contract", name, True, "every forward within the contract (invariant kernels, prompts in pieces "
-                                        "of 16)"))
+    add(
+        Finding(
+            "contract", name, True, "every forward within the contract (invariant kernels, prompts in pieces of 16)"
+        )
+    )
     engine, result = second
     r, window = result["strategies"][measured.lane.label], result["strategies"][parse_spec(plain).label]
     add(rules.budget(name, watched, measured, window, plain), rules.determinism(name, watched, measured))
     add(*rules.stored_bytes(name, r, window, result))
     add(rules.sliding_layers(name, measured.lane.cache, loaded), rules.against_full(name, r, strategy.claims_exact))
     _, _, stopped = attempt("native", 1024)
-    add(stopped or Finding("contract", name, True, "every forward within the contract (native kernels, prompts in "
-                                                   "pieces of 1024)"))
+    add(
+        stopped
+        or Finding(
+            "contract", name, True, "every forward within the contract (native kernels, prompts in pieces of 1024)"
+        )
+    )
     if stopped is None or stopped.rule != "time":
-        add(Finding("time", name, True, f"each run within {RUN_SECONDS:g} s (the slowest "
-                                        f"{max(p.seconds() for p in probes):.1f} s)" +
-                    (f", each score() call within {SCORE_SECONDS:g} s (the slowest {1e3 * watched.slowest:.1f} ms)"
-                     if watched.calls else "")))
+        add(
+            Finding(
+                "time",
+                name,
+                True,
+                f"each run within {RUN_SECONDS:g} s (the slowest "
+                f"{max(p.seconds() for p in probes):.1f} s)"
+                + (
+                    f", each score() call within {SCORE_SECONDS:g} s (the slowest {1e3 * watched.slowest:.1f} ms)"
+                    if watched.calls
+                    else ""
+                ),
+            )
+        )

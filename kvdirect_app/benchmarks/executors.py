@@ -105,9 +105,15 @@ def cell_name(cell: dict, index: int, total: int) -> str:
     return f"cell {index + 1} of {total} ({name})"
 
 
-def run_cells(fn: Callable[[dict], object], cells: list[dict], executor: str = "local", workers: int | None = None,
-              resources: Callable[[dict], dict] | None = None, say: Callable[[str], None] | None = None,
-              keep: Callable[[int, object], None] | None = None) -> list:
+def run_cells(
+    fn: Callable[[dict], object],
+    cells: list[dict],
+    executor: str = "local",
+    workers: int | None = None,
+    resources: Callable[[dict], dict] | None = None,
+    say: Callable[[str], None] | None = None,
+    keep: Callable[[int, object], None] | None = None,
+) -> list:
     """`[fn(cell) for cell in cells]`, each call in its own worker process (see the module's docstring)."""
     check_executor(executor)
     _check_fn(fn)
@@ -144,8 +150,9 @@ class Ticker:
     left, so a pool of N workers is counted at its own pace.  Without `say`, it says nothing.  `keep(index,
     result)` first, where given."""
 
-    def __init__(self, cells: list, say: Callable[[str], None] | None,
-                 keep: Callable[[int, object], None] | None = None):
+    def __init__(
+        self, cells: list, say: Callable[[str], None] | None, keep: Callable[[int, object], None] | None = None
+    ):
         self.cells, self.say, self.keep, self.finished, self.t0 = cells, say, keep, 0, time.perf_counter()
 
     def done(self, index: int, result=None):
@@ -156,8 +163,10 @@ class Ticker:
             return
         total, seconds = len(self.cells), time.perf_counter() - self.t0
         left = seconds / self.finished * (total - self.finished)
-        self.say(f"{cell_name(self.cells[index], index, total)} done: {self.finished} of {total} in "
-                 f"{clock(seconds)}, " + (f"about {clock(left)} left" if left else "all done"))
+        self.say(
+            f"{cell_name(self.cells[index], index, total)} done: {self.finished} of {total} in "
+            f"{clock(seconds)}, " + (f"about {clock(left)} left" if left else "all done")
+        )
 
 
 # --- in a worker ------------------------------------------------------------------------------------------------
@@ -186,8 +195,12 @@ def _run_local(fn, cells: list[dict], wants: list[dict], workers: int | None, ti
     if workers is None:
         workers = max(1, (os.cpu_count() or 1) // max(threads))
     workers = min(workers, len(cells))
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_die_with, initargs=(os.getpid(),))
+    pool = ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_die_with,
+        initargs=(os.getpid(),),
+    )
     results: list = [None] * len(cells)
     index, failed = {}, None
     try:
@@ -251,9 +264,12 @@ def _run_ray(fn, cells: list[dict], wants: list[dict], ticker: Ticker) -> list:
             _fits(wants, ray.cluster_resources(), ("num_gpus", "GPU"))
         task = ray.remote(_call)
         cells = [external.carry(cell) for cell in cells]  # a strategy file a cell names travels with it
-        refs = [task.options(num_cpus=w["num_cpus"], num_gpus=w["num_gpus"]).remote(fn, cell,
-                                                                                     max(1, int(round(w["num_cpus"]))))
-                for cell, w in zip(cells, wants)]
+        refs = [
+            task.options(num_cpus=w["num_cpus"], num_gpus=w["num_gpus"]).remote(
+                fn, cell, max(1, int(round(w["num_cpus"])))
+            )
+            for cell, w in zip(cells, wants)
+        ]
         results: list = [None] * len(cells)
         index = {ref: i for i, ref in enumerate(refs)}
         pending = list(refs)
@@ -282,8 +298,10 @@ def _check_fn(fn):
     """`fn` must be found again by its module and name in a child process."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not callable(fn) or not module or module in ("__main__", "__mp_main__") or "<" in qualname or "." in qualname:
-        raise TypeError(f"run_cells: {fn!r} is not a module-level function of an importable module "
-                        "(a worker process finds it by module and name)")
+        raise TypeError(
+            f"run_cells: {fn!r} is not a module-level function of an importable module "
+            "(a worker process finds it by module and name)"
+        )
     try:
         found = getattr(importlib.import_module(module), qualname)
     except (ImportError, AttributeError):
@@ -311,5 +329,7 @@ def _fits(wants: list[dict], have: dict, which: tuple[str, str]):
     key, what = which
     most = max(w[key] for w in wants)
     if most > have.get(what, 0):
-        raise ExecutorError(f"resources: a cell asks for {most:g} {what}s; the local Ray has {have.get(what, 0):g} "
-                            "(lower --threads, or give RAY_ADDRESS)")
+        raise ExecutorError(
+            f"resources: a cell asks for {most:g} {what}s; the local Ray has {have.get(what, 0):g} "
+            "(lower --threads, or give RAY_ADDRESS)"
+        )

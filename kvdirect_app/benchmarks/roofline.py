@@ -46,12 +46,12 @@ def gemm_rate(dtype: torch.dtype, threads: int, n: int = 2048, repeats: int = 3)
     b = torch.randn(n, n, generator=gen).to(dtype)
     with torch.inference_mode(), threads_set(threads):
         seconds = _best(lambda: torch.mm(a, b), repeats)
-    return 2 * n ** 3 / seconds / 1e9
+    return 2 * n**3 / seconds / 1e9
 
 
 def bandwidth(threads: int, mib: int = 512, repeats: int = 3) -> float:
     """GB/s of a large copy at `threads` threads: bytes read plus bytes written over its best time."""
-    src = torch.ones(mib * 2 ** 20 // 4)
+    src = torch.ones(mib * 2**20 // 4)
     dst = torch.empty_like(src)
     with torch.inference_mode(), threads_set(threads):
         seconds = _best(lambda: dst.copy_(src), repeats)
@@ -84,8 +84,13 @@ def best_ms(weight_bytes: int, params: int, rows: int, gemm_gflops: float, bandw
     the arithmetic at the large GEMM's rate; and which of the two bounds it."""
     read = weight_bytes / bandwidth_gbs / 1e6
     math = 2 * rows * params / gemm_gflops / 1e6
-    return {"rows": rows, "weights_read_ms": read, "arithmetic_ms": math, "best_ms": max(read, math),
-            "bound": "memory" if read >= math else "arithmetic"}
+    return {
+        "rows": rows,
+        "weights_read_ms": read,
+        "arithmetic_ms": math,
+        "best_ms": max(read, math),
+        "bound": "memory" if read >= math else "arithmetic",
+    }
 
 
 def linears_ms(loaded, kernels, rows: int, repeats: int = 3) -> float:
@@ -101,7 +106,7 @@ def linears_ms(loaded, kernels, rows: int, repeats: int = 3) -> float:
                 kernels.linear(x, m.weight, m.bias)
             else:
                 for r in range(rows):
-                    F.linear(x[r:r + 1], m.weight, m.bias)
+                    F.linear(x[r : r + 1], m.weight, m.bias)
 
     with torch.inference_mode(), threads_set(kernels.threads):
         return 1e3 * _best(step, repeats)
@@ -114,9 +119,13 @@ def machine(threads: int, dtype: torch.dtype, repeats: int = 3, mib: int = 512) 
     rates = {"float32": gemm_rate(torch.float32, threads, repeats=repeats)}
     if dtype == torch.bfloat16 or "avx512_bf16" in flags or "amx_bf16" in flags:
         rates["bfloat16"] = gemm_rate(torch.bfloat16, threads, repeats=repeats)
-    return {"threads": threads, "gemm_gflops": rates, "bandwidth_gbs": bandwidth(threads, mib, repeats),
-            "bf16_instructions": sorted(f for f in flags if "bf16" in f),
-            "capability": torch.backends.cpu.get_cpu_capability()}
+    return {
+        "threads": threads,
+        "gemm_gflops": rates,
+        "bandwidth_gbs": bandwidth(threads, mib, repeats),
+        "bf16_instructions": sorted(f for f in flags if "bf16" in f),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 def rate_for(here: dict, dtype: torch.dtype) -> float:
@@ -127,5 +136,8 @@ def rate_for(here: dict, dtype: torch.dtype) -> float:
 def model_side(loaded) -> dict:
     layers = linears(loaded.model)
     params = sum(m.weight.numel() for m in layers)
-    return {"linears": len(layers), "params": params,
-            "weight_bytes": sum(m.weight.numel() * m.weight.element_size() for m in layers)}
+    return {
+        "linears": len(layers),
+        "params": params,
+        "weight_bytes": sum(m.weight.numel() * m.weight.element_size() for m in layers),
+    }

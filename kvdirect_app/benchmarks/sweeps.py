@@ -44,8 +44,9 @@ class Sweep:
     head: dict | None = None  # the first run's model, device, dtype...
     rows: list[dict] = field(default_factory=list)
 
-    def run(self, entries: list[tuple[str, Strategy, int | None]],
-            should_stop: Callable[[], bool] | None = None) -> list[dict] | None:
+    def run(
+        self, entries: list[tuple[str, Strategy, int | None]], should_stop: Callable[[], bool] | None = None
+    ) -> list[dict] | None:
         """entries: (name, strategy, budget); one lockstep run of all of them; their rows.  `should_stop`, asked
         after every event: True ends the run there (its turn closed cleanly) and returns None."""
         engine = Engine(self.loaded, [parse_spec("full")] + [s for _, s, _ in entries], raw=self.raw, **self.options)
@@ -63,8 +64,10 @@ class Sweep:
         if self.reference is None:
             self.reference = result["strategies"]["full"]
             self.head = {k: v for k, v in result.items() if k != "strategies"}
-        rows = [{"strategy": name, "budget": budget, "spec": strategy.label, **result["strategies"][strategy.label]}
-                for name, strategy, budget in entries]
+        rows = [
+            {"strategy": name, "budget": budget, "spec": strategy.label, **result["strategies"][strategy.label]}
+            for name, strategy, budget in entries
+        ]
         self.rows += rows
         return rows
 
@@ -101,13 +104,16 @@ def check_names(names: list[str], allow_missing: bool) -> tuple[list[str], list[
         cls = type(parse_spec(base)) if outside else known.get(base)
         if cls is None:
             if not allow_missing:
-                raise StrategyError(f"--strategies: {base!r} is not a registered strategy (known: "
-                                    f"{', '.join(sorted(known))}); pass --allow-missing to skip it")
+                raise StrategyError(
+                    f"--strategies: {base!r} is not a registered strategy (known: "
+                    f"{', '.join(sorted(known))}); pass --allow-missing to skip it"
+                )
             skipped.append({"strategy": name, "budget": None, "reason": f"{base!r} is not a registered strategy"})
             continue
         if "budget" not in cls.settings():
-            raise StrategyError(f"--strategies: {base!r} has no budget setting to sweep (the full cache is always "
-                                "the reference)")
+            raise StrategyError(
+                f"--strategies: {base!r} has no budget setting to sweep (the full cache is always the reference)"
+            )
         if any(pair.partition("=")[0] == "budget" for pair in settings_of(name)):
             raise StrategyError(f"--strategies: {name!r} sets budget itself; the sweep sets it, remove budget=")
         keep.append(name)
@@ -147,10 +153,22 @@ def budget_cells(runs: dict, req, loaded, turns: list[str], raw: bool, options: 
     count an in-process run would have used."""
     threads = validate.threads(options.get("threads"))
     threads = torch.get_num_threads() if threads is None else threads
-    return [{"name": f"{req.model} budget={budget}", "model": req.model, "dtype": req.dtype,
-             "device": loaded.device.type, "threads": threads, "turns": list(turns), "raw": raw,
-             "options": {**options, "threads": threads}, "budget": budget, "strategies": [n for n, _ in entries]}
-            for budget, entries in runs.items() if entries]
+    return [
+        {
+            "name": f"{req.model} budget={budget}",
+            "model": req.model,
+            "dtype": req.dtype,
+            "device": loaded.device.type,
+            "threads": threads,
+            "turns": list(turns),
+            "raw": raw,
+            "options": {**options, "threads": threads},
+            "budget": budget,
+            "strategies": [n for n, _ in entries],
+        }
+        for budget, entries in runs.items()
+        if entries
+    ]
 
 
 def target_spec(names: list[str], budgets: list[int], given: str | None) -> tuple[str | None, int | None]:
@@ -164,8 +182,10 @@ def target_spec(names: list[str], budgets: list[int], given: str | None) -> tupl
         strategy = parse_spec(f"{name}:budget={budgets[0]}")
         if strategy.claims_exact:
             return strategy.label, None
-    raise SweepError("--equal-memory: no strategy in --strategies promises exact K/V to take the target from; "
-                   "give --target SPEC or --target BYTES")
+    raise SweepError(
+        "--equal-memory: no strategy in --strategies promises exact K/V to take the target from; "
+        "give --target SPEC or --target BYTES"
+    )
 
 
 def equal_memory(runner: Runner, names: list[str], budgets: list[int], given: str | None) -> tuple[int, list, list]:
@@ -220,15 +240,19 @@ def run_sweep(config, say: Callable[[str], None]) -> dict:
     if config.target is not None and not config.equal_memory:
         raise SweepError("--target: only with --equal-memory")
     if config.equal_memory and (config.memory == "none" or config.no_instruments):
-        raise SweepError("--equal-memory compares measured peaks: it needs --memory storage (the default) or trace, "
-                         "and the instruments on")
+        raise SweepError(
+            "--equal-memory compares measured peaks: it needs --memory storage (the default) or trace, "
+            "and the instruments on"
+        )
     if config.context is not None:
         raise SweepError("--context: not for sweep; give --prompt, --prompt-file or --scenario")
     if config.executor is not None:
         check_executor(config.executor)
         if config.equal_memory:
-            raise SweepError("--executor: not with --equal-memory (its bisection rounds depend on each other; it "
-                             "runs in this process)")
+            raise SweepError(
+                "--executor: not with --equal-memory (its bisection rounds depend on each other; it "
+                "runs in this process)"
+            )
     if config.workers is not None:
         if config.executor != "local":
             raise SweepError("--workers: only with --executor local (Ray places cells by their resources)")
@@ -242,8 +266,9 @@ def run_sweep(config, say: Callable[[str], None]) -> dict:
         if not any(runs.values()):
             raise StrategyError("--strategies: nothing left to run")
     known = [n for n in names if external(n) or n.split(":")[0] in registry()]  # the rest were skipped or refused
-    req = validate.request(config.model, config.device, config.dtype, ",".join(known) or "full",
-                           config.max_new_tokens, turns, raw)
+    req = validate.request(
+        config.model, config.device, config.dtype, ",".join(known) or "full", config.max_new_tokens, turns, raw
+    )
     loaded = load_model(req.model, dtype=req.dtype, device=req.device)
     validate.against_model(req, loaded)
     for budget in budgets:
@@ -272,4 +297,3 @@ def run_sweep(config, say: Callable[[str], None]) -> dict:
         out.update(budgets=budgets, rows=rows, plotted=rows)
         head, reference = results[0]["head"], results[0]["reference"]
     return {**head, **out, "reference": reference}
-

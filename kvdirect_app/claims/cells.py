@@ -37,8 +37,12 @@ from .reproduce import knobs, plan, reassess
 # --- each cell, in the worker that runs it --------------------------------------------------------------------------
 def environment(device: str | None, threads: int | None = None) -> dict:
     """Where a cell ran, read in the process that ran it (a pool worker, a Ray worker), not in the driver."""
-    env = {"device": device or "none (arithmetic on a config)", "processor": platform.processor() or platform.machine(),
-           "cpus": os.cpu_count(), "torch": torch.__version__.split("+")[0]}
+    env = {
+        "device": device or "none (arithmetic on a config)",
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__.split("+")[0],
+    }
     if device:  # the benchmark's own pinned count where it reports one, else what the worker runs with
         env["threads"] = torch.get_num_threads() if threads is None else threads
     if device and device.startswith("cuda"):
@@ -49,12 +53,23 @@ def environment(device: str | None, threads: int | None = None) -> dict:
 def bench_cell(cell: dict) -> dict:
     """One benchmark, called as a library function in this process (`benchmarks`): the cell's `kind` names the
     call, its `config` the settings; its results and environment.  Busy processes for `load`."""
-    configs = {"run": benchmarks.RunConfig, "sweep": benchmarks.SweepConfig, "breakeven": benchmarks.BreakevenConfig,
-               "replay": benchmarks.ReplayConfig, "capacity": benchmarks.CapacityConfig, "tasks": benchmarks.TasksConfig}
+    configs = {
+        "run": benchmarks.RunConfig,
+        "sweep": benchmarks.SweepConfig,
+        "breakeven": benchmarks.BreakevenConfig,
+        "replay": benchmarks.ReplayConfig,
+        "capacity": benchmarks.CapacityConfig,
+        "tasks": benchmarks.TasksConfig,
+    }
     quiet = dict(say=lambda line: None)
-    calls = {"run": lambda c: benchmarks.run(c, **quiet).data, "sweep": lambda c: benchmarks.sweep(c, **quiet),
-             "breakeven": benchmarks.breakeven, "replay": benchmarks.replay,
-             "capacity": lambda c: benchmarks.capacity(c, **quiet), "tasks": lambda c: benchmarks.tasks(c, **quiet)}
+    calls = {
+        "run": lambda c: benchmarks.run(c, **quiet).data,
+        "sweep": lambda c: benchmarks.sweep(c, **quiet),
+        "breakeven": benchmarks.breakeven,
+        "replay": benchmarks.replay,
+        "capacity": lambda c: benchmarks.capacity(c, **quiet),
+        "tasks": lambda c: benchmarks.tasks(c, **quiet),
+    }
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cell.get("load", 0))]
     try:
         t0 = time.perf_counter()
@@ -70,8 +85,13 @@ def bench_cell(cell: dict) -> dict:
 
 def recompute_cell(cell: dict) -> dict:
     loaded = load_model(cell["model"], dtype=cell["dtype"], device=cell["device"])
-    result = recompute.measure(loaded, batch_sizes=tuple(cell["batches"]), contexts=tuple(cell["contexts"]),
-                               repeats=cell["repeats"], threads=cell.get("threads"))
+    result = recompute.measure(
+        loaded,
+        batch_sizes=tuple(cell["batches"]),
+        contexts=tuple(cell["contexts"]),
+        repeats=cell["repeats"],
+        threads=cell.get("threads"),
+    )
     result["kernels"] = "the model's own (the microbenchmark's GEMMs and copies)"
     return {"json": result, "env": environment(result["device"], result["threads"])}
 
@@ -85,12 +105,25 @@ def patching_cell(cell: dict) -> dict:
 def realsize_cell(cell: dict) -> dict:
     """The public configs built with random weights at their real size, one after another in this worker (one
     4B model in memory at a time): K/V, tokens and allocator bytes of every exact lane."""
-    runs = [realsize.measure(name, dtype, prompt_tokens=cell["prompt_tokens"], new_tokens=cell["new_tokens"],
-                             threads=cell.get("threads"), device=cell["device"])
-            for name, dtype in cell["configs"]]
-    return {"json": {"runs": runs, "label": realsize.LABEL,
-                     "kernels": {"mode": ", ".join(sorted({r["kernels_mode"] for r in runs}))}},
-            "env": environment(runs[0]["device"], runs[0]["threads"])}
+    runs = [
+        realsize.measure(
+            name,
+            dtype,
+            prompt_tokens=cell["prompt_tokens"],
+            new_tokens=cell["new_tokens"],
+            threads=cell.get("threads"),
+            device=cell["device"],
+        )
+        for name, dtype in cell["configs"]
+    ]
+    return {
+        "json": {
+            "runs": runs,
+            "label": realsize.LABEL,
+            "kernels": {"mode": ", ".join(sorted({r["kernels_mode"] for r in runs}))},
+        },
+        "env": environment(runs[0]["device"], runs[0]["threads"]),
+    }
 
 
 def run_cell(cell: dict) -> dict:
@@ -103,8 +136,16 @@ def run_cell(cell: dict) -> dict:
 KEPT = "finished-cells"  # DIR/finished-cells: each cell as it finishes, until results.json is written
 
 
-def gather(model: str, quick: bool, executor: str, device: str = "auto", workers: int | None = None,
-           threads: int = 1, say=None, kept: Path | None = None) -> dict:
+def gather(
+    model: str,
+    quick: bool,
+    executor: str,
+    device: str = "auto",
+    workers: int | None = None,
+    threads: int = 1,
+    say=None,
+    kept: Path | None = None,
+) -> dict:
     """Run every cell; the cells, the run's facts and what follows from them, as one JSON-ready dict.  `say`: a
     line per finished cell (`executors.Ticker`).  `kept`: a folder where each cell is written as it finishes,
     and from which a cell of this plan finished by an earlier run that did not end (a failing cell, a stopped
@@ -112,8 +153,10 @@ def gather(model: str, quick: bool, executor: str, device: str = "auto", workers
     cells = plan(model, quick, device, validate.threads(threads))
     resumed = _resumed(kept, cells) if kept is not None else {}
     if resumed and say:
-        say(f"resuming: {len(resumed)} of {len(cells)} cells kept in {kept} by a run that did not end are taken "
-            "as they are (delete that folder to run them again)")
+        say(
+            f"resuming: {len(resumed)} of {len(cells)} cells kept in {kept} by a run that did not end are taken "
+            "as they are (delete that folder to run them again)"
+        )
     todo = [i for i in range(len(cells)) if i not in resumed]
     version = commit()
 
@@ -124,13 +167,23 @@ def gather(model: str, quick: bool, executor: str, device: str = "auto", workers
     t0 = time.perf_counter()
     outputs = run_cells(run_cell, [cells[i] for i in todo], executor=executor, workers=workers, say=say, keep=keep)
     outputs = {**resumed, **dict(zip(todo, outputs))}
-    results = {"model": model, "quick": quick, "executor": executor, "device": device,
-               "device_name": (torch.cuda.get_device_name() if torch.cuda.is_available() and device != "cpu"
-                               else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"),
-               "date": time.strftime("%Y-%m-%d"), "seconds": time.perf_counter() - t0, "commit": version,
-               "resumed_cells": len(resumed),
-               "plan": {"knobs": asdict(knobs(model, quick)), "full": asdict(knobs(model, False))},
-               "cells": [{**cell, **outputs[i]} for i, cell in enumerate(cells)]}
+    results = {
+        "model": model,
+        "quick": quick,
+        "executor": executor,
+        "device": device,
+        "device_name": (
+            torch.cuda.get_device_name()
+            if torch.cuda.is_available() and device != "cpu"
+            else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+        ),
+        "date": time.strftime("%Y-%m-%d"),
+        "seconds": time.perf_counter() - t0,
+        "commit": version,
+        "resumed_cells": len(resumed),
+        "plan": {"knobs": asdict(knobs(model, quick)), "full": asdict(knobs(model, False))},
+        "cells": [{**cell, **outputs[i]} for i, cell in enumerate(cells)],
+    }
     return stamp("reproduce", reassess(results))
 
 

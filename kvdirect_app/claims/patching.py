@@ -30,10 +30,14 @@ import torch
 from ..models import compat
 from ..models.threads import pin
 
-DONOR = ("Translate into French, word by word, and keep the punctuation: the old lighthouse keeper climbs the "
-         "stairs every evening to light the lamp, and the ships pass safely through the narrow strait.")
-RECIPIENT = ("Write a Python function that returns the sum of the squares of the even numbers in a list, "
-             "with a docstring, two examples and a test that checks an empty list gives zero.")
+DONOR = (
+    "Translate into French, word by word, and keep the punctuation: the old lighthouse keeper climbs the "
+    "stairs every evening to light the lamp, and the ships pass safely through the narrow strait."
+)
+RECIPIENT = (
+    "Write a Python function that returns the sum of the squares of the even numbers in a list, "
+    "with a docstring, two examples and a test that checks an empty list gives zero."
+)
 
 
 def _kl(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -90,6 +94,7 @@ def _measure(loaded, threads: int) -> dict:
     for index, layer in enumerate(layers):
         row = {"layer": index}
         for name, last_only in (("", False), ("control_", True)):
+
             def patch(module, args, kwargs, given=inputs[index], last_only=last_only):
                 hidden = args[0] if args else kwargs["hidden_states"]
                 if last_only:
@@ -112,12 +117,20 @@ def _measure(loaded, threads: int) -> dict:
             row[f"{name}kl"] = _kl(ours, theirs)
             row[f"{name}max_abs_dlogit"] = float((ours.float() - theirs.float()).abs().max())
         rows.append(row)
-    return {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device),
-            "threads": threads, "tokens": donor.shape[1], "layers": len(layers),
-            "kernels": "the model's own (plain forwards, no cache)", "seconds": time.perf_counter() - t0,
-            "rows": rows, "max_kl": max(r["kl"] for r in rows),
-            "max_abs_dlogit": max(r["max_abs_dlogit"] for r in rows),
-            "min_control_kl": min(r["control_kl"] for r in rows)}
+    return {
+        "model": loaded.name,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "device": str(loaded.device),
+        "threads": threads,
+        "tokens": donor.shape[1],
+        "layers": len(layers),
+        "kernels": "the model's own (plain forwards, no cache)",
+        "seconds": time.perf_counter() - t0,
+        "rows": rows,
+        "max_kl": max(r["kl"] for r in rows),
+        "max_abs_dlogit": max(r["max_abs_dlogit"] for r in rows),
+        "min_control_kl": min(r["control_kl"] for r in rows),
+    }
 
 
 def figure(results: list[dict], model: str):
@@ -126,12 +139,28 @@ def figure(results: list[dict], model: str):
     fig = go.Figure()
     for r in [r for r in results if r["model"] == model or not r["model"].startswith("tiny-")]:
         layers = [row["layer"] for row in r["rows"]]
-        fig.add_trace(go.Scatter(x=layers, y=[row["control_kl"] for row in r["rows"]], mode="lines+markers",
-                                 name=f"{r['model']}: last position only (control)", line=dict(dash="dot")))
-        fig.add_trace(go.Scatter(x=layers, y=[row["kl"] for row in r["rows"]], mode="lines+markers",
-                                 name=f"{r['model']}: every position patched"))
-    fig.update_layout(title="Residual patching: KL(donor || patched) per layer, float64",
-                      xaxis=dict(title="layer whose input is patched"),
-                      yaxis=dict(title="KL (patched: max over positions; control: last position)"),
-                      font=dict(size=16), template="plotly_white")
+        fig.add_trace(
+            go.Scatter(
+                x=layers,
+                y=[row["control_kl"] for row in r["rows"]],
+                mode="lines+markers",
+                name=f"{r['model']}: last position only (control)",
+                line=dict(dash="dot"),
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=layers,
+                y=[row["kl"] for row in r["rows"]],
+                mode="lines+markers",
+                name=f"{r['model']}: every position patched",
+            )
+        )
+    fig.update_layout(
+        title="Residual patching: KL(donor || patched) per layer, float64",
+        xaxis=dict(title="layer whose input is patched"),
+        yaxis=dict(title="KL (patched: max over positions; control: last position)"),
+        font=dict(size=16),
+        template="plotly_white",
+    )
     return fig

@@ -163,18 +163,27 @@ def random_model(config: str, dtype: str = "bfloat16", device: str = "cpu", seed
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     scaled = filled["embedding_scale"]
-    source = (f"{LABEL}: {path.name}, seed {seed}, normal(0, {std:g}) weights"
-              + (f" (the embedding's divided by its scale {scaled:.4g})" if abs(scaled - 1.0) > 1e-3 else "")
-              + f", norms at identity ({filled['norm_ones']:,} ones, {filled['norm_zeros']:,} zeros)")
+    source = (
+        f"{LABEL}: {path.name}, seed {seed}, normal(0, {std:g}) weights"
+        + (f" (the embedding's divided by its scale {scaled:.4g})" if abs(scaled - 1.0) > 1e-3 else "")
+        + f", norms at identity ({filled['norm_ones']:,} ones, {filled['norm_zeros']:,} zeros)"
+    )
     name = f"{path.stem} (random weights)"
     return LoadedModel(name, model, id_tokenizer(cfg.vocab_size), False, source, dev, torch_dtype)
 
 
 def lanes(num_layers: int, spacing: int, budget: int) -> list[str]:
     """The four lanes' specs (three when the break-even spacing is the number of layers)."""
-    return list(dict.fromkeys(["full", f"kvdirect:budget={budget}",
-                               f"anchorkv:spacing={spacing}:budget={budget}:rebuild=step",
-                               f"anchorkv:spacing={num_layers}:budget={budget}:rebuild=step"]))
+    return list(
+        dict.fromkeys(
+            [
+                "full",
+                f"kvdirect:budget={budget}",
+                f"anchorkv:spacing={spacing}:budget={budget}:rebuild=step",
+                f"anchorkv:spacing={num_layers}:budget={budget}:rebuild=step",
+            ]
+        )
+    )
 
 
 def prompt_ids(vocab_size: int, tokens: int, seed: int = SEED) -> list[int]:
@@ -187,8 +196,11 @@ def lane_verdict(r: dict, reference: dict, is_reference: bool) -> dict:
     sb = r["state_bytes"]
     last = r["turns"][-1]
     audit = sb.get("meter_audit") or {}
-    bytes_match = (sb["formula_matches_measurement"] is True and last["between_turns"] is not None
-                   and last["between_turns"] == last["formula_between_turns"])
+    bytes_match = (
+        sb["formula_matches_measurement"] is True
+        and last["between_turns"] is not None
+        and last["between_turns"] == last["formula_between_turns"]
+    )
     out = {
         "reference": is_reference,
         "kv_exact": r["kv_exact"],
@@ -212,8 +224,12 @@ def lane_verdict(r: dict, reference: dict, is_reference: bool) -> dict:
         "kernels": r["kernels"],
         "latency_ms": r["latency_ms"],
     }
-    out["exact"] = bool(out["kv_exact"] and out["tokens_equal"] and bytes_match
-                        and (is_reference or (out["rebuilt_token_layers"] or 0) > 0))
+    out["exact"] = bool(
+        out["kv_exact"]
+        and out["tokens_equal"]
+        and bytes_match
+        and (is_reference or (out["rebuilt_token_layers"] or 0) > 0)
+    )
     return out
 
 
@@ -225,12 +241,21 @@ def _check(prompt_tokens: int, new_tokens: int, threads: int | None, budget: int
     if threads is not None and threads < 1:
         raise RealSizeError(f"threads: {threads} must be >= 1")
     if not 1 <= budget < prompt_tokens:
-        raise RealSizeError(f"budget: {budget} must be >= 1 and below prompt_tokens ({prompt_tokens}), so that "
-                            "old K/V are rebuilt")
+        raise RealSizeError(
+            f"budget: {budget} must be >= 1 and below prompt_tokens ({prompt_tokens}), so that old K/V are rebuilt"
+        )
 
 
-def measure(config: str, dtype: str, prompt_tokens: int = 300, new_tokens: int = 8, threads: int | None = None,
-            budget: int = BUDGET, seed: int = SEED, device: str = "cpu") -> dict:
+def measure(
+    config: str,
+    dtype: str,
+    prompt_tokens: int = 300,
+    new_tokens: int = 8,
+    threads: int | None = None,
+    budget: int = BUDGET,
+    seed: int = SEED,
+    device: str = "cpu",
+) -> dict:
     """Build `config` with random weights, run the four lanes on one random prompt, free the model; the verdict.
 
     Returns plain data: the model (name, config file, type, dtype, parameters, layers, s*), the run (device,
@@ -249,11 +274,14 @@ def measure(config: str, dtype: str, prompt_tokens: int = 300, new_tokens: int =
         spacing = geom.break_even_spacing(token_id_anchor=True) or geom.num_layers
         specs = lanes(geom.num_layers, spacing, budget)
         if prompt_tokens + new_tokens >= loaded.max_context:
-            raise RealSizeError(f"prompt_tokens: {prompt_tokens} + {new_tokens} new tokens pass the model's context "
-                                f"of {loaded.max_context}")
+            raise RealSizeError(
+                f"prompt_tokens: {prompt_tokens} + {new_tokens} new tokens pass the model's context "
+                f"of {loaded.max_context}"
+            )
         ids = prompt_ids(cfg.vocab_size, prompt_tokens, seed)
-        engine = Engine(loaded, parse_specs(",".join(specs)), max_new_tokens=new_tokens, threads=threads,
-                        memory="trace")
+        engine = Engine(
+            loaded, parse_specs(",".join(specs)), max_new_tokens=new_tokens, threads=threads, memory="trace"
+        )
         turn_started = time.perf_counter()
         for _ in engine.turn(f"{prompt_tokens} random token ids", ids=ids):
             pass
@@ -306,8 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m kvdirect_app.claims.realsize CONFIG DTYPE [--prompt-tokens N] [--new-tokens N] [--threads N]
     [--json PATH]``: one measurement, printed as a table and written as JSON."""
     p = argparse.ArgumentParser(prog="python -m kvdirect_app.claims.realsize", description=__doc__.splitlines()[0])
-    p.add_argument("config", help="a config.json, or a bundled config's name: "
-                                  + ", ".join(sorted(x.stem for x in CONFIGS_DIR.glob("*.json"))))
+    p.add_argument(
+        "config",
+        help="a config.json, or a bundled config's name: "
+        + ", ".join(sorted(x.stem for x in CONFIGS_DIR.glob("*.json"))),
+    )
     p.add_argument("dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--prompt-tokens", type=int, default=300)
     p.add_argument("--new-tokens", type=int, default=8)
@@ -320,17 +351,26 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}")
         return 2
-    print(f"{out['model']} ({out['label']}), {out['parameters']:,} parameters, {out['dtype']}, {out['device']}, "
-          f"{out['threads']} thread(s), kernels {out['kernels_mode']}, prompt {out['prompt_tokens']} ids, "
-          f"{out['new_tokens']} new; s* = {out['break_even_spacing']}, L = {out['layers']}")
-    print("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in out["seconds"].items())
-          + f"; peak RSS {out['process_rss_peak_bytes'] / 2**30:.2f} GiB")
+    print(
+        f"{out['model']} ({out['label']}), {out['parameters']:,} parameters, {out['dtype']}, {out['device']}, "
+        f"{out['threads']} thread(s), kernels {out['kernels_mode']}, prompt {out['prompt_tokens']} ids, "
+        f"{out['new_tokens']} new; s* = {out['break_even_spacing']}, L = {out['layers']}"
+    )
+    print(
+        "seconds: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in out["seconds"].items())
+        + f"; peak RSS {out['process_rss_peak_bytes'] / 2**30:.2f} GiB"
+    )
     for spec, v in out["lanes"].items():
-        print(f"  {spec:45s} kv_exact={v['kv_exact']} rebuilt={v['rebuilt_token_layers']} "
-              f"tokens_equal={v['tokens_equal']} held={v['held_bytes']} formula={v['formula_bytes']} "
-              f"bytes_match={v['bytes_match']} -> {'EXACT' if v['exact'] else 'NOT EXACT'}")
-    print(f"all exact: {out['exact']}; logits finite: {out['logits_finite']}; distinct new ids: "
-          f"{out['distinct_new_tokens']}")
+        print(
+            f"  {spec:45s} kv_exact={v['kv_exact']} rebuilt={v['rebuilt_token_layers']} "
+            f"tokens_equal={v['tokens_equal']} held={v['held_bytes']} formula={v['formula_bytes']} "
+            f"bytes_match={v['bytes_match']} -> {'EXACT' if v['exact'] else 'NOT EXACT'}"
+        )
+    print(
+        f"all exact: {out['exact']}; logits finite: {out['logits_finite']}; distinct new ids: "
+        f"{out['distinct_new_tokens']}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0 if out["exact"] else 1

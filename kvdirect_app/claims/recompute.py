@@ -141,10 +141,16 @@ class Recomputer:
         self.kv_elements = key.linear.out_features + value.linear.out_features  # per token, K and V
         self.flops_per_token = 2 * self.d * key.linear.out_features + 2 * self.d * value.linear.out_features
         self.dtype = key.linear.weight.dtype
-        self.includes = ([type(self.norm).__name__ + " (input_layernorm)"] if self.norm is not None else []) + [
-            "k_proj", "v_proj"] + (["k_norm"] if key.norm is not None else []) + (
-            ["RoPE (family's apply_rotary_pos_emb, applied to (K, K) as the project's rebuild does)"]
-            if key.rope is not None and key.rotary is not None else [])
+        self.includes = (
+            ([type(self.norm).__name__ + " (input_layernorm)"] if self.norm is not None else [])
+            + ["k_proj", "v_proj"]
+            + (["k_norm"] if key.norm is not None else [])
+            + (
+                ["RoPE (family's apply_rotary_pos_emb, applied to (K, K) as the project's rebuild does)"]
+                if key.rope is not None and key.rotary is not None
+                else []
+            )
+        )
 
     def __call__(self, residuals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.norm(residuals) if self.norm is not None else residuals
@@ -173,7 +179,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, host_copy: bool = False,
     gen = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(size, size, generator=gen).to(device, dtype)
     b = torch.randn(size, size, generator=gen).to(device, dtype)
-    flops_s = 2 * size ** 3 / _time(lambda: torch.mm(a, b), device, repeats)  # noqa: F821 (deleted after the closure last runs)
+    flops_s = 2 * size**3 / _time(lambda: torch.mm(a, b), device, repeats)  # noqa: F821 (deleted after the closure last runs)
     del a, b
     elements = copy_bytes // torch.empty((), dtype=dtype).element_size()
     src = torch.empty(elements, dtype=dtype, device=device).normal_()
@@ -186,12 +192,16 @@ def calibrate(device: torch.device, dtype: torch.dtype, host_copy: bool = False,
         dst = torch.empty(elements, dtype=dtype, device=device)
         host_s = copy_bytes / _time(lambda: dst.copy_(src, non_blocking=True), device, repeats)
         del src, dst
-    return {"device_flops_per_s": float(flops_s), "device_bytes_per_s": float(bytes_s),
-            "host_bytes_per_s": None if host_s is None else float(host_s)}
+    return {
+        "device_flops_per_s": float(flops_s),
+        "device_bytes_per_s": float(bytes_s),
+        "host_bytes_per_s": None if host_s is None else float(host_s),
+    }
 
 
-def _bound(kv_bytes: int, residual_bytes: int, flops: int, flops_s: float, bytes_s: float,
-           read_bytes_s: float | None = None) -> float:
+def _bound(
+    kv_bytes: int, residual_bytes: int, flops: int, flops_s: float, bytes_s: float, read_bytes_s: float | None = None
+) -> float:
     read_bytes_s = read_bytes_s or bytes_s
     return (kv_bytes / read_bytes_s) / (flops / flops_s + residual_bytes / bytes_s)
 
@@ -203,9 +213,17 @@ def _cell_bytes(kv_bytes: int, residual_bytes: int, host: bool) -> int:
     return 2 * residual_bytes + 6 * kv_bytes + (2 * kv_bytes if host else 0)
 
 
-def measure(loaded, batch_sizes=(1, 4, 16, 64), contexts=(256, 1024, 4096), layer: int | None = None,
-            repeats: int = 5, device=None, host_copy: bool | None = None,
-            max_cell_bytes: int = MAX_CELL_BYTES, threads: int | None = None) -> dict:
+def measure(
+    loaded,
+    batch_sizes=(1, 4, 16, 64),
+    contexts=(256, 1024, 4096),
+    layer: int | None = None,
+    repeats: int = 5,
+    device=None,
+    host_copy: bool | None = None,
+    max_cell_bytes: int = MAX_CELL_BYTES,
+    threads: int | None = None,
+) -> dict:
     """Time reading cached K/V against recomputing them from residuals, for every (batch, context).
 
     `loaded`: a `models.LoadedModel`.  `layer`: a global attention layer (default: the first).  `device`:
@@ -240,8 +258,11 @@ def _measure(loaded, batch_sizes, contexts, layer, repeats, device, host_copy, m
     gen = torch.Generator(device="cpu").manual_seed(0)
     with torch.inference_mode():
         balance = calibrate(dev, dtype, host_copy)
-        flops_s, bytes_s, host_s = (balance["device_flops_per_s"], balance["device_bytes_per_s"],
-                                    balance["host_bytes_per_s"])
+        flops_s, bytes_s, host_s = (
+            balance["device_flops_per_s"],
+            balance["device_bytes_per_s"],
+            balance["host_bytes_per_s"],
+        )
         rows = []
         for b in batch_sizes:
             for n in contexts:
@@ -249,23 +270,37 @@ def _measure(loaded, batch_sizes, contexts, layer, repeats, device, host_copy, m
                 tokens = b * n
                 kv_bytes, residual_bytes = tokens * kv_per_token, tokens * residual_per_token
                 flops = tokens * recompute.flops_per_token
-                row = {"batch": b, "context": n, "tokens": tokens, "read_ms": None, "recompute_ms": None,
-                       "host_read_ms": None, "speedup": None, "host_speedup": None,
-                       "bound_speedup": _bound(kv_bytes, residual_bytes, flops, flops_s, bytes_s),
-                       "host_bound_speedup": (_bound(kv_bytes, residual_bytes, flops, flops_s, bytes_s, host_s)
-                                              if host_s else None),
-                       "kv_bytes": kv_bytes, "residual_bytes": residual_bytes, "flops": flops,
-                       "intensity": flops / residual_bytes, "skipped": None}
+                row = {
+                    "batch": b,
+                    "context": n,
+                    "tokens": tokens,
+                    "read_ms": None,
+                    "recompute_ms": None,
+                    "host_read_ms": None,
+                    "speedup": None,
+                    "host_speedup": None,
+                    "bound_speedup": _bound(kv_bytes, residual_bytes, flops, flops_s, bytes_s),
+                    "host_bound_speedup": (
+                        _bound(kv_bytes, residual_bytes, flops, flops_s, bytes_s, host_s) if host_s else None
+                    ),
+                    "kv_bytes": kv_bytes,
+                    "residual_bytes": residual_bytes,
+                    "flops": flops,
+                    "intensity": flops / residual_bytes,
+                    "skipped": None,
+                }
                 need = _cell_bytes(kv_bytes, residual_bytes, host_copy)
                 if need > max_cell_bytes:
-                    row["skipped"] = (f"buffers of about {need / 2**20:.0f} MiB would pass the "
-                                      f"{max_cell_bytes / 2**20:.0f} MiB cap per cell")
+                    row["skipped"] = (
+                        f"buffers of about {need / 2**20:.0f} MiB would pass the "
+                        f"{max_cell_bytes / 2**20:.0f} MiB cap per cell"
+                    )
                     rows.append(row)
                     continue
                 residuals = torch.randn(b, n, recompute.d, generator=gen).to(dev, dtype)
                 keys, values = recompute(residuals)  # the cache's K/V of these tokens (and a first warm-up)
-                k_old, k_new = keys[..., :n - 1, :].contiguous(), keys[..., n - 1:, :].contiguous()
-                v_old, v_new = values[..., :n - 1, :].contiguous(), values[..., n - 1:, :].contiguous()
+                k_old, k_new = keys[..., : n - 1, :].contiguous(), keys[..., n - 1 :, :].contiguous()
+                v_old, v_new = values[..., : n - 1, :].contiguous(), values[..., n - 1 :, :].contiguous()
 
                 def read():
                     return torch.cat([k_old, k_new], dim=-2), torch.cat([v_old, v_new], dim=-2)  # noqa: F821 (deleted after the closure last runs)
@@ -276,8 +311,9 @@ def _measure(loaded, batch_sizes, contexts, layer, repeats, device, host_copy, m
                 if host_copy:
                     k_host = keys.to("cpu").pin_memory()
                     v_host = values.to("cpu").pin_memory()
-                    host_read_s = _time(lambda: (k_host.to(dev, non_blocking=True),
-                                                 v_host.to(dev, non_blocking=True)), dev, repeats)
+                    host_read_s = _time(
+                        lambda: (k_host.to(dev, non_blocking=True), v_host.to(dev, non_blocking=True)), dev, repeats
+                    )
                     row.update(host_read_ms=host_read_s * 1e3, host_speedup=host_read_s / recompute_s)
                     del k_host, v_host
                 del residuals, keys, values, k_old, k_new, v_old, v_new
@@ -286,23 +322,38 @@ def _measure(loaded, batch_sizes, contexts, layer, repeats, device, host_copy, m
         notes.append(f"{sum(1 for r in rows if r['skipped'])} cell(s) skipped: over the memory cap per cell")
     above = [r for r in rows if r["speedup"] is not None and r["speedup"] > r["bound_speedup"]]
     if above:
-        notes.append(f"{len(above)} cell(s) measured above the arithmetic-intensity bound (e.g. b={above[0]['batch']},"
-                     f" n={above[0]['context']}: {above[0]['speedup']:.3g}x against {above[0]['bound_speedup']:.3g}x)"
-                     ": the bound is optimistic for recompute, so this points at a slow read (a busy CPU, page "
-                     "faults of fresh buffers); on a shared CPU, rerun with threads=1")
+        notes.append(
+            f"{len(above)} cell(s) measured above the arithmetic-intensity bound (e.g. b={above[0]['batch']},"
+            f" n={above[0]['context']}: {above[0]['speedup']:.3g}x against {above[0]['bound_speedup']:.3g}x)"
+            ": the bound is optimistic for recompute, so this points at a slow read (a busy CPU, page "
+            "faults of fresh buffers); on a shared CPU, rerun with threads=1"
+        )
     return {
-        "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "model": loaded.name,
-        "layer": recompute.index, "threads": torch.get_num_threads(),
-        "device_flops_per_s": flops_s, "device_bytes_per_s": bytes_s, "host_bytes_per_s": host_s,
+        "device": str(dev),
+        "dtype": str(dtype).removeprefix("torch."),
+        "model": loaded.name,
+        "layer": recompute.index,
+        "threads": torch.get_num_threads(),
+        "device_flops_per_s": flops_s,
+        "device_bytes_per_s": bytes_s,
+        "host_bytes_per_s": host_s,
         "flop_per_byte": flops_s / bytes_s,
-        "d": recompute.d, "kv_heads": recompute.kv_heads, "head_dim": recompute.head_dim,
-        "kv_bytes_per_token": kv_per_token, "residual_bytes_per_token": residual_per_token,
-        "ratio_r": residual_per_token / kv_per_token, "flops_per_token": recompute.flops_per_token,
-        "recompute_includes": recompute.includes, "repeats": int(repeats),
-        "timed": {"read": "torch.cat of cached K/V (n-1 tokens) and the step's token, K and V, into fresh "
-                          "buffers in device memory",
-                  "recompute": "input norm + KVProjector.project (k/v GEMMs, k_norm, RoPE) from stored raw "
-                               "residuals into fresh K/V buffers",
-                  "host_read": "pinned host K/V copied into fresh device buffers (non_blocking, synchronised)"},
-        "notes": notes, "rows": rows,
+        "d": recompute.d,
+        "kv_heads": recompute.kv_heads,
+        "head_dim": recompute.head_dim,
+        "kv_bytes_per_token": kv_per_token,
+        "residual_bytes_per_token": residual_per_token,
+        "ratio_r": residual_per_token / kv_per_token,
+        "flops_per_token": recompute.flops_per_token,
+        "recompute_includes": recompute.includes,
+        "repeats": int(repeats),
+        "timed": {
+            "read": "torch.cat of cached K/V (n-1 tokens) and the step's token, K and V, into fresh "
+            "buffers in device memory",
+            "recompute": "input norm + KVProjector.project (k/v GEMMs, k_norm, RoPE) from stored raw "
+            "residuals into fresh K/V buffers",
+            "host_read": "pinned host K/V copied into fresh device buffers (non_blocking, synchronised)",
+        },
+        "notes": notes,
+        "rows": rows,
     }

@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (MemoryError, torch.OutOfMemoryError) as e:
-        print(f"error: out of memory during the run ({type(e).__name__}); the memory guard's estimate fell short: "
-              "try fewer tokens or strategies", file=sys.stderr)
+        print(
+            f"error: out of memory during the run ({type(e).__name__}); the memory guard's estimate fell short: "
+            "try fewer tokens or strategies",
+            file=sys.stderr,
+        )
         return 3

@@ -20,8 +20,15 @@ class CliError(UserError):
 def whole(low: int | None = None, high: int | None = None, what: str = ""):
     """An argparse type: a whole number within low..high (either end open), else one line saying what is allowed
     (argparse prefixes it with the option's name); nothing is ever replaced by a default."""
-    span = (f"{low}..{high}" if low is not None and high is not None else f">= {low}" if low is not None else
-            f"<= {high}" if high is not None else "any")
+    span = (
+        f"{low}..{high}"
+        if low is not None and high is not None
+        else f">= {low}"
+        if low is not None
+        else f"<= {high}"
+        if high is not None
+        else "any"
+    )
     allowed = f"allowed: whole numbers {span}" + (f" ({what})" if what else "")
 
     def parse(text: str) -> int:
@@ -48,31 +55,61 @@ def add_conversation_options(p: argparse.ArgumentParser):
     p.add_argument("--prompt", help="one user message (a chat model's template is applied)")
     p.add_argument("--prompt-file", help="a file holding one user message")
     p.add_argument("--scenario", help="a scripted conversation from presets/scenarios.toml")
-    p.add_argument("--context", type=TOKENS, help="one turn of exactly this many tokens of the long-document preset, "
-                                                "fed raw (a context of a known length)")
+    p.add_argument(
+        "--context",
+        type=TOKENS,
+        help="one turn of exactly this many tokens of the long-document preset, fed raw (a context of a known length)",
+    )
     p.add_argument("--raw", action="store_true", help="feed the text as is, without the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per turn, at most (checked against "
-                   "this run's cap with every other setting)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="new tokens per turn, at most (checked against this run's cap with every other setting)",
+    )
     p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICES)}")
-    p.add_argument("--threads", type=THREADS, default=None, help="torch threads, pinned for every forward (default: torch's)")
-    p.add_argument("--memory", default="auto", help=f"one of {', '.join(MEMORY_MODES)}: auto (the default) is "
-                   "allocator where it can be read, else storage, and says why; allocator: each lane's held bytes and "
-                   "peak measured by the allocator its tensors live in (the CPU allocator's ledger, CUDA's caching "
-                   "allocator); trace: every allocation traced (slow; it audits the allocator's figures); storage: "
-                   "the tensors each strategy lists (declared, not measured); none: the formula only")
-    p.add_argument("--no-instruments", action="store_true",
-                   help="every instrument off (memory, K/V comparison, twins, agreement, snapshots, digests, RSS): "
-                        "the lanes alone, for timing what the strategies cost")
-    p.add_argument("--sequential", action="store_true",
-                   help="run the lanes of a step one after another instead of in one batched pass (same bits)")
-    p.add_argument("--no-twins", action="store_true",
-                   help="no teacher-forced twins: agreement and KL stop at a strategy's first divergence")
-    p.add_argument("--prefill-chunk", type=TOKENS, default=PREFILL_CHUNK,
-                   help="a prompt longer than this is fed in pieces of this many tokens")
-    p.add_argument("--kernels", default="invariant", help="invariant (the default where the probe passes: every "
-                   "linear one GEMM of a proven row count, block attention; a rebuild or replay is one GEMM per layer) "
-                   "or native (the model's own kernels; exact replay repeats the original shapes)")
+    p.add_argument(
+        "--threads", type=THREADS, default=None, help="torch threads, pinned for every forward (default: torch's)"
+    )
+    p.add_argument(
+        "--memory",
+        default="auto",
+        help=f"one of {', '.join(MEMORY_MODES)}: auto (the default) is "
+        "allocator where it can be read, else storage, and says why; allocator: each lane's held bytes and "
+        "peak measured by the allocator its tensors live in (the CPU allocator's ledger, CUDA's caching "
+        "allocator); trace: every allocation traced (slow; it audits the allocator's figures); storage: "
+        "the tensors each strategy lists (declared, not measured); none: the formula only",
+    )
+    p.add_argument(
+        "--no-instruments",
+        action="store_true",
+        help="every instrument off (memory, K/V comparison, twins, agreement, snapshots, digests, RSS): "
+        "the lanes alone, for timing what the strategies cost",
+    )
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="run the lanes of a step one after another instead of in one batched pass (same bits)",
+    )
+    p.add_argument(
+        "--no-twins",
+        action="store_true",
+        help="no teacher-forced twins: agreement and KL stop at a strategy's first divergence",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=TOKENS,
+        default=PREFILL_CHUNK,
+        help="a prompt longer than this is fed in pieces of this many tokens",
+    )
+    p.add_argument(
+        "--kernels",
+        default="invariant",
+        help="invariant (the default where the probe passes: every "
+        "linear one GEMM of a proven row count, block attention; a rebuild or replay is one GEMM per layer) "
+        "or native (the model's own kernels; exact replay repeats the original shapes)",
+    )
 
 
 def write_json(path: str | None, data: dict, kind: str):

@@ -55,8 +55,10 @@ class Stale:
     measured: str
 
     def line(self) -> str:
-        return (f"{self.page}: the figure {self.path} of {self.file} reads {self.written!r}; its file says "
-                f"{self.measured!r} (bench docs re-renders it)")
+        return (
+            f"{self.page}: the figure {self.path} of {self.file} reads {self.written!r}; its file says "
+            f"{self.measured!r} (bench docs re-renders it)"
+        )
 
 
 _STEP = re.compile(r"([^.\[\]]+)|\[([^\]]+)\]")
@@ -72,8 +74,9 @@ def value(document, path: str):
             here = here[key]
         elif "=" in step:
             field, _, want = step.partition("=")
-            found = [x for x in here if isinstance(x, dict) and str(x.get(field)) == want] \
-                if isinstance(here, list) else []
+            found = (
+                [x for x in here if isinstance(x, dict) and str(x.get(field)) == want] if isinstance(here, list) else []
+            )
             if not found:
                 raise KeyError(f"no item with {field} = {want}")
             here = found[0]
@@ -139,8 +142,7 @@ def render(root: Path = ROOT) -> list[str]:
     for page in pages(root):
         name = str(page.relative_to(root))
         text = page.read_text(encoding="utf-8")
-        new = MARKER.sub(lambda m: m.group(0).replace(f"-->{m['text']}<!--", f"-->{figure(m, files, name)}<!--"),
-                         text)
+        new = MARKER.sub(lambda m: m.group(0).replace(f"-->{m['text']}<!--", f"-->{figure(m, files, name)}<!--"), text)
         if new != text:
             page.write_text(new, encoding="utf-8")
             changed.append(name)
@@ -158,8 +160,10 @@ def cmd_docs(args) -> int:
             stale = check()
             for s in stale:
                 print(s.line())
-            print(f"{markers()} figures in {len(pages())} pages; "
-                  + (f"{len(stale)} disagree with their results files" if stale else "every one as its file says"))
+            print(
+                f"{markers()} figures in {len(pages())} pages; "
+                + (f"{len(stale)} disagree with their results files" if stale else "every one as its file says")
+            )
             return 1 if stale else 0
         changed = render()
     except FigureError as e:
@@ -169,8 +173,9 @@ def cmd_docs(args) -> int:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("docs", help="the README's and docs/'s figures from their results files (--check: "
-                                           "say which disagree)")
+    p = subparsers.add_parser(
+        "docs", help="the README's and docs/'s figures from their results files (--check: say which disagree)"
+    )
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 naming each figure that disagrees")
     p.set_defaults(func=cmd_docs)
     return p

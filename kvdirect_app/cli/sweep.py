@@ -52,17 +52,35 @@ DEFAULT_BUDGETS = SweepConfig.budgets
 
 
 def rows_table(rows: list[dict], target: int | None = None) -> str:
-    cols = ["strategy", "budget", "match", "1st div", "TF agree", "KL", "between turns", "peak in turn", "ms/token",
-            "formula = measured"]
+    cols = [
+        "strategy",
+        "budget",
+        "match",
+        "1st div",
+        "TF agree",
+        "KL",
+        "between turns",
+        "peak in turn",
+        "ms/token",
+        "formula = measured",
+    ]
     if target is not None:
         cols.insert(8, "vs target")
     body = []
     for r in rows:
         sb = r["state_bytes"]
-        cells = [r["strategy"], str(r["budget"]), fmt(r["token_match"], ".3f"), fmt(r["first_divergence"], "d"),
-                 fmt(r["teacher_forced_agreement"], ".3f"), fmt(r["kl_mean"], ".2e"), fmt_bytes(sb["between_turns_peak"]),
-                 fmt_bytes(sb["peak"]), fmt(r["latency_ms"]["decode_total_ms_mean"], ".1f"),
-                 fmt(sb["formula_matches_measurement"])]
+        cells = [
+            r["strategy"],
+            str(r["budget"]),
+            fmt(r["token_match"], ".3f"),
+            fmt(r["first_divergence"], "d"),
+            fmt(r["teacher_forced_agreement"], ".3f"),
+            fmt(r["kl_mean"], ".2e"),
+            fmt_bytes(sb["between_turns_peak"]),
+            fmt_bytes(sb["peak"]),
+            fmt(r["latency_ms"]["decode_total_ms_mean"], ".1f"),
+            fmt(sb["formula_matches_measurement"]),
+        ]
         if target is not None:
             cells.insert(8, "-" if sb["peak"] is None else f"{100 * (sb['peak'] / target - 1):+.0f}%")
         body.append(cells)
@@ -82,14 +100,18 @@ def cmd_sweep(args) -> int:
     for note in out["skipped"]:
         at = "" if note["budget"] is None else f" at budget {note['budget']}"
         print(f"note: skipping {note['strategy']}{at}: {note['reason']}")
-    print(f"model {out['model']} ({out['model_source']}), device {out['device']}, dtype {out['dtype']}, "
-          f"threads {out['threads']}, {len(out['turns'])} turns, max {args.max_new_tokens} new tokens per turn; "
-          f"reference: full cache, {len(reference['token_ids'])} tokens generated, peak in turn "
-          f"{fmt_bytes(reference['state_bytes']['peak'])}, between turns "
-          f"{fmt_bytes(reference['state_bytes']['between_turns_peak'])}; bytes: {out['memory_instrument']}")
+    print(
+        f"model {out['model']} ({out['model_source']}), device {out['device']}, dtype {out['dtype']}, "
+        f"threads {out['threads']}, {len(out['turns'])} turns, max {args.max_new_tokens} new tokens per turn; "
+        f"reference: full cache, {len(reference['token_ids'])} tokens generated, peak in turn "
+        f"{fmt_bytes(reference['state_bytes']['peak'])}, between turns "
+        f"{fmt_bytes(reference['state_bytes']['between_turns_peak'])}; bytes: {out['memory_instrument']}"
+    )
     if args.equal_memory:
-        print(f"\nat equal memory: every strategy at the budget whose measured peak is closest to "
-              f"{fmt_bytes(out['target_bytes'])} ({len(out['probes'])} runs probed)")
+        print(
+            f"\nat equal memory: every strategy at the budget whose measured peak is closest to "
+            f"{fmt_bytes(out['target_bytes'])} ({len(out['probes'])} runs probed)"
+        )
         print(rows_table(rows, out["target_bytes"]))
     else:
         print(rows_table(rows))
@@ -101,9 +123,11 @@ def cmd_sweep(args) -> int:
     plotted = out.pop("plotted")
     if args.plot:
         title = f"{out['model']}, {args.scenario or 'one prompt'}: memory against agreement"
-        fig = frontier_figure(points_from_rows(plotted), title=title,
-                              subtitle=f"{out['device']}, {out['dtype']}; reference peak "
-                                       f"{fmt_bytes(reference['state_bytes']['peak'])}")
+        fig = frontier_figure(
+            points_from_rows(plotted),
+            title=title,
+            subtitle=f"{out['device']}, {out['dtype']}; reference peak {fmt_bytes(reference['state_bytes']['peak'])}",
+        )
         html, png, problem = write_frontier(fig, args.plot)
         print(f"\nwrote {html}" + (f" and {png}" if png else ""))
         if problem:
@@ -116,22 +140,38 @@ def cmd_sweep(args) -> int:
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("sweep", help="every strategy at every budget against the full cache")
     add_conversation_options(p)
-    p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                   help="comma-separated name[:key=value]...; :budget=B is appended to each")
+    p.add_argument(
+        "--strategies",
+        default=DEFAULT_STRATEGIES,
+        help="comma-separated name[:key=value]...; :budget=B is appended to each",
+    )
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help="comma-separated token budgets")
-    p.add_argument("--equal-memory", action="store_true",
-                   help="give each strategy the budget whose measured peak is closest to a target (always runs in "
-                        "this process: its rounds depend on each other; not with --executor)")
+    p.add_argument(
+        "--equal-memory",
+        action="store_true",
+        help="give each strategy the budget whose measured peak is closest to a target (always runs in "
+        "this process: its rounds depend on each other; not with --executor)",
+    )
     p.add_argument("--target", help="with --equal-memory: a spec whose measured peak is the target, or bytes")
     p.add_argument("--plot", help="write the trade-off frontier as PLOT.html and PLOT.png")
-    p.add_argument("--allow-missing", action="store_true",
-                   help="skip, with a printed note, names that are not registered strategies")
+    p.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help="skip, with a printed note, names that are not registered strategies",
+    )
     p.add_argument("--json", help="write every row here")
-    p.add_argument("--executor", default=None,
-                   help=f"one of {', '.join(EXECUTORS)}: run each budget's lockstep run as a cell on a process pool "
-                        "here (local) or as a Ray task (ray: the cluster at RAY_ADDRESS, else a local Ray started for "
-                        "the run; pip install -r requirements-ray.txt); default: one after another in this process")
-    p.add_argument("--workers", type=WORKERS, default=None,
-                   help="with --executor local: processes at most (default: cores // threads per cell)")
+    p.add_argument(
+        "--executor",
+        default=None,
+        help=f"one of {', '.join(EXECUTORS)}: run each budget's lockstep run as a cell on a process pool "
+        "here (local) or as a Ray task (ray: the cluster at RAY_ADDRESS, else a local Ray started for "
+        "the run; pip install -r requirements-ray.txt); default: one after another in this process",
+    )
+    p.add_argument(
+        "--workers",
+        type=WORKERS,
+        default=None,
+        help="with --executor local: processes at most (default: cores // threads per cell)",
+    )
     p.set_defaults(func=cmd_sweep)
     return p

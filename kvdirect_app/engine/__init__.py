@@ -7,16 +7,25 @@ run's report (`summary`), the preflight checks (`guard`, `validate`) and the int
 in."""
 
 from .runner import (
-                     MEMORY_MODES,
-                     Engine,
-                     InputError,
-                     InputTap,
-                     Prompter,
-                     memory_instrument,
-                     model_lock,
-                     run_to_end,
-                     step_summary,
+    MEMORY_MODES,
+    Engine,
+    InputError,
+    InputTap,
+    Prompter,
+    memory_instrument,
+    model_lock,
+    run_to_end,
+    step_summary,
 )
 
-__all__ = ["Engine", "InputError", "InputTap", "Prompter", "model_lock", "run_to_end", "MEMORY_MODES",
-           "memory_instrument", "step_summary"]
+__all__ = [
+    "Engine",
+    "InputError",
+    "InputTap",
+    "Prompter",
+    "model_lock",
+    "run_to_end",
+    "MEMORY_MODES",
+    "memory_instrument",
+    "step_summary",
+]

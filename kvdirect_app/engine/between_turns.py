@@ -33,17 +33,22 @@ def park(lanes: list[Lane], work: Work, geometry: ModelGeometry, held: Callable[
             with work(owner, "park"):
                 cache.park()
         seen = lane.cache.get_seq_length()
-        record = {"seen": seen, "bytes": held(lane),
-                  "formula_bytes": lane.strategy.formula_parked(geometry, seen, lane.forwards),
-                  "resume_ms": None, "resume_peak_bytes": None}
+        record = {
+            "seen": seen,
+            "bytes": held(lane),
+            "formula_bytes": lane.strategy.formula_parked(geometry, seen, lane.forwards),
+            "resume_ms": None,
+            "resume_peak_bytes": None,
+        }
         lane.book.check("parked", seen, record["bytes"], record["formula_bytes"])
         lane.parks.append(record)
         event["lanes"][lane.label] = record
     return event
 
 
-def resume_lanes(lanes: list[Lane], tap: InputTap, observer: Observer, work: Work, tracer: AllocationTracer,
-                 peak_source: str | None):
+def resume_lanes(
+    lanes: list[Lane], tap: InputTap, observer: Observer, work: Work, tracer: AllocationTracer, peak_source: str | None
+):
     """Every parked cache rebuilt, each lane's time and peak for it kept on its latest park's record."""
     for lane in lanes:
         for owner, cache in lane.caches():
@@ -55,9 +60,13 @@ def resume_lanes(lanes: list[Lane], tap: InputTap, observer: Observer, work: Wor
             if owner is lane.owner:
                 spent = observer.since(mark)
                 lane.parks[-1]["resume_ms"] = 1e3 * sum(s for (o, _), s in spent.items() if o == owner)
-                lane.parks[-1]["resume_peak_bytes"] = (tracer.windows[owner.label].peak if tracer.enabled
-                                                       else observer.peak(owner) if peak_source == "measured"
-                                                       else None)
+                lane.parks[-1]["resume_peak_bytes"] = (
+                    tracer.windows[owner.label].peak
+                    if tracer.enabled
+                    else observer.peak(owner)
+                    if peak_source == "measured"
+                    else None
+                )
 
 
 def kernels_at(loaded: LoadedModel, kernels: Kernels, threads: int, lanes: list[Lane]) -> Kernels:
@@ -69,8 +78,10 @@ def kernels_at(loaded: LoadedModel, kernels: Kernels, threads: int, lanes: list[
         raise InputError(f"threads: {threads} must be >= 1")
     probed = Kernels.for_model(loaded, kernels.requested, threads)
     if probed.mode != kernels.mode:
-        raise InputError(f"threads: {threads} would change the kernels ({probed.reason}); allowed: a count where "
-                         f"the {kernels.mode} kernels' probe passes")
+        raise InputError(
+            f"threads: {threads} would change the kernels ({probed.reason}); allowed: a count where "
+            f"the {kernels.mode} kernels' probe passes"
+        )
     return probed
 
 

@@ -67,30 +67,39 @@ def _check_call(call: dict, seen: int) -> int:
     what to change; `seen`: tokens the cache has seen."""
     ids = call.get("input_ids")
     if not isinstance(ids, torch.Tensor):
-        raise UnsupportedCall("strategy_cache: pass input_ids (1, T) to a forward of the cache (not inputs_embeds: "
-                              "the anchors and replays start from token ids)")
+        raise UnsupportedCall(
+            "strategy_cache: pass input_ids (1, T) to a forward of the cache (not inputs_embeds: "
+            "the anchors and replays start from token ids)"
+        )
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
-        raise UnsupportedCall("strategy_cache: generate with input_ids of batch size 1 (one conversation) and at "
-                              f"least one token; got {tuple(ids.shape)}")
+        raise UnsupportedCall(
+            "strategy_cache: generate with input_ids of batch size 1 (one conversation) and at "
+            f"least one token; got {tuple(ids.shape)}"
+        )
     q = ids.shape[1]
     if call.get("use_cache") is False:
-        raise UnsupportedCall("strategy_cache: use_cache=False re-feeds the whole sequence at every step; leave "
-                              "use_cache on (the default) to generate with a strategy cache")
+        raise UnsupportedCall(
+            "strategy_cache: use_cache=False re-feeds the whole sequence at every step; leave "
+            "use_cache on (the default) to generate with a strategy cache"
+        )
     positions = call.get("position_ids")
     if positions is not None:
         want = torch.arange(seen, seen + q, device=positions.device).view(1, q)
         if tuple(positions.shape) != (1, q) or not bool((positions == want).all()):
-            raise UnsupportedCall(f"strategy_cache: position_ids must be the next positions {seen}..{seen + q - 1} "
-                                  "(the cache has seen "
-                                  f"{seen} tokens); leave them out, or feed only the tokens the cache has not seen")
+            raise UnsupportedCall(
+                f"strategy_cache: position_ids must be the next positions {seen}..{seen + q - 1} "
+                "(the cache has seen "
+                f"{seen} tokens); leave them out, or feed only the tokens the cache has not seen"
+            )
     _check_mask(call.get("attention_mask"))
     return q
 
 
 def _check_mask(mask):
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.all())):
-        raise UnsupportedCall("strategy_cache: attention_mask must be all ones (one unpadded conversation, 2-D) or "
-                              "left out")
+        raise UnsupportedCall(
+            "strategy_cache: attention_mask must be all ones (one unpadded conversation, 2-D) or left out"
+        )
 
 
 def _prompt_tokens(input_ids, generation_config, model_kwargs: dict, past: int) -> int:
@@ -114,8 +123,15 @@ class CacheHooks:
     it stopped part-way.
     """
 
-    def __init__(self, model: torch.nn.Module, cache: StrategyCache, strategy: Strategy, observer: Observer,
-                 geometry: ModelGeometry, device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: StrategyCache,
+        strategy: Strategy,
+        observer: Observer,
+        geometry: ModelGeometry,
+        device: torch.device,
+    ):
         self.model, self.cache, self.strategy = model, cache, strategy
         self.observer, self.geometry = observer, geometry
         self.ledger: Ledger = cache.ledger
@@ -132,8 +148,10 @@ class CacheHooks:
     def install(self):
         """The wrappers of the model's `_prefill` and `generate_batch` (where it has them), then the forward
         hooks."""
-        for name, wrapper, original in (("_prefill", self.prefill, self.prefill_of_model),
-                                        ("generate_batch", self.generate_batch, self.batch_of_model)):
+        for name, wrapper, original in (
+            ("_prefill", self.prefill, self.prefill_of_model),
+            ("generate_batch", self.generate_batch, self.batch_of_model),
+        ):
             if original is not None:
                 self.wrapped[name] = self.model.__dict__.get(name, _MISSING)
                 object.__setattr__(self.model, name, wrapper)
@@ -163,9 +181,11 @@ class CacheHooks:
         if not _carries(cache, args, kwargs):
             return  # another cache's forward (or none): not ours to count
         if led.broken or led.step is not None:
-            raise UnsupportedCall("strategy_cache: an earlier forward (or generate's prompt fed in pieces) on this "
-                                  "cache did not finish (it raised part-way, or this one runs inside it), so its "
-                                  "layers are out of step; open a new strategy_cache for this conversation")
+            raise UnsupportedCall(
+                "strategy_cache: an earlier forward (or generate's prompt fed in pieces) on this "
+                "cache did not finish (it raised part-way, or this one runs inside it), so its "
+                "layers are out of step; open a new strategy_cache for this conversation"
+            )
         try:
             call = self.named(args, kwargs)
         except TypeError:
@@ -174,9 +194,11 @@ class CacheHooks:
         ids = call["input_ids"]
         if led.prompt_total:  # a piece of the prompt `generate`'s prefill feeds (the whole of it, unchunked)
             if q > led.prompt_left:
-                raise UnsupportedCall(f"strategy_cache: generate's prefill fed a forward of {q} tokens where its "
-                                      f"prompt had {led.prompt_left} of {led.prompt_total} left; pass "
-                                      "prefill_chunk_size=None")
+                raise UnsupportedCall(
+                    f"strategy_cache: generate's prefill fed a forward of {q} tokens where its "
+                    f"prompt had {led.prompt_left} of {led.prompt_total} left; pass "
+                    "prefill_chunk_size=None"
+                )
             first = led.prompt_left == led.prompt_total
             # Each generate call's prompt of several new tokens is a turn's, however many pieces feed it.
             starts = first and (not led.forwards or led.prompt_total > 1)
@@ -209,8 +231,10 @@ class CacheHooks:
         led.step = None
         if missed:
             led.broken = True
-            raise UnsupportedCall(f"strategy_cache: a forward left layers {missed} of the cache out (a model "
-                                  "that skips layers); run every decoder layer, and open a new strategy_cache")
+            raise UnsupportedCall(
+                f"strategy_cache: a forward left layers {missed} of the cache out (a model "
+                "that skips layers); run every decoder layer, and open a new strategy_cache"
+            )
         q = led.q
         with observer.region(CACHE, "other"):
             cache.end_step()
@@ -248,15 +272,19 @@ class CacheHooks:
         left, led.prompt_total, led.prompt_left = led.prompt_left, 0, 0
         if left:  # its last piece never came: the layers wait for it
             led.broken = True
-            raise UnsupportedCall(f"strategy_cache: generate's prefill fed {total - left} of its prompt's {total} "
-                                  "tokens, so the cache's layers are out of step; pass prefill_chunk_size=None "
-                                  "and open a new strategy_cache")
+            raise UnsupportedCall(
+                f"strategy_cache: generate's prefill fed {total - left} of its prompt's {total} "
+                "tokens, so the cache's layers are out of step; pass prefill_chunk_size=None "
+                "and open a new strategy_cache"
+            )
         return out
 
     def generate_batch(self, *args, **kwargs):
         """Continuous batching (`cache_implementation="paged"`) refused where it is handed this cache."""
         if _carries(self.cache, args, kwargs):
-            raise UnsupportedCall("strategy_cache: cache_implementation='paged' (continuous batching) runs a "
-                                  "paged cache of its own and ignores this one; leave cache_implementation unset "
-                                  "to generate with a strategy cache")
+            raise UnsupportedCall(
+                "strategy_cache: cache_implementation='paged' (continuous batching) runs a "
+                "paged cache of its own and ignores this one; leave cache_implementation unset "
+                "to generate with a strategy cache"
+            )
         return self.batch_of_model(*args, **kwargs)

@@ -67,8 +67,18 @@ class Forwards:
     """The passes of a run.  `instruments.memory`: the run's memory mode ("allocator", "trace", "storage" or "none",
     as the engine resolved it); the observer carries the meter and the trace."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, geometry: ModelGeometry, observer: Observer,
-                 tracer: AllocationTracer, threads: int, batch: bool, kernels: Kernels, instruments: Instruments):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        geometry: ModelGeometry,
+        observer: Observer,
+        tracer: AllocationTracer,
+        threads: int,
+        batch: bool,
+        kernels: Kernels,
+        instruments: Instruments,
+    ):
         self.model, self.device, self.geometry, self.observer, self.tracer = model, device, geometry, observer, tracer
         self.threads, self.batch, self.kernels, self.instruments = threads, batch, kernels, instruments
         self.process = psutil.Process()
@@ -100,7 +110,7 @@ class Forwards:
         for item in items:
             groups.setdefault(len(item.ids), []).append(item)
         for group in groups.values():
-            for rows in ([group] if self.batch else [[item] for item in group]):
+            for rows in [group] if self.batch else [[item] for item in group]:
                 self._pass(rows, tap, turn_start, piece)
         if turn_start:
             # A prompt piece's activations go back to the OS instead of staying in the heap, so the process's RSS
@@ -111,8 +121,10 @@ class Forwards:
     def _pass(self, items: list[Item], tap: InputTap, turn_start: bool, piece: int):
         """One pass of the model over `items` (same token count)."""
         obs = self.observer
-        rows = [Row(item.owner, item.cache, item.ids, item.cache.get_seq_length(), item.more_prompt, item.lane.keeping)
-                for item in items]
+        rows = [
+            Row(item.owner, item.cache, item.ids, item.cache.get_seq_length(), item.more_prompt, item.lane.keeping)
+            for item in items
+        ]
         for row, item in zip(rows, items):
             # The last query of a turn's prompt (what reads the question): its attention at every layer, kept as
             # the lane's attention snapshot.
@@ -143,8 +155,11 @@ class Forwards:
                 continue
             item.lane.logits = row.logits
             if row.snapshot:
-                item.lane.attention = {"position": row.seen + len(item.ids) - 1, "turn": len(item.lane.texts) + 1,
-                                       "layers": row.attention}
+                item.lane.attention = {
+                    "position": row.seen + len(item.ids) - 1,
+                    "turn": len(item.lane.texts) + 1,
+                    "layers": row.attention,
+                }
             self._record(item, times, row.seen, turn_start, piece)
 
     def held(self, lane: Lane) -> int | None:

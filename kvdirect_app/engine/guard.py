@@ -35,8 +35,22 @@ from ..strategies.full import Full
 LIMIT_ENV = "KVDIRECT_MEMORY_LIMIT"
 HEADROOM = 1.25  # what the estimate leaves out: allocator slack, Python objects, the page's own figures
 LANE_SLACK = 256 * 2**10  # per lane: small tensors no formula lists (positions, masks, kept indices)
-UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
-         "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "kib": 2**10,
+    "m": 1e6,
+    "mb": 1e6,
+    "mib": 2**20,
+    "g": 1e9,
+    "gb": 1e9,
+    "gib": 2**30,
+    "t": 1e12,
+    "tb": 1e12,
+    "tib": 2**40,
+}
 
 
 class MemoryRefused(UserError):
@@ -64,16 +78,19 @@ class Estimate:
 def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text or "")
     if not m or m.group(2).lower() not in UNITS:
-        raise UserError(f"{LIMIT_ENV}: {text!r} is not a size; allowed: a number with an optional unit "
-                        "(B, KB, MB, GB, KiB, MiB, GiB), e.g. 2GiB")
+        raise UserError(
+            f"{LIMIT_ENV}: {text!r} is not a size; allowed: a number with an optional unit "
+            "(B, KB, MB, GB, KiB, MiB, GiB), e.g. 2GiB"
+        )
     return int(float(m.group(1)) * UNITS[m.group(2).lower()])
 
 
 def _cgroup_headroom() -> int | None:
     """Bytes the container may still take (cgroup v2, then v1); None where there is no limit."""
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             limit = Path(limit_file).read_text().strip()
             usage = int(Path(usage_file).read_text().strip())
@@ -100,8 +117,9 @@ def available(device: torch.device) -> tuple[int, str]:
     return min(options)
 
 
-def activation_bytes(config, geom: ModelGeometry, q: int, context: int, scores: int = 0,
-                     replayed: int = 0, block: bool = False) -> int:
+def activation_bytes(
+    config, geom: ModelGeometry, q: int, context: int, scores: int = 0, replayed: int = 0, block: bool = False
+) -> int:
     """One forward of `q` new tokens over `context` tokens: residual stream and norms, MLP, q/k/v/o, one row of
     logits (float32); with eager attention (every query) or a strategy that scores by attention (`scores`
     queries: all of a piece for H2O, SnapKV's window, TOVA's last), the fp32 scores, their masked copy and
@@ -116,8 +134,12 @@ def activation_bytes(config, geom: ModelGeometry, q: int, context: int, scores: 
     per_token = (8 * cfg.hidden_size + 4 * inter + 2 * heads * head_dim) * b
     scores = q if getattr(config, "_attn_implementation", None) == "eager" and not block else scores
     # Replay runs old rows through one layer at a time: measured, about two MLP-wide and two hidden rows per old token stay live.
-    return (q * per_token + replayed * 2 * (inter + cfg.hidden_size) * b + 3 * heads * scores * context * 4
-            + 2 * cfg.vocab_size * 4)
+    return (
+        q * per_token
+        + replayed * 2 * (inter + cfg.hidden_size) * b
+        + 3 * heads * scores * context * 4
+        + 2 * cfg.vocab_size * 4
+    )
 
 
 def block_attention_bytes(config, geom: ModelGeometry, queries: int, context: int) -> int:
@@ -133,18 +155,32 @@ def block_attention_bytes(config, geom: ModelGeometry, queries: int, context: in
     return 2 * scores + 2 * scores * head_dim // BLOCK
 
 
-def lane_bytes(strategy: Strategy, config, geom: ModelGeometry, prompt: int, tokens: int, chunk: int,
-               kernels: str = "invariant", shares_prompt: bool = False, turns: int = 1) -> int:
+def lane_bytes(
+    strategy: Strategy,
+    config,
+    geom: ModelGeometry,
+    prompt: int,
+    tokens: int,
+    chunk: int,
+    kernels: str = "invariant",
+    shares_prompt: bool = False,
+    turns: int = 1,
+) -> int:
     """State + transient + activations at the run's two worst moments: the last prompt piece, the last step.
     `shares_prompt`: lanes whose first prompt is the reference's get its attention computed once, by the
     reference (lockstep); only their own replays count then."""
-    pieces = [Forward(min(chunk, prompt - start), prompt=True, open=start + chunk < prompt)
-              for start in range(0, prompt, chunk)]
+    pieces = [
+        Forward(min(chunk, prompt - start), prompt=True, open=start + chunk < prompt)
+        for start in range(0, prompt, chunk)
+    ]
     forwards = pieces + [Forward(1)] * max(0, tokens - prompt)
     # The last piece sees the most tokens; a full-sized piece has the most rows (bounded together, conservatively).
     q = pieces[-1].q
     worst = 0
-    for before, size, last, n in ((prompt - q, pieces[0].q, prompt, len(pieces)), (tokens - 1, 1, tokens, len(forwards))):
+    for before, size, last, n in (
+        (prompt - q, pieces[0].q, prompt, len(pieces)),
+        (tokens - 1, 1, tokens, len(forwards)),
+    ):
         state = strategy.formula_persistent(geom, last, forwards[:n])
         transient = strategy.formula_transient(geom, before, size, turn_start=before == 0, forwards=forwards[:n])
         # AnchorKV with rebuild=step replays the old tokens at every forward; rebuild=turn at the start of a later
@@ -160,9 +196,20 @@ def lane_bytes(strategy: Strategy, config, geom: ModelGeometry, prompt: int, tok
     return worst + LANE_SLACK
 
 
-def estimate(config, dtype: torch.dtype, strategies: list[Strategy], prompt: int, tokens: int, chunk: int,
-             twins: bool = True, compare: bool = True, weights: int = 0, kernels: str = "invariant",
-             turns: int = 1, saved_context: bool = False) -> Estimate:
+def estimate(
+    config,
+    dtype: torch.dtype,
+    strategies: list[Strategy],
+    prompt: int,
+    tokens: int,
+    chunk: int,
+    twins: bool = True,
+    compare: bool = True,
+    weights: int = 0,
+    kernels: str = "invariant",
+    turns: int = 1,
+    saved_context: bool = False,
+) -> Estimate:
     """The run's peak: `prompt` tokens read in pieces of `chunk`, then up to `tokens` in all, over `turns` turns;
     `saved_context`: the engine keeps a copy of every lane's state after the prompt (`Engine.turn(save_context=)`)."""
     geom = ModelGeometry.from_config(config, dtype)
@@ -171,13 +218,16 @@ def estimate(config, dtype: torch.dtype, strategies: list[Strategy], prompt: int
         lanes.insert(0, Full())
     out = Estimate(weights, tokens=tokens)
     for i, s in enumerate(lanes):
-        out.lanes[s.label] = lane_bytes(s, config, geom, prompt, tokens, chunk, kernels, shares_prompt=compare and i > 0,
-                                        turns=turns)
+        out.lanes[s.label] = lane_bytes(
+            s, config, geom, prompt, tokens, chunk, kernels, shares_prompt=compare and i > 0, turns=turns
+        )
         if compare and twins and not s.claims_exact and s.spec() != Full().spec():
             out.lanes[f"{s.label} (twin)"] = out.lanes[s.label]
         if saved_context:
-            pieces = [Forward(min(chunk, prompt - start), prompt=True, open=start + chunk < prompt)
-                      for start in range(0, prompt, chunk)]
+            pieces = [
+                Forward(min(chunk, prompt - start), prompt=True, open=start + chunk < prompt)
+                for start in range(0, prompt, chunk)
+            ]
             out.lanes[f"{s.label} (saved context)"] = s.formula_persistent(geom, prompt, pieces)
     return out
 
@@ -190,7 +240,8 @@ def check(est: Estimate, device: torch.device) -> Estimate:
             f"memory: this run would need about {est.describe()}, x{HEADROOM} headroom = "
             f"{fmt_bytes(int(est.total * HEADROOM))}, but {fmt_bytes(free)} is free ({source}); allowed: a run "
             "that fits: fewer tokens, fewer strategies, or a strategy that holds less during a turn "
-            "(AnchorKV at a deep spacing with rebuild=step)")
+            "(AnchorKV at a deep spacing with rebuild=step)"
+        )
     return est
 
 

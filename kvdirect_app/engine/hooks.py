@@ -61,13 +61,17 @@ class InputTap:
         for i, cache in enumerate(self.caches):
             if index in wanted[i]:
                 with self.batch.owned(i, "cache_update"):
-                    give(cache, x[i:i + 1].clone())
+                    give(cache, x[i : i + 1].clone())
 
     def _residual(self, index: int):
         def hook(module, args, kwargs):
             if not self._standing_aside():
-                self._each(self.layers, index, args[0] if args else kwargs["hidden_states"],
-                           lambda cache, x: cache.before_layer(index, x))
+                self._each(
+                    self.layers,
+                    index,
+                    args[0] if args else kwargs["hidden_states"],
+                    lambda cache, x: cache.before_layer(index, x),
+                )
 
         return hook
 
@@ -81,8 +85,10 @@ class InputTap:
                 # One cache's own forward (`strategy_cache`, the model's own attention): the mask is sized by the
                 # layer type's first layer; a layer holding fewer tokens takes its rightmost columns.
                 keys = self.caches[0].layers[index].get_mask_sizes(x.shape[1])[0]
-                return args, {**kwargs, "attention_mask": fit_mask(kwargs["attention_mask"], keys,
-                                                                    self.caches[0].strategy.label, index)}
+                return args, {
+                    **kwargs,
+                    "attention_mask": fit_mask(kwargs["attention_mask"], keys, self.caches[0].strategy.label, index),
+                }
 
         return hook
 

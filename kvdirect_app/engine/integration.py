@@ -120,14 +120,18 @@ class GenerateCache:
         `verify`."""
         led = self.ledger
         if led.step is None:
-            raise UnsupportedCall("strategy_cache: the cache was used outside a forward of its model inside the "
-                                  "`with` block (its inner model, a layer or `.forward` called directly, or after "
-                                  "the block); call `model(input_ids, cache=cache)` or `model.generate(..., "
-                                  "cache=cache)` inside the block")
+            raise UnsupportedCall(
+                "strategy_cache: the cache was used outside a forward of its model inside the "
+                "`with` block (its inner model, a layer or `.forward` called directly, or after "
+                "the block); call `model(input_ids, cache=cache)` or `model.generate(..., "
+                "cache=cache)` inside the block"
+            )
         if layer_idx in led.step:
-            raise UnsupportedCall(f"strategy_cache: layer {layer_idx} was updated twice in one forward; run each "
-                                  "decoder layer once per forward (the model's own forward), with a new forward "
-                                  "for new tokens")
+            raise UnsupportedCall(
+                f"strategy_cache: layer {layer_idx} was updated twice in one forward; run each "
+                "decoder layer once per forward (the model's own forward), with a new forward "
+                "for new tokens"
+            )
         led.step.add(layer_idx)
         # A copy, made in the cache's region, as the engine hands each lane its own: what the cache keeps of it is
         # then the cache's to the allocator (the model's own tensor is the forward's, and freed with it).
@@ -138,15 +142,24 @@ class GenerateCache:
         before = self.observer.rebuilt[CACHE.label]
         with self.observer.region(CACHE, "cache_update"):
             keys, values = super().update(key_states.clone(), value_states.clone(), layer_idx, *args, **kwargs)
-        self.verifier.check(len(led.forwards), layer_idx, keys, values, expected,
-                            self.observer.rebuilt[CACHE.label] - before, led.tokens + led.q)
+        self.verifier.check(
+            len(led.forwards),
+            layer_idx,
+            keys,
+            values,
+            expected,
+            self.observer.rebuilt[CACHE.label] - before,
+            led.tokens + led.q,
+        )
         return keys, values
 
     is_croppable = False  # assisted decoding asks after its first forward, and transformers refuses it then
 
     def _refuse(self, what: str):
-        raise UnsupportedCall(f"strategy_cache: {what} is not supported (it would reorder, repeat or cut the "
-                              "cache's tokens); generate one sequence (greedy or sampled, no beams, no assistant)")
+        raise UnsupportedCall(
+            f"strategy_cache: {what} is not supported (it would reorder, repeat or cut the "
+            "cache's tokens); generate one sequence (greedy or sampled, no beams, no assistant)"
+        )
 
     def crop(self, *args, **kwargs):
         self._refuse("cropping the cache (assisted or contrastive decoding)")
@@ -165,8 +178,10 @@ class GenerateCache:
         self._refuse("assisted decoding (assistant_model, prompt_lookup_num_tokens, assistant_early_exit)")
 
     def reset(self, *args, **kwargs):
-        raise UnsupportedCall("strategy_cache: reset() is not supported (the strategy's stores and the report "
-                              "would keep the old tokens); open a new strategy_cache for a new conversation")
+        raise UnsupportedCall(
+            "strategy_cache: reset() is not supported (the strategy's stores and the report "
+            "would keep the old tokens); open a new strategy_cache for a new conversation"
+        )
 
     def end_turn(self):
         """A turn ended: the next forward starts a new one (called for you when a prompt follows decode steps)."""
@@ -222,8 +237,9 @@ class GenerateCache:
                 "declared_matches_formula": led.formula == led.declared,
                 # What it keeps once the turn ends (AnchorKV's and KV-Direct's rebuild=turn drop to their anchors or
                 # inputs then): by formula, for the tokens seen so far.
-                "formula_between_turns": self.strategy.formula_between_turns(self.geometry, self.get_seq_length(),
-                                                                             led.forwards),
+                "formula_between_turns": self.strategy.formula_between_turns(
+                    self.geometry, self.get_seq_length(), led.forwards
+                ),
             },
             "rebuilt_token_layers": self.observer.rebuilt[CACHE.label],
             "evicted_token_layers": sum(s.count("evicted") for s in states),
@@ -270,9 +286,11 @@ def strategy_cache(model: torch.nn.Module, spec: str, verify: bool = False) -> I
     strategy = parse_spec(spec)
     lock = model_lock(model)
     if not lock.acquire(blocking=False):
-        raise CacheInUse(f"strategy_cache({spec!r}): this model already has a strategy cache (or an engine turn) "
-                         "on it; leave that `with` block first (the input hooks are per model), or load a second "
-                         "copy of the model")
+        raise CacheInUse(
+            f"strategy_cache({spec!r}): this model already has a strategy cache (or an engine turn) "
+            "on it; leave that `with` block first (the input hooks are per model), or load a second "
+            "copy of the model"
+        )
     hooks, verifier, observer = None, None, None
     try:
         device = next(model.parameters()).device

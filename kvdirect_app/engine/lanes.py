@@ -57,10 +57,15 @@ class TurnBytes:
 
     def summary(self) -> dict:
         ms = sum(self.decode_ms) / len(self.decode_ms) if self.decode_ms else None
-        return {"turn": self.turn, "peak_during_turn": self.peak, "formula_peak_during_turn": self.formula_peak,
-                "between_turns": self.between, "formula_between_turns": self.formula_between,
-                "outside_torch_between_turns": self.outside_between,
-                "decode_ms_per_token": ms}
+        return {
+            "turn": self.turn,
+            "peak_during_turn": self.peak,
+            "formula_peak_during_turn": self.formula_peak,
+            "between_turns": self.between,
+            "formula_between_turns": self.formula_between,
+            "outside_torch_between_turns": self.outside_between,
+            "decode_ms_per_token": ms,
+        }
 
 
 @dataclass
@@ -128,8 +133,15 @@ class ByteBook:
         if declared is not None and declared != formula:
             self.declared_mismatch_count += 1
 
-    def step(self, seen: int, state: int | None, peak: int | None, formula_state: int, formula_transient: int,
-             outside: int | None = None):
+    def step(
+        self,
+        seen: int,
+        state: int | None,
+        peak: int | None,
+        formula_state: int,
+        formula_transient: int,
+        outside: int | None = None,
+    ):
         """After one forward of the lane (not its teacher-forced twin): its held bytes and peak as measured.
 
         The formula's peak (the state after the step + the largest buffer of a layer) bounds the measured peak from
@@ -147,10 +159,15 @@ class ByteBook:
         turn.peak = self._max(turn.peak, peak)
         turn.formula_peak = max(turn.formula_peak, formula_peak)
         self.outside, self.outside_peak = outside, self._max(self.outside_peak, outside)
-        self.last = {"persistent_bytes": state, "peak_bytes": peak, "formula_bytes": formula_state,
-                     "formula_peak_bytes": formula_peak, "peak_source": self.peak_source,
-                     "formula_agrees": None if state is None else self.agrees(state, formula_state),
-                     "outside_bytes": outside}
+        self.last = {
+            "persistent_bytes": state,
+            "peak_bytes": peak,
+            "formula_bytes": formula_state,
+            "formula_peak_bytes": formula_peak,
+            "peak_source": self.peak_source,
+            "formula_agrees": None if state is None else self.agrees(state, formula_state),
+            "outside_bytes": outside,
+        }
 
     def between_turns(self, seen: int, state: int | None, formula: int, outside: int | None = None):
         self.check("between turns", seen, state, formula)
@@ -179,10 +196,14 @@ class ByteBook:
             # no meter reads them).
             "outside_torch": {"held": self.outside, "peak": self.outside_peak},
             # ``--memory trace`` only: the meter audited by the allocation trace.
-            "meter_audit": {"steps": self.audit_steps, "held_mismatches": self.audit_count,
-                            "first_mismatches": [list(m) for m in self.audits],
-                            "meter_peak_above_trace_steps": self.meter_peak_above_trace}
-            if self.audit_steps else None,
+            "meter_audit": {
+                "steps": self.audit_steps,
+                "held_mismatches": self.audit_count,
+                "first_mismatches": [list(m) for m in self.audits],
+                "meter_peak_above_trace_steps": self.meter_peak_above_trace,
+            }
+            if self.audit_steps
+            else None,
         }
 
 
@@ -230,8 +251,11 @@ class Lane:
 
     def caches(self) -> list[tuple[Owner, StrategyCache]]:
         """The lane's cache and its twin's (if any), with their owners: what a turn's end, a park or a resume visits."""
-        return [(owner, cache) for owner, cache in ((self.owner, self.cache), (self.twin, self.tf_cache))
-                if cache is not None]
+        return [
+            (owner, cache)
+            for owner, cache in ((self.owner, self.cache), (self.twin, self.tf_cache))
+            if cache is not None
+        ]
 
 
 def made_again(strategy: Strategy) -> Strategy:

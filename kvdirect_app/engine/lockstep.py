@@ -109,7 +109,7 @@ class _LaneLayer(compat.CacheLayerMixin):
             layer = row.cache.layers[j]
             with self.batch.owned(i, "cache_update"):
                 # A copy: each cache gets a tensor of its own, as its own forward would have given it.
-                row.kv[j] = layer.update(key_states[i:i + 1].clone(), value_states[i:i + 1].clone())
+                row.kv[j] = layer.update(key_states[i : i + 1].clone(), value_states[i : i + 1].clone())
             observer.compare(row.owner, j, layer, *row.kv[j])
             if row.snapshot:
                 row.handed[j] = observer.handed.pop(id(layer), None)
@@ -129,7 +129,9 @@ class LaneCache(compat.Cache):
     """The cache the model sees during a batched pass: a facade over the rows' caches."""
 
     def __init__(self, batch: Batch):
-        super().__init__(layers=[_LaneLayer(batch, j, t == "sliding_attention") for j, t in enumerate(batch.layer_types)])
+        super().__init__(
+            layers=[_LaneLayer(batch, j, t == "sliding_attention") for j, t in enumerate(batch.layer_types)]
+        )
 
 
 def _same(a, b) -> bool:
@@ -160,29 +162,49 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
             mask = None if block else fit_mask(row.masks[layer_type], k.shape[-2], row.cache.strategy.label, j)
             out = None
             if q > 1:
-                out = next((o for (qr, kr, vr, mr, o) in done if torch.equal(qr, query[i]) and _same(kr, k)
-                            and _same(vr, v) and _same(mr, mask)), None)
+                out = next(
+                    (
+                        o
+                        for (qr, kr, vr, mr, o) in done
+                        if torch.equal(qr, query[i]) and _same(kr, k) and _same(vr, v) and _same(mr, mask)
+                    ),
+                    None,
+                )
             if out is None:
                 # Every cache hands attention its keys in position order, the queries the last q of them and every
                 # earlier key before them (an eviction cache's kept keys too: the mask the model would build says
                 # the same), so the invariant attention reads them as positions end-T .. end-1.
                 if block:
-                    out = batch.kernels.attention(query[i], k[0], v[0], row.seen + q, kwargs.get("scaling", module.scaling),
-                                                  kwargs.get("softcap"), kwargs.get("sliding_window")).unsqueeze(0)
+                    out = batch.kernels.attention(
+                        query[i],
+                        k[0],
+                        v[0],
+                        row.seen + q,
+                        kwargs.get("scaling", module.scaling),
+                        kwargs.get("softcap"),
+                        kwargs.get("sliding_window"),
+                    ).unsqueeze(0)
                 else:
-                    out, weights = batch.attention(module, query[i:i + 1], k, v, mask, **kwargs)
+                    out, weights = batch.attention(module, query[i : i + 1], k, v, mask, **kwargs)
                 if q > 1:
                     done.append((query[i], k, v, mask, out))
             outputs.append(out)
         if row.snapshot:
-            _snapshot(batch.observer, row, j, query[i:i + 1], k, module, kwargs)
+            _snapshot(batch.observer, row, j, query[i : i + 1], k, module, kwargs)
         with batch.owned(i, "attention"):  # what it handed attention (a rebuilt buffer) dropped as its own
             del k, v
     return torch.cat(outputs, dim=0), weights
 
 
-def last_query_attention(query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, end: int, scaling: float,
-                         softcap: float | None = None, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def last_query_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    positions: torch.Tensor,
+    end: int,
+    scaling: float,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention of the last query (at position end - 1) over the positions 0 .. end - 1, heads averaged.
 
     query (1, H, q, d_h), keys (1, n_kv, T, d_h), positions (1, G, T) original positions of the keys (G 1 or
@@ -213,8 +235,15 @@ def _snapshot(observer: Observer, row: Row, j: int, query: torch.Tensor, k: torc
         handed = row.handed.pop(j, None)
         if handed is None:
             handed = torch.arange(end - k.shape[-2], end, device=k.device).view(1, 1, -1)
-        row.attention[j] = last_query_attention(query, k, handed, end, kwargs.get("scaling", module.scaling),
-                                                kwargs.get("softcap"), kwargs.get("sliding_window"))
+        row.attention[j] = last_query_attention(
+            query,
+            k,
+            handed,
+            end,
+            kwargs.get("scaling", module.scaling),
+            kwargs.get("softcap"),
+            kwargs.get("sliding_window"),
+        )
 
 
 def _unique_rows(x: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -242,7 +271,7 @@ def _rows_forward(linear: torch.nn.Linear, n: int, x: torch.Tensor) -> torch.Ten
         if x.shape[1] == 1:  # decode: one row per lane, one weight read for all of them
             return linear_rows(weight, bias, x[:, 0]).unsqueeze(1)
         firsts, where = _unique_rows(x)
-        distinct = torch.cat([F.linear(x[i:i + 1], weight, bias) for i in firsts])
+        distinct = torch.cat([F.linear(x[i : i + 1], weight, bias) for i in firsts])
         return distinct if len(firsts) == n else distinct[where]
     return F.linear(x, weight, bias)
 
@@ -261,7 +290,7 @@ def _invariant_forward(kernels: Kernels, linear: torch.nn.Linear, n: int, memo: 
             rows, out = done
             for i in range(rows.shape[0]):
                 if torch.equal(rows[i], x[0]):
-                    return out[i:i + 1]
+                    return out[i : i + 1]
         if x.shape[0] == n:  # the pass's decode call over every row
             out = kernels.linear(x, linear.weight, linear.bias)
             memo[linear] = (x, out)
@@ -284,8 +313,11 @@ def batch_linears(model: torch.nn.Module, n: int, kernels: Kernels):
         linears = _LINEARS[model] = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     memo: dict = {}
     for m in linears:
-        m.forward = (functools.partial(_invariant_forward, kernels, m, n, memo) if kernels.invariant
-                     else functools.partial(_rows_forward, m, n))
+        m.forward = (
+            functools.partial(_invariant_forward, kernels, m, n, memo)
+            if kernels.invariant
+            else functools.partial(_rows_forward, m, n)
+        )
     try:
         yield
     finally:
@@ -301,8 +333,9 @@ def run_batch(model: torch.nn.Module, rows: list[Row], observer: Observer, tap, 
     q = len(rows[0].ids)
     config = compat.text_config(model.config)
     attn = compat.attention_module(compat.decoder_layers(model)[0])
-    batch = Batch(rows, observer, compat.attention_function(attn), [s.layer_type for s in compat.layer_specs(config)],
-                  kernels)
+    batch = Batch(
+        rows, observer, compat.attention_function(attn), [s.layer_type for s in compat.layer_specs(config)], kernels
+    )
     ids = torch.tensor([row.ids for row in rows], device=device)
     positions = torch.stack([torch.arange(row.seen, row.seen + q, device=device) for row in rows])
     like = torch.zeros(1, q, 1, device=device, dtype=next(model.parameters()).dtype)
@@ -311,14 +344,23 @@ def run_batch(model: torch.nn.Module, rows: list[Row], observer: Observer, tap, 
         with batch.owned(i, "other"):
             row.cache.begin_step(row.ids, row.more_prompt, row.keep)
             for t in () if kernels.invariant else set(batch.layer_types):  # the invariant attention needs no mask
-                row.masks[t] = compat.mask_function(t)(config=config, inputs_embeds=like, attention_mask=None,
-                                                       cache=row.cache, position_ids=positions[i:i + 1])
+                row.masks[t] = compat.mask_function(t)(
+                    config=config,
+                    inputs_embeds=like,
+                    attention_mask=None,
+                    cache=row.cache,
+                    position_ids=positions[i : i + 1],
+                )
     compat.register_attention(LANES_IMPLEMENTATION, lanes_attention)
     tap.target_rows(batch)
     _LOCAL.batch = batch
     try:
-        with observer.region(SHARED, "pass"), compat.attention_implementation(attn.config, LANES_IMPLEMENTATION), \
-                batch_linears(model, len(rows), kernels), kernels.applied():
+        with (
+            observer.region(SHARED, "pass"),
+            compat.attention_implementation(attn.config, LANES_IMPLEMENTATION),
+            batch_linears(model, len(rows), kernels),
+            kernels.applied(),
+        ):
             logits = compat.forward_rows(model, ids, LaneCache(batch), positions)
     finally:
         _LOCAL.batch = None

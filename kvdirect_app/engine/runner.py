@@ -53,8 +53,17 @@ from .lockstep import batch_linears
 from .summary import Report, memory_instrument, step_summary
 from .teacher_forcing import agree, observe
 
-__all__ = ["Engine", "InputError", "InputTap", "Prompter", "model_lock", "run_to_end", "MEMORY_MODES",
-           "memory_instrument", "step_summary"]
+__all__ = [
+    "Engine",
+    "InputError",
+    "InputTap",
+    "Prompter",
+    "model_lock",
+    "run_to_end",
+    "MEMORY_MODES",
+    "memory_instrument",
+    "step_summary",
+]
 
 PREFILL_CHUNK = 1024
 
@@ -77,10 +86,21 @@ class Engine:
     prefill_chunk : a prompt longer than this is fed in pieces of this many tokens (every lane the same).
     """
 
-    def __init__(self, loaded: LoadedModel, strategies: list[Strategy], max_new_tokens: int = 64,
-                 raw: bool = False, threads: int | None = None, memory: str = "auto", compare: bool = True,
-                 batch: bool = True, twins: bool = True, prefill_chunk: int = PREFILL_CHUNK, kernels: str = "invariant",
-                 instruments: bool = True):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        strategies: list[Strategy],
+        max_new_tokens: int = 64,
+        raw: bool = False,
+        threads: int | None = None,
+        memory: str = "auto",
+        compare: bool = True,
+        batch: bool = True,
+        twins: bool = True,
+        prefill_chunk: int = PREFILL_CHUNK,
+        kernels: str = "invariant",
+        instruments: bool = True,
+    ):
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens: {max_new_tokens} must be >= 1")
         if threads is not None and threads < 1:
@@ -101,13 +121,26 @@ class Engine:
         self.tracer = AllocationTracer(loaded.device, enabled=self.memory == "trace")
         self.observer = Observer(loaded.device, meter, self.tracer)
         weakref.finalize(self, self.observer.close)
-        self.peak_source = {"allocator": "measured" if meter is not None and meter.has_peak else "formula",
-                            "trace": "trace", "storage": "formula", "none": None}[self.memory]
+        self.peak_source = {
+            "allocator": "measured" if meter is not None and meter.has_peak else "formula",
+            "trace": "trace",
+            "storage": "formula",
+            "none": None,
+        }[self.memory]
         self.twins, self.prefill_chunk = self.instruments.twins, prefill_chunk
         # Probed now, outside every timed step (the verdicts stay with the loaded model).
         self.kernels = Kernels.for_model(loaded, kernels, self.threads)
-        self.forwards = Forwards(self.model, loaded.device, self.geometry, self.observer, self.tracer, self.threads,
-                                 batch, self.kernels, self.instruments)
+        self.forwards = Forwards(
+            self.model,
+            loaded.device,
+            self.geometry,
+            self.observer,
+            self.tracer,
+            self.threads,
+            batch,
+            self.kernels,
+            self.instruments,
+        )
         self.determinism = probe_determinism(loaded.device, loaded.dtype, self.threads)
         # The model's, the probes' and the strategies' first instances' blocks are no run's; the lanes' strategies
         # are built again inside their regions (`_lane`), after this.
@@ -132,8 +165,18 @@ class Engine:
         self.parked = False
         self.saved_context: dict | None = None  # label -> (cache, history length, forwards): `turn(save_context=)`
         # The step figures and the summary: the run's fixed facts now, what changes passed by each call.
-        self.report = Report(loaded, self.observer, self.forwards, self.instruments, self.memory, self.instrument,
-                             self.determinism, self.solo, self.twins, max_new_tokens)
+        self.report = Report(
+            loaded,
+            self.observer,
+            self.forwards,
+            self.instruments,
+            self.memory,
+            self.instrument,
+            self.determinism,
+            self.solo,
+            self.twins,
+            max_new_tokens,
+        )
         self.observer.register(CONTEXT)
 
     def about(self) -> dict:
@@ -148,8 +191,9 @@ class Engine:
     def _lane(self, strategy: Strategy) -> Lane:
         """The strategy's lane: the strategy made again from its settings inside the lane's own region, then its
         cache, so that whatever it allocates when it is made (in `__post_init__`) is the lane's, never a baseline."""
-        lane = Lane(strategy, None, strategy.label, ByteBook(measured=self.memory != "none",
-                                                             peak_source=self.peak_source))
+        lane = Lane(
+            strategy, None, strategy.label, ByteBook(measured=self.memory != "none", peak_source=self.peak_source)
+        )
         self.observer.register(lane.owner)
         with self._work(lane.owner, "build"):
             lane.strategy = made_again(strategy)
@@ -186,8 +230,15 @@ class Engine:
         return self.forwards.held(lane)
 
     # --- the run -------------------------------------------------------------
-    def turn(self, text: str, ids: list[int] | None = None, answer_prefix: str = "", question: list[int] | None = None,
-             save_context: bool = False, from_context: bool = False) -> Iterator[dict]:
+    def turn(
+        self,
+        text: str,
+        ids: list[int] | None = None,
+        answer_prefix: str = "",
+        question: list[int] | None = None,
+        save_context: bool = False,
+        from_context: bool = False,
+    ) -> Iterator[dict]:
         """One user turn for every strategy, continuing the conversation; yields "turn", "prefill"..., "step"...,
         "turn_end".
 
@@ -219,13 +270,16 @@ class Engine:
         if save_context and question is None:
             raise InputError("save_context: the context is what precedes a question; give question= too")
         if from_context and (self.saved_context is None or question is None or answer_prefix):
-            raise InputError("from_context: needs a context saved by an earlier turn (save_context=True) and the "
-                             "question's ids (question=), which hold their own answer prefix")
+            raise InputError(
+                "from_context: needs a context saved by an earlier turn (save_context=True) and the "
+                "question's ids (question=), which hold their own answer prefix"
+            )
         if k == 0:
             first = list(ids) if ids is not None else self.prompter.first(text)
             if len(first) >= self.loaded.max_context:
                 raise InputError(
-                    f"--prompt: {len(first)} tokens, longer than the model's context of {self.loaded.max_context}")
+                    f"--prompt: {len(first)} tokens, longer than the model's context of {self.loaded.max_context}"
+                )
             self.prompt_ids = first
         with model_lock(self.model):
             previous_threads = torch.get_num_threads()
@@ -233,10 +287,18 @@ class Engine:
             try:
                 if k == 0 and self.instruments.compare:
                     self._compare()
-                    yield {"type": "start", "strategies": self.show, "reference": self.reference.label,
-                           "prompt_ids": self.prompt_ids, "threads": self.threads, "memory": self.instrument,
-                           "determinism": self.determinism, "about": self.about(),
-                           "kernels": self.kernels.report(), "kernels_line": kernels_brief(self.kernels.report())}
+                    yield {
+                        "type": "start",
+                        "strategies": self.show,
+                        "reference": self.reference.label,
+                        "prompt_ids": self.prompt_ids,
+                        "threads": self.threads,
+                        "memory": self.instrument,
+                        "determinism": self.determinism,
+                        "about": self.about(),
+                        "kernels": self.kernels.report(),
+                        "kernels_line": kernels_brief(self.kernels.report()),
+                    }
                 if self.parked:
                     self._resume(tap)
                     yield {"type": "resume", "lanes": {lane.label: lane.parks[-1] for lane in self.all_lanes}}
@@ -292,14 +354,25 @@ class Engine:
         total = max(len(item.ids) for item in items)
         size = self.prefill_chunk
         for piece, start in enumerate(range(0, total, size)):
-            pieces = [Item(item.lane, item.ids[start:start + size], item.twin, start + size < len(item.ids))
-                      for item in items if item.ids[start:start + size]]
+            pieces = [
+                Item(item.lane, item.ids[start : start + size], item.twin, start + size < len(item.ids))
+                for item in items
+                if item.ids[start : start + size]
+            ]
             self.forwards.run(pieces, tap, turn_start=True, piece=first_piece + piece)
             if total > size:
                 yield {"type": "prefill", "turn": k, "done": min(start + size, total), "total": total}
 
-    def _turn(self, k: int, text: str, tap: InputTap, answer_prefix: str = "", question: list[int] | None = None,
-              save_context: bool = False, from_context: bool = False) -> Iterator[dict]:
+    def _turn(
+        self,
+        k: int,
+        text: str,
+        tap: InputTap,
+        answer_prefix: str = "",
+        question: list[int] | None = None,
+        save_context: bool = False,
+        from_context: bool = False,
+    ) -> Iterator[dict]:
         ref, lanes = self.reference, self.lanes
         if from_context:
             between_turns.from_context(self.all_lanes, self.saved_context, self._work)
@@ -307,8 +380,13 @@ class Engine:
                 self._compare()
         tail = self.prompter.encode(answer_prefix, False) if answer_prefix else []
         after = [] if from_context or question is None else list(question)  # read after the prompt, nothing evicted
-        chunk = lambda lane: (list(question) if from_context else self.prompt_ids if k == 0 else
-                              self.prompter.next(text, lane.pending) + tail)
+        chunk = lambda lane: (
+            list(question)
+            if from_context
+            else self.prompt_ids
+            if k == 0
+            else self.prompter.next(text, lane.pending) + tail
+        )
         ref_chunk = chunk(ref)
         if ref.cache.get_seq_length() + len(ref_chunk) + len(after) >= self.loaded.max_context:
             raise InputError(f"turn {k + 1}: the conversation passes the model's context of {self.loaded.max_context}")
@@ -348,8 +426,10 @@ class Engine:
             # Agreement for every lane in one pass over the stacked logits, on one thread: per lane, a few small
             # ops on a vocabulary's logits each woke the second thread and waited for the GIL behind the page's
             # handler (113 ms a step in the app, 3 ms in the CLI).
-            with obs.region(instrument("agreement"), "agree") if inst.agreement else contextlib.nullcontext(), \
-                    one_thread():
+            with (
+                obs.region(instrument("agreement"), "agree") if inst.agreement else contextlib.nullcontext(),
+                one_thread(),
+            ):
                 compared = [(lane, observe(lane, ref_token, ref_logits, obs, fork, inst.agreement)) for lane in lanes]
                 compared = [(lane, logits) for lane, logits in compared if logits is not None]
                 if compared:
@@ -379,9 +459,13 @@ class Engine:
         self.turn_seconds.append(obs.now() - started)
         for lane in self.all_lanes:
             self._end_turn(lane)
-        yield {"type": "turn_end", "turn": k, "texts": {lane.label: lane.texts[k] for lane in self.all_lanes},
-               "seconds": self.turn_seconds[-1],
-               "bytes": {lane.label: lane.book.turns[-1].summary() for lane in self.all_lanes}}
+        yield {
+            "type": "turn_end",
+            "turn": k,
+            "texts": {lane.label: lane.texts[k] for lane in self.all_lanes},
+            "seconds": self.turn_seconds[-1],
+            "bytes": {lane.label: lane.book.turns[-1].summary() for lane in self.all_lanes},
+        }
 
     def _compare(self):
         """Every comparable lane's K/V compared with the reference's from now on."""
@@ -440,8 +524,9 @@ class Engine:
 
     def token_maps(self) -> dict:
         """`token_maps.token_maps` of every shown lane: {label: {"tokens": [...], "states": [[...] per layer]}}."""
-        return token_maps.token_maps({label: self._shown(label) for label in self.show}, self.loaded.tokenizer,
-                                     len(self.reference.cache.layers))
+        return token_maps.token_maps(
+            {label: self._shown(label) for label in self.show}, self.loaded.tokenizer, len(self.reference.cache.layers)
+        )
 
     def attention_map(self, label: str, layer: int) -> dict | None:
         """`token_maps.attention_map` of the lane shown as `label` (None before the first turn)."""
@@ -449,13 +534,22 @@ class Engine:
 
     def attention_maps(self) -> dict:
         """`token_maps.attention_maps` of every shown lane: {label: {"position", "turn", "tokens", "layers"}}."""
-        return token_maps.attention_maps({label: self._shown(label) for label in self.show},
-                                         self.loaded.tokenizer, len(self.reference.cache.layers))
+        return token_maps.attention_maps(
+            {label: self._shown(label) for label in self.show}, self.loaded.tokenizer, len(self.reference.cache.layers)
+        )
 
     def results(self) -> dict:
         """The run's summary (`Report.results`), with what the engine has now."""
-        return self.report.results(self.reference, self.lanes, self.show, self.threads, self.kernels,
-                                   self.prompt_ids, self.turn_chunks, self.turn_seconds)
+        return self.report.results(
+            self.reference,
+            self.lanes,
+            self.show,
+            self.threads,
+            self.kernels,
+            self.prompt_ids,
+            self.turn_chunks,
+            self.turn_seconds,
+        )
 
     def _fork(self, lane: Lane):
         """The lane's teacher-forced twin, forked from its cache at its first divergence (the twins' work)."""
@@ -483,8 +577,9 @@ class Engine:
         return self.report.lane_event(lane, k)
 
 
-def run_to_end(engine: Engine, turns: list[str], park: bool = False,
-               progress: Callable[[str], None] | None = None) -> dict:
+def run_to_end(
+    engine: Engine, turns: list[str], park: bool = False, progress: Callable[[str], None] | None = None
+) -> dict:
     """Consume every event; return the summary.  `progress` gets a line per prompt piece read (long prompts)."""
     result = None
     for event in engine.run(turns, park=park):

@@ -25,8 +25,19 @@ class Report:
     lane held) and the facts fixed when the engine is built; what the engine changes as it runs (its lanes, thread
     count, kernels, turns) is passed in by each call, so everything it reads is named in its inputs."""
 
-    def __init__(self, loaded: LoadedModel, observer: Observer, forwards: Forwards, instruments: Instruments,
-                 memory: str, instrument: str, determinism: dict, solo: bool, twins: bool, max_new_tokens: int):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        observer: Observer,
+        forwards: Forwards,
+        instruments: Instruments,
+        memory: str,
+        instrument: str,
+        determinism: dict,
+        solo: bool,
+        twins: bool,
+        max_new_tokens: int,
+    ):
         self.loaded, self.observer, self.forwards, self.instruments = loaded, observer, forwards, instruments
         self.memory, self.instrument, self.determinism = memory, instrument, determinism
         self.solo, self.twins, self.max_new_tokens = solo, twins, max_new_tokens
@@ -52,10 +63,15 @@ class Report:
             # (the shared pass's time was charged to its rows: none of it is left here)
         measured = {name: ms for name, ms in measured.items() if ms}
         engine = {op: ms for op, ms in engine.items() if ms}
-        figures = {"step_ms": wall, "lanes_ms": fed_ms, "measurement_ms": measured, "engine_ms": engine,
-                   "shared_ms": self.forwards.step_shared_ms,
-                   "unattributed_ms": wall - sum(fed_ms.values()) - sum(measured.values()) - sum(engine.values()),
-                   "unattributed_bytes": self.unattributed(lanes, turns)}
+        figures = {
+            "step_ms": wall,
+            "lanes_ms": fed_ms,
+            "measurement_ms": measured,
+            "engine_ms": engine,
+            "shared_ms": self.forwards.step_shared_ms,
+            "unattributed_ms": wall - sum(fed_ms.values()) - sum(measured.values()) - sum(engine.values()),
+            "unattributed_bytes": self.unattributed(lanes, turns),
+        }
         self.steps.append(figures)
         return figures
 
@@ -97,11 +113,23 @@ class Report:
         is_ref = lane is ref and not self.solo
         match, first = token_match(ref.tokens, lane.tokens) if not self.solo else (None, None)
         if self.solo:
-            kv = {"kv_exact": None, "max_abs_dk": None, "max_abs_dv": None, "layers_compared": 0,
-                  "rebuilt_token_layers": None, "shape_mismatches": 0}
+            kv = {
+                "kv_exact": None,
+                "max_abs_dk": None,
+                "max_abs_dv": None,
+                "layers_compared": 0,
+                "rebuilt_token_layers": None,
+                "shape_mismatches": 0,
+            }
         elif is_ref:
-            kv = {"kv_exact": True, "max_abs_dk": 0.0, "max_abs_dv": 0.0, "layers_compared": len(lane.cache.layers),
-                  "rebuilt_token_layers": 0, "shape_mismatches": 0}
+            kv = {
+                "kv_exact": True,
+                "max_abs_dk": 0.0,
+                "max_abs_dv": 0.0,
+                "layers_compared": len(lane.cache.layers),
+                "rebuilt_token_layers": 0,
+                "shape_mismatches": 0,
+            }
         else:
             kv = kv_summary(lane, self.observer)
         decode_s = sum(step["total"] for step in lane.times.decode)
@@ -123,7 +151,8 @@ class Report:
             "kernels": lane_kernels(lane, kernels),
             "notes": lane.strategy.notes,
             "claims_exact": lane.strategy.claims_exact and self.determinism["deterministic"],
-            "exact_unavailable": None if not lane.strategy.claims_exact or self.determinism["deterministic"]
+            "exact_unavailable": None
+            if not lane.strategy.claims_exact or self.determinism["deterministic"]
             else self.determinism["reason"],
             "state_bytes": lane.book.summary(self.forwards.held(lane), self.instrument),
             "turns": [t.summary() for t in lane.book.turns],
@@ -132,8 +161,17 @@ class Report:
             "tokens_per_s": len(lane.times.decode) / decode_s if decode_s > 0 else None,
         }
 
-    def results(self, reference: Lane, lanes: list[Lane], show: list[str], threads: int, kernels: Kernels,
-                prompt_ids: list[int], turn_chunks: list[list[int]], turn_seconds: list[float]) -> dict:
+    def results(
+        self,
+        reference: Lane,
+        lanes: list[Lane],
+        show: list[str],
+        threads: int,
+        kernels: Kernels,
+        prompt_ids: list[int],
+        turn_chunks: list[list[int]],
+        turn_seconds: list[float],
+    ) -> dict:
         """The run's summary: the reference and the other lanes, the labels shown (in order), the thread count and
         kernels the run has now, and its turns (the first turn's prompt, each turn's ids fed, each turn's wall
         time)."""
@@ -150,7 +188,7 @@ class Report:
             "teacher_forced_twins": self.twins,
             "shared_pass_ms_mean": sum(shared) / len(shared) if shared else None,
             "shared_rule": "the pass's shared work (linears, norms, embedding, head) charged by rows: 1/N to each "
-                           "of its N rows (a lane's forward or a twin's)",
+            "of its N rows (a lane's forward or a twin's)",
             "instruments": self.instruments.describe(),
             "steps": step_summary(self.steps),
             "turn_seconds": turn_seconds,
@@ -161,12 +199,14 @@ class Report:
             "memory_instrument": self.instrument,
             # Bytes no lane's work holds, now and at most after a step (process-wide: blocks allocated outside every
             # region, the measurement's own, shared memory); None where no meter reads them.
-            "unattributed_bytes": None if (now := self.unattributed([reference, *lanes], len(turn_chunks))) is None
+            "unattributed_bytes": None
+            if (now := self.unattributed([reference, *lanes], len(turn_chunks))) is None
             else {**now, "peak": max(self.unattributed_peak, now["bytes"])},
             "determinism": self.determinism,
             "kernels": kernels.report(),
-            "strategies": {label: self.lane_summary(by_label[label], reference, kernels) for label in show
-                           if label in by_label},
+            "strategies": {
+                label: self.lane_summary(by_label[label], reference, kernels) for label in show if label in by_label
+            },
         }
         if self.loaded.device.type == "cuda":
             out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.loaded.device)
@@ -177,8 +217,10 @@ def lane_kernels(lane: Lane, kernels: Kernels) -> dict:
     """What computed this lane: its forwards (the run's kernels) and its rebuilt K/V (the run's in exact mode,
     the model's own in one call with `mode=fast`, nothing for a strategy that rebuilds nothing)."""
     mode = getattr(lane.strategy, "mode", None)
-    return {"forward": kernels.mode,
-            "rebuild": None if mode is None else "native, one call" if mode == "fast" else kernels.mode}
+    return {
+        "forward": kernels.mode,
+        "rebuild": None if mode is None else "native, one call" if mode == "fast" else kernels.mode,
+    }
 
 
 def memory_instrument(requested: str, device: torch.device) -> tuple[str, str, object]:
@@ -193,8 +235,9 @@ def memory_instrument(requested: str, device: torch.device) -> tuple[str, str, o
         meter = meters.for_device(device)
     except ledger.Unavailable as e:
         if requested == "allocator":
-            raise InputError(f"--memory: allocator cannot be read here ({e}); allowed: auto, trace, storage, "
-                             "none") from None
+            raise InputError(
+                f"--memory: allocator cannot be read here ({e}); allowed: auto, trace, storage, none"
+            ) from None
         if requested == "trace":
             return "trace", f"allocator trace ({device.type})", None
         return "storage", f"tensor storages the strategies list (declared, not measured: {e})", None
@@ -210,14 +253,17 @@ def step_summary(steps: list[dict]) -> dict | None:
     n = len(steps)
     names = sorted({name for step in steps for name in step["measurement_ms"]})
     ops = sorted({op for step in steps for op in step["engine_ms"]})
-    return {"steps": n,
-            "wall_ms_mean": sum(s["step_ms"] for s in steps) / n,
-            "lanes_ms_mean": sum(sum(s["lanes_ms"].values()) for s in steps) / n,
-            "shared_ms_mean": sum(s["shared_ms"] for s in steps) / n,
-            "measurement_ms_mean": sum(sum(s["measurement_ms"].values()) for s in steps) / n,
-            "measurement_by_instrument_ms_mean": {name: sum(s["measurement_ms"].get(name, 0.0) for s in steps) / n
-                                                  for name in names},
-            "engine_ms_mean": sum(sum(s["engine_ms"].values()) for s in steps) / n,
-            "engine_by_op_ms_mean": {op: sum(s["engine_ms"].get(op, 0.0) for s in steps) / n for op in ops},
-            "unattributed_ms_mean": sum(s["unattributed_ms"] for s in steps) / n,
-            "measurement_ms_per_step": [round(sum(s["measurement_ms"].values()), 3) for s in steps]}
+    return {
+        "steps": n,
+        "wall_ms_mean": sum(s["step_ms"] for s in steps) / n,
+        "lanes_ms_mean": sum(sum(s["lanes_ms"].values()) for s in steps) / n,
+        "shared_ms_mean": sum(s["shared_ms"] for s in steps) / n,
+        "measurement_ms_mean": sum(sum(s["measurement_ms"].values()) for s in steps) / n,
+        "measurement_by_instrument_ms_mean": {
+            name: sum(s["measurement_ms"].get(name, 0.0) for s in steps) / n for name in names
+        },
+        "engine_ms_mean": sum(sum(s["engine_ms"].values()) for s in steps) / n,
+        "engine_by_op_ms_mean": {op: sum(s["engine_ms"].get(op, 0.0) for s in steps) / n for op in ops},
+        "unattributed_ms_mean": sum(s["unattributed_ms"] for s in steps) / n,
+        "measurement_ms_per_step": [round(sum(s["measurement_ms"].values()), 3) for s in steps],
+    }

@@ -20,8 +20,14 @@ from ..measure.observe import Observer
 from .lanes import Lane
 
 
-def observe(lane: Lane, ref_token: int | None, ref_logits: torch.Tensor | None, observer: Observer,
-            fork: Callable[[Lane], None] | None, agreement: bool = True) -> torch.Tensor | None:
+def observe(
+    lane: Lane,
+    ref_token: int | None,
+    ref_logits: torch.Tensor | None,
+    observer: Observer,
+    fork: Callable[[Lane], None] | None,
+    agreement: bool = True,
+) -> torch.Tensor | None:
     """Fork the twin at the first divergence (`fork(lane)`; None: no twins); returns the logits this step's
     agreement compares with the reference's (the free run's before the divergence, the twin's after it), or
     None when there is nothing to compare.  Without `agreement` (the instruments off) only the divergence is
@@ -51,8 +57,9 @@ def agree(lanes: list[Lane], logits: list[torch.Tensor], ref_token: int, ref_log
     rows = torch.stack([ref_logits, *logits]).float()
     logp = torch.log_softmax(rows, dim=-1)
     kl = (logp[0].exp() * (logp[0] - logp[1:])).sum(dim=-1).clamp_min(0.0)
-    figures = torch.stack([kl, (rows[1:].argmax(dim=-1) == ref_token).float(),
-                           (rows[1:] - rows[0]).abs().amax(dim=-1)], dim=1).tolist()
+    figures = torch.stack(
+        [kl, (rows[1:].argmax(dim=-1) == ref_token).float(), (rows[1:] - rows[0]).abs().amax(dim=-1)], dim=1
+    ).tolist()
     for lane, (k, same, dlogit) in zip(lanes, figures):
         lane.tf_steps += 1
         lane.tf_agree += int(same)
@@ -71,9 +78,11 @@ def kv_summary(lane: Lane, observer: Observer) -> dict:
         return before
     if before.get("kv_exact") is None:
         return live
-    return {"layers_compared": max(before["layers_compared"], live["layers_compared"]),
-            "kv_exact": before["kv_exact"] and live["kv_exact"],
-            "max_abs_dk": max(before["max_abs_dk"], live["max_abs_dk"]),
-            "max_abs_dv": max(before["max_abs_dv"], live["max_abs_dv"]),
-            "rebuilt_token_layers": before["rebuilt_token_layers"] + live["rebuilt_token_layers"],
-            "shape_mismatches": before["shape_mismatches"] + live["shape_mismatches"]}
+    return {
+        "layers_compared": max(before["layers_compared"], live["layers_compared"]),
+        "kv_exact": before["kv_exact"] and live["kv_exact"],
+        "max_abs_dk": max(before["max_abs_dk"], live["max_abs_dk"]),
+        "max_abs_dv": max(before["max_abs_dv"], live["max_abs_dv"]),
+        "rebuilt_token_layers": before["rebuilt_token_layers"] + live["rebuilt_token_layers"],
+        "shape_mismatches": before["shape_mismatches"] + live["shape_mismatches"],
+    }

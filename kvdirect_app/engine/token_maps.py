@@ -11,7 +11,7 @@ def token_map(lane: Lane, tokenizer, layer: int) -> dict:
     """Per fed token of the lane's free run at `layer`: its text and what is kept of it
     ("kv", "residual", "anchor", "replayed" (rebuilt from an anchor below), "evicted"), as plain lists."""
     states = lane.cache.layers[layer].token_states()
-    pieces = [tokenizer.decode([t]) for t in lane.history[:len(states)]]
+    pieces = [tokenizer.decode([t]) for t in lane.history[: len(states)]]
     return {"tokens": pieces, "states": states}
 
 
@@ -21,8 +21,10 @@ def token_maps(shown: dict[str, Lane], tokenizer, layers: int) -> dict:
     out = {}
     for label, lane in shown.items():
         first = token_map(lane, tokenizer, 0)
-        out[label] = {"tokens": first["tokens"],
-                      "states": [first["states"]] + [token_map(lane, tokenizer, i)["states"] for i in range(1, layers)]}
+        out[label] = {
+            "tokens": first["tokens"],
+            "states": [first["states"]] + [token_map(lane, tokenizer, i)["states"] for i in range(1, layers)],
+        }
     return out
 
 
@@ -38,9 +40,12 @@ def attention_map(lane: Lane, tokenizer, layer: int) -> dict | None:
         return None
     p = snap["position"]
     handed, probs = snap["layers"][layer]
-    return {"position": p, "turn": snap["turn"],
-            "tokens": [tokenizer.decode([t]) for t in lane.history[:p + 1]],
-            "weights": [float(w) if h else None for h, w in zip(handed.tolist(), probs.tolist())]}
+    return {
+        "position": p,
+        "turn": snap["turn"],
+        "tokens": [tokenizer.decode([t]) for t in lane.history[: p + 1]],
+        "weights": [float(w) if h else None for h, w in zip(handed.tolist(), probs.tolist())],
+    }
 
 
 def attention_maps(shown: dict[str, Lane], tokenizer, layers: int) -> dict:
@@ -51,7 +56,10 @@ def attention_maps(shown: dict[str, Lane], tokenizer, layers: int) -> dict:
         first = attention_map(lane, tokenizer, 0)
         if first is None:
             continue
-        out[label] = {"position": first["position"], "turn": first["turn"], "tokens": first["tokens"],
-                      "layers": [first["weights"]] + [attention_map(lane, tokenizer, j)["weights"]
-                                                      for j in range(1, layers)]}
+        out[label] = {
+            "position": first["position"],
+            "turn": first["turn"],
+            "tokens": first["tokens"],
+            "layers": [first["weights"]] + [attention_map(lane, tokenizer, j)["weights"] for j in range(1, layers)],
+        }
     return out

@@ -60,17 +60,23 @@ class Request:
 def model_name(value) -> str:
     """A preset, or outside hosted mode a local folder or a Hub id; never executed, in hosted mode never a path."""
     if not isinstance(value, str) or not value.strip():
-        raise SettingError(f"model: empty; allowed: a preset ({', '.join(offered_presets())})"
-                           + ("" if hosted() else ", a Hub id (org/name) or a local folder"))
+        raise SettingError(
+            f"model: empty; allowed: a preset ({', '.join(offered_presets())})"
+            + ("" if hosted() else ", a Hub id (org/name) or a local folder")
+        )
     name = value.strip()
     if name in presets():
         if name not in offered_presets():
-            raise SettingError(f"model: {name} is not offered here: {unavailable_reason(name)}; "
-                               f"allowed: {', '.join(offered_presets())}")
+            raise SettingError(
+                f"model: {name} is not offered here: {unavailable_reason(name)}; "
+                f"allowed: {', '.join(offered_presets())}"
+            )
         return name
     if hosted():
-        raise SettingError(f"model: {name[:80]!r} is not offered here; allowed: {', '.join(offered_presets())} "
-                           "(hosted mode: presets only)")
+        raise SettingError(
+            f"model: {name[:80]!r} is not offered here; allowed: {', '.join(offered_presets())} "
+            "(hosted mode: presets only)"
+        )
     if len(name) > 512 or any(ch in name for ch in "\x00\n\r"):
         raise SettingError("model: not a usable name; allowed: a preset, a Hub id (org/name) or a local folder")
     return name
@@ -89,7 +95,9 @@ def dtype_works(device: str, dtype: str) -> bool:
 
 def device_dtype(device, dtype) -> tuple[str, str]:
     if device not in available_devices():
-        raise SettingError(f"device: {str(device)[:40]!r} is not available here; allowed: {', '.join(available_devices())}")
+        raise SettingError(
+            f"device: {str(device)[:40]!r} is not available here; allowed: {', '.join(available_devices())}"
+        )
     if dtype not in DTYPES:
         raise SettingError(f"dtype: {str(dtype)[:40]!r} is not supported; allowed: {', '.join(DTYPES)}")
     resolved = str(resolve_device(device))
@@ -109,8 +117,9 @@ def strategies(value, cap: Limits) -> tuple[Strategy, ...]:
     return tuple(parsed)
 
 
-def request(model, device, dtype, specs, max_new_tokens, turns, raw: bool = False,
-            cap: Limits | None = None) -> Request:
+def request(
+    model, device, dtype, specs, max_new_tokens, turns, raw: bool = False, cap: Limits | None = None
+) -> Request:
     """First stage: everything that needs no model."""
     cap = cap or limits()
     name = model_name(model)
@@ -120,8 +129,9 @@ def request(model, device, dtype, specs, max_new_tokens, turns, raw: bool = Fals
     if not isinstance(turns, (list, tuple)) or not turns:
         raise SettingError("prompt: no message given; type a message")
     if len(turns) > cap.max_turns:
-        raise SettingError(f"turns: {len(turns)} in this conversation; allowed: 1..{cap.max_turns} "
-                           "(press Clear to start a new one)")
+        raise SettingError(
+            f"turns: {len(turns)} in this conversation; allowed: 1..{cap.max_turns} (press Clear to start a new one)"
+        )
     checked = tuple(text("prompt", t, cap) for t in turns)
     return Request(name, device, dtype, parsed, new, checked, bool(raw))
 
@@ -135,8 +145,9 @@ def conversation_tokens(loaded: LoadedModel, turns: tuple[str, ...] | list[str],
     return total
 
 
-def against_model(req: Request, loaded: LoadedModel, cap: Limits | None = None,
-                  prompt_tokens: int | None = None) -> int:
+def against_model(
+    req: Request, loaded: LoadedModel, cap: Limits | None = None, prompt_tokens: int | None = None
+) -> int:
     """Second stage: the conversation fits the model's context (and the session cap); every strategy's settings
     fit the model.  Returns the most tokens the run can reach.  `prompt_tokens`: a first turn given as ids."""
     cap = cap or limits()
@@ -154,7 +165,8 @@ def against_model(req: Request, loaded: LoadedModel, cap: Limits | None = None,
         raise SettingError(
             f"prompt: the conversation would reach {total:,} tokens (every turn with the chat template, each reply "
             f"up to max_new_tokens={req.max_new_tokens}); allowed: up to {ceiling:,} ({where}); shorten the message, "
-            "lower max_new_tokens or press Clear")
+            "lower max_new_tokens or press Clear"
+        )
     return total
 
 
@@ -166,7 +178,8 @@ def check_strategy(strategy: Strategy, geom: ModelGeometry, context: int):
         raise SettingError(f"{name}: budget={budget} is out of range; allowed: 1..{context} (the model's context)")
     spacing = getattr(strategy, "spacing", None)
     if spacing is not None and not 1 <= spacing <= geom.num_layers:
-        raise SettingError(f"{name}: spacing={spacing} is out of range; allowed: 1..{geom.num_layers} "
-                           "(the model's layers)")
+        raise SettingError(
+            f"{name}: spacing={spacing} is out of range; allowed: 1..{geom.num_layers} (the model's layers)"
+        )
     if hasattr(strategy, "anchor_layers"):
         strategy.anchor_layers(geom)  # anchors below L (a StrategyError naming them otherwise)

@@ -51,8 +51,9 @@ class Verifier:
         self.seconds += time.perf_counter() - t0
         return out
 
-    def check(self, forward: int, layer: int, keys: torch.Tensor, values: torch.Tensor, expected, rebuilt: int,
-              end: int):
+    def check(
+        self, forward: int, layer: int, keys: torch.Tensor, values: torch.Tensor, expected, rebuilt: int, end: int
+    ):
         """`keys`/`values` (1, H, T, d) handed to attention at `layer` in forward `forward`, whose first `rebuilt`
         rows were rebuilt or replayed; `end`: tokens seen after this forward (row T-1 is token end-1)."""
         t0 = time.perf_counter()
@@ -80,8 +81,7 @@ class Verifier:
 
     def _first(self, forward: int, layer: int, token: int | None, rebuilt: bool, what: str):
         if self.first_mismatch is None:
-            self.first_mismatch = {"forward": forward, "layer": layer, "token": token, "rebuilt": rebuilt,
-                                   "what": what}
+            self.first_mismatch = {"forward": forward, "layer": layer, "token": token, "rebuilt": rebuilt, "what": what}
 
     def close(self):
         """Drop the shadow (a full cache's K/V); the counts stay for `report`."""

@@ -39,8 +39,15 @@ _LOAD = threading.Lock()
 
 
 def build() -> Path:
-    return native.library(SOURCE, "the fixed-order kernels", CACHE_ENV, "dots", ["-O3", "-fopenmp"], ["-fopenmp"],
-                          [SOURCE.with_name("dots_attention.inc")])
+    return native.library(
+        SOURCE,
+        "the fixed-order kernels",
+        CACHE_ENV,
+        "dots",
+        ["-O3", "-fopenmp"],
+        ["-fopenmp"],
+        [SOURCE.with_name("dots_attention.inc")],
+    )
 
 
 def _library():
@@ -50,13 +57,23 @@ def _library():
             try:
                 lib = ctypes.CDLL(str(build()))  # the GIL is let go during a call: the page runs beside it
                 lib.kv_dots.restype = ctypes.c_int
-                lib.kv_dots.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                        ctypes.c_int]
+                lib.kv_dots.argtypes = [
+                    ctypes.c_void_p,
+                    ctypes.c_int64,
+                    ctypes.c_int64,
+                    ctypes.c_void_p,
+                    ctypes.c_void_p,
+                    ctypes.c_int64,
+                    ctypes.c_void_p,
+                    ctypes.c_int,
+                    ctypes.c_int,
+                    ctypes.c_int,
+                ]
                 lib.kv_dots_path.argtypes = [ctypes.c_int]
                 lib.kv_attention.restype = ctypes.c_int
-                lib.kv_attention.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 13
-                                             + [ctypes.c_float] * 2 + [ctypes.c_int] * 3)
+                lib.kv_attention.argtypes = (
+                    [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 13 + [ctypes.c_float] * 2 + [ctypes.c_int] * 3
+                )
                 _LIB = lib
             except (Unavailable, OSError) as e:
                 _FAILED = str(e)
@@ -95,23 +112,33 @@ def unavailable(dtype: torch.dtype = torch.float32, device="cpu") -> str | None:
     return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, name: str | None = None,
-           threads: int | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    name: str | None = None,
+    threads: int | None = None,
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` in the fixed order: x (..., k) of the weight's dtype (or float32), weight
     (n, k) float32 or bfloat16 and contiguous (a layer's own), on the CPU; the result in the weight's dtype.  `name`
     forces a path, `threads` the thread count (default torch's)."""
     lib = _LIB or _library()
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         # What F.linear refuses, refused here too: a reshape to (-1, k) would read rows of another width.
-        raise ValueError(f"fixed-order linears: input {tuple(x.shape)} and weight {tuple(weight.shape)} cannot be "
-                         "multiplied (the input's last dimension must be the weight's second)")
+        raise ValueError(
+            f"fixed-order linears: input {tuple(x.shape)} and weight {tuple(weight.shape)} cannot be "
+            "multiplied (the input's last dimension must be the weight's second)"
+        )
     n, k = weight.shape
     if weight.dtype not in DTYPES or weight.device.type != "cpu" or not weight.is_contiguous():
-        raise ValueError(f"fixed-order linears: a {weight.dtype} weight on {weight.device} (contiguous: "
-                         f"{weight.is_contiguous()})")
+        raise ValueError(
+            f"fixed-order linears: a {weight.dtype} weight on {weight.device} (contiguous: {weight.is_contiguous()})"
+        )
     if x.device.type != "cpu" or x.dtype not in (weight.dtype, torch.float32):
-        raise ValueError(f"fixed-order linears: a {x.dtype} input on {x.device} for a {weight.dtype} weight; allowed: "
-                         "the weight's dtype or float32, on the CPU")
+        raise ValueError(
+            f"fixed-order linears: a {x.dtype} input on {x.device} for a {weight.dtype} weight; allowed: "
+            "the weight's dtype or float32, on the CPU"
+        )
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"fixed-order linears: bias {tuple(bias.shape)} for a weight of {n} outputs; allowed: ({n},)")
     rows = x.reshape(-1, k)
@@ -122,45 +149,93 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
         bias = bias.to(weight.dtype).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=weight.dtype)
-    taken = lib.kv_dots(rows.data_ptr(), rows.shape[0], k, weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                        n, out.data_ptr(), DTYPES[weight.dtype], threads or torch.get_num_threads(),
-                        PATHS[name or requested()])
+    taken = lib.kv_dots(
+        rows.data_ptr(),
+        rows.shape[0],
+        k,
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        n,
+        out.data_ptr(),
+        DTYPES[weight.dtype],
+        threads or torch.get_num_threads(),
+        PATHS[name or requested()],
+    )
     if taken < 0:
         raise Unavailable(f"the fixed-order linears' {name or requested()} path does not run on this CPU")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, end: int, scaling: float,
-              softcap: float | None = None, window: int | None = None, name: str | None = None,
-              threads: int | None = None) -> torch.Tensor:
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    end: int,
+    scaling: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    name: str | None = None,
+    threads: int | None = None,
+) -> torch.Tensor:
     """Causal attention in the fixed order (`dots_attention.inc`): query (H, q, d), key and value (Hkv, T, d), all
     float32 or all bfloat16, the last dimension contiguous; the queries are the last q of the positions end-T ..
     end-1 that the keys hold; `window` a sliding layer's, `softcap` the scores' cap.  Returns (q, H, d) in the
     query's dtype.  A query's bits depend on it and the keys it sees only, at any thread count."""
     lib = _LIB or _library()
     if query.dim() != 3 or key.dim() != 3 or key.shape != value.shape or key.shape[2] != query.shape[2]:
-        raise ValueError(f"fixed-order attention: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
-                         f"{tuple(value.shape)}; allowed: query (H, q, d), key and value (Hkv, T, d) of one shape")
+        raise ValueError(
+            f"fixed-order attention: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+            f"{tuple(value.shape)}; allowed: query (H, q, d), key and value (Hkv, T, d) of one shape"
+        )
     heads, nq, d = query.shape
     kv_heads, t, _ = key.shape
     if kv_heads < 1 or heads % kv_heads or nq > t or end < t:
-        raise ValueError(f"fixed-order attention: {heads} heads over {kv_heads}, {nq} queries over {t} keys ending at "
-                         f"{end}; allowed: heads a multiple of the key heads, at most as many queries as keys, end >= T")
+        raise ValueError(
+            f"fixed-order attention: {heads} heads over {kv_heads}, {nq} queries over {t} keys ending at "
+            f"{end}; allowed: heads a multiple of the key heads, at most as many queries as keys, end >= T"
+        )
     dtype = query.dtype
-    if dtype not in DTYPES or key.dtype != dtype or value.dtype != dtype or {query.device.type, key.device.type,
-                                                                              value.device.type} != {"cpu"}:
+    if (
+        dtype not in DTYPES
+        or key.dtype != dtype
+        or value.dtype != dtype
+        or {query.device.type, key.device.type, value.device.type} != {"cpu"}
+    ):
         raise ValueError(f"fixed-order attention: {dtype}, {key.dtype}, {value.dtype} on {query.device}")
     query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
     threads = threads or torch.get_num_threads()
     out = torch.empty(nq, heads, d, dtype=torch.float32)
     scratch = torch.empty(min(threads, nq * heads), t, dtype=torch.float32)
-    taken = lib.kv_attention(query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-                             heads, kv_heads, nq, t, d, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-                             value.stride(0), value.stride(1), end, window or 0, scaling, softcap or 0.0,
-                             DTYPES[dtype], threads, PATHS[name or requested()])
+    taken = lib.kv_attention(
+        query.data_ptr(),
+        key.data_ptr(),
+        value.data_ptr(),
+        out.data_ptr(),
+        scratch.data_ptr(),
+        heads,
+        kv_heads,
+        nq,
+        t,
+        d,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        end,
+        window or 0,
+        scaling,
+        softcap or 0.0,
+        DTYPES[dtype],
+        threads,
+        PATHS[name or requested()],
+    )
     if taken < 0:
-        raise ValueError(f"fixed-order attention: path {name or requested()}, head size {d} (at most 512), "
-                         f"{heads} heads over {kv_heads}, {nq} queries over {t} keys")
+        raise ValueError(
+            f"fixed-order attention: path {name or requested()}, head size {d} (at most 512), "
+            f"{heads} heads over {kv_heads}, {nq} queries over {t} keys"
+        )
     return out if dtype == torch.float32 else out.to(dtype)
 
 

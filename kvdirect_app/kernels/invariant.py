@@ -59,8 +59,16 @@ BLOCK = probes.BLOCK  # keys per attention block, blocks anchored at absolute po
 ATTENTION_ROWS_BYTES = 1 << 20
 
 
-def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, end: int, scaling: float,
-                    softcap: float | None = None, window: int | None = None, rows: Verdict | None = None) -> torch.Tensor:
+def block_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    end: int,
+    scaling: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    rows: Verdict | None = None,
+) -> torch.Tensor:
     """Causal attention whose bits for a query depend only on that query and the keys it sees.
 
     query (H, q, d): the last q positions end-q .. end-1; key, value (Hkv, T, d): positions end-T .. end-1
@@ -100,7 +108,7 @@ def _block_attention(query, key, value, end, scaling, softcap, window, proven) -
         n = min(chunk, q - s)
         last = end - q + s + n - 1  # the chunk's last query position
         used = (last - (first - lead)) // BLOCK + 1  # blocks up to it
-        r = (rows[:, :, s:s + n].float() * scaling).reshape(kv_heads, 1, group * n, d)
+        r = (rows[:, :, s : s + n].float() * scaling).reshape(kv_heads, 1, group * n, d)
         m = group * n
         padded = proven.pad(m) if proven is not None else m
         if padded != m:
@@ -129,7 +137,7 @@ def _block_attention(query, key, value, end, scaling, softcap, window, proven) -
         o = torch.matmul(p, v[:, :used])
         del p
         o = o.cumsum_(dim=1)[:, -1] / sums[..., None]  # (Hkv, padded, d)
-        out[s:s + n] = o[:, :m].reshape(heads, n, d).transpose(0, 1)
+        out[s : s + n] = o[:, :m].reshape(heads, n, d).transpose(0, 1)
     return out
 
 
@@ -158,14 +166,25 @@ def native_now() -> bool:
     return _NATIVE.get()
 
 
-def invariant_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                        sliding_window=None, softcap=None, **kwargs):
+def invariant_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling=None,
+    sliding_window=None,
+    softcap=None,
+    **kwargs,
+):
     """The registered attention function of the invariant mode (a model's layers call it by name): the block
     attention, the queries ending at the call's last position."""
     kernels = active()
     end = int(kwargs["position_ids"][0, -1]) + 1
-    out = kernels.attention(query[0], key[0], value[0], end, scaling if scaling is not None else module.scaling,
-                            softcap, sliding_window)
+    out = kernels.attention(
+        query[0], key[0], value[0], end, scaling if scaling is not None else module.scaling, softcap, sliding_window
+    )
     return out.unsqueeze(0), None
 
 
@@ -208,8 +227,9 @@ class Kernels:
 
     # --- the probe ---------------------------------------------------------------------------------------
     def _linear_verdict(self, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Verdict:
-        return self.store.get(linear_key(weight, bias, threads), lambda: probes.probe_linear(weight, bias, threads),
-                              keep=True)
+        return self.store.get(
+            linear_key(weight, bias, threads), lambda: probes.probe_linear(weight, bias, threads), keep=True
+        )
 
     def _linears(self, model, device, dtype) -> str | None:
         """The fixed-order linears on the CPU (checked for each input width: `check_dots`), else every linear
@@ -232,8 +252,10 @@ class Kernels:
         for m in layers:
             v = self._linear_verdict(m.weight, m.bias, self.threads)
             if not v.counts:
-                return (f"no row count of a {tuple(m.weight.shape)} GEMM ({', '.join(map(str, v.failed))}) gives the "
-                        f"rows of a large call here at {self.threads} thread(s)")
+                return (
+                    f"no row count of a {tuple(m.weight.shape)} GEMM ({', '.join(map(str, v.failed))}) gives the "
+                    f"rows of a large call here at {self.threads} thread(s)"
+                )
             if not v.across_threads:
                 return f"a {tuple(m.weight.shape)} GEMM gives other bits at 1 thread than at {self.threads}"
             self.linears[(tuple(m.weight.shape), m.bias is not None)] = v
@@ -248,33 +270,47 @@ class Kernels:
             name = type(m).__name__
             if name.endswith("RMSNorm") and getattr(m, "weight", None) is not None:
                 key = ("rows", name, tuple(m.weight.shape), dtype_name(dtype), str(device), self.threads)
-                ok, why = self.store.get(key, lambda: probes.probe_rows(m, m.weight.shape[-1], dtype, device,
-                                                                        self.threads))
+                ok, why = self.store.get(
+                    key, lambda: probes.probe_rows(m, m.weight.shape[-1], dtype, device, self.threads)
+                )
                 if not ok:
                     return f"row-wise reduction: {why}"
         cfg = compat.text_config(model.config)
         seen = set()
         for spec in compat.layer_specs(model.config):
             attn = compat.attention_module(compat.decoder_layers(model)[spec.index])
-            geometry = (cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
-                        attn.head_dim, spec.sliding_window, getattr(attn, "attn_logit_softcapping", None))
+            geometry = (
+                cfg.num_attention_heads,
+                getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
+                attn.head_dim,
+                spec.sliding_window,
+                getattr(attn, "attn_logit_softcapping", None),
+            )
             if geometry in seen:
                 continue
             seen.add(geometry)
             if self.dots is None:  # the block attention's GEMMs (off the CPU)
-                rows = self.store.get(attention_rows_key(attn.head_dim, dtype, device),
-                                      lambda: probes.probe_attention_rows(attn.head_dim, dtype, device), keep=True)
+                rows = self.store.get(
+                    attention_rows_key(attn.head_dim, dtype, device),
+                    lambda: probes.probe_attention_rows(attn.head_dim, dtype, device),
+                    keep=True,
+                )
                 if not rows.counts:
-                    return (f"the block attention's GEMMs have no invariant row count here "
-                            f"({', '.join(map(str, rows.failed))})")
+                    return (
+                        f"the block attention's GEMMs have no invariant row count here "
+                        f"({', '.join(map(str, rows.failed))})"
+                    )
                 group = geometry[0] // geometry[1]
                 if group > rows.largest:
                     return f"{group} query heads per key head: more rows than the attention's largest proven count"
                 self.rows = rows
             key = ("block attention", geometry, dtype_name(dtype), str(device), self.threads)
-            ok, why = self.store.get(key, lambda: probes.probe_attention(
-                self.attention, *geometry[:3], dtype, device, self.threads,
-                window=geometry[3], softcap=geometry[4]))
+            ok, why = self.store.get(
+                key,
+                lambda: probes.probe_attention(
+                    self.attention, *geometry[:3], dtype, device, self.threads, window=geometry[3], softcap=geometry[4]
+                ),
+            )
             if not ok:
                 return f"{'fixed-order' if self.dots else 'block'} attention: {why}"
         return None
@@ -290,13 +326,15 @@ class Kernels:
         if verdict is None:
             raise RuntimeError(f"invariant kernels: a {tuple(weight.shape)} GEMM that was not probed")
         if torch.get_num_threads() != self.threads:
-            raise RuntimeError(f"invariant kernels: a GEMM at {torch.get_num_threads()} threads; proven at "
-                               f"{self.threads} (pin the threads first)")
+            raise RuntimeError(
+                f"invariant kernels: a GEMM at {torch.get_num_threads()} threads; proven at "
+                f"{self.threads} (pin the threads first)"
+            )
         rows = x.reshape(-1, x.shape[-1])
         split = verdict.largest
         parts = []
         for s in range(0, rows.shape[0], split):
-            part = rows[s:s + split]
+            part = rows[s : s + split]
             m = part.shape[0]
             size = verdict.pad(m)
             parts.append(F.linear(F.pad(part, (0, 0, 0, size - m)) if size != m else part, weight, bias)[:m])
@@ -305,9 +343,11 @@ class Kernels:
 
     def _rows(self, query: torch.Tensor) -> Verdict:
         if self.rows is None or self.rows.key != attention_rows_key(query.shape[-1], query.dtype, query.device):
-            self.rows = self.store.get(attention_rows_key(query.shape[-1], query.dtype, query.device),
-                                       lambda: probes.probe_attention_rows(query.shape[-1], query.dtype, query.device),
-                                       keep=True)
+            self.rows = self.store.get(
+                attention_rows_key(query.shape[-1], query.dtype, query.device),
+                lambda: probes.probe_attention_rows(query.shape[-1], query.dtype, query.device),
+                keep=True,
+            )
         return self.rows
 
     def attention(self, query, key, value, end: int, scaling: float, softcap=None, window=None) -> torch.Tensor:
@@ -330,29 +370,67 @@ class Kernels:
         """For the run's JSON: the mode, why not invariant where it was asked for, and the probe's verdicts."""
         threads = {self.threads, 1}
         verdicts = self.verdicts
-        return {"mode": self.mode, "requested": self.requested, "reason": self.reason, "threads": self.threads,
-                "linears": "fixed-order" if self.dots is not None else "probed GEMM", "dots_path": self.dots,
-                "dots_checks": [{"width": k[1], "bias": k[2], "dtype": k[3], "instructions": k[4], "threads": k[5],
-                                 "same_bits": v[0], "why_not": v[1]} for k, v in verdicts.items()
-                                if k[0] == "dots" and k[5] == self.threads],
-                "rows": list(ROWS), "probe_file": None if self.store is None or self.store.path is None
-                else str(self.store.path.name),
-                "file_confirmed": 0 if self.store is None else self.store.confirmed,
-                "file_notes": [] if self.store is None else list(self.store.notes),
-                "probes": [{"shape": list(v.key[1]), "bias": v.key[2], "dtype": v.key[3], "device": v.key[4],
-                            "threads": v.key[5], "proven": list(v.counts), "failed": list(v.failed),
-                            "across_threads": v.across_threads}
-                           for k, v in verdicts.items() if k[0] == "linear" and k[5] in threads],
-                "attention_probes": [{"heads": k[1][0], "kv_heads": k[1][1], "head_dim": k[1][2], "window": k[1][3],
-                                      "softcap": k[1][4], "threads": k[4], "same_bits": v[0], "why_not": v[1]}
-                                     for k, v in verdicts.items() if k[0] == "block attention" and k[4] in threads]}
+        return {
+            "mode": self.mode,
+            "requested": self.requested,
+            "reason": self.reason,
+            "threads": self.threads,
+            "linears": "fixed-order" if self.dots is not None else "probed GEMM",
+            "dots_path": self.dots,
+            "dots_checks": [
+                {
+                    "width": k[1],
+                    "bias": k[2],
+                    "dtype": k[3],
+                    "instructions": k[4],
+                    "threads": k[5],
+                    "same_bits": v[0],
+                    "why_not": v[1],
+                }
+                for k, v in verdicts.items()
+                if k[0] == "dots" and k[5] == self.threads
+            ],
+            "rows": list(ROWS),
+            "probe_file": None if self.store is None or self.store.path is None else str(self.store.path.name),
+            "file_confirmed": 0 if self.store is None else self.store.confirmed,
+            "file_notes": [] if self.store is None else list(self.store.notes),
+            "probes": [
+                {
+                    "shape": list(v.key[1]),
+                    "bias": v.key[2],
+                    "dtype": v.key[3],
+                    "device": v.key[4],
+                    "threads": v.key[5],
+                    "proven": list(v.counts),
+                    "failed": list(v.failed),
+                    "across_threads": v.across_threads,
+                }
+                for k, v in verdicts.items()
+                if k[0] == "linear" and k[5] in threads
+            ],
+            "attention_probes": [
+                {
+                    "heads": k[1][0],
+                    "kv_heads": k[1][1],
+                    "head_dim": k[1][2],
+                    "window": k[1][3],
+                    "softcap": k[1][4],
+                    "threads": k[4],
+                    "same_bits": v[0],
+                    "why_not": v[1],
+                }
+                for k, v in verdicts.items()
+                if k[0] == "block attention" and k[4] in threads
+            ],
+        }
 
 
 def brief(report: dict) -> str:
     """The same in a few words, for the page's status line."""
     if report["mode"] == "invariant":
-        stale = " · the probe file disagreed with the probe here: its verdicts replaced" if report.get("file_notes") \
-            else ""
+        stale = (
+            " · the probe file disagreed with the probe here: its verdicts replaced" if report.get("file_notes") else ""
+        )
         linears = f"fixed-order linears ({report['dots_path']})" if report.get("dots_path") else "probed GEMMs"
         return f"kernels: invariant ({linears}; checks passed at {report['threads']} thread(s)){stale}"
     if report["requested"] == "invariant":
@@ -364,14 +442,19 @@ def describe(report: dict) -> str:
     """A run's kernels (`Kernels.report()`) in one line, for the CLI's first lines and the page."""
     if report["mode"] == "invariant":
         if report.get("dots_path"):
-            linears = (f"every linear and the attention the fixed-order dot products ({report['dots_path']} path, "
-                       "invariant by construction; checked)")
+            linears = (
+                f"every linear and the attention the fixed-order dot products ({report['dots_path']} path, "
+                "invariant by construction; checked)"
+            )
         else:
             smallest = sorted({p["proven"][0] for p in report["probes"] if p["threads"] == report["threads"]})
-            linears = (f"every linear one GEMM of a proven row count (from {', '.join(map(str, smallest))} rows), "
-                       "block attention on one thread")
-        return (f"kernels: invariant (checks passed at {report['threads']} thread(s) and across thread counts: "
-                f"{linears})")
+            linears = (
+                f"every linear one GEMM of a proven row count (from {', '.join(map(str, smallest))} rows), "
+                "block attention on one thread"
+            )
+        return (
+            f"kernels: invariant (checks passed at {report['threads']} thread(s) and across thread counts: {linears})"
+        )
     if report["requested"] == "invariant":
         return f"kernels: NATIVE: the invariance probe failed here: {report['reason']}"
     return "kernels: native (asked for: the model's own kernels; exact replay repeats the original shapes)"

@@ -49,8 +49,9 @@ def probe_linear(weight: torch.Tensor, bias: torch.Tensor | None, threads: int) 
     return Verdict(key, passed, across, tuple(m for m in candidates if m not in passed))
 
 
-def _linear_rows(weight: torch.Tensor, bias: torch.Tensor | None, threads: int, counts, offsets=OFFSETS,
-                 repeats: int = 2) -> tuple[tuple[int, ...], bool]:
+def _linear_rows(
+    weight: torch.Tensor, bias: torch.Tensor | None, threads: int, counts, offsets=OFFSETS, repeats: int = 2
+) -> tuple[tuple[int, ...], bool]:
     """The probe's comparison: of `counts`, those whose rows of `F.linear` equal those of the probe's large call,
     at each of `offsets`, `repeats` times, at `threads`, on the weight's device; and whether the large call gives
     the same bits at one thread."""
@@ -65,8 +66,12 @@ def _linear_rows(weight: torch.Tensor, bias: torch.Tensor | None, threads: int, 
         with threads_set(threads):
             ref = call(x)
             steady = torch.equal(ref, call(x))
-            passed = tuple(m for m in counts if steady and all(torch.equal(call(x[o:o + m]), ref[o:o + m])
-                                                               for o in offsets for _ in range(repeats)))
+            passed = tuple(
+                m
+                for m in counts
+                if steady
+                and all(torch.equal(call(x[o : o + m]), ref[o : o + m]) for o in offsets for _ in range(repeats))
+            )
     return passed, torch.equal(one, ref)
 
 
@@ -92,17 +97,29 @@ def _attention_rows(head_dim: int, device, counts) -> tuple[int, ...]:
             same = True
             for blocks in (1, 7):
                 for o in OFFSETS:
-                    scores = torch.matmul(x[:, :, o:o + m].expand(2, blocks, m, head_dim), k[:, :blocks].transpose(2, 3))
-                    pv = torch.matmul(p[:, :blocks, o:o + m].contiguous(), k[:, :blocks])
-                    same &= (torch.equal(scores, ref[0][:, :blocks, o:o + m])
-                             and torch.equal(pv, ref[1][:, :blocks, o:o + m]))
+                    scores = torch.matmul(
+                        x[:, :, o : o + m].expand(2, blocks, m, head_dim), k[:, :blocks].transpose(2, 3)
+                    )
+                    pv = torch.matmul(p[:, :blocks, o : o + m].contiguous(), k[:, :blocks])
+                    same &= torch.equal(scores, ref[0][:, :blocks, o : o + m]) and torch.equal(
+                        pv, ref[1][:, :blocks, o : o + m]
+                    )
             if same:
                 passed.append(m)
     return tuple(passed)
 
 
-def probe_attention(attention, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, threads: int,
-                    window: int | None = None, softcap: float | None = None) -> tuple[bool, str | None]:
+def probe_attention(
+    attention,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device,
+    threads: int,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> tuple[bool, str | None]:
     """Whether `attention` (the block attention with this device's row counts: `kernels.Kernels.attention`) gives
     a query the same bits alone, among many queries and over more keys, with the run at one thread and at
     `threads`; (ok, why not)."""
@@ -112,11 +129,11 @@ def probe_attention(attention, heads: int, kv_heads: int, head_dim: int, dtype: 
     q = torch.randn(heads, total, head_dim, generator=gen).to(device, dtype)
     k = torch.randn(kv_heads, total, head_dim, generator=gen).to(device, dtype)
     v = torch.randn(kv_heads, total, head_dim, generator=gen).to(device, dtype)
-    scaling = head_dim ** -0.5
+    scaling = head_dim**-0.5
     with torch.inference_mode(), threads_set(threads):
         whole = one(q, k, v, total, scaling, softcap, window)
         for p in (0, 1, 63, 64, 65, 130, 299):
-            alone = one(q[:, p:p + 1], k[:, :p + 1], v[:, :p + 1], p + 1, scaling, softcap, window)
+            alone = one(q[:, p : p + 1], k[:, : p + 1], v[:, : p + 1], p + 1, scaling, softcap, window)
             if not torch.equal(alone[0], whole[p]):
                 return False, f"one query at position {p} differs from the same query in a call of {total}"
         part = one(q[:, 100:164], k[:, :164], v[:, :164], 164, scaling, softcap, window)
@@ -128,7 +145,9 @@ def probe_attention(attention, heads: int, kv_heads: int, head_dim: int, dtype: 
     return True, None
 
 
-def probe_rows(module: torch.nn.Module, width: int, dtype: torch.dtype, device, threads: int) -> tuple[bool, str | None]:
+def probe_rows(
+    module: torch.nn.Module, width: int, dtype: torch.dtype, device, threads: int
+) -> tuple[bool, str | None]:
     """Whether a row-wise module (an RMSNorm: a mean of squares per row) gives a row the same bits alone and in a
     call of 300 rows, at one thread and at `threads`; (ok, why not)."""
     gen = torch.Generator(device="cpu").manual_seed(4)
@@ -139,7 +158,7 @@ def probe_rows(module: torch.nn.Module, width: int, dtype: torch.dtype, device, 
         with threads_set(threads):
             whole = module(x)
             for p in (0, 1, 63, 299):
-                if not torch.equal(module(x[:, p:p + 1]), whole[:, p:p + 1]):
+                if not torch.equal(module(x[:, p : p + 1]), whole[:, p : p + 1]):
                     return False, f"{type(module).__name__}: row {p} alone differs from the same row among 300"
     if not torch.equal(one, whole):
         return False, f"{type(module).__name__}: 1 thread and {threads} threads give different bits"
@@ -158,7 +177,7 @@ def check_dots(k: int, bias: bool, dtype: torch.dtype, path: str, threads: int) 
         whole = dots.linear(x, w, b, name=path, threads=threads)
         for m in range(1, 17):
             for o in (0, 21):
-                if not torch.equal(dots.linear(x[o:o + m], w, b, name=path, threads=threads), whole[o:o + m]):
+                if not torch.equal(dots.linear(x[o : o + m], w, b, name=path, threads=threads), whole[o : o + m]):
                     return False, f"{m} row(s) at row {o} differ from the same rows in a call of 40 (width {k})"
         if not torch.equal(dots.linear(x, w, b, name=path, threads=1), whole):
             return False, f"1 thread and {threads} threads give different bits (width {k})"

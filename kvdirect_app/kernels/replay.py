@@ -69,8 +69,13 @@ BLOCK_ROWS = 1024
 
 
 def _rows_blocked(weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
-    return torch.cat([_rows_batched(weight[j:j + BLOCK_ROWS], None if bias is None else bias[j:j + BLOCK_ROWS], rows)
-                      for j in range(0, weight.shape[0], BLOCK_ROWS)], dim=1)
+    return torch.cat(
+        [
+            _rows_batched(weight[j : j + BLOCK_ROWS], None if bias is None else bias[j : j + BLOCK_ROWS], rows)
+            for j in range(0, weight.shape[0], BLOCK_ROWS)
+        ],
+        dim=1,
+    )
 
 
 # (shape, dtype, bias, device, threads) -> the fastest kernel checked exact here.  The thread count is part of the
@@ -137,8 +142,10 @@ class HeadProjection:
         attn = compat.attention_module(compat.decoder_layers(model)[spec.index])
         linear = getattr(attn, name, None)
         if not isinstance(linear, nn.Linear):
-            raise ValueError(f"{type(attn).__name__} has no nn.Linear `{name}`; this needs separate q/k/v "
-                             "projections (llama, mistral, qwen2/3, gemma2/3, olmo2 families)")
+            raise ValueError(
+                f"{type(attn).__name__} has no nn.Linear `{name}`; this needs separate q/k/v "
+                "projections (llama, mistral, qwen2/3, gemma2/3, olmo2 families)"
+            )
         self.linear: nn.Linear = linear
         self.head_dim: int = attn.head_dim
         self.num_heads: int = linear.out_features // attn.head_dim
@@ -181,7 +188,6 @@ class KVProjector:
         self.key = HeadProjection(model, spec, "k_proj", norm="k_norm", rotate=True)
         self.value = HeadProjection(model, spec, "v_proj", norm=None, rotate=False)
 
-
     def project(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x (1, T, d): attention inputs of tokens at positions start..start+T-1, as one GEMM.
 
@@ -194,8 +200,9 @@ class KVProjector:
         rows = x[0]
         position_ids = positions.view(1, -1)
         k = self.key.finish(linear_rows(self.key.linear.weight, self.key.linear.bias, rows).unsqueeze(0), position_ids)
-        v = self.value.finish(linear_rows(self.value.linear.weight, self.value.linear.bias, rows).unsqueeze(0),
-                              position_ids)
+        v = self.value.finish(
+            linear_rows(self.value.linear.weight, self.value.linear.bias, rows).unsqueeze(0), position_ids
+        )
         return k, v
 
 
@@ -221,12 +228,12 @@ class _BufferLayer(compat.DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
-        self.keys[..., self.count:self.count + n, :] = key_states
-        self.values[..., self.count:self.count + n, :] = value_states
+        self.keys[..., self.count : self.count + n, :] = key_states
+        self.values[..., self.count : self.count + n, :] = value_states
         self.count += n
         if self.stop:
             raise _ReplayStop
-        return self.keys[..., :self.count, :], self.values[..., :self.count, :]
+        return self.keys[..., : self.count, :], self.values[..., : self.count, :]
 
     def get_seq_length(self) -> int:
         return self.count
@@ -312,17 +319,24 @@ class LayerReplayer:
                 # The mask a forward builds depends on the attention implementation: the model's own, not the one
                 # a batched pass may have set for the moment.
                 with compat.attention_implementation(self.config, self.attention_impl):
-                    mask = compat.mask_function(layer_type)(config=self.config, inputs_embeds=like[:, :n],
-                                                            attention_mask=None, cache=compat.Cache(layers=sizes),
-                                                            position_ids=positions)
+                    mask = compat.mask_function(layer_type)(
+                        config=self.config,
+                        inputs_embeds=like[:, :n],
+                        attention_mask=None,
+                        cache=compat.Cache(layers=sizes),
+                        position_ids=positions,
+                    )
             rotary = self.rotary[layer_type](like[:, :n], positions) if self.rotary[layer_type] else None
             self._inputs[key] = (mask, rotary)
         return self._inputs[key]
 
     def _target(self, j: int, capacity: int, carry: bool):
         spec = self.specs[j]
-        return (compat.DynamicSlidingWindowLayer(spec.sliding_window) if spec.is_sliding
-                else _BufferLayer(capacity, stop=not carry))
+        return (
+            compat.DynamicSlidingWindowLayer(spec.sliding_window)
+            if spec.is_sliding
+            else _BufferLayer(capacity, stop=not carry)
+        )
 
     def _cache(self, j: int, target, start: int = 0):
         stand_ins = [_SizeLayer(s.sliding_window) for s in self.specs]
@@ -345,7 +359,7 @@ class LayerReplayer:
     def _call(self, j: int, hidden: torch.Tensor, start: int, n: int, cache, carry: bool, rows: bool = False):
         """One call of layer `j` on hidden[:, start:start+n] (its output written back when `carry`)."""
         t = self.specs[j].layer_type
-        chunk = hidden[:, start:start + n]
+        chunk = hidden[:, start : start + n]
         positions = torch.arange(start, start + n, device=hidden.device).unsqueeze(0)
         mask, embeddings = self._chunk_inputs(start, n, t, chunk)
         invariant = self.invariant and not native_now()
@@ -354,28 +368,44 @@ class LayerReplayer:
         attn = compat.attention_module(self.layers[j])
         scope = compat.attention_implementation(attn.config, INVARIANT_ATTENTION if invariant else self.attention_impl)
         if rows:
-            like = hidden[:, start:start + 1]
-            context = RowsContext(start, n, compat.attention_function(attn, self.attention_impl),
-                                  lambda pos: self._chunk_inputs(pos, 1, t, like)[0], linear_rows)
+            like = hidden[:, start : start + 1]
+            context = RowsContext(
+                start,
+                n,
+                compat.attention_function(attn, self.attention_impl),
+                lambda pos: self._chunk_inputs(pos, 1, t, like)[0],
+                linear_rows,
+            )
             scope = rows_scope(attn.config, context)
         try:
             with scope:
                 out = compat.run_decoder_layer(self.layers[j], chunk, mask, embeddings, positions, cache)
             if carry:
-                hidden[:, start:start + n] = out
+                hidden[:, start : start + n] = out
         except _ReplayStop:
             pass
 
-    def replay_layer(self, j: int, hidden: torch.Tensor, chunks: list[tuple[int, int]], capacity: int | None = None,
-                     carry: bool = True):
+    def replay_layer(
+        self,
+        j: int,
+        hidden: torch.Tensor,
+        chunks: list[tuple[int, int]],
+        capacity: int | None = None,
+        carry: bool = True,
+    ):
         """Run layer `j` over `chunks` of `hidden`; returns its K/V buffers ((1, n_kv, capacity, d_h), the first
         T rows filled) when `capacity` is given.  With `carry`, `hidden` holds layer j's output afterwards."""
         spec = self.specs[j]
         target = self._target(j, capacity if capacity is not None else hidden.shape[1], carry)
         cache, stand_ins = self._cache(j, target)
         for start, n, is_rows in self._groups(chunks):
-            if (is_rows and n > 1 and not spec.is_sliding and not (self.invariant and not native_now())
-                    and self.rows_exact.get(spec.layer_type) is not False):
+            if (
+                is_rows
+                and n > 1
+                and not spec.is_sliding
+                and not (self.invariant and not native_now())
+                and self.rows_exact.get(spec.layer_type) is not False
+            ):
                 if spec.layer_type not in self.rows_exact:  # once per layer type (the observer's, not the lane's)
                     self._check_rows(j, hidden, start, n, target, carry)
                 if self.rows_exact[spec.layer_type]:
@@ -383,7 +413,7 @@ class LayerReplayer:
                     for layer in stand_ins:
                         layer.count += n
                     continue
-            for s, q in ([(start + i, 1) for i in range(n)] if is_rows else [(start, n)]):
+            for s, q in [(start + i, 1) for i in range(n)] if is_rows else [(start, n)]:
                 self._call(j, hidden, s, q, cache, carry)
                 for layer in stand_ins:
                     layer.count += q
@@ -397,8 +427,8 @@ class LayerReplayer:
         trial = _BufferLayer(target.capacity, stop=not carry)
         if target.count:
             trial.lazy_initialization(target.keys[..., :1, :], target.values[..., :1, :])
-            trial.keys[..., :target.count, :] = target.keys[..., :target.count, :]
-            trial.values[..., :target.count, :] = target.values[..., :target.count, :]
+            trial.keys[..., : target.count, :] = target.keys[..., : target.count, :]
+            trial.values[..., : target.count, :] = target.values[..., : target.count, :]
             trial.count = target.count
         rows_hidden = hidden.clone()
         trial_cache, _ = self._cache(j, trial, start)
@@ -406,8 +436,8 @@ class LayerReplayer:
         separate_hidden = hidden.clone()
         check_target = _BufferLayer(target.capacity, stop=not carry)
         check_target.lazy_initialization(trial.keys[..., :1, :], trial.values[..., :1, :])
-        check_target.keys[..., :target.count, :] = trial.keys[..., :target.count, :]
-        check_target.values[..., :target.count, :] = trial.values[..., :target.count, :]
+        check_target.keys[..., : target.count, :] = trial.keys[..., : target.count, :]
+        check_target.values[..., : target.count, :] = trial.values[..., : target.count, :]
         check_target.count = target.count
         check_cache, stand_ins = self._cache(j, check_target, start)
         for i in range(n):
@@ -415,13 +445,21 @@ class LayerReplayer:
             for layer in stand_ins:
                 layer.count += 1
         rows = slice(start, start + n)
-        same = (torch.equal(trial.keys[..., rows, :], check_target.keys[..., rows, :])
-                and torch.equal(trial.values[..., rows, :], check_target.values[..., rows, :])
-                and (not carry or torch.equal(rows_hidden[:, rows], separate_hidden[:, rows])))
+        same = (
+            torch.equal(trial.keys[..., rows, :], check_target.keys[..., rows, :])
+            and torch.equal(trial.values[..., rows, :], check_target.values[..., rows, :])
+            and (not carry or torch.equal(rows_hidden[:, rows], separate_hidden[:, rows]))
+        )
         self.rows_exact[self.specs[j].layer_type] = same
 
-    def replay(self, start_hidden: torch.Tensor, anchor: int, targets: list[int], chunks: list[tuple[int, int]],
-               capacity: int | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    def replay(
+        self,
+        start_hidden: torch.Tensor,
+        anchor: int,
+        targets: list[int],
+        chunks: list[tuple[int, int]],
+        capacity: int | None = None,
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Layers `anchor..max(targets)` over `chunks`, layer by layer from `start_hidden` (1, T, d; overwritten);
         K/V of every target layer (capacity rows, the first T filled)."""
         last = max(targets)

@@ -83,8 +83,14 @@ def rows_attention(module, query, key, value, attention_mask, **kwargs):
     outputs, weights = [], None
     for i in range(context.m):
         end = first + i + 1
-        out, weights = context.attention(module, query[:, :, i:i + 1], key[..., :end, :], value[..., :end, :],
-                                         context.mask_for(context.start + i), **kwargs)
+        out, weights = context.attention(
+            module,
+            query[:, :, i : i + 1],
+            key[..., :end, :],
+            value[..., :end, :],
+            context.mask_for(context.start + i),
+            **kwargs,
+        )
         outputs.append(out)
     return torch.cat(outputs, dim=1), weights
 

@@ -46,8 +46,9 @@ class Instruments:
 
     @classmethod
     def off(cls) -> "Instruments":
-        return cls(memory="none", compare=False, twins=False, agreement=False, snapshots=False, digests=False,
-                   rss=False)
+        return cls(
+            memory="none", compare=False, twins=False, agreement=False, snapshots=False, digests=False, rss=False
+        )
 
     @property
     def any(self) -> bool:
@@ -55,5 +56,12 @@ class Instruments:
 
     def describe(self) -> dict:
         """For the run's JSON: which instruments ran."""
-        return {"memory": self.memory, "compare": self.compare, "twins": self.twins, "agreement": self.agreement,
-                "snapshots": self.snapshots, "digests": self.digests, "rss": self.rss}
+        return {
+            "memory": self.memory,
+            "compare": self.compare,
+            "twins": self.twins,
+            "agreement": self.agreement,
+            "snapshots": self.snapshots,
+            "digests": self.digests,
+            "rss": self.rss,
+        }

@@ -91,8 +91,11 @@ class Ledger:
         lib.kv_reset_peak.argtypes = [ctypes.c_int32]
         status = lib.kv_install()
         if status:
-            raise Unavailable("torch's CPU allocator is not its default one, or hands out blocks the ledger "
-                              "cannot follow" if status == 1 else f"install failed ({status})")
+            raise Unavailable(
+                "torch's CPU allocator is not its default one, or hands out blocks the ledger cannot follow"
+                if status == 1
+                else f"install failed ({status})"
+            )
         self.path = path
         self.python = lib.kv_python_install() == 0  # Python's buffers counted per owner
         self.numpy = lib.kv_numpy_install() == 0  # numpy's data counted, in every thread and context
@@ -252,8 +255,10 @@ def _stack_size() -> int:
     return threading.stack_size() or (limit if 0 < limit < 1 << 40 else 8 << 20)
 
 
-_MALLOC_TOTALS = re.compile(rb'<total type="(fast|rest|mmap)" count="\d+" size="(\d+)"/>|'
-                            rb'<(system|aspace) type="(current|mprotect)" size="(\d+)"/>')
+_MALLOC_TOTALS = re.compile(
+    rb'<total type="(fast|rest|mmap)" count="\d+" size="(\d+)"/>|'
+    rb'<(system|aspace) type="(current|mprotect)" size="(\d+)"/>'
+)
 
 
 class CrossCheck:
@@ -324,8 +329,7 @@ class CrossCheck:
         text = self._stream(self._malloc_info)
         found = {m[1] or m[4]: int(m[2] or m[5]) for m in _MALLOC_TOTALS.finditer(text, text.rfind(b"</heap>"))}
         mapped = found.get(b"mmap", 0)
-        return (found[b"current"] - found.get(b"fast", 0) - found.get(b"rest", 0) + mapped,
-                found[b"mprotect"] + mapped)
+        return (found[b"current"] - found.get(b"fast", 0) - found.get(b"rest", 0) + mapped, found[b"mprotect"] + mapped)
 
     def _pymalloc(self) -> tuple[int, int]:
         """Python's small objects: (bytes in allocated blocks, bytes of its arenas); zeros where Python runs without
@@ -336,7 +340,7 @@ class CrossCheck:
 
         def total(label: bytes) -> int:  # "<label> ... = 1,234"
             at = text.find(label)
-            return 0 if at < 0 else int(text[at:text.find(b"\n", at)].rpartition(b"=")[2].replace(b",", b""))
+            return 0 if at < 0 else int(text[at : text.find(b"\n", at)].rpartition(b"=")[2].replace(b",", b""))
 
         return total(b"# bytes in allocated blocks"), total(b" bytes/arena")
 
@@ -387,10 +391,15 @@ class CrossCheck:
         if size != self._mapped[0] and shared != self._mapped[1]:
             self._shared, self._mapped = self._shared_mappings(), (size, shared)
         floor = self.FLOOR + self.PER_FORWARD * forwards
-        counts = {"malloc": inuse - self.book.from_malloc() - self._malloc0, "python_objects": objects - self._objects0,
-                  "anonymous": self._anonymous}
-        return {**{k: n if n >= floor else 0 for k, n in counts.items()},
-                "shared_memory": max(0, self._shared - self._shared0)}
+        counts = {
+            "malloc": inuse - self.book.from_malloc() - self._malloc0,
+            "python_objects": objects - self._objects0,
+            "anonymous": self._anonymous,
+        }
+        return {
+            **{k: n if n >= floor else 0 for k, n in counts.items()},
+            "shared_memory": max(0, self._shared - self._shared0),
+        }
 
 
 if __name__ == "__main__":

@@ -230,7 +230,9 @@ class AllocationTracer:
 
     # --- folding -----------------------------------------------------------
     def _counts(self, device: torch.device) -> bool:
-        return device.type == self.device.type and (self.device.index is None or device.index in (None, -1, self.device.index))
+        return device.type == self.device.type and (
+            self.device.index is None or device.index in (None, -1, self.device.index)
+        )
 
     def _events(self, result, shared: str) -> list[tuple[str, int, int]]:
         """(owner, address, bytes; negative: a free) in time order, from the session's event tree."""
@@ -245,8 +247,9 @@ class AllocationTracer:
                         out.append((owner, fields.ptr, fields.alloc_size))
                     continue
                 name = event.name
-                inner = (name[len(OWNER):] if name.startswith(OWNER) else
-                         f"{owner}/harness" if name == HARNESS else owner)
+                inner = (
+                    name[len(OWNER) :] if name.startswith(OWNER) else f"{owner}/harness" if name == HARNESS else owner
+                )
                 walk(sorted(event.children, key=_START), inner)
 
         walk(result.experimental_event_tree(), shared)

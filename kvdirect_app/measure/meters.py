@@ -86,8 +86,13 @@ class DeltaMeter:
 
     kind = "allocator"
 
-    def __init__(self, name: str, allocated: Callable[[], int], max_allocated: Callable[[], int] | None = None,
-                 reset_max: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        name: str,
+        allocated: Callable[[], int],
+        max_allocated: Callable[[], int] | None = None,
+        reset_max: Callable[[], None] | None = None,
+    ):
         self.name = name
         self._allocated, self._max, self._reset_max = allocated, max_allocated, reset_max
         self.has_peak = max_allocated is not None
@@ -99,8 +104,12 @@ class DeltaMeter:
     @classmethod
     def for_device(cls, device: torch.device) -> "DeltaMeter":
         if device.type == "cuda":
-            return cls(f"caching allocator ({device})", lambda: torch.cuda.memory_allocated(device),
-                       lambda: torch.cuda.max_memory_allocated(device), lambda: torch.cuda.reset_peak_memory_stats(device))
+            return cls(
+                f"caching allocator ({device})",
+                lambda: torch.cuda.memory_allocated(device),
+                lambda: torch.cuda.max_memory_allocated(device),
+                lambda: torch.cuda.reset_peak_memory_stats(device),
+            )
         return cls(f"allocator counters ({device.type}; no peak)", torch.mps.current_allocated_memory)
 
     def register(self, label: str):

@@ -53,8 +53,18 @@ class Owner:
 
 SHARED = Owner("shared pass", "shared")
 ENGINE = Owner("engine", "engine")
-INSTRUMENTS = ("compare", "twins", "agreement", "snapshot", "digest", "allocator", "storage", "trace", "rss",
-               "rows check")
+INSTRUMENTS = (
+    "compare",
+    "twins",
+    "agreement",
+    "snapshot",
+    "digest",
+    "allocator",
+    "storage",
+    "trace",
+    "rss",
+    "rows check",
+)
 INSTRUMENT = {name: Owner(name, "instrument") for name in INSTRUMENTS}
 
 
@@ -77,11 +87,22 @@ class KVRecord:
 
     def report(self) -> dict:
         if not self.compared:
-            return {"kv_exact": None, "max_abs_dk": None, "max_abs_dv": None, "layers_compared": 0,
-                    "rebuilt_token_layers": 0, "shape_mismatches": 0}
-        return {"layers_compared": len(self.layers), "kv_exact": self.equal, "max_abs_dk": self.max_dk,
-                "max_abs_dv": self.max_dv, "rebuilt_token_layers": self.rebuilt,
-                "shape_mismatches": self.shape_mismatches}
+            return {
+                "kv_exact": None,
+                "max_abs_dk": None,
+                "max_abs_dv": None,
+                "layers_compared": 0,
+                "rebuilt_token_layers": 0,
+                "shape_mismatches": 0,
+            }
+        return {
+            "layers_compared": len(self.layers),
+            "kv_exact": self.equal,
+            "max_abs_dk": self.max_dk,
+            "max_abs_dv": self.max_dv,
+            "rebuilt_token_layers": self.rebuilt,
+            "shape_mismatches": self.shape_mismatches,
+        }
 
 
 def current() -> "tuple[Observer, Owner, str] | None":
@@ -106,8 +127,13 @@ class Observer:
 
     def __init__(self, device: torch.device, meter=None, tracer=None):
         self.clock = time.perf_counter  # what every region reads (a test may put a clock of its own here)
-        self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else \
-            torch.mps.synchronize if device.type == "mps" else None
+        self.sync = (
+            (lambda: torch.cuda.synchronize(device))
+            if device.type == "cuda"
+            else torch.mps.synchronize
+            if device.type == "mps"
+            else None
+        )
         self.meter = meter
         self.tracer = tracer if tracer is not None and tracer.enabled else None
         self.parts: dict[tuple[Owner, str], float] = defaultdict(float)  # seconds, since the observer began
@@ -225,8 +251,11 @@ class Observer:
         work), and the process's memory the ledger does not explain (`ledger.CrossCheck`: counted from its reset,
         its floor raised for `forwards` lanes' forwards so far)."""
         book = self.meter.ledger
-        return {"outside_regions": book.unattributed(), "measurement": ledger.measurement_bytes(),
-                **self._cross.parts(forwards)}
+        return {
+            "outside_regions": book.unattributed(),
+            "measurement": ledger.measurement_bytes(),
+            **self._cross.parts(forwards),
+        }
 
     def unattributed(self, forwards: int = 0) -> dict | None:
         """What no owner's work holds, since this observer began (process-wide, so another run's blocks outside
@@ -359,8 +388,15 @@ def storage_sizes(*tensors: torch.Tensor | None) -> dict[int, int]:
 # method name -> the op it is timed as (None: the object's own `rebuild_op`, "recompute" or "replay").  A method
 # that rebuilds K/V counts its tokens: `rebuild_old(end, capacity)` rebuilds tokens 0..end-1 of one layer,
 # `rebuild_all(end)` tokens 0..end-1 of every layer it returns.
-SEAMS = {"rebuild_old": None, "carry": "replay", "rebuild_all": "replay", "score": "scoring",
-         "replay_layer": "replay", "_call": "replay", "_check_rows": None}
+SEAMS = {
+    "rebuild_old": None,
+    "carry": "replay",
+    "rebuild_all": "replay",
+    "score": "scoring",
+    "replay_layer": "replay",
+    "_call": "replay",
+    "_check_rows": None,
+}
 # Seams counted (per owner, `Observer.tallies`): a replay's decoder-layer passes and its layer calls.
 TALLIED = {"replay_layer": "layer passes", "_call": "layer calls"}
 # Seams that are the measurement's, not the strategy's: a replay's one-time check that rows in one call give the
@@ -372,6 +408,7 @@ _OBSERVED: dict[type, type] = {}
 def _seam(name: str, base: type):
     """`base`'s method `name`, timed as its op inside the current region (looked up at each call, so the class's
     own method is what runs, whatever replaced it since)."""
+
     def observed(self, *args, **kwargs):
         method = getattr(base, name)
         found = current()
@@ -410,15 +447,22 @@ def watch(cache):
     that has a seam, and of those such an object holds (AnchorKV's store's replayer): the same objects,
     whose seams time (and count) themselves inside a region.  A fork (`copy.deepcopy`) keeps the classes.  Returns
     the cache."""
+
     def observable(obj) -> bool:
         cls = type(obj)
-        return (not isinstance(obj, (Strategy, torch.Tensor, type, torch.nn.Module))
-                and not getattr(cls, "__observed__", False)
-                and any(callable(getattr(cls, name, None)) for name in SEAMS))
+        return (
+            not isinstance(obj, (Strategy, torch.Tensor, type, torch.nn.Module))
+            and not getattr(cls, "__observed__", False)
+            and any(callable(getattr(cls, name, None)) for name in SEAMS)
+        )
 
     held = [*cache.layers, *vars(cache).values()]
-    for obj in held + [inner for obj in held if not isinstance(obj, (torch.Tensor, torch.nn.Module, type))
-                       for inner in getattr(obj, "__dict__", {}).values()]:
+    for obj in held + [
+        inner
+        for obj in held
+        if not isinstance(obj, (torch.Tensor, torch.nn.Module, type))
+        for inner in getattr(obj, "__dict__", {}).values()
+    ]:
         if observable(obj):
             obj.__class__ = _observed_class(type(obj))
     return cache

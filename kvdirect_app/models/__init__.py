@@ -6,15 +6,23 @@ verdicts a loaded model keeps (`probe_verdicts`).
 documented way in."""
 
 from .loading import (
-                      DTYPES,
-                      LoadedModel,
-                      ModelError,
-                      available_devices,
-                      is_loaded,
-                      load_model,
-                      resolve_device,
-                      resolve_dtype,
+    DTYPES,
+    LoadedModel,
+    ModelError,
+    available_devices,
+    is_loaded,
+    load_model,
+    resolve_device,
+    resolve_dtype,
 )
 
-__all__ = ["DTYPES", "LoadedModel", "ModelError", "available_devices", "is_loaded", "load_model", "resolve_device",
-           "resolve_dtype"]
+__all__ = [
+    "DTYPES",
+    "LoadedModel",
+    "ModelError",
+    "available_devices",
+    "is_loaded",
+    "load_model",
+    "resolve_device",
+    "resolve_dtype",
+]

@@ -177,11 +177,18 @@ def attention_implementation(config, name: str):
         config._attn_implementation_internal = saved
 
 
-def run_decoder_layer(layer: torch.nn.Module, hidden: torch.Tensor, mask, position_embeddings, position_ids,
-                      cache: Cache) -> torch.Tensor:
+def run_decoder_layer(
+    layer: torch.nn.Module, hidden: torch.Tensor, mask, position_embeddings, position_ids, cache: Cache
+) -> torch.Tensor:
     """One decoder layer called as the model's own forward calls it."""
-    out = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids,
-                cache=cache, use_cache=True)
+    out = layer(
+        hidden,
+        attention_mask=mask,
+        position_embeddings=position_embeddings,
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=True,
+    )
     return out[0] if isinstance(out, tuple) else out
 
 

@@ -70,8 +70,7 @@ class ModelGeometry:
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         d_h = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
         layers = tuple(
-            LayerGeometry(s.index, s.layer_type, s.sliding_window, d, n_kv, d_h, b)
-            for s in compat.layer_specs(cfg)
+            LayerGeometry(s.index, s.layer_type, s.sliding_window, d, n_kv, d_h, b) for s in compat.layer_specs(cfg)
         )
         return cls(layers, d, b)
 
@@ -209,14 +208,16 @@ def breakeven_report(geom: ModelGeometry, context: int = 32768, max_passes: int 
     per_spacing = []
     for s in range(1, geom.num_layers + 1):
         anchors = geom.uniform_anchors(s)
-        per_spacing.append({
-            "spacing": s,
-            "anchors": anchors,
-            "anchor_bytes_per_token": geom.anchor_bytes_per_token(anchors, token_id_anchor=False),
-            "anchor_bytes_per_token_token_id_anchor": geom.anchor_bytes_per_token(anchors, token_id_anchor=True),
-            "cascade_passes": geom.replay_passes(anchors, cascade=True),
-            "naive_passes": geom.replay_passes(anchors, cascade=False),
-        })
+        per_spacing.append(
+            {
+                "spacing": s,
+                "anchors": anchors,
+                "anchor_bytes_per_token": geom.anchor_bytes_per_token(anchors, token_id_anchor=False),
+                "anchor_bytes_per_token_token_id_anchor": geom.anchor_bytes_per_token(anchors, token_id_anchor=True),
+                "cascade_passes": geom.replay_passes(anchors, cascade=True),
+                "naive_passes": geom.replay_passes(anchors, cascade=False),
+            }
+        )
     report = {
         "layers": geom.num_layers,
         "hidden_size": geom.hidden_size,
@@ -237,18 +238,31 @@ def breakeven_report(geom: ModelGeometry, context: int = 32768, max_passes: int 
         uniform = []
         for row in per_spacing:
             dp_anchors, dp_bytes, dp_passes = geom.place_anchors(max_passes=row["cascade_passes"])
-            uniform.append({"spacing": row["spacing"], "bytes_per_token": row["anchor_bytes_per_token_token_id_anchor"],
-                            "cascade_passes": row["cascade_passes"], "dp_anchors": dp_anchors,
-                            "dp_bytes_per_token": dp_bytes, "dp_passes": dp_passes})
+            uniform.append(
+                {
+                    "spacing": row["spacing"],
+                    "bytes_per_token": row["anchor_bytes_per_token_token_id_anchor"],
+                    "cascade_passes": row["cascade_passes"],
+                    "dp_anchors": dp_anchors,
+                    "dp_bytes_per_token": dp_bytes,
+                    "dp_passes": dp_passes,
+                }
+            )
         report["windowed"] = {
             "context": context,
             "global_kv_bytes_per_token": geom.global_kv_bytes_per_token,
             "kv_bytes_per_token_at_context": geom.full_kv_bytes(context) / context,
             "window_bytes_per_session": geom.window_bytes(context),
             "break_even_spacing_global_only": geom.break_even_spacing(token_id_anchor=False, global_only=True),
-            "break_even_spacing_global_only_token_id_anchor": geom.break_even_spacing(token_id_anchor=True, global_only=True),
-            "dp_placement": {"max_passes": max_passes, "anchors": anchors, "bytes_per_token": bytes_,
-                             "cascade_passes": passes},
+            "break_even_spacing_global_only_token_id_anchor": geom.break_even_spacing(
+                token_id_anchor=True, global_only=True
+            ),
+            "dp_placement": {
+                "max_passes": max_passes,
+                "anchors": anchors,
+                "bytes_per_token": bytes_,
+                "cascade_passes": passes,
+            },
             "uniform": uniform,
         }
     return report

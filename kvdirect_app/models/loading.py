@@ -85,8 +85,6 @@ class LoadedModel:
         return {int(i) for i in ids if i is not None}
 
 
-
-
 def resolve_device(device: str) -> torch.device:
     """'auto' picks cuda, then mps, then cpu; an explicit device that is absent is an error, never a fallback."""
     if device not in DEVICES:
@@ -98,9 +96,13 @@ def resolve_device(device: str) -> torch.device:
             return torch.device("mps")
         return torch.device("cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ModelError("device: 'cuda' requested but no CUDA device is available here; allowed: " + ", ".join(available_devices()))
+        raise ModelError(
+            "device: 'cuda' requested but no CUDA device is available here; allowed: " + ", ".join(available_devices())
+        )
     if device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise ModelError("device: 'mps' requested but no MPS device is available here; allowed: " + ", ".join(available_devices()))
+        raise ModelError(
+            "device: 'mps' requested but no MPS device is available here; allowed: " + ", ".join(available_devices())
+        )
     return torch.device(device)
 
 
@@ -144,8 +146,12 @@ def _tiny(name: str, preset: dict, dtype: torch.dtype, device: torch.device) -> 
     cfg = dict(preset["config"])
     model_type = cfg.pop("model_type")
     cfg.setdefault("vocab_size", len(tokenizer))
-    cfg.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-               pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    cfg.update(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
     config = AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(TINY_SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -160,8 +166,6 @@ def _tiny(name: str, preset: dict, dtype: torch.dtype, device: torch.device) -> 
     return LoadedModel(name, model, tokenizer, True, f"tiny random {model_type} (seed {TINY_SEED})", device, dtype)
 
 
-
-
 def gguf_location(preset: dict) -> tuple[Path, str] | None:
     pkg_dir = package_dir(preset["package"])
     if pkg_dir is None:
@@ -172,7 +176,9 @@ def gguf_location(preset: dict) -> tuple[Path, str] | None:
         return path.parent, path.name
     path = pkg_dir / preset["file"]
     if not path.exists():
-        raise ModelError(f"{preset['package']} is installed but {preset['file']} is missing; reinstall: {preset['install']}")
+        raise ModelError(
+            f"{preset['package']} is installed but {preset['file']} is missing; reinstall: {preset['install']}"
+        )
     return path.parent, path.name
 
 
@@ -190,12 +196,16 @@ def _hub_check(ref: str) -> dict:
     except GatedRepoError:
         raise ModelError(f"model: {ref} is gated on the Hub; accept its licence and log in, or use a preset") from None
     except RepositoryNotFoundError:
-        raise ModelError(f"model: no model {ref!r} on the Hub (or it is private); presets: {', '.join(presets())}") from None
+        raise ModelError(
+            f"model: no model {ref!r} on the Hub (or it is private); presets: {', '.join(presets())}"
+        ) from None
     except Exception as e:  # no network, DNS, timeout, proxy: the Hub cannot be asked
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise ModelError(f"model: the model hub is not reachable from here ({type(e).__name__}: {first}); "
-                         f"use a preset that ships in a package ({', '.join(embedded_presets())}) or a local "
-                         "folder") from None
+        raise ModelError(
+            f"model: the model hub is not reachable from here ({type(e).__name__}: {first}); "
+            f"use a preset that ships in a package ({', '.join(embedded_presets())}) or a local "
+            "folder"
+        ) from None
     return {}
 
 
@@ -221,12 +231,16 @@ def _pretrained(name: str, preset: dict | None, dtype, device, progress) -> Load
             try:  # a copy the local Hub cache holds loads from there: no request to the Hub
                 kwargs.update({"local_files_only": True} if where == HUB_CACHE else _hub_check(ref))
             except ModelError as e:
-                raise ModelError(f"model: {name}: {preset['package']} is not installed and its Hub copy cannot be "
-                                 f"loaded ({str(e).removeprefix('model: ')}); install it: {preset['install']}") from None
+                raise ModelError(
+                    f"model: {name}: {preset['package']} is not installed and its Hub copy cannot be "
+                    f"loaded ({str(e).removeprefix('model: ')}); install it: {preset['install']}"
+                ) from None
             source = f"Hub copy {ref} from {where or HUB} ({preset['package']} not installed)"
     elif hosted():
-        raise ModelError(f"model: only the presets are offered here ({', '.join(offered_presets())}); "
-                         "Hub ids and local paths are off in hosted mode")
+        raise ModelError(
+            f"model: only the presets are offered here ({', '.join(offered_presets())}); "
+            "Hub ids and local paths are off in hosted mode"
+        )
     elif Path(name).exists():
         ref = name
         source = f"local path {name}"
@@ -242,13 +256,22 @@ def _pretrained(name: str, preset: dict | None, dtype, device, progress) -> Load
             try:
                 model, tokenizer = model_cache.load(cached, dtype)
             except (OSError, ValueError, KeyError, RuntimeError) as e:
-                progress(f"the cached copy in {cached} cannot be read ({type(e).__name__}: {str(e)[:120]}); "
-                         f"loading {kwargs['gguf_file']} instead")
+                progress(
+                    f"the cached copy in {cached} cannot be read ({type(e).__name__}: {str(e)[:120]}); "
+                    f"loading {kwargs['gguf_file']} instead"
+                )
             else:
-                return LoadedModel(name, model.to(device).eval(), tokenizer, chat, f"{source} (cached copy)", device,
-                                   dtype)
-    progress(f"loading {name} from {source}" + (" (the first time: dequantising every tensor, ~30 s; a copy is kept "
-                                                "for the next start)" if cached is not None else ""))
+                return LoadedModel(
+                    name, model.to(device).eval(), tokenizer, chat, f"{source} (cached copy)", device, dtype
+                )
+    progress(
+        f"loading {name} from {source}"
+        + (
+            " (the first time: dequantising every tensor, ~30 s; a copy is kept for the next start)"
+            if cached is not None
+            else ""
+        )
+    )
     try:
         tokenizer = AutoTokenizer.from_pretrained(ref, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, **kwargs)
@@ -258,8 +281,10 @@ def _pretrained(name: str, preset: dict | None, dtype, device, progress) -> Load
     except (OSError, ValueError, KeyError) as e:  # no weights there, or an architecture transformers cannot build
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         if preset is not None:
-            raise ModelError(f"model: {name}: {preset['package']} is not installed and its Hub copy {ref} could "
-                             f"not be loaded ({first}); install it: {preset['install']}") from None
+            raise ModelError(
+                f"model: {name}: {preset['package']} is not installed and its Hub copy {ref} could "
+                f"not be loaded ({first}); install it: {preset['install']}"
+            ) from None
         raise ModelError(
             f"model: cannot load {name!r} ({first}); use a preset ({', '.join(presets())}), "
             "a local model folder, or a Hub id where the Hub is reachable"
@@ -282,8 +307,9 @@ def is_loaded(name: str, dtype: str, device: str) -> bool:
         return False
 
 
-def load_model(name: str, dtype: str = "float32", device: str = "auto",
-               progress: Callable[[str], None] | None = None) -> LoadedModel:
+def load_model(
+    name: str, dtype: str = "float32", device: str = "auto", progress: Callable[[str], None] | None = None
+) -> LoadedModel:
     """Load (once per process, shared read-only) a preset, Hub id or local path.
 
     Loads of different models run side by side: a slow or failing one never holds up the others.

@@ -63,9 +63,16 @@ def _version(package: str) -> str:
 
 def manifest(name: str, preset: dict, dtype: torch.dtype) -> dict:
     """What a cached copy must have been made from to be used: any change makes a new folder."""
-    return {"format": FORMAT, "preset": name, "package": preset["package"], "package_version": _version(preset["package"]),
-            "file": preset["file"], "transformers": transformers.__version__, "torch": torch.__version__,
-            "dtype": str(dtype).removeprefix("torch.")}
+    return {
+        "format": FORMAT,
+        "preset": name,
+        "package": preset["package"],
+        "package_version": _version(preset["package"]),
+        "file": preset["file"],
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 def folder(name: str, preset: dict, dtype: torch.dtype) -> Path | None:
@@ -94,8 +101,10 @@ def save(model: torch.nn.Module, tokenizer, path: Path, want: dict) -> str | Non
         model.config.save_pretrained(work)
         model.generation_config.save_pretrained(work)
         tokenizer.save_pretrained(work)
-        tensors = {**dict(model.named_parameters(remove_duplicate=False)),
-                   **dict(model.named_buffers(remove_duplicate=False))}
+        tensors = {
+            **dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False)),
+        }
         torch.save({k: v.detach() for k, v in tensors.items()}, work / WEIGHTS)
         (work / MANIFEST).write_text(json.dumps(want, indent=1))
         if path.exists():
@@ -126,4 +135,3 @@ def load(path: Path, dtype: torch.dtype):
         raise ValueError(f"the cached copy in {path} lacks {', '.join(left[:3])}")
     model.generation_config = GenerationConfig.from_pretrained(path)
     return model.eval(), tokenizer
-

@@ -66,8 +66,12 @@ class Verdict:
         return self.key[-1]
 
     def as_dict(self) -> dict:
-        return {"key": list(self.key), "proven": list(self.counts), "failed": list(self.failed),
-                "across_threads": self.across_threads}
+        return {
+            "key": list(self.key),
+            "proven": list(self.counts),
+            "failed": list(self.failed),
+            "across_threads": self.across_threads,
+        }
 
 
 def linear_key(weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> tuple:
@@ -110,9 +114,14 @@ def environment(device) -> dict:
                 flags = " ".join(sorted(value.split()))
     except OSError:
         pass
-    env = {"version": VERSION, "cpu": model, "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
-           "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-           "torch_build": torch.version.git_version}
+    env = {
+        "version": VERSION,
+        "cpu": model,
+        "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "torch_build": torch.version.git_version,
+    }
     device = torch.device(device)
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
@@ -160,8 +169,10 @@ class Store:
         entries = data.get("verdicts")
         verdicts = [_stored(entry) for entry in entries] if isinstance(entries, list) else [None]
         if any(v is None for v in verdicts):
-            say(f"probe file {self.path.name}: {sum(v is None for v in verdicts)} entry(ies) the probe could not have "
-                "written (edited?): ignored")
+            say(
+                f"probe file {self.path.name}: {sum(v is None for v in verdicts)} entry(ies) the probe could not have "
+                "written (edited?): ignored"
+            )
         return {v.key: v for v in verdicts if v is not None}
 
     def _write(self):
@@ -190,9 +201,11 @@ class Store:
                 self.confirmed += 1
                 return fresh
             if stored is not None:
-                self.notes.append(f"the probe file said {describe(stored)}; the probe here finds {describe(fresh)}: "
-                                  "the file was edited or the machine changed; the probe's verdict is used, the file "
-                                  "rewritten")
+                self.notes.append(
+                    f"the probe file said {describe(stored)}; the probe here finds {describe(fresh)}: "
+                    "the file was edited or the machine changed; the probe's verdict is used, the file "
+                    "rewritten"
+                )
             self._write()
         return fresh
 
@@ -203,10 +216,14 @@ class Store:
 
 def describe(v: Verdict) -> str:
     """A verdict in words: its shape or geometry, thread count, proven and failed counts, the thread equality."""
-    what = (f"a {'x'.join(map(str, v.key[1]))} GEMM{' with bias' if v.key[2] else ''} at {v.threads} thread(s)"
-            if v.key[0] == "linear" else f"the attention's GEMMs (head size {v.key[1]})")
-    return (f"{what} proven at {ranges(v.counts)}, failing at {ranges(v.failed)}"
-            + (f", {'the same' if v.across_threads else 'other'} bits at 1 thread" if v.key[0] == "linear" else ""))
+    what = (
+        f"a {'x'.join(map(str, v.key[1]))} GEMM{' with bias' if v.key[2] else ''} at {v.threads} thread(s)"
+        if v.key[0] == "linear"
+        else f"the attention's GEMMs (head size {v.key[1]})"
+    )
+    return f"{what} proven at {ranges(v.counts)}, failing at {ranges(v.failed)}" + (
+        f", {'the same' if v.across_threads else 'other'} bits at 1 thread" if v.key[0] == "linear" else ""
+    )
 
 
 def _stored(entry) -> Verdict | None:
@@ -216,8 +233,12 @@ def _stored(entry) -> Verdict | None:
         key, proven, failed, across = _tuple(entry["key"]), entry["proven"], entry["failed"], entry["across_threads"]
         counts = proven + failed
         hash(key)  # TypeError where a JSON object sits in it: not a key the probe writes
-        if (isinstance(across, bool) and all(type(c) is int for c in counts) and proven == sorted(proven)
-                and sorted(counts) == list(candidates_of(key))):
+        if (
+            isinstance(across, bool)
+            and all(type(c) is int for c in counts)
+            and proven == sorted(proven)
+            and sorted(counts) == list(candidates_of(key))
+        ):
             return Verdict(key, tuple(proven), across, tuple(failed))
     except (KeyError, TypeError, ValueError, IndexError):
         pass

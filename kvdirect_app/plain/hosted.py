@@ -33,5 +33,7 @@ def misread(environ: Mapping[str, str] | None = None) -> str | None:
     value = (environ.get(ENV) or "").strip()
     if not value or value.lower() in ON + OFF:
         return None
-    return (f"{ENV}={value[:40]!r} is not understood, so hosted mode is on; allowed: {'/'.join(ON)} (on) or "
-            f"{'/'.join(OFF)} (off)")
+    return (
+        f"{ENV}={value[:40]!r} is not understood, so hosted mode is on; allowed: {'/'.join(ON)} (on) or "
+        f"{'/'.join(OFF)} (off)"
+    )

@@ -17,8 +17,7 @@ from itertools import accumulate, count
 from operator import sub
 from pathlib import Path
 
-KINDS = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true or false",
-         type(None): "null"}
+KINDS = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true or false", type(None): "null"}
 MAX_BYTES = 64 << 20  # a file opened here holds at most this much, read as it is or inflated from gzip
 MAX_DEPTH = 64  # arrays and objects inside one another (a recording nests 9 deep, a tasks result 7)
 CHUNK = 1 << 20  # what one step of `inflate` may add
@@ -58,8 +57,10 @@ def inflate(data: bytes, name: str, expected: str, cap: int = MAX_BYTES) -> byte
                 rest = stream.unconsumed_tail
                 size += len(part)
                 if size > cap:
-                    raise ValueError(f"{name}: unzipped, the file holds more than {mib(cap)}, the most the studio "
-                                     f"opens; expected {expected}")
+                    raise ValueError(
+                        f"{name}: unzipped, the file holds more than {mib(cap)}, the most the studio "
+                        f"opens; expected {expected}"
+                    )
                 parts.append(part)
                 if not part and not rest:
                     raise ValueError(f"{name}: a damaged gzip file (it ends before its data does); expected {expected}")
@@ -85,15 +86,17 @@ def parse(data: bytes, name: str, expected: str) -> object:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"{name}: not a text file (it holds binary data); expected {expected}") from None
-    deep = (f"{name}: lists and objects nested more than {MAX_DEPTH} deep, the most the studio opens; expected "
-            f"{expected}")
+    deep = (
+        f"{name}: lists and objects nested more than {MAX_DEPTH} deep, the most the studio opens; expected {expected}"
+    )
     if too_deep(data):
         raise ValueError(deep)
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{name}: not JSON (line {e.lineno}, column {e.colno}: {e.msg.lower()}); expected "
-                         f"{expected}") from None
+        raise ValueError(
+            f"{name}: not JSON (line {e.lineno}, column {e.colno}: {e.msg.lower()}); expected {expected}"
+        ) from None
     except RecursionError:
         raise ValueError(deep) from None
 

@@ -30,8 +30,9 @@ class Limits:
 
 
 LOCAL = Limits()
-HOSTED = Limits(max_new_tokens=128, max_prompt_chars=4_000, max_turns=12, max_total_tokens=2_048, max_strategies=9,
-                run_seconds=90.0)
+HOSTED = Limits(
+    max_new_tokens=128, max_prompt_chars=4_000, max_turns=12, max_total_tokens=2_048, max_strategies=9, run_seconds=90.0
+)
 
 
 def limits() -> Limits:

@@ -62,7 +62,7 @@ def symbol(label: str) -> str:
 def shade(colour: str, amount: float) -> str:
     if not amount:
         return colour
-    r, g, b = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    r, g, b = (int(colour[i : i + 2], 16) for i in (1, 3, 5))
     mix = (lambda c: c * (1 + amount)) if amount < 0 else (lambda c: c + (255 - c) * amount)
     return "#" + "".join(f"{round(mix(c)):02x}" for c in (r, g, b))
 

@@ -47,8 +47,9 @@ def page():
 
 def write_png(fig, path, width: int, height: int, scale: float = 1) -> Path:
     """`fig` drawn as a PNG of `width` x `height` (times `scale`) into `path`, through `page()`."""
-    data = _kaleido().calc_fig_sync(fig, opts={"format": "png", "width": width, "height": height, "scale": scale},
-                                 kopts={"page_generator": page()})
+    data = _kaleido().calc_fig_sync(
+        fig, opts={"format": "png", "width": width, "height": height, "scale": scale}, kopts={"page_generator": page()}
+    )
     path = Path(path)
     path.write_bytes(data)
     return path

@@ -51,12 +51,18 @@ class RecordingError(UserError):
 def commit() -> str | None:
     """The checkout's commit (short; "+changes" when the tracked files differ from it), or None outside git."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5
+        )
         if out.returncode != 0 or not out.stdout.strip():
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
@@ -88,8 +94,12 @@ class Recorder:
 
     def finish(self, token_maps: dict | None, attention_maps: dict | None = None) -> dict:
         """The recording as plain data (write it with `save`); `attention_maps` is the engine's `attention_maps()`."""
-        meta = {"recorded_at": today(), "commit": commit(), **self.meta,
-                "seconds": self.events[-1]["t"] if self.events else 0.0}
+        meta = {
+            "recorded_at": today(),
+            "commit": commit(),
+            **self.meta,
+            "seconds": self.events[-1]["t"] if self.events else 0.0,
+        }
         start = next((e for e in self.events if e["type"] == "start"), None)
         if start is not None:
             meta.setdefault("threads", start.get("threads"))
@@ -100,8 +110,14 @@ class Recorder:
             for key in ("model", "device", "dtype", "threads"):
                 if meta.get(key) is None:
                     meta[key] = result.get(key)
-        return {"format": FORMAT, "version": VERSION, "meta": meta, "events": self.events,
-                "token_maps": encode_maps(token_maps or {}), "attention": encode_attention(attention_maps or {})}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "meta": meta,
+            "events": self.events,
+            "token_maps": encode_maps(token_maps or {}),
+            "attention": encode_attention(attention_maps or {}),
+        }
 
 
 ATTENTION_SCALE = 10_000  # a recording keeps attention weights to 4 decimals
@@ -110,10 +126,14 @@ ATTENTION_SCALE = 10_000  # a recording keeps attention weights to 4 decimals
 def encode_attention(maps: dict) -> dict:
     """The engine's `attention_maps()` -> per lane its position, turn and per layer one integer per token:
     round(weight * 10,000), -1 where the layer was not handed the token.  The tokens are the token map's."""
-    return {label: {"position": m["position"], "turn": m["turn"],
-                    "layers": [[-1 if w is None else round(w * ATTENTION_SCALE) for w in weights]
-                               for weights in m["layers"]]}
-            for label, m in maps.items()}
+    return {
+        label: {
+            "position": m["position"],
+            "turn": m["turn"],
+            "layers": [[-1 if w is None else round(w * ATTENTION_SCALE) for w in weights] for weights in m["layers"]],
+        }
+        for label, m in maps.items()
+    }
 
 
 def attention_layer(recording: dict, label: str, layer: int) -> dict | None:
@@ -124,8 +144,12 @@ def attention_layer(recording: dict, label: str, layer: int) -> dict | None:
         return None
     weights = m["layers"][min(max(layer, 0), len(m["layers"]) - 1)]
     tokens = recording.get("token_maps", {}).get(label, {}).get("tokens", [])
-    return {"position": m["position"], "turn": m["turn"], "tokens": tokens[:m["position"] + 1],
-            "weights": [None if w < 0 else w / ATTENTION_SCALE for w in weights]}
+    return {
+        "position": m["position"],
+        "turn": m["turn"],
+        "tokens": tokens[: m["position"] + 1],
+        "weights": [None if w < 0 else w / ATTENTION_SCALE for w in weights],
+    }
 
 
 def encode_maps(maps: dict) -> dict:
@@ -153,8 +177,10 @@ def map_layer(maps: dict, label: str, layer: int) -> dict | None:
 
 def decode_maps(maps: dict) -> dict:
     """The inverse of `encode_maps` (lists of state names per layer)."""
-    return {label: {"tokens": m["tokens"], "states": [[STATE_NAMES[c] for c in codes] for codes in m["states"]]}
-            for label, m in maps.items()}
+    return {
+        label: {"tokens": m["tokens"], "states": [[STATE_NAMES[c] for c in codes] for codes in m["states"]]}
+        for label, m in maps.items()
+    }
 
 
 def save(recording: dict, path: str | Path) -> Path:
@@ -176,8 +202,10 @@ def parse(data: bytes, name: str = "recording") -> dict:
     file is inflated as a stream, refused once it passes `MAX_BYTES`: a small file may unpack to gigabytes."""
     try:
         if len(data) > MAX_BYTES:
-            raise ValueError(f"{name}: the file is larger than {jsonfile.mib(MAX_BYTES)}, the most the studio opens; "
-                             f"expected {EXPECTED}")
+            raise ValueError(
+                f"{name}: the file is larger than {jsonfile.mib(MAX_BYTES)}, the most the studio opens; "
+                f"expected {EXPECTED}"
+            )
         if data[:2] == b"\x1f\x8b":
             data = jsonfile.inflate(data, name, EXPECTED, MAX_BYTES)
         recording = jsonfile.parse(data, name, EXPECTED)
@@ -193,21 +221,28 @@ def check(recording, name: str = "recording") -> dict:
     if recording.get("format") != FORMAT:
         found = recording.get("format")
         results = isinstance(recording, dict) and ("strategies" in recording or "schema_version" in recording)
-        what = (f"a results file, {recording.get('schema')} version {recording.get('schema_version')}"
-                if results and "schema_version" in recording else "a bench run --json results file")
+        what = (
+            f"a results file, {recording.get('schema')} version {recording.get('schema_version')}"
+            if results and "schema_version" in recording
+            else "a bench run --json results file"
+        )
         hint = f" ({what}: the page plays recordings; make one with bench run --record FILE)" if results else ""
         raise RecordingError(f"{name}: not a recording (format {found!r}){hint}; expected format {FORMAT!r}")
     version = recording.get("version")
     if version != VERSION:
-        raise RecordingError(f"{name}: recording version {version!r} is not supported; this build plays version "
-                             f"{VERSION} (re-record it with this build's bench record / bench run --record)")
+        raise RecordingError(
+            f"{name}: recording version {version!r} is not supported; this build plays version "
+            f"{VERSION} (re-record it with this build's bench record / bench run --record)"
+        )
     events = recording.get("events")
     if not isinstance(events, list) or not events or not isinstance(recording.get("meta"), dict):
         raise RecordingError(f"{name}: a version {VERSION} recording must have meta and a non-empty event list")
     kinds = [e.get("type") if isinstance(e, dict) else None for e in events]
     if kinds[0] != "start" or "done" not in kinds:
-        raise RecordingError(f"{name}: the events must begin with 'start' and include 'done' (found "
-                             f"{kinds[0]!r} first{'' if 'done' in kinds else ', no done'})")
+        raise RecordingError(
+            f"{name}: the events must begin with 'start' and include 'done' (found "
+            f"{kinds[0]!r} first{'' if 'done' in kinds else ', no done'})"
+        )
     if any(not isinstance(e.get("t"), (int, float)) for e in events):
         raise RecordingError(f"{name}: every event needs its time 't' in seconds")
     maps = recording.get("token_maps", {})
@@ -215,11 +250,15 @@ def check(recording, name: str = "recording") -> dict:
         raise RecordingError(f"{name}: token maps use only the codes {''.join(STATE_NAMES)}")
     attention = recording.get("attention", {})
     if not isinstance(attention, dict) or any(
-            not isinstance(m, dict) or not isinstance(m.get("position"), int) or not isinstance(m.get("layers"), list)
-            or any(not isinstance(w, list) or len(w) != m["position"] + 1 for w in m["layers"])
-            for m in attention.values()):
-        raise RecordingError(f"{name}: each attention snapshot needs its position and, per layer, one weight per "
-                             f"token up to it")
+        not isinstance(m, dict)
+        or not isinstance(m.get("position"), int)
+        or not isinstance(m.get("layers"), list)
+        or any(not isinstance(w, list) or len(w) != m["position"] + 1 for w in m["layers"])
+        for m in attention.values()
+    ):
+        raise RecordingError(
+            f"{name}: each attention snapshot needs its position and, per layer, one weight per token up to it"
+        )
     return recording
 
 
@@ -255,5 +294,7 @@ def label(meta: dict) -> str:
 def describe(meta: dict) -> str:
     """One line: what the recording is (scenario or turns, model, how long it took)."""
     what = meta.get("scenario") or f"{len(meta.get('turns', []))} turn(s)"
-    return (f"{what} on {meta.get('model', '?')} ({meta.get('dtype', '?')}), {len(meta.get('specs', []))} panes, "
-            f"{meta.get('seconds', 0):.0f} s {label(meta)}")
+    return (
+        f"{what} on {meta.get('model', '?')} ({meta.get('dtype', '?')}), {len(meta.get('specs', []))} panes, "
+        f"{meta.get('seconds', 0):.0f} s {label(meta)}"
+    )

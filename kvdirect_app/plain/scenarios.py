@@ -15,5 +15,8 @@ def scenarios() -> dict[str, dict]:
         table = tomllib.load(f)
     for scenario in table.values():
         if "file" in scenario:
-            scenario["turns"] = [(PRESETS_DIR / scenario["file"]).read_text(encoding="utf-8"), *scenario.get("turns", [])]
+            scenario["turns"] = [
+                (PRESETS_DIR / scenario["file"]).read_text(encoding="utf-8"),
+                *scenario.get("turns", []),
+            ]
     return table

@@ -40,8 +40,11 @@ class SchemaError(UserError):
 
 def stamp(kind: str, document: dict) -> dict:
     """`document` with its schema id and version first (validated when KVDIRECT_VALIDATE_JSON is set)."""
-    out = {"schema": PREFIX + kind, "schema_version": VERSIONS[kind],
-           **{k: v for k, v in document.items() if k not in ("schema", "schema_version")}}
+    out = {
+        "schema": PREFIX + kind,
+        "schema_version": VERSIONS[kind],
+        **{k: v for k, v in document.items() if k not in ("schema", "schema_version")},
+    }
     if os.environ.get("KVDIRECT_VALIDATE_JSON"):
         validate(out)
     return out
@@ -56,8 +59,10 @@ def check(document, kind: str, name: str = "results") -> dict:
         what = f"schema {found!r}" if found is not None else "no schema field (written before schema ids)"
         raise SchemaError(f"{name}: {what}; expected {PREFIX + kind!r} version {VERSIONS[kind]}")
     if version != VERSIONS[kind]:
-        raise SchemaError(f"{name}: {PREFIX}{kind} schema version {version!r} is not supported; this build reads "
-                          f"version {VERSIONS[kind]}")
+        raise SchemaError(
+            f"{name}: {PREFIX}{kind} schema version {version!r} is not supported; this build reads "
+            f"version {VERSIONS[kind]}"
+        )
     return document
 
 
@@ -72,13 +77,16 @@ def validate(document: dict) -> None:
     try:
         import jsonschema  # lazy: an optional dependency (the [dev] extra); only validation needs it
     except ImportError:
-        raise SchemaError("KVDIRECT_VALIDATE_JSON is set, but validating needs jsonschema: pip install "
-                          "'kvdirect-studio[dev]' (or unset KVDIRECT_VALIDATE_JSON)") from None
+        raise SchemaError(
+            "KVDIRECT_VALIDATE_JSON is set, but validating needs jsonschema: pip install "
+            "'kvdirect-studio[dev]' (or unset KVDIRECT_VALIDATE_JSON)"
+        ) from None
 
     kind = str(document.get("schema", "")).removeprefix(PREFIX)
     if kind not in VERSIONS:
-        raise SchemaError(f"results: schema {document.get('schema')!r} is not one of "
-                          f"{', '.join(PREFIX + k for k in VERSIONS)}")
+        raise SchemaError(
+            f"results: schema {document.get('schema')!r} is not one of {', '.join(PREFIX + k for k in VERSIONS)}"
+        )
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema_of(kind)).iter_errors(document))
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(top level)"

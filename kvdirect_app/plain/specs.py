@@ -72,14 +72,20 @@ def refusal(source: str) -> str | None:
         return None
     folder = page_folder()
     if folder is None:
-        return (f"{source}: strategy files and modules do not run in this web app (code is never taken from a web "
-                f"request); allowed: the registered strategies, or on a server bound to loopback, .py files from "
-                f"the folder its operator names with {STRATEGY_DIR}=FOLDER")
+        return (
+            f"{source}: strategy files and modules do not run in this web app (code is never taken from a web "
+            f"request); allowed: the registered strategies, or on a server bound to loopback, .py files from "
+            f"the folder its operator names with {STRATEGY_DIR}=FOLDER"
+        )
     if not is_file(source):
-        return (f"{source}: modules are not imported by this web app; allowed: the registered strategies, or "
-                f"PATH.py:ClassName for a file in {folder} ({STRATEGY_DIR})")
+        return (
+            f"{source}: modules are not imported by this web app; allowed: the registered strategies, or "
+            f"PATH.py:ClassName for a file in {folder} ({STRATEGY_DIR})"
+        )
     real = Path(source).resolve()
     if not real.is_relative_to(folder) or real.suffix != ".py":
-        return (f"{source}: outside the strategy folder once links are resolved; allowed: a .py file in {folder} "
-                f"({STRATEGY_DIR})")
+        return (
+            f"{source}: outside the strategy folder once links are resolved; allowed: a .py file in {folder} "
+            f"({STRATEGY_DIR})"
+        )
     return None

@@ -25,12 +25,12 @@ def sign_test(lower: int, higher: int) -> float:
     if lower < 0 or higher < 0:
         raise ValueError(f"counts must be >= 0, got {lower}, {higher}")
     n = lower + higher
-    return sum(math.comb(n, k) for k in range(lower, n + 1)) / 2 ** n
+    return sum(math.comb(n, k) for k in range(lower, n + 1)) / 2**n
 
 
 def reachable(samples: int, level: float = LEVEL) -> bool:
     """Whether `samples` paired samples can reach `level` at all: every one lower gives p = 0.5 ** samples."""
-    return samples > 0 and 0.5 ** samples < level
+    return samples > 0 and 0.5**samples < level
 
 
 def changes(deltas: list[float], level: float = LEVEL) -> dict:
@@ -42,8 +42,9 @@ def changes(deltas: list[float], level: float = LEVEL) -> dict:
     return {"verdict": verdict, "p": p, "level": level, "samples": len(deltas), "lower": lower, "higher": higher}
 
 
-def bootstrap_interval(values: list[float], level: float = 0.95, resamples: int = BOOTSTRAP_RESAMPLES,
-                       seed: int = 0) -> tuple[float, float] | None:
+def bootstrap_interval(
+    values: list[float], level: float = 0.95, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+) -> tuple[float, float] | None:
     """The percentile bootstrap interval of the mean of `values` (resampled with replacement, a fixed seed so that
     the same values give the same interval); None for no values."""
     if not values:

@@ -22,10 +22,10 @@ class ReplyText:
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        before = self._decode(self.ids[self._prefix:self._read])
-        after = self._decode(self.ids[self._prefix:])
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
         if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
-            self.text += after[len(before):]
+            self.text += after[len(before) :]
             self._prefix, self._read = self._read, len(self.ids)
         return self.text
 

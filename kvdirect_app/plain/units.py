@@ -23,5 +23,7 @@ def fmt(x, spec=".3g") -> str:
 def table(cols: list[str], rows: list[list[str]], left: int = 1) -> str:
     """Aligned plain-text table: the first `left` columns left-aligned, the rest right-aligned."""
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
-    line = lambda cells: "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    line = lambda cells: "  ".join(
+        c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+    )
     return "\n".join([line(cols), line(["-" * w for w in widths]), *map(line, rows)])

@@ -86,8 +86,15 @@ class AnchorStore:
     replays from the anchor up to each global layer when that layer asks.
     """
 
-    def __init__(self, replayer: LayerReplayer, anchors: list[int], token_id_anchor: bool, mode: str, replay: str,
-                 global_layers: list[int]):
+    def __init__(
+        self,
+        replayer: LayerReplayer,
+        anchors: list[int],
+        token_id_anchor: bool,
+        mode: str,
+        replay: str,
+        global_layers: list[int],
+    ):
         self.replayer = replayer
         self.anchors = anchors
         self.token_id_anchor = token_id_anchor
@@ -122,8 +129,12 @@ class AnchorStore:
     def _chunks(self, end: int) -> list[tuple[int, int]]:
         """How a replay of tokens 0..end-1 is called: the original forwards' shapes (native kernels), calls of
         `REPLAY_ROWS` tokens (invariant kernels: the same bits whatever the grouping), or one call (fast)."""
-        return chunks_of(self.runs, end, one_chunk=self.one_chunk,
-                         rows=REPLAY_ROWS if self.replayer.invariant and not self.one_chunk else None)
+        return chunks_of(
+            self.runs,
+            end,
+            one_chunk=self.one_chunk,
+            rows=REPLAY_ROWS if self.replayer.invariant and not self.one_chunk else None,
+        )
 
     def begin_step(self, ids: list[int], device, span: tuple[int, int]):
         """Before a forward of `ids`: store the ids; `span` = (old tokens to rebuild, rows attention reads)."""
@@ -159,8 +170,9 @@ class AnchorStore:
                 self.hidden = self.start_hidden(a, self.cover)
             last = self.last_target[a]
             with self._kernels():
-                kv = self.replayer.replay_layer(j, self.hidden, self.chunks, total if j in self.segment_of else None,
-                                                carry=j < last)
+                kv = self.replayer.replay_layer(
+                    j, self.hidden, self.chunks, total if j in self.segment_of else None, carry=j < last
+                )
             if j in self.segment_of:
                 self.ready[j] = kv
             if j == last:
@@ -284,8 +296,10 @@ def _parse_anchors(text: str) -> list[int] | str:
     try:
         anchors = sorted({int(part) for part in text.split("-")})
     except ValueError:
-        raise StrategyError(f"anchorkv: anchors={text!r} is not allowed; allowed: a dash-separated list of layer "
-                            "indices starting at 0 (e.g. 0-8-16), 'uniform' or 'dp'") from None
+        raise StrategyError(
+            f"anchorkv: anchors={text!r} is not allowed; allowed: a dash-separated list of layer "
+            "indices starting at 0 (e.g. 0-8-16), 'uniform' or 'dp'"
+        ) from None
     if anchors[0] != 0:
         raise StrategyError(f"anchorkv: anchors={text!r} must include layer 0 (the token-id anchor)")
     return anchors
@@ -346,7 +360,9 @@ class AnchorKV(Strategy):
         globals_ = [layer.index for layer in geom.global_layers]
         store = AnchorStore(LayerReplayer(model), anchors, self.token_id_anchor, self.mode, self.replay, globals_)
         layers = [
-            SlidingLayer(spec.sliding_window) if spec.is_sliding else AnchoredLayer(store, spec.index, self.budget, self.rebuild)
+            SlidingLayer(spec.sliding_window)
+            if spec.is_sliding
+            else AnchoredLayer(store, spec.index, self.budget, self.rebuild)
             for spec in compat.layer_specs(model.config)
         ]
         cache = AnchorCache(self, layers, store)
@@ -360,8 +376,9 @@ class AnchorKV(Strategy):
     def formula_between_turns(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
         return self.formula_persistent(geom, seen, ended=True)
 
-    def formula_persistent(self, geom: ModelGeometry, seen: int, forwards: list | None = None, parked: bool = False,
-                           ended: bool = False) -> int:
+    def formula_persistent(
+        self, geom: ModelGeometry, seen: int, forwards: list | None = None, parked: bool = False, ended: bool = False
+    ) -> int:
         total = seen * self.store_bytes_per_token(geom)
         for layer in geom.layers:
             if layer.is_sliding:
@@ -373,8 +390,9 @@ class AnchorKV(Strategy):
     def formula_parked(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
         return self.formula_persistent(geom, seen, parked=True)
 
-    def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False,
-                          forwards: list | None = None) -> int:
+    def formula_transient(
+        self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False, forwards: list | None = None
+    ) -> int:
         old = seen_before - min(seen_before, self.budget)
         rebuilds = old > 0 and (self.rebuild == "step" or turn_start)
         hidden = old * geom.residual_bytes if rebuilds else 0  # the old tokens' hidden states, carried up
@@ -383,6 +401,7 @@ class AnchorKV(Strategy):
             if layer.is_sliding:
                 worst = max(worst, window_layer_transient(geom, layer.index, seen_before, q))
             else:
-                worst = max(worst, hidden + rebuilding_transient(layer, seen_before, q, self.budget, self.rebuild,
-                                                                 turn_start))
+                worst = max(
+                    worst, hidden + rebuilding_transient(layer, seen_before, q, self.budget, self.rebuild, turn_start)
+                )
         return worst

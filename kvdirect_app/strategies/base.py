@@ -177,9 +177,11 @@ class StrategyCache(Cache):
             return copy.deepcopy(self, memo)
         except (TypeError, copy.Error, NotImplementedError, RecursionError) as e:  # e.g. an mmap it keeps
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ContractError(f"{self.strategy.label}: its state cannot be copied for a twin or a saved turn "
-                                f"({type(e).__name__}: {why}); allowed: state that copy.deepcopy can copy (tensors, "
-                                "numbers, lists, dicts, dataclasses), or a run without twins") from None
+            raise ContractError(
+                f"{self.strategy.label}: its state cannot be copied for a twin or a saved turn "
+                f"({type(e).__name__}: {why}); allowed: state that copy.deepcopy can copy (tensors, "
+                "numbers, lists, dicts, dataclasses), or a run without twins"
+            ) from None
 
 
 def model_side(root, model: torch.nn.Module | None) -> dict[int, object]:
@@ -252,7 +254,9 @@ class Strategy:
     @staticmethod
     def check_choice(strategy: str, field: str, value, allowed):
         if value not in allowed:
-            raise StrategyError(f"{strategy}: {field}={value!r} is not allowed; allowed: {', '.join(map(str, allowed))}")
+            raise StrategyError(
+                f"{strategy}: {field}={value!r} is not allowed; allowed: {', '.join(map(str, allowed))}"
+            )
 
     @staticmethod
     def check_min(strategy: str, field: str, value, minimum):
@@ -270,8 +274,9 @@ class Strategy:
         """Bytes held after `seen` tokens, from the config alone."""
         raise NotImplementedError
 
-    def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False,
-                          forwards: list | None = None) -> int:
+    def formula_transient(
+        self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False, forwards: list | None = None
+    ) -> int:
         """Largest buffer of a layer beyond the state during a step of `q` tokens after `seen_before`: a lower
         bound of the step's transient bytes (activations are not counted)."""
         raise NotImplementedError

@@ -42,8 +42,10 @@ def load(spec: str) -> type[Strategy]:
     """The class a file or module spec names (StrategyError, one line, where it cannot be had)."""
     source, name = external(spec)
     if hosted():
-        raise StrategyError(f"{source}:{name}: strategies from files or modules do not run on this hosted demo (a "
-                            "visitor's code is not run here); allowed: the registered strategies")
+        raise StrategyError(
+            f"{source}:{name}: strategies from files or modules do not run on this hosted demo (a "
+            "visitor's code is not run here); allowed: the registered strategies"
+        )
     why = refusal(source)
     if why:
         raise StrategyError(why)
@@ -52,11 +54,15 @@ def load(spec: str) -> type[Strategy]:
     module = _from_file(source) if is_file(source) else _from_module(source)
     cls = getattr(module, name, None)
     if not isinstance(cls, type) or not issubclass(cls, Strategy):
-        raise StrategyError(f"{source}:{name}: {'no class ' + name if cls is None else name + ' is not a strategy'} "
-                            f"there; allowed: a class that subclasses Scored, KVDirect or AnchorKV")
+        raise StrategyError(
+            f"{source}:{name}: {'no class ' + name if cls is None else name + ' is not a strategy'} "
+            f"there; allowed: a class that subclasses Scored, KVDirect or AnchorKV"
+        )
     if not issubclass(cls, public_bases()):
-        raise StrategyError(f"{source}:{name}: {name} subclasses none of the public bases; allowed: a subclass of "
-                            "Scored (an eviction method), KVDirect or AnchorKV (an exact family)")
+        raise StrategyError(
+            f"{source}:{name}: {name} subclasses none of the public bases; allowed: a subclass of "
+            "Scored (an eviction method), KVDirect or AnchorKV (an exact family)"
+        )
     cls._source = f"{source}:{name}"
     return cls
 
@@ -66,8 +72,9 @@ def _from_file(path: str):
     if text is None:
         file = Path(path)
         if not file.is_file():
-            raise StrategyError(f"{path}: no such file; allowed: the path of a Python file holding the strategy's "
-                                "class")
+            raise StrategyError(
+                f"{path}: no such file; allowed: the path of a Python file holding the strategy's class"
+            )
         text = file.read_text(encoding="utf-8")
     key = "kvdirect_strategy_" + hashlib.sha256(f"{path}\n{text}".encode()).hexdigest()[:16]
     if key in sys.modules:
@@ -80,8 +87,9 @@ def _from_file(path: str):
         exec(compile(text, str(path), "exec"), module.__dict__)
     except Exception as e:
         del sys.modules[key]
-        raise StrategyError(f"{path}: importing it failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                            ) from None
+        raise StrategyError(
+            f"{path}: importing it failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
     return module
 
 
@@ -89,8 +97,9 @@ def _from_module(name: str):
     try:
         return importlib.import_module(name)
     except ImportError as e:
-        raise StrategyError(f"{name}: the module cannot be imported ({e}); allowed: an importable module's dotted "
-                            "name") from None
+        raise StrategyError(
+            f"{name}: the module cannot be imported ({e}); allowed: an importable module's dotted name"
+        ) from None
 
 
 def carry(cell: dict) -> dict:
@@ -124,4 +133,3 @@ def provided(cell: dict) -> dict:
         return cell
     _TEXTS.update(files)
     return {k: v for k, v in cell.items() if k != CARRIED}
-

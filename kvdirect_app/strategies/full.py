@@ -34,8 +34,9 @@ class Full(Strategy):
     def formula_persistent(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
         return geom.full_kv_bytes(seen) + WINDOW_SIZE_TENSOR_BYTES * sum(layer.is_sliding for layer in geom.layers)
 
-    def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False,
-                          forwards: list | None = None) -> int:
+    def formula_transient(
+        self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False, forwards: list | None = None
+    ) -> int:
         return max(
             (window_layer_transient(geom, layer.index, seen_before, q) for layer in geom.layers if layer.is_sliding),
             default=0,

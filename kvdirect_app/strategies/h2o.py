@@ -51,7 +51,8 @@ class H2O(Scored):
         super().__post_init__()
         if self.recent != -1 and not 0 <= self.recent <= self.budget:
             raise StrategyError(
-                f"{self.name}: recent={self.recent} must be between 0 and budget={self.budget}, or -1 (half the budget)")
+                f"{self.name}: recent={self.recent} must be between 0 and budget={self.budget}, or -1 (half the budget)"
+            )
 
     @property
     def recent_tokens(self) -> int:

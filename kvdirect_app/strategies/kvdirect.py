@@ -64,7 +64,9 @@ class ResidualLayer(RebuildingLayer):
     def before_update(self, q: int):
         x, self.pending = self.pending, None
         if x is None:
-            raise RuntimeError("kvdirect: the attention input was not handed over; run the model through engine.InputTap")
+            raise RuntimeError(
+                "kvdirect: the attention input was not handed over; run the model through engine.InputTap"
+            )
         self.inputs = x if self.inputs is None else torch.cat([self.inputs, x], dim=1)
         record_run(self.runs, self.seen, q)
 
@@ -88,13 +90,13 @@ class ResidualLayer(RebuildingLayer):
             take = min(n, end - start)
             if is_rows:
                 positions = torch.arange(start, start + take, device=self.inputs.device)
-                k, v = self.projector.project_rows(self.inputs[:, start:start + take], positions)
+                k, v = self.projector.project_rows(self.inputs[:, start : start + take], positions)
             else:
                 # The whole chunk, as it was computed; then the part that is old.
-                k, v = self.projector.project(self.inputs[:, start:start + n], start)
+                k, v = self.projector.project(self.inputs[:, start : start + n], start)
                 k, v = k[..., :take, :], v[..., :take, :]
-            keys[..., start:start + take, :] = k
-            values[..., start:start + take, :] = v
+            keys[..., start : start + take, :] = k
+            values[..., start : start + take, :] = v
         return keys, values
 
     def token_states(self) -> list[str]:
@@ -133,8 +135,9 @@ class KVDirect(Strategy):
     def formula_between_turns(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
         return self.formula_persistent(geom, seen, ended=True)
 
-    def formula_persistent(self, geom: ModelGeometry, seen: int, forwards: list | None = None, parked: bool = False,
-                           ended: bool = False) -> int:
+    def formula_persistent(
+        self, geom: ModelGeometry, seen: int, forwards: list | None = None, parked: bool = False, ended: bool = False
+    ) -> int:
         total = 0
         for layer in geom.layers:
             if layer.is_sliding:
@@ -148,14 +151,16 @@ class KVDirect(Strategy):
     def formula_parked(self, geom: ModelGeometry, seen: int, forwards: list | None = None) -> int:
         return self.formula_persistent(geom, seen, parked=True)
 
-    def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False,
-                          forwards: list | None = None) -> int:
+    def formula_transient(
+        self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False, forwards: list | None = None
+    ) -> int:
         worst = 0
         for layer in geom.layers:
             if layer.is_sliding:
                 worst = max(worst, window_layer_transient(geom, layer.index, seen_before, q))
             else:
                 appended = seen_before * layer.residual_bytes_per_token  # the inputs being extended
-                worst = max(worst, appended,
-                            rebuilding_transient(layer, seen_before, q, self.budget, self.rebuild, turn_start))
+                worst = max(
+                    worst, appended, rebuilding_transient(layer, seen_before, q, self.budget, self.rebuild, turn_start)
+                )
         return worst

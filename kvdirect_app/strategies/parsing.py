@@ -43,8 +43,10 @@ def parse_spec(text: str) -> Strategy:
         name, *pairs = text.split(":")
         cls = Strategy.registry.get(name)
     if cls is None:
-        raise StrategyError(f"unknown strategy {name!r}; known strategies: {', '.join(sorted(Strategy.registry))}; "
-                            "or a class of one's own: PATH.py:ClassName or module:ClassName")
+        raise StrategyError(
+            f"unknown strategy {name!r}; known strategies: {', '.join(sorted(Strategy.registry))}; "
+            "or a class of one's own: PATH.py:ClassName or module:ClassName"
+        )
     fields = cls.settings()
     hints = typing.get_type_hints(cls)
     kwargs = {}

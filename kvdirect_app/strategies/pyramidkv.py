@@ -79,5 +79,5 @@ def budgets(window: int, extra: int, beta: int, count: int, seen: int) -> tuple[
     step = (2 * bottom - 2 * extra) / (count - 1)  # bottom - top, top = 2 * extra - bottom
     sizes = [bottom - r * step for r in range(count)]
     floors = [math.floor(size) for size in sizes]
-    largest = sorted(range(count), key=lambda r: (floors[r] - sizes[r], r))[:count * extra - sum(floors)]
+    largest = sorted(range(count), key=lambda r: (floors[r] - sizes[r], r))[: count * extra - sum(floors)]
     return tuple(window + floor + (r in largest) for r, floor in enumerate(floors))

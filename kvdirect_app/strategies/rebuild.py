@@ -131,24 +131,24 @@ class RebuildingLayer(CacheLayerMixin):
         else:
             keys, values = self.rebuild_old(end, total)
             if self.keys is not None:
-                keys[..., end:self.seen, :] = self.keys
-                values[..., end:self.seen, :] = self.values
-            keys[..., self.seen:, :] = key_states
-            values[..., self.seen:, :] = value_states
+                keys[..., end : self.seen, :] = self.keys
+                values[..., end : self.seen, :] = self.values
+            keys[..., self.seen :, :] = key_states
+            values[..., self.seen :, :] = value_states
         self.seen += q
         if self.rebuild == "turn":
             self.active = (keys, values)
             self.keys = self.values = None  # the hot window is cut from `active` when the turn ends
         else:
             # A copy, so the hot window never pins the step's larger buffer.
-            self.keys = keys[..., -self.budget:, :].clone()
-            self.values = values[..., -self.budget:, :].clone()
+            self.keys = keys[..., -self.budget :, :].clone()
+            self.values = values[..., -self.budget :, :].clone()
         return keys, values
 
     def end_turn(self):
         if self.active is not None:
-            self.keys = self.active[0][..., -self.budget:, :].clone()
-            self.values = self.active[1][..., -self.budget:, :].clone()
+            self.keys = self.active[0][..., -self.budget :, :].clone()
+            self.values = self.active[1][..., -self.budget :, :].clone()
             self.active = None
 
     def park(self):

@@ -110,9 +110,11 @@ def over_budget(cache, seen: int, forwards: list) -> str | None:
         held = 0 if layer.keys is None else layer.keys.shape[-2]
         limit = per_layer(allowed, layer.rank)
         if held > limit:
-            return (f"{strategy.label}: evicting layer {layer.rank + 1} of {layer.count} holds {held} tokens after "
-                    f"{seen} seen, more than the {limit} its budget allows there; allowed: at most its budget "
-                    "(`Scored.layer_budgets`, `limits`)")
+            return (
+                f"{strategy.label}: evicting layer {layer.rank + 1} of {layer.count} holds {held} tokens after "
+                f"{seen} seen, more than the {limit} its budget allows there; allowed: at most its budget "
+                "(`Scored.layer_budgets`, `limits`)"
+            )
     return None
 
 
@@ -197,24 +199,30 @@ class ScoredLayer(CacheLayerMixin):
         self.keys = key_states.new_zeros(1, n_kv, 0, d_h)
         self.values = value_states.new_zeros(1, n_kv, 0, value_states.shape[-1])
         self.positions = torch.zeros(1, rows, 0, dtype=POSITION_DTYPE, device=self.device)
-        self.buffers = {name: torch.zeros(1, rows, 0, dtype=BUFFER_DTYPE, device=self.device)
-                        for name in self.strategy.token_buffers}
+        self.buffers = {
+            name: torch.zeros(1, rows, 0, dtype=BUFFER_DTYPE, device=self.device)
+            for name in self.strategy.token_buffers
+        }
         self.is_initialized = True
 
-    def _attend(self, keys: torch.Tensor, positions: torch.Tensor, x: torch.Tensor | None,
-                earlier: torch.Tensor | None):
+    def _attend(
+        self, keys: torch.Tensor, positions: torch.Tensor, x: torch.Tensor | None, earlier: torch.Tensor | None
+    ):
         def attend(n: int) -> torch.Tensor:
             if x is None:
-                raise RuntimeError(f"{self.strategy.name}: the attention input was not handed over; "
-                                   "run the model through engine.InputTap")
+                raise RuntimeError(
+                    f"{self.strategy.name}: the attention input was not handed over; "
+                    "run the model through engine.InputTap"
+                )
             inputs = x if earlier is None or n <= x.shape[1] else torch.cat([earlier, x], dim=1)
             if n > inputs.shape[1]:
                 raise RuntimeError(f"{self.strategy.name}: {n} queries asked for, {inputs.shape[1]} kept")
             start = self.seen - n
             queries = self.projector.queries(inputs[:, -n:], start)
             query_positions = torch.arange(start, self.seen, device=keys.device)
-            return attention_probs(queries, keys, query_positions, positions, self.projector.scaling,
-                                   self.projector.softcap)
+            return attention_probs(
+                queries, keys, query_positions, positions, self.projector.scaling, self.projector.softcap
+            )
 
         return attend
 
@@ -235,13 +243,22 @@ class ScoredLayer(CacheLayerMixin):
         buffers = {name: torch.cat([buf, buf.new_zeros(1, rows, q)], dim=-1) for name, buf in self.buffers.items()}
         self.seen += q
         self.prompt_tokens = self.prompt_tokens + q if self.prefill else 0
-        limits = self.strategy.limits(Forward(q, self.prefill, self.prompt_open, self.keep_all), self.seen,
-                                      self.count)
+        limits = self.strategy.limits(Forward(q, self.prefill, self.prompt_open, self.keep_all), self.seen, self.count)
         limit = None if limits is None else per_layer(limits, self.rank)
         evicts = limit is not None and keys.shape[-2] > limit
         earlier = self.prompt_tail
-        step = Step(positions, keys, self.seen, q, self.prefill, evicts, self.prompt_tokens, buffers, self.state,
-                    self._attend(keys, positions, x, earlier) if self.projector is not None else None)
+        step = Step(
+            positions,
+            keys,
+            self.seen,
+            q,
+            self.prefill,
+            evicts,
+            self.prompt_tokens,
+            buffers,
+            self.state,
+            self._attend(keys, positions, x, earlier) if self.projector is not None else None,
+        )
         scores = self.score(step)
         self._check(scores, step, limit)
         window = self.strategy.prompt_window
@@ -263,8 +280,10 @@ class ScoredLayer(CacheLayerMixin):
 
     def _where(self, step: Step) -> str:
         what = "a prompt piece" if step.prefill else "a decode step" if step.q == 1 else "a forward"
-        return (f"evicting layer {self.rank + 1} of {self.count}, at {what} of {step.q} token(s) ending at token "
-                f"{step.seen}")
+        return (
+            f"evicting layer {self.rank + 1} of {self.count}, at {what} of {step.q} token(s) ending at token "
+            f"{step.seen}"
+        )
 
     def _check(self, scores, step: Step, limit: int | None):
         """The contract of `score()`, checked where it is cheap (every forward): one score per candidate and
@@ -272,22 +291,28 @@ class ScoredLayer(CacheLayerMixin):
         want = tuple(step.positions.shape)
         if scores is None:
             if step.evicts:
-                raise ContractError(f"{self.strategy.label}: score() returned None at {self._where(step)}, which "
-                                    f"evicts to {limit}; allowed: scores of shape {want} where the step evicts")
+                raise ContractError(
+                    f"{self.strategy.label}: score() returned None at {self._where(step)}, which "
+                    f"evicts to {limit}; allowed: scores of shape {want} where the step evicts"
+                )
             return
         if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != want:
             got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
-            raise ContractError(f"{self.strategy.label}: score() returned {got} at {self._where(step)}; allowed: "
-                                f"shape {want}, one score per candidate (1, selection rows, candidates)")
+            raise ContractError(
+                f"{self.strategy.label}: score() returned {got} at {self._where(step)}; allowed: "
+                f"shape {want}, one score per candidate (1, selection rows, candidates)"
+            )
         if scores.is_floating_point() and bool(torch.isnan(scores).any()):
-            raise ContractError(f"{self.strategy.label}: score() returned NaN at {self._where(step)}; allowed: "
-                                "numbers, or +inf to protect a token")
+            raise ContractError(
+                f"{self.strategy.label}: score() returned NaN at {self._where(step)}; allowed: "
+                "numbers, or +inf to protect a token"
+            )
 
     def end_turn(self):
         self.prefill, self.prompt_open, self.prompt_tokens, self.prompt_tail = True, False, 0, None
 
     def token_states(self) -> list[str]:
-        """"kv" for a token some KV head still holds, "evicted" otherwise."""
+        """ "kv" for a token some KV head still holds, "evicted" otherwise."""
         kept = set() if self.positions is None else set(self.positions.flatten().tolist())
         return ["kv" if t in kept else "evicted" for t in range(self.seen)]
 
@@ -439,8 +464,9 @@ class Scored(Strategy):
                 total += held_here * self._token_bytes(layer) + tail * geom.residual_bytes
         return total
 
-    def formula_transient(self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False,
-                          forwards: list | None = None) -> int:
+    def formula_transient(
+        self, geom: ModelGeometry, seen_before: int, q: int, turn_start: bool = False, forwards: list | None = None
+    ) -> int:
         before = forwards[:-1] if forwards else forwards
         this = forwards[-1] if forwards else Forward(q, prompt=turn_start)
         worst, slots = 0, self.slots(geom.layers)

@@ -31,9 +31,15 @@ class QueryProjector:
         return self.query(x, start)
 
 
-def attention_probs(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
-                    key_positions: torch.Tensor, scaling: float, softcap: float | None = None,
-                    window: int | None = None) -> torch.Tensor:
+def attention_probs(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scaling: float,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
     """Causal attention probabilities in fp32, query heads grouped onto their KV head.
 
     queries (1, H, n, d_h), keys (1, n_kv, T, d_h), query_positions (n,),
@@ -54,8 +60,9 @@ def attention_probs(queries: torch.Tensor, keys: torch.Tensor, query_positions: 
     return torch.softmax(logits, dim=-1)
 
 
-def fit_mask(mask: torch.Tensor | None, keys: int, who: str = "a cache", layer: int | None = None
-             ) -> torch.Tensor | None:
+def fit_mask(
+    mask: torch.Tensor | None, keys: int, who: str = "a cache", layer: int | None = None
+) -> torch.Tensor | None:
     """The mask of a layer type (sized by its first layer, which holds the most keys) for a layer handing attention
     `keys` keys: its rightmost columns.  Every cache hands attention its stored keys, all before the queries, then
     the step's own, so those columns say: stored keys visible, the chunk's own keys causal.  A layer handing
@@ -64,7 +71,9 @@ def fit_mask(mask: torch.Tensor | None, keys: int, who: str = "a cache", layer: 
     if mask is None or mask.shape[-1] == keys:
         return mask
     if mask.shape[-1] < keys:
-        raise ContractError(f"{who}: layer {layer} hands attention {keys} keys, more than the {mask.shape[-1]} its "
-                            "layer type's first layer holds (the mask is built once per layer type, sized by that "
-                            "layer); allowed: budgets that never grow with depth (`Scored.layer_budgets`)")
+        raise ContractError(
+            f"{who}: layer {layer} hands attention {keys} keys, more than the {mask.shape[-1]} its "
+            "layer type's first layer holds (the mask is built once per layer type, sized by that "
+            "layer); allowed: budgets that never grow with depth (`Scored.layer_budgets`)"
+        )
     return mask[..., -keys:]

@@ -91,8 +91,10 @@ class SnapKV(Scored):
     def notes(self) -> list[str]:
         if self.observed == self.window:
             return []
-        return [f"window={self.window} does not fit budget={self.budget}; the observation window is "
-                f"{self.observed} (budget // 2)"]
+        return [
+            f"window={self.window} does not fit budget={self.budget}; the observation window is "
+            f"{self.observed} (budget // 2)"
+        ]
 
     @property
     def prompt_window(self) -> int:
@@ -116,8 +118,16 @@ class SnapKV(Scored):
             if prefix.shape[-1]:
                 n_kv, groups, length = prefix.shape[1:]
                 pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
-                pooled = pool(prefix.reshape(n_kv * groups, 1, length), kernel_size=self.kernel, stride=1,
-                              padding=self.kernel // 2).view(1, n_kv, groups, length).mean(dim=2)
+                pooled = (
+                    pool(
+                        prefix.reshape(n_kv * groups, 1, length),
+                        kernel_size=self.kernel,
+                        stride=1,
+                        padding=self.kernel // 2,
+                    )
+                    .view(1, n_kv, groups, length)
+                    .mean(dim=2)
+                )
             else:
                 pooled = prefix.mean(dim=2)
             return torch.cat([pooled, torch.full_like(votes[:, :, 0, -window:], float("inf"))], dim=-1)

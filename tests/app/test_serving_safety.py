@@ -35,14 +35,28 @@ def evil(folder: Path, name: str = "evil.py") -> tuple[Path, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     marker = folder / f"{name}.ran"
     path = folder / name
-    path.write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
-                    "from kvdirect_app.strategies.scored import Scored\nclass Evil(Scored):\n    pass\n")
+    path.write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
+        "from kvdirect_app.strategies.scored import Scored\nclass Evil(Scored):\n    pass\n"
+    )
     return path, marker
 
 
 def controls(**overrides) -> dict:
-    values = dict(model=TINY, custom_model="", device="auto", dtype="float32", strategies=["full"], extra_specs="",
-                  budget=8, spacing=2, mode="exact", rebuild="step", max_new_tokens=2, twins=True)
+    values = dict(
+        model=TINY,
+        custom_model="",
+        device="auto",
+        dtype="float32",
+        strategies=["full"],
+        extra_specs="",
+        budget=8,
+        spacing=2,
+        mode="exact",
+        rebuild="step",
+        max_new_tokens=2,
+        twins=True,
+    )
     return {**values, **overrides}
 
 
@@ -89,8 +103,7 @@ def test_an_uploaded_file_named_in_compare_never_runs(app, tmp_path, monkeypatch
 
     demo, client = app
     source, marker = evil(tmp_path / "attacker")
-    answer = httpx.post(f"{demo.local_url}gradio_api/upload",
-                        files=[("files", ("results.py", source.read_bytes()))])
+    answer = httpx.post(f"{demo.local_url}gradio_api/upload", files=[("files", ("results.py", source.read_bytes()))])
     uploaded = answer.json()[0]
     assert Path(uploaded).is_file() and uploaded.endswith(".py")
     if switch != "off":
@@ -106,8 +119,12 @@ def test_a_file_on_disk_or_a_module_named_in_compare_is_refused(app, tmp_path, a
     above."""
     _, client = app
     path, marker = evil(allowed)
-    for strategies in (f"full,{path}:Evil", f"{path}:Evil:budget=4", "full,json.decoder:JSONDecoder",
-                       "full,/etc/passwd:Foo"):
+    for strategies in (
+        f"full,{path}:Evil",
+        f"{path}:Evil:budget=4",
+        "full,json.decoder:JSONDecoder",
+        "full,/etc/passwd:Foo",
+    ):
         assert "names a file or module" in compare_refused(client, strategies)
     assert not marker.exists()
 
@@ -149,12 +166,20 @@ def test_the_switch_on_a_bind_that_is_not_loopback_runs_as_hosted_and_refuses(tm
     folder = tmp_path / "mine"
     path, marker = evil(folder)
     port = free_port()
-    env = {**os.environ, "GRADIO_SERVER_NAME": "0.0.0.0", "GRADIO_SERVER_PORT": str(port),
-           "KVDIRECT_STRATEGY_DIR": str(folder), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "GRADIO_SERVER_NAME": "0.0.0.0",
+        "GRADIO_SERVER_PORT": str(port),
+        "KVDIRECT_STRATEGY_DIR": str(folder),
+        "PYTHONPATH": str(ROOT),
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop("KVDIRECT_HOSTED", None)
     env.pop("SPACE_ID", None)
-    code = ("import kvdirect_app.app.ui.settings as s; s.default_model = lambda: 'tiny-llama'; "
-            "from kvdirect_app.app.studio import main; main()")
+    code = (
+        "import kvdirect_app.app.ui.settings as s; s.default_model = lambda: 'tiny-llama'; "
+        "from kvdirect_app.app.studio import main; main()"
+    )
     log = tmp_path / "app.log"
     with open(log, "w") as out:
         app = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -193,10 +218,12 @@ def test_the_switch_runs_a_file_from_its_folder_and_refuses_any_other(app, tmp_p
     assert "Done: 1 turn(s)" in status, status
     outside, marker = evil(tmp_path / "elsewhere")
     (allowed / "linked.py").symlink_to(outside)
-    for spec, words in ((f"{outside}:Evil", "outside the strategy folder"),
-                        (f"{allowed}/linked.py:Evil", "outside the strategy folder"),
-                        (f"{allowed}/../elsewhere/evil.py:Evil", "outside the strategy folder"),
-                        ("json.decoder:JSONDecoder", "modules are not imported")):
+    for spec, words in (
+        (f"{outside}:Evil", "outside the strategy folder"),
+        (f"{allowed}/linked.py:Evil", "outside the strategy folder"),
+        (f"{allowed}/../elsewhere/evil.py:Evil", "outside the strategy folder"),
+        ("json.decoder:JSONDecoder", "modules are not imported"),
+    ):
         status = send(demo.local_url, spec)
         assert words in status and "KVDIRECT_STRATEGY_DIR" in status, (spec, status)
     assert not marker.exists()
@@ -225,9 +252,19 @@ def test_serving_policy_bounds_every_route_in_the_process(tmp_path, monkeypatch)
 
 # --- how the studio starts ---------------------------------------------------------------------------------------
 @pytest.mark.check
-@pytest.mark.parametrize("host, expected", [("127.0.0.1", True), ("127.8.0.2", True), ("::1", True),
-                                            ("localhost", True), ("0.0.0.0", False), ("::", False),
-                                            ("192.168.1.4", False), ("example.org", False)])
+@pytest.mark.parametrize(
+    "host, expected",
+    [
+        ("127.0.0.1", True),
+        ("127.8.0.2", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("192.168.1.4", False),
+        ("example.org", False),
+    ],
+)
 def test_loopback_binds(host, expected):
     """Mutation: `is_loopback` replaced by `== "127.0.0.1"` -> the 127/8 and ::1 cases fail."""
     assert loopback(host) is expected
@@ -261,11 +298,26 @@ def test_the_switch_is_honoured_on_loopback_only_and_a_share_link_or_other_bind_
 
 # --- (d) hosted() fails closed -------------------------------------------------------------------------------------
 @pytest.mark.check
-@pytest.mark.parametrize("value, space, on", [
-    ("1", "", True), ("true", "", True), ("YES", "", True), ("on", "", True),
-    ("0", "x/y", False), ("false", "x/y", False), ("No", "x/y", False), ("off", "x/y", False),
-    ("enabled", "x/y", True), ("y", "x/y", True), ("2", "x/y", True), ("enabled", "", True), ("", "x/y", True),
-    ("", "", False), (" ", "", False)])
+@pytest.mark.parametrize(
+    "value, space, on",
+    [
+        ("1", "", True),
+        ("true", "", True),
+        ("YES", "", True),
+        ("on", "", True),
+        ("0", "x/y", False),
+        ("false", "x/y", False),
+        ("No", "x/y", False),
+        ("off", "x/y", False),
+        ("enabled", "x/y", True),
+        ("y", "x/y", True),
+        ("2", "x/y", True),
+        ("enabled", "", True),
+        ("", "x/y", True),
+        ("", "", False),
+        (" ", "", False),
+    ],
+)
 def test_hosted_fails_closed(value, space, on):
     """An unknown value is hosted, and the start says so in one line.  Mutation: the old `in ON` test -> `enabled`,
     `y` and `2` were "not hosted"."""

@@ -77,13 +77,15 @@ print(json.dumps({"torch": "torch" in sys.modules, "traces": {k: len(f.data) for
 
 
 def test_the_ui_draws_a_saved_run_where_torch_cannot_be_imported(tmp_path):
-    engine = Engine(tiny("tiny-llama"), parse_specs("full,kvdirect:budget=4,window:budget=4"), max_new_tokens=5,
-                    threads=1)
+    engine = Engine(
+        tiny("tiny-llama"), parse_specs("full,kvdirect:budget=4,window:budget=4"), max_new_tokens=5, threads=1
+    )
     events = list(engine.run(["Tell me about caches.", "And then?"]))
     saved = tmp_path / "events.json"
     saved.write_text(json.dumps(events))
-    out = subprocess.run([sys.executable, "-c", BLOCKED, str(saved)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", BLOCKED, str(saved)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     drawn = json.loads(out.stdout.strip().splitlines()[-1])
     assert drawn["torch"] is False

@@ -65,9 +65,9 @@ def test_gzip_is_read_whole_when_small_and_damage_is_one_line():
     packed = zlib.compressobj(6, zlib.DEFLATED, 31)
     first = packed.compress(b'{"a": ') + packed.flush()
     second = zlib.compressobj(6, zlib.DEFLATED, 31)
-    both = first + second.compress(b'[1, 2]}') + second.flush()
+    both = first + second.compress(b"[1, 2]}") + second.flush()
     assert jsonfile.inflate(both, "x.gz", "JSON") == b'{"a": [1, 2]}'
-    for broken in (both[:len(first) - 4], b"\x1f\x8b\x08\x00garbage", b"\x1f\x8b\x08\x00" + bytes(6) + b"\xff" * 8):
+    for broken in (both[: len(first) - 4], b"\x1f\x8b\x08\x00garbage", b"\x1f\x8b\x08\x00" + bytes(6) + b"\xff" * 8):
         with pytest.raises(ValueError) as info:
             jsonfile.inflate(broken, "x.gz", "JSON")
         assert "x.gz: a damaged gzip file" in one_line(info)
@@ -155,12 +155,15 @@ def test_deep_nesting_in_a_tasks_file_is_one_line(tmp_path):
     assert f"deep.json: lists and objects nested more than {jsonfile.MAX_DEPTH} deep" in one_line(info)
 
 
-@pytest.mark.parametrize("text, deep", [
-    (b'{"a": "[[[[", "b": [1, [2]]}', 3),  # brackets inside a string do not count
-    (b'{"a": "\\"[[[[", "b": []}', 2),  # nor after an escaped quote
-    (b'{"a": "\\\\", "b": [[[]]]}', 4),  # an escaped backslash ends the string where json ends it
-    (b'"unterminated [[[[', 0),
-])
+@pytest.mark.parametrize(
+    "text, deep",
+    [
+        (b'{"a": "[[[[", "b": [1, [2]]}', 3),  # brackets inside a string do not count
+        (b'{"a": "\\"[[[[", "b": []}', 2),  # nor after an escaped quote
+        (b'{"a": "\\\\", "b": [[[]]]}', 4),  # an escaped backslash ends the string where json ends it
+        (b'"unterminated [[[[', 0),
+    ],
+)
 def test_the_depth_scan_skips_strings(text, deep):
     """Mutations: `_STRING` not taken out, or the escapes left in -> the brackets in the strings count."""
     assert not jsonfile.too_deep(text, deep)
@@ -177,11 +180,13 @@ def test_the_shipped_files_are_within_the_limits():
 # --- the server's own cap -----------------------------------------------------------------------------------------
 def multipart(size: int, boundary: str, name: str = "big.json"):
     """A multipart body holding a `size`-byte file, made a MiB at a time (the test never holds it whole)."""
-    yield (f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"{name}\"\r\n"
-           "Content-Type: application/json\r\n\r\n").encode()
+    yield (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="files"; filename="{name}"\r\n'
+        "Content-Type: application/json\r\n\r\n"
+    ).encode()
     block = b" " * MIB
     for start in range(0, size, MIB):
-        yield block[:min(MIB, size - start)]
+        yield block[: min(MIB, size - start)]
     yield f"\r\n--{boundary}--\r\n".encode()
 
 
@@ -190,8 +195,12 @@ def post_upload(url: str, size: int):
 
     boundary = uuid.uuid4().hex
     try:
-        return httpx.post(f"{url.rstrip('/')}/gradio_api/upload", content=multipart(size, boundary), timeout=120,
-                          headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        return httpx.post(
+            f"{url.rstrip('/')}/gradio_api/upload",
+            content=multipart(size, boundary),
+            timeout=120,
+            headers={"Content-Type": f"multipart/form-data; boundary={boundary}"},
+        )
     except (httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadError) as e:
         return e  # the server hung up mid-body: refused before it took the rest
 
@@ -241,8 +250,9 @@ def test_a_hosted_demo_hides_and_refuses_every_upload(monkeypatch, tmp_path):
     monkeypatch.setattr(jsonfile, "read", unread)
     file = tmp_path / "mine.json"
     file.write_text("{}")
-    buttons = RecordingButtons(None, seen=lambda *a: None, refuse=lambda session, message: iter([message]),
-                               render=None, run=None)  # the handler alone: what it uses stubbed
+    buttons = RecordingButtons(
+        None, seen=lambda *a: None, refuse=lambda session, message: iter([message]), render=None, run=None
+    )  # the handler alone: what it uses stubbed
     said = list(buttons.replay(Session(), None, "instant", str(file)))
     assert len(said) == 1 and "Opening a recording file is off on this hosted demo" in said[0], said
     opened = next(f.fn for f in page.fns.values() if f.name == "opened")

@@ -39,8 +39,9 @@ def run():
 
 def lines(figure) -> dict:
     """label -> the trace named in the legend for it: its state (memory figure) or token match (agreement)."""
-    return {t.legendgroup: t for t in figure.data
-            if t.legendgroup not in (None, "styles") and t.showlegend is not False}
+    return {
+        t.legendgroup: t for t in figure.data if t.legendgroup not in (None, "styles") and t.showlegend is not False
+    }
 
 
 def ids(text: str) -> list[int]:
@@ -55,17 +56,30 @@ def conversation(replies: dict[str, list[int]]) -> Session:
     session.apply({"type": "turn", "turn": 0, "user": "Hi.", "chunk_ids": ids("Hi.")})
     texts = {label: ReplyText(tokenizer) for label in replies}
     for index in range(max(map(len, replies.values()))):
-        lanes = {label: {"token_id": reply[index], "text": texts[label].add(reply[index]),
-                         "active": index + 1 < len(reply), "seen": 3 + index, "persistent_bytes": 100,
-                         "peak_bytes": 100, "formula_bytes": 100, "formula_peak_bytes": 100,
-                         "latency_ms": {"total": 1.0}, "rss_bytes": 2**20, "kl_mean": 0.0}
-                 for label, reply in replies.items() if index < len(reply)}
+        lanes = {
+            label: {
+                "token_id": reply[index],
+                "text": texts[label].add(reply[index]),
+                "active": index + 1 < len(reply),
+                "seen": 3 + index,
+                "persistent_bytes": 100,
+                "peak_bytes": 100,
+                "formula_bytes": 100,
+                "formula_peak_bytes": 100,
+                "latency_ms": {"total": 1.0},
+                "rss_bytes": 2**20,
+                "kl_mean": 0.0,
+            }
+            for label, reply in replies.items()
+            if index < len(reply)
+        }
         session.apply({"type": "step", "turn": 0, "index": index, "lanes": lanes})
     session.apply({"type": "turn_end", "turn": 0, "texts": {label: t.final() for label, t in texts.items()}})
     return session
 
 
 # --- plots -------------------------------------------------------------------
+
 
 def test_lines_that_coincide_keep_their_own_markers_and_name_each_other(run):
     _, session = run
@@ -95,8 +109,11 @@ def test_every_strategy_is_drawn_at_the_conversation_position_of_the_step(run):
     for turn in range(len(TURNS)):
         ref_end = max(r["position"] for r in ref.memory if r["turn"] == turn)
         for label, trace in drawn.items():
-            rows = [(r, x, c) for r, x, c in zip(session.lanes[label].memory, trace.x, trace.customdata)
-                    if r["turn"] == turn]
+            rows = [
+                (r, x, c)
+                for r, x, c in zip(session.lanes[label].memory, trace.x, trace.customdata)
+                if r["turn"] == turn
+            ]
             if len(session.lanes[label].replies[turn].tokens) == len(ref.replies[turn].tokens):
                 assert rows[-1][1] == ref_end, (label, turn)
             elif len(session.lanes[label].replies[turn].tokens) > len(ref.replies[turn].tokens):
@@ -163,7 +180,10 @@ def test_a_strategy_keeps_its_colour_whatever_else_is_shown():
     assert colours([exact])[exact] == colours(["full", "h2o:budget=8", exact])[exact] == base_colour("kvdirect")
     both = colours([exact, fast])
     assert both[exact] != both[fast]
-    assert colours([fast, "tova:budget=8", exact]) == {**both, "tova:budget=8": colours(["tova:budget=8"])["tova:budget=8"]}
+    assert colours([fast, "tova:budget=8", exact]) == {
+        **both,
+        "tova:budget=8": colours(["tova:budget=8"])["tova:budget=8"],
+    }
 
 
 # --- byte figures: each names its instrument ----------------------------------
@@ -178,17 +198,40 @@ def measured_where(instrument: str, measured: dict[str, bool]) -> Session:
     session.apply({"type": "start", "strategies": list(measured), "memory": instrument})
     session.apply({"type": "turn", "turn": 0, "user": "Hi.", "chunk_ids": ids("Hi.")})
     for index in range(2):
-        lanes = {label: {"token_id": 65 + index, "text": "AB"[:index + 1], "active": index == 0, "seen": 3 + index,
-                         "persistent_bytes": 3 * 2**10 if m else None, "peak_bytes": 5 * 2**10 if m else None,
-                         "formula_bytes": FORMULA["between"], "formula_peak_bytes": FORMULA["peak"],
-                         "latency_ms": {"total": 1.0}, "kl_mean": 0.0} for label, m in measured.items()}
+        lanes = {
+            label: {
+                "token_id": 65 + index,
+                "text": "AB"[: index + 1],
+                "active": index == 0,
+                "seen": 3 + index,
+                "persistent_bytes": 3 * 2**10 if m else None,
+                "peak_bytes": 5 * 2**10 if m else None,
+                "formula_bytes": FORMULA["between"],
+                "formula_peak_bytes": FORMULA["peak"],
+                "latency_ms": {"total": 1.0},
+                "kl_mean": 0.0,
+            }
+            for label, m in measured.items()
+        }
         session.apply({"type": "step", "turn": 0, "index": index, "lanes": lanes})
-    session.apply({"type": "turn_end", "turn": 0, "texts": {label: "AB" for label in measured},
-                   "bytes": {label: {"turn": 0, "peak_during_turn": 5 * 2**10 if m else None,
-                                     "formula_peak_during_turn": FORMULA["peak"],
-                                     "between_turns": 3 * 2**10 if m else None,
-                                     "formula_between_turns": FORMULA["between"], "decode_ms_per_token": 1.0}
-                             for label, m in measured.items()}})
+    session.apply(
+        {
+            "type": "turn_end",
+            "turn": 0,
+            "texts": {label: "AB" for label in measured},
+            "bytes": {
+                label: {
+                    "turn": 0,
+                    "peak_during_turn": 5 * 2**10 if m else None,
+                    "formula_peak_during_turn": FORMULA["peak"],
+                    "between_turns": 3 * 2**10 if m else None,
+                    "formula_between_turns": FORMULA["between"],
+                    "decode_ms_per_token": 1.0,
+                }
+                for label, m in measured.items()
+            },
+        }
+    )
     return session
 
 
@@ -204,11 +247,15 @@ def board_cells(board: str) -> tuple[str, list[str], dict[str, list[str]]]:
 
 
 @pytest.mark.check
-@pytest.mark.parametrize("instrument, source, mark", [("allocator ledger (cpu)", "allocator", "ᵃ"),
-                                                      ("allocator trace (cpu)", "allocator", "ᵃ"),
-                                                      ("tensor storages the strategies list (cpu; declared, not "
-                                                       "measured)", "declared", "ᵈ")],
-                         ids=["allocator", "trace", "declared"])
+@pytest.mark.parametrize(
+    "instrument, source, mark",
+    [
+        ("allocator ledger (cpu)", "allocator", "ᵃ"),
+        ("allocator trace (cpu)", "allocator", "ᵃ"),
+        ("tensor storages the strategies list (cpu; declared, not measured)", "declared", "ᵈ"),
+    ],
+    ids=["allocator", "trace", "declared"],
+)
 def test_every_byte_figure_names_its_instrument_on_the_scoreboard_and_in_the_panes(instrument, source, mark):
     """A lane with no measured value shows the formula's figure: it carries the formula's mark, and the board's
     head names every instrument its figures come from (a legend of the marks; each byte column's tooltip names
@@ -257,6 +304,7 @@ def test_every_byte_figure_names_its_instrument_on_the_scoreboard_and_in_the_pan
 
 # --- replies -----------------------------------------------------------------
 
+
 def test_a_strategy_that_ends_its_reply_first_says_so_in_words():
     eos = byte_tokenizer().eos_token_id
     session = conversation({REFERENCE: ids("Hello world"), "window:budget=8": ids("Hello") + [eos]})
@@ -285,6 +333,7 @@ def test_a_character_cut_at_the_end_of_a_reply_shows_as_a_marker():
 
 
 # --- token map ---------------------------------------------------------------
+
 
 def test_only_anchor_layers_show_anchors(run):
     engine, _ = run
@@ -316,8 +365,9 @@ def test_the_token_map_wraps_inside_its_box():
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
         page = browser.new_page()
         page.set_content(page_html)
-        widths = page.evaluate("(() => { const m = document.querySelector('.kvd-map');"
-                               " return [m.scrollWidth, m.clientWidth]; })()")
+        widths = page.evaluate(
+            "(() => { const m = document.querySelector('.kvd-map'); return [m.scrollWidth, m.clientWidth]; })()"
+        )
         browser.close()
     assert widths[0] <= widths[1]
 
@@ -338,11 +388,18 @@ def test_the_banner_and_the_panes_say_what_each_exact_strategy_holds_on_this_mod
     gemma = service.config_geometry("gemma-3-4b", "bfloat16")
     assert "KV-Direct holds less than the full cache" in memory_banner("gemma", gemma)
 
-    session = Session(shown=["full", "kvdirect:budget=4", "h2o:budget=4"], memory_words=("qwen", memory_words("qwen", qwen)))
+    session = Session(
+        shown=["full", "kvdirect:budget=4", "h2o:budget=4"], memory_words=("qwen", memory_words("qwen", qwen))
+    )
     session.config = RunConfig("qwen", "cpu", "float32", tuple(session.shown), 4)
-    told = {label: re.findall(r'class="kvd-memory-told">([^<]*)<', pane_header(session, label)) for label in session.shown}
-    assert told == {"full": [], "kvdirect:budget=4": ["holds more than the full cache on this model (r = 3.50)"],
-                    "h2o:budget=4": []}
+    told = {
+        label: re.findall(r'class="kvd-memory-told">([^<]*)<', pane_header(session, label)) for label in session.shown
+    }
+    assert told == {
+        "full": [],
+        "kvdirect:budget=4": ["holds more than the full cache on this model (r = 3.50)"],
+        "h2o:budget=4": [],
+    }
     session.config = RunConfig("another", "cpu", "float32", tuple(session.shown), 4)
     assert "kvd-memory-told" not in pane_header(session, "kvdirect:budget=4")
 

@@ -76,26 +76,38 @@ def test_with_the_question_after_a_ratio_counts_the_context_alone(tiny):
     prompt tokens less the 166 of the question part, counted above): 172 at 0.5, 43 at 0.875; with the question
     inside the prompt, 255 and 63 of 510.  The compression is of the context: 1 - 43/344 = 0.875.  Mutation: the
     budget from the prompt's tokens (255)."""
-    cfg = benchmarks.TasksConfig(model="tiny-llama", contexts="512", depths="50", tasks="niah_single_number",
-                                 ratios="0.5,0.875", strategies="window", threads=1)
+    cfg = benchmarks.TasksConfig(
+        model="tiny-llama",
+        contexts="512",
+        depths="50",
+        tasks="niah_single_number",
+        ratios="0.5,0.875",
+        strategies="window",
+        threads=1,
+    )
     after = benchmarks.tasks(cfg, say=lambda line: None)
     assert after["question"] == "after"  # the default with --ratios
     cell = after["cells"][0]
     assert (cell["prompt_tokens"], cell["context_tokens"]) == (510, 344)
-    assert [cell["lanes"][k]["spec"] for k in ("window:ratio=0.5", "window:ratio=0.875")] == \
-        ["window:budget=172", "window:budget=43"]
+    assert [cell["lanes"][k]["spec"] for k in ("window:ratio=0.5", "window:ratio=0.875")] == [
+        "window:budget=172",
+        "window:budget=43",
+    ]
     rows = {r["spec"]: r for r in after["rows"]}
     assert rows["window:ratio=0.875"]["compression_ratio"] == pytest.approx(1 - 43 / 344)
     assert {r["question"] for r in after["leaderboard"]} == {"after"}
     inside = benchmarks.tasks(replace(cfg, question="with-context"), say=lambda line: None)
-    assert [inside["cells"][0]["lanes"][k]["spec"] for k in ("window:ratio=0.5", "window:ratio=0.875")] == \
-        ["window:budget=255", "window:budget=63"]
+    assert [inside["cells"][0]["lanes"][k]["spec"] for k in ("window:ratio=0.5", "window:ratio=0.875")] == [
+        "window:budget=255",
+        "window:budget=63",
+    ]
 
 
 @pytest.fixture
 def peek():
     """A strategy that keeps the newest tokens and notes the newest candidate of every step that evicts, registered
     for the test only."""
+
     class Peek(Scored):
         name = "peek-test"
         seen_at_eviction: list = []
@@ -184,8 +196,17 @@ def test_engine_refuses_a_turn_from_a_context_never_saved(tiny):
         list(engine.turn("q", save_context=True))
 
 
-MULTI = benchmarks.TasksConfig(model="tiny-llama", multiturn=True, contexts="512", tasks="niah_single_number",
-                               turns=3, samples=2, ratios="0.875", strategies="kvdirect,window,h2o", threads=1)
+MULTI = benchmarks.TasksConfig(
+    model="tiny-llama",
+    multiturn=True,
+    contexts="512",
+    tasks="niah_single_number",
+    turns=3,
+    samples=2,
+    ratios="0.875",
+    strategies="kvdirect,window,h2o",
+    threads=1,
+)
 
 
 def test_with_the_history_dropped_nothing_earlier_can_be_copied_and_exact_lanes_still_equal_the_full_cache():
@@ -213,13 +234,16 @@ def test_with_the_history_kept_the_from_context_score_follows_each_lanes_own_rep
             assert (r["from_context_low"], r["from_context_high"]) == stats.bootstrap_interval(values)
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--question", "before"], ["question", "'before'", "after, with-context"]),
-    (["--history", "drop"], ["history", "--multiturn"]),
-    (["--multiturn", "--history", "forget"], ["history", "'forget'", "keep, drop"]),
-    (["--multiturn", "--history", "drop", "--question", "with-context"], ["history", "drop", "--question after"]),
-    (["--multiturn", "--history", "drop", "--asked", "2,3"], ["asked", "--history drop"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--question", "before"], ["question", "'before'", "after, with-context"]),
+        (["--history", "drop"], ["history", "--multiturn"]),
+        (["--multiturn", "--history", "forget"], ["history", "'forget'", "keep, drop"]),
+        (["--multiturn", "--history", "drop", "--question", "with-context"], ["history", "drop", "--question after"]),
+        (["--multiturn", "--history", "drop", "--asked", "2,3"], ["asked", "--history drop"]),
+    ],
+)
 def test_bad_question_and_history_settings_get_one_line(args, words, capsys):
     code = main(["tasks", "--model", "tiny-llama", "--contexts", "512", "--tasks", "niah_single_number", *args])
     err = capsys.readouterr().err.strip()
@@ -241,8 +265,9 @@ def test_one_lower_sample_of_45_is_not_a_change_and_10_of_10_is():
     assert (one["verdict"], one["p"], one["samples"], one["lower"], one["higher"]) == (stats.NO_CHANGE, 0.5, 45, 1, 0)
     ten = stats.changes([-0.5] * 10)
     assert (ten["verdict"], ten["p"]) == (stats.CHANGES, 1 / 1024)
-    assert stats.changes([-1.0] * 4)["verdict"] == stats.TOO_FEW and stats.changes([-1.0] * 5)["verdict"] == \
-        stats.CHANGES
+    assert (
+        stats.changes([-1.0] * 4)["verdict"] == stats.TOO_FEW and stats.changes([-1.0] * 5)["verdict"] == stats.CHANGES
+    )
     assert stats.changes([1.0] * 20)["verdict"] == stats.NO_CHANGE  # higher is not a loss
 
 

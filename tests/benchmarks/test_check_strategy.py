@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = "examples/random_eviction.py:RandomEviction"
 TINY = ("tiny-llama", "tiny-gemma3")
 
-BROKEN = '''
+BROKEN = """
 from dataclasses import dataclass
 import threading
 import torch
@@ -76,7 +76,7 @@ class HiddenClone(Window):
 
 class NotAStrategy:
     pass
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +99,18 @@ def test_the_example_passes_every_rule_on_every_model():
     findings = conformance.check(EXAMPLE)
     assert not _failed(findings), _failed(findings)
     assert {f.model for f in findings} == set(conformance.MODELS)
-    assert {f.rule for f in findings} == {"contract", "scores", "read-only step", "budget", "determinism", "bytes",
-                                          "nothing hidden", "sliding layers", "against the full cache", "time"}
+    assert {f.rule for f in findings} == {
+        "contract",
+        "scores",
+        "read-only step",
+        "budget",
+        "determinism",
+        "bytes",
+        "nothing hidden",
+        "sliding layers",
+        "against the full cache",
+        "time",
+    }
 
 
 @pytest.mark.check
@@ -111,13 +121,16 @@ def test_every_built_in_passes(spec):
 
 
 @pytest.mark.check
-@pytest.mark.parametrize("cls, rule, words", [
-    ("Short", "contract", "score() returned (1, 1,"),
-    ("NotANumber", "contract", "score() returned NaN"),
-    ("OverBudget", "contract", "more than the"),
-    ("HiddenNumpy", "nothing hidden", "outside torch"),
-    ("HiddenClone", "bytes", "measured differs from its formula"),
-])
+@pytest.mark.parametrize(
+    "cls, rule, words",
+    [
+        ("Short", "contract", "score() returned (1, 1,"),
+        ("NotANumber", "contract", "score() returned NaN"),
+        ("OverBudget", "contract", "more than the"),
+        ("HiddenNumpy", "nothing hidden", "outside torch"),
+        ("HiddenClone", "bytes", "measured differs from its formula"),
+    ],
+)
 def test_a_strategy_that_breaks_a_rule_fails_that_rule_in_one_line(broken, cls, rule, words, capsys):
     """Each failure is one line naming the rule, the model and the step; the command exits 1.  Mutations: the
     engine's contract checks removed (Short, NotANumber, OverBudget pass), the outside-torch rule removed
@@ -129,17 +142,22 @@ def test_a_strategy_that_breaks_a_rule_fails_that_rule_in_one_line(broken, cls, 
 
 
 @pytest.mark.check
-@pytest.mark.parametrize("spec, words", [
-    ("{broken}:NotAStrategy", "NotAStrategy is not a strategy"),
-    ("{broken}:Missing", "no class Missing"),
-    ("nowhere/none.py:Mine", "no such file"),
-    ("no_such_package.strategies:Mine", "the module cannot be imported"),
-    ("{broken}:Short:budget=0", "budget=0 must be >= 1"),
-    ("{broken}:Short:colour=red", "unknown setting 'colour'"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("{broken}:NotAStrategy", "NotAStrategy is not a strategy"),
+        ("{broken}:Missing", "no class Missing"),
+        ("nowhere/none.py:Mine", "no such file"),
+        ("no_such_package.strategies:Mine", "the module cannot be imported"),
+        ("{broken}:Short:budget=0", "budget=0 must be >= 1"),
+        ("{broken}:Short:colour=red", "unknown setting 'colour'"),
+    ],
+)
 def test_a_bad_file_or_module_spec_is_one_line(broken, spec, words, capsys):
-    assert main(["run", "--model", "tiny-llama", "--prompt", "Hi", "--strategies",
-                 "full," + spec.format(broken=broken)]) == 2
+    assert (
+        main(["run", "--model", "tiny-llama", "--prompt", "Hi", "--strategies", "full," + spec.format(broken=broken)])
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err, err
 
@@ -149,13 +167,33 @@ def test_a_file_spec_runs_with_the_figures_a_built_in_gets(tmp_path):
     """The example's class in a file outside the package, in `bench run`: a strategy whose every choice equals the
     window's (score = position) gets the window's tokens, bytes and formula check; its label is its spec."""
     mine = tmp_path / "mine.py"
-    mine.write_text("from dataclasses import dataclass\nfrom kvdirect_app.strategies.scored import Scored\n\n\n"
-                    "@dataclass\nclass Newest(Scored):\n    def score(self, step):\n"
-                    "        return step.positions.float()\n")
+    mine.write_text(
+        "from dataclasses import dataclass\nfrom kvdirect_app.strategies.scored import Scored\n\n\n"
+        "@dataclass\nclass Newest(Scored):\n    def score(self, step):\n"
+        "        return step.positions.float()\n"
+    )
     out = tmp_path / "run.json"
     spec = f"{mine}:Newest:budget=6"
-    assert main(["run", "--model", "tiny-llama", "--prompt", "Tell me about the sea and the sky.", "--threads", "1",
-                 "--max-new-tokens", "5", "--strategies", f"full,window:budget=6,{spec}", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                "tiny-llama",
+                "--prompt",
+                "Tell me about the sea and the sky.",
+                "--threads",
+                "1",
+                "--max-new-tokens",
+                "5",
+                "--strategies",
+                f"full,window:budget=6,{spec}",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())["strategies"]
     theirs, window = result[spec], result["window:budget=6"]
     assert theirs["token_ids"] == window["token_ids"] and theirs["canonical_spec"] == f"{mine}:Newest:budget=6"
@@ -174,13 +212,31 @@ def test_a_module_spec_runs_in_tasks_and_sweep(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{ROOT}")
     spec = "mystrategies.random_eviction:RandomEviction"
-    out = benchmarks.tasks(benchmarks.TasksConfig(model="tiny-llama", contexts="512", depths="50",
-                                                  tasks="niah_single_number", budgets="8", strategies=spec,
-                                                  threads=1, executor="local"), say=lambda line: None)
+    out = benchmarks.tasks(
+        benchmarks.TasksConfig(
+            model="tiny-llama",
+            contexts="512",
+            depths="50",
+            tasks="niah_single_number",
+            budgets="8",
+            strategies=spec,
+            threads=1,
+            executor="local",
+        ),
+        say=lambda line: None,
+    )
     assert f"{spec}:budget=8" in out["cells"][0]["lanes"]
-    sweep = benchmarks.sweep(benchmarks.SweepConfig(model="tiny-llama", prompt="Tell me about caches.",
-                                                    strategies=spec, budgets="4,8", max_new_tokens=3, threads=1),
-                             say=lambda line: None)
+    sweep = benchmarks.sweep(
+        benchmarks.SweepConfig(
+            model="tiny-llama",
+            prompt="Tell me about caches.",
+            strategies=spec,
+            budgets="4,8",
+            max_new_tokens=3,
+            threads=1,
+        ),
+        say=lambda line: None,
+    )
     assert [r["spec"] for r in sweep["rows"]] == [f"{spec}:budget=4", f"{spec}:budget=8"]
 
 
@@ -208,4 +264,3 @@ def test_a_subclass_never_takes_a_registered_strategys_name():
 
     assert Strategy.registry["window"] is before and type(parse_spec("window")) is before
     assert "Quiet" not in Strategy.registry
-

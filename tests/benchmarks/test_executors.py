@@ -22,8 +22,21 @@ from kvdirect_app.plain.errors import UserError
 
 from ..runs import differences
 
-SWEEP = ["sweep", "--model", "tiny-llama", "--prompt", "Hello there, how are you today?",
-         "--strategies", "window,h2o,snapkv:window=4", "--budgets", "4,8", "--max-new-tokens", "4", "--threads", "1"]
+SWEEP = [
+    "sweep",
+    "--model",
+    "tiny-llama",
+    "--prompt",
+    "Hello there, how are you today?",
+    "--strategies",
+    "window,h2o,snapkv:window=4",
+    "--budgets",
+    "4,8",
+    "--max-new-tokens",
+    "4",
+    "--threads",
+    "1",
+]
 # Keys whose values are times or process sizes: they differ from run to run, whoever runs it.
 TIMING = re.compile(r"(^|_)ms(_|$)|seconds|per_s$|rss")
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,7 +122,8 @@ def wait_for_file(cell: dict):
 # --- (a) the same rows whoever runs the cells -------------------------------------------------------------------
 def test_the_in_process_sweep_has_its_rows(in_process):
     assert {(r["strategy"], r["budget"]) for r in in_process["rows"]} == {
-        (s, b) for s in ("window", "h2o", "snapkv:window=4") for b in (4, 8)}
+        (s, b) for s in ("window", "h2o", "snapkv:window=4") for b in (4, 8)
+    }
     assert untimed(in_process) != in_process  # there are timing fields to drop
 
 
@@ -119,10 +133,13 @@ def test_sweep_on_the_local_process_pool_gives_the_in_process_json(in_process, t
     assert "budget 4 (cell 1 of 2, local)" in err and "budget 8 (cell 2 of 2, local)" in err
     done = [line for line in err.splitlines() if " done: " in line]  # a line per finished cell, as it finishes
     assert len(done) == 2 and done[-1].endswith("all done") and " done: 1 of 2 in " in done[0], done
-    assert {line.split(" done:")[0] for line in done} == {"cell 1 of 2 (tiny-llama budget=4)",
-                                                         "cell 2 of 2 (tiny-llama budget=8)"}
-    assert [(r["strategy"], r["budget"]) for r in data["rows"]] == [(r["strategy"], r["budget"])
-                                                                    for r in in_process["rows"]]
+    assert {line.split(" done:")[0] for line in done} == {
+        "cell 1 of 2 (tiny-llama budget=4)",
+        "cell 2 of 2 (tiny-llama budget=8)",
+    }
+    assert [(r["strategy"], r["budget"]) for r in data["rows"]] == [
+        (r["strategy"], r["budget"]) for r in in_process["rows"]
+    ]
     assert not differences(untimed(data), untimed(in_process)), differences(untimed(data), untimed(in_process))
 
 
@@ -159,10 +176,12 @@ def test_a_run_killed_leaves_no_worker_computing_for_nobody(tmp_path):
     import subprocess
     import time
 
-    script = ("from kvdirect_app.benchmarks.executors import run_cells; "
-              "from tests.benchmarks.test_executors import sleep_and_say; "
-              f"run_cells(sleep_and_say, [{{'x': x, 'folder': {str(tmp_path)!r}}} for x in range(2)], 'local', "
-              "workers=2)")
+    script = (
+        "from kvdirect_app.benchmarks.executors import run_cells; "
+        "from tests.benchmarks.test_executors import sleep_and_say; "
+        f"run_cells(sleep_and_say, [{{'x': x, 'folder': {str(tmp_path)!r}}} for x in range(2)], 'local', "
+        "workers=2)"
+    )
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
     try:
         deadline = time.monotonic() + 90
@@ -204,8 +223,10 @@ def test_each_cell_is_said_as_it_finishes_with_the_time_left(executor, request, 
     lines = []
     cells = [{"name": "slow", "path": str(tmp_path / "flag")}, {"name": "fast", "path": str(tmp_path / "flag")}]
     assert run_cells(wait_for_file, cells, executor, workers=2, say=lines.append) == ["slow", "fast"]
-    assert [line.split(" in ")[0] for line in lines] == ["cell 2 of 2 (fast) done: 1 of 2",
-                                                         "cell 1 of 2 (slow) done: 2 of 2"], lines
+    assert [line.split(" in ")[0] for line in lines] == [
+        "cell 2 of 2 (fast) done: 1 of 2",
+        "cell 1 of 2 (slow) done: 2 of 2",
+    ], lines
     assert re.fullmatch(r"cell 2 of 2 \(fast\) done: 1 of 2 in \d+ s, about \d+ s left", lines[0]), lines
     assert re.fullmatch(r"cell 1 of 2 \(slow\) done: 2 of 2 in \d+ s, all done", lines[1]), lines
 
@@ -219,10 +240,18 @@ def test_the_time_left_is_the_time_so_far_per_finished_cell_times_the_cells_left
     ticker = executors.Ticker([{"name": "a"}, {"name": "b"}, {"name": "c"}, {"name": "d"}], lines.append)
     ticker.done(2)
     ticker.done(0)
-    assert lines == ["cell 3 of 4 (c) done: 1 of 4 in 30 s, about 1 min 30 s left",
-                     "cell 1 of 4 (a) done: 2 of 4 in 1 min 30 s, about 1 min 30 s left"]
+    assert lines == [
+        "cell 3 of 4 (c) done: 1 of 4 in 30 s, about 1 min 30 s left",
+        "cell 1 of 4 (a) done: 2 of 4 in 1 min 30 s, about 1 min 30 s left",
+    ]
     assert [executors.clock(s) for s in (0.4, 59.6, 61, 3599, 3600, 7322)] == [
-        "0 s", "1 min 00 s", "1 min 01 s", "59 min 59 s", "1 h 00 min", "2 h 02 min"]
+        "0 s",
+        "1 min 00 s",
+        "1 min 01 s",
+        "59 min 59 s",
+        "1 h 00 min",
+        "2 h 02 min",
+    ]
 
 
 # --- (b) bad executors: one line, status 2 ----------------------------------------------------------------------
@@ -247,11 +276,14 @@ def test_ray_asked_for_but_not_installed_is_one_line_never_a_local_run(monkeypat
     assert f"error: {info.value}\n" == RAY_MISSING
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--workers", "2"], "--workers: only with --executor local"),
-    (["--executor", "local", "--workers", "0"], "--workers: 0 is not allowed; allowed: whole numbers >= 1"),
-    (["--executor", "local", "--equal-memory"], "--executor: not with --equal-memory"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--workers", "2"], "--workers: only with --executor local"),
+        (["--executor", "local", "--workers", "0"], "--workers: 0 is not allowed; allowed: whole numbers >= 1"),
+        (["--executor", "local", "--equal-memory"], "--executor: not with --equal-memory"),
+    ],
+)
 def test_sweep_refuses_bad_executor_options_with_one_line(args, words, capsys):
     code = bench.main([*SWEEP, *args])
     err = capsys.readouterr().err
@@ -298,16 +330,18 @@ def test_every_finished_cell_is_kept_before_a_failing_cells_error_even_one_that_
         run_cells(slow_or_fail, cells, "local", workers=2, keep=lambda i, result: kept.update({i: result}))
     assert kept == {0: 3}
     kept.clear()
-    assert run_cells(slow_or_fail, [{"x": 1}, {"x": 3}], "local", workers=2,
-                     keep=lambda i, result: kept.update({i: result})) == [1, 3]
+    assert run_cells(
+        slow_or_fail, [{"x": 1}, {"x": 3}], "local", workers=2, keep=lambda i, result: kept.update({i: result})
+    ) == [1, 3]
     assert kept == {0: 1, 1: 3}
 
 
 def test_a_cell_asking_more_cpus_than_the_local_ray_has_is_refused_before_ray_starts(small_local_ray):
     with pytest.raises(ExecutorError) as info:
         run_cells(square_or_fail, [{"x": 1, "threads": 3}], "ray")
-    assert str(info.value) == ("resources: a cell asks for 3 CPUs; the local Ray has 2 "
-                               "(lower --threads, or give RAY_ADDRESS)")
+    assert str(info.value) == (
+        "resources: a cell asks for 3 CPUs; the local Ray has 2 (lower --threads, or give RAY_ADDRESS)"
+    )
     assert not small_local_ray.is_initialized()
 
 
@@ -335,4 +369,3 @@ def test_a_strategy_file_travels_with_its_ray_task(small_local_ray, tmp_path, mo
     gone = carried[0]
     mine.unlink()
     assert run_cells(strategy_spec, [gone], "ray") == [spec]
-

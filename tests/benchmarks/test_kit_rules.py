@@ -26,25 +26,36 @@ BROKEN = "tests/broken_strategies.py"
 
 
 def _kit(cls: str, models: str = "tiny-llama") -> tuple[int, list[str]]:
-    done = subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "check-strategy", f"{BROKEN}:{cls}",
-                           "--models", models], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvdirect_app.bench", "check-strategy", f"{BROKEN}:{cls}", "--models", models],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return done.returncode, (done.stdout + done.stderr).splitlines()
 
 
-@pytest.mark.parametrize("cls, rule, words", [
-    ("Inflated", "against the full cache", "it claims exactness (claims_exact)"),
-    ("NeverEvicts", "budget", "more than the 8 Window keeps there at budget=8"),
-    ("FourTimes", "budget", "layer 0 holds 32 tokens"),
-    ("Hoards", "budget", "holds 69,248 B after turn 1, more than the 8,320 B Window holds there at budget=8"),
-    ("Unseeded", "determinism", "two runs of the same spec"),
-    ("EditsKeys", "read-only step", "score() changed the step's keys in place at evicting layer 1"),
-    ("HalfScores", "scores", "score() returned float16 scores"),
-    ("Overflows", "scores", "candidates with +inf at evicting layer 1 of 4, at a prompt piece of 3 token(s)"),
-    ("Slow", "time", "score() took 1.0"),
-    ("MetaScores", "scores", "score() returned scores on meta"),
-    ("BadFormula", "contract", "the run raised ZeroDivisionError: integer division or modulo by zero at turn 1's "
-                               "prompt"),
-])
+@pytest.mark.parametrize(
+    "cls, rule, words",
+    [
+        ("Inflated", "against the full cache", "it claims exactness (claims_exact)"),
+        ("NeverEvicts", "budget", "more than the 8 Window keeps there at budget=8"),
+        ("FourTimes", "budget", "layer 0 holds 32 tokens"),
+        ("Hoards", "budget", "holds 69,248 B after turn 1, more than the 8,320 B Window holds there at budget=8"),
+        ("Unseeded", "determinism", "two runs of the same spec"),
+        ("EditsKeys", "read-only step", "score() changed the step's keys in place at evicting layer 1"),
+        ("HalfScores", "scores", "score() returned float16 scores"),
+        ("Overflows", "scores", "candidates with +inf at evicting layer 1 of 4, at a prompt piece of 3 token(s)"),
+        ("Slow", "time", "score() took 1.0"),
+        ("MetaScores", "scores", "score() returned scores on meta"),
+        (
+            "BadFormula",
+            "contract",
+            "the run raised ZeroDivisionError: integer division or modulo by zero at turn 1's prompt",
+        ),
+    ],
+)
 def test_each_broken_strategy_fails_its_rule_in_one_line(cls, rule, words):
     """Exit 1, no traceback, every line a finding (or the total), and exactly one FAIL line: the rule's."""
     code, lines = _kit(cls)
@@ -63,8 +74,10 @@ def test_a_strategy_that_raises_fails_in_one_line_and_the_kit_goes_on():
     assert code == 1 and not any("Traceback" in line for line in lines), lines
     failed = [line for line in lines if line.startswith("FAIL")]
     assert len(failed) == 2 and all(line.startswith("FAIL contract on ") for line in failed), failed
-    assert all("score() raised ValueError: no scores for a second prompt at evicting layer 1" in line and
-               ", turn 2 " in line for line in failed), failed
+    assert all(
+        "score() raised ValueError: no scores for a second prompt at evicting layer 1" in line and ", turn 2 " in line
+        for line in failed
+    ), failed
     assert any(line.startswith("ok   scores on tiny-gemma3") for line in lines), lines
 
 

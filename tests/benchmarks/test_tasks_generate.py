@@ -73,8 +73,10 @@ def test_another_seed_gives_other_needles(tok):
         assert set(a.answers).isdisjoint(b.answers), task
         assert a.user != b.user
     # QA: the seed walks the question set
-    questions = {g.sample("qa", tok, 512, 50, seed, "document").user.rsplit("Question: ", 1)[1]
-                 for seed in range(len(qa.QUESTIONS))}
+    questions = {
+        g.sample("qa", tok, 512, 50, seed, "document").user.rsplit("Question: ", 1)[1]
+        for seed in range(len(qa.QUESTIONS))
+    }
     assert len(questions) == len(qa.QUESTIONS)
 
 
@@ -94,7 +96,7 @@ def test_needle_at_the_asked_depth(tok, context, haystack):
                 if depth == 0:
                     assert lines[0] == _placed(s)
                 if depth == 100 and task not in ("niah_multikey",):  # all needles at the end
-                    assert lines[-len(_needles(s)):] == _needles(s)
+                    assert lines[-len(_needles(s)) :] == _needles(s)
                 if task == "variable_tracking":  # each name in its chain lines only
                     assert [_context(s).count(n) for n in s.answers] == [2, 2, 2, 2, 1]
                 else:
@@ -122,8 +124,9 @@ def test_prompt_is_as_long_as_asked_never_longer(tok):
                 assert context - 6 <= n <= context, (task, haystack, context, n)
     s = g.sample("niah_single_number", tok, 600, 50, 0)
     chat = tok.apply_chat_template([{"role": "user", "content": s.user}], tokenize=False, add_generation_prompt=True)
-    assert g.prompt_ids(s, tok) == (tok(chat, add_special_tokens=False)["input_ids"]
-                                    + tok(s.answer_prefix, add_special_tokens=False)["input_ids"])
+    assert g.prompt_ids(s, tok) == (
+        tok(chat, add_special_tokens=False)["input_ids"] + tok(s.answer_prefix, add_special_tokens=False)["input_ids"]
+    )
     assert g.prompt_text(s, tok) == chat + s.answer_prefix
 
 
@@ -161,8 +164,12 @@ def test_the_qa_set_against_the_document():
 
 def test_each_qa_answer_is_in_its_context_once(tok):
     for seed, q in enumerate(qa.QUESTIONS):
-        for context, depth, haystack in ((512, 0, "document"), (512, 50, "document"), (512, 100, "document"),
-                                         (512, 50, "noise")) + (((2048, 50, "document"),) if seed % 3 == 0 else ()):
+        for context, depth, haystack in (
+            (512, 0, "document"),
+            (512, 50, "document"),
+            (512, 100, "document"),
+            (512, 50, "noise"),
+        ) + (((2048, 50, "document"),) if seed % 3 == 0 else ()):
             s = g.sample("qa", tok, context, depth, seed, haystack)
             assert s.answers == q.answers
             assert qa.occurrences(_context(s), q.answers[0]) == 1, (seed, context, depth, haystack)
@@ -194,13 +201,20 @@ def test_scores(tok):
     assert g.score(q, " 122 metres") == 0.0 and g.score(q, " fourteen nautical miles") == 0.0
 
 
-@pytest.mark.parametrize("args,setting", [
-    (("niah_single_number", 512, -1, 0), "depth"), (("niah_single_number", 512, 100.5, 0), "depth"),
-    (("niah_single_number", 512, float("nan"), 0), "depth"), (("niah_single_number", 512, True, 0), "depth"),
-    (("niah", 512, 50, 0), "task"), (("niah_single_number", 0, 50, 0), "context"),
-    (("niah_single_number", "512", 50, 0), "context"), (("qa", 200, 50, 0), "context"),
-    (("niah_single_number", 512, 50, 1.5), "seed"),
-])
+@pytest.mark.parametrize(
+    "args,setting",
+    [
+        (("niah_single_number", 512, -1, 0), "depth"),
+        (("niah_single_number", 512, 100.5, 0), "depth"),
+        (("niah_single_number", 512, float("nan"), 0), "depth"),
+        (("niah_single_number", 512, True, 0), "depth"),
+        (("niah", 512, 50, 0), "task"),
+        (("niah_single_number", 0, 50, 0), "context"),
+        (("niah_single_number", "512", 50, 0), "context"),
+        (("qa", 200, 50, 0), "context"),
+        (("niah_single_number", 512, 50, 1.5), "seed"),
+    ],
+)
 def test_bad_settings_are_one_line(tok, args, setting):
     task, context, depth, seed = args
     with pytest.raises(ValueError) as info:
@@ -208,9 +222,11 @@ def test_bad_settings_are_one_line(tok, args, setting):
     message = str(info.value)
     assert isinstance(info.value, g.SampleError) and "\n" not in message
     assert message.startswith(f"{setting}: ") and "allowed: " in message
-    for call, name in ((lambda: g.sample("qa", tok, 512, 50, 0, haystack="essay"), "haystack"),
-                       (lambda: g.sample("qa", tok, 512, 50, 0, chat="yes"), "chat"),
-                       (lambda: tokenizer_for("nope"), "preset")):
+    for call, name in (
+        (lambda: g.sample("qa", tok, 512, 50, 0, haystack="essay"), "haystack"),
+        (lambda: g.sample("qa", tok, 512, 50, 0, chat="yes"), "chat"),
+        (lambda: tokenizer_for("nope"), "preset"),
+    ):
         with pytest.raises(g.SampleError, match=f"^{name}: .*allowed: "):
             call()
 
@@ -249,8 +265,11 @@ def _text_depth(c: g.Conversation, n: int, tok) -> float:
     generator counts its haystack) before that needle, in percent."""
     ctx = _turn1_context(c)
     at = ctx.index(_asked(c, n))
-    needles = set() if c.haystack == "document" and c.task == "qa" else {
-        _asked(c, k) for k in range(len(c.turns)) if c.turns[k].answers}
+    needles = (
+        set()
+        if c.haystack == "document" and c.task == "qa"
+        else {_asked(c, k) for k in range(len(c.turns)) if c.turns[k].answers}
+    )
     strip = lambda text: " ".join(x.strip() for x in text.split("\n") if x.strip() and x not in needles)
     count = lambda text: len(tok(strip(text), add_special_tokens=False)["input_ids"]) if strip(text) else 0
     return 100.0 * count(ctx[:at]) / count(ctx)
@@ -343,20 +362,25 @@ def test_asked_turns_ask_about_turn_one_and_the_turns_between_chat(tok, task, ha
     assert [n + 1 for n, x in enumerate(scores) if x is not None] == [5, 10, 20] and set(scores) == {None, 1.0}
     both = g.conversation(task, tok, 1024, 6, 1, haystack, asked=(1, 6))  # turn 1 asks too
     assert both.turns[0].answers and both.turns[0].question in both.turns[0].user and both.turns[5].answers
-    assert g.conversation(task, tok, 1024, 5, 0, haystack) == g.conversation(task, tok, 1024, 5, 0, haystack, asked=None)
+    assert g.conversation(task, tok, 1024, 5, 0, haystack) == g.conversation(
+        task, tok, 1024, 5, 0, haystack, asked=None
+    )
 
 
-@pytest.mark.parametrize("args, words", [
-    (("niah_single_number", 1024, 5, 0, "noise", True, (0, 5)), ["asked", "1..5"]),
-    (("niah_single_number", 1024, 5, 0, "noise", True, (5, 3)), ["asked", "increasing"]),
-    (("niah_single_number", 1024, 5, 0, "noise", True, ()), ["asked", "at least one"]),
-    (("niah_multikey", 1024, 3, 0, "noise"), ["task", "no multi-turn form", "niah_single_number", "qa"]),
-    (("niah_single_number", 1024, 1, 0, "noise"), ["turns", "2..20"]),
-    (("niah_single_number", 1024, 21, 0, "noise"), ["turns", "2..20"]),
-    (("qa", 1024, 8, 0, "document"), ["context", "turns up to", "longer context"]),
-    (("qa", 2048, 9, 0, "noise"), ["turns", "qa", "up to 8"]),
-    (("qa", 300, 3, 0, "noise"), ["context", "too small", "at least"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("niah_single_number", 1024, 5, 0, "noise", True, (0, 5)), ["asked", "1..5"]),
+        (("niah_single_number", 1024, 5, 0, "noise", True, (5, 3)), ["asked", "increasing"]),
+        (("niah_single_number", 1024, 5, 0, "noise", True, ()), ["asked", "at least one"]),
+        (("niah_multikey", 1024, 3, 0, "noise"), ["task", "no multi-turn form", "niah_single_number", "qa"]),
+        (("niah_single_number", 1024, 1, 0, "noise"), ["turns", "2..20"]),
+        (("niah_single_number", 1024, 21, 0, "noise"), ["turns", "2..20"]),
+        (("qa", 1024, 8, 0, "document"), ["context", "turns up to", "longer context"]),
+        (("qa", 2048, 9, 0, "noise"), ["turns", "qa", "up to 8"]),
+        (("qa", 300, 3, 0, "noise"), ["context", "too small", "at least"]),
+    ],
+)
 def test_bad_conversation_settings_are_one_line(tok, args, words):
     with pytest.raises(g.SampleError) as e:
         g.conversation(args[0], tok, *args[1:])

@@ -16,8 +16,15 @@ from kvdirect_app.cli import main
 from kvdirect_app.plain.schema import SchemaError, stamp, validate
 from kvdirect_app.strategies.window import Window
 
-TINY = benchmarks.TasksConfig(model="tiny-llama", contexts="512", depths="0,100", tasks="niah_single_number",
-                              budgets="8,64", strategies="kvdirect,anchorkv,window,h2o", threads=1)
+TINY = benchmarks.TasksConfig(
+    model="tiny-llama",
+    contexts="512",
+    depths="0,100",
+    tasks="niah_single_number",
+    budgets="8,64",
+    strategies="kvdirect,anchorkv,window,h2o",
+    threads=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +35,21 @@ def tiny_result():
 @pytest.mark.check
 def test_every_lane_answers_every_sample_and_exact_lanes_equal_the_full_cache(tiny_result):
     out = tiny_result
-    assert [(c["task"], c["context"], c["depth"]) for c in out["cells"]] == [("niah_single_number", 512, 0),
-                                                                          ("niah_single_number", 512, 100)]
-    specs = ["full", "kvdirect:budget=8", "kvdirect:budget=64", "anchorkv:budget=8", "anchorkv:budget=64",
-             "window:budget=8", "window:budget=64", "h2o:budget=8", "h2o:budget=64"]
+    assert [(c["task"], c["context"], c["depth"]) for c in out["cells"]] == [
+        ("niah_single_number", 512, 0),
+        ("niah_single_number", 512, 100),
+    ]
+    specs = [
+        "full",
+        "kvdirect:budget=8",
+        "kvdirect:budget=64",
+        "anchorkv:budget=8",
+        "anchorkv:budget=64",
+        "window:budget=8",
+        "window:budget=64",
+        "h2o:budget=8",
+        "h2o:budget=64",
+    ]
     for cell in out["cells"]:
         assert list(cell["lanes"]) == specs and cell["prompt_tokens"] <= 512
         for spec, lane in cell["lanes"].items():
@@ -47,7 +65,8 @@ def test_every_lane_answers_every_sample_and_exact_lanes_equal_the_full_cache(ti
         mean = sum(c["lanes"][spec]["score"] for c in out["cells"]) / 2
         assert rows[spec]["score"] == mean and rows[spec]["cells"] == 2
     assert rows["window:budget=8"]["compression_ratio"] == pytest.approx(
-        sum(1 - 8 / c["prompt_tokens"] for c in out["cells"]) / 2)
+        sum(1 - 8 / c["prompt_tokens"] for c in out["cells"]) / 2
+    )
     assert rows["kvdirect:budget=8"]["compression_ratio"] == 0  # keeps (or rebuilds) every token's K/V
     assert [h["depth"] for h in out["heatmap"]["full"]] == [0, 100]
     validate(stamp("tasks", out))
@@ -63,33 +82,36 @@ def test_the_exactness_check_fails_when_a_lossy_lane_claims_to_be_exact(monkeypa
 
 
 @pytest.mark.check
-@pytest.mark.parametrize("args, words", [
-    (["--depths", "101"], ["depths", "0..100"]),
-    (["--depths", "50,50"], ["depths", "twice"]),
-    (["--contexts", "900000"], ["contexts", "context of 1024"]),
-    (["--contexts", "100"], ["context", "too small", "at least"]),
-    (["--tasks", "needle"], ["tasks", "niah_single_number", "qa"]),
-    (["--haystack", "hay"], ["haystack", "noise", "document"]),
-    (["--budgets", "0"], ["budgets", "1.."]),
-    (["--strategies", "window:budget=4"], ["budget", "remove budget="]),
-    (["--strategies", "nothing"], ["nothing"]),
-    (["--samples", "0"], ["samples", "1..1000"]),
-    (["--ratios", "0"], ["ratios", "above 0 and below 1"]),
-    (["--ratios", "1.5"], ["ratios", "above 0 and below 1"]),
-    (["--ratios", "half"], ["ratios", "'half'", "kvpress"]),
-    (["--ratios", "0.5,0.50"], ["ratios", "0.5 is listed twice"]),
-    (["--multiturn", "--turns", "1"], ["turns", "2..20"]),
-    (["--turns", "3"], ["turns", "--multiturn"]),
-    (["--multiturn", "--depths", "50"], ["depths", "--multiturn", "leave it out"]),
-    (["--multiturn", "--tasks", "niah_multikey"], ["tasks", "'niah_multikey'", "niah_single_number", "qa"]),
-    (["--multiturn", "--asked", "6"], ["asked", "'6'", "1..5"]),
-    (["--asked", "2"], ["asked", "--multiturn"]),
-    (["--multiturn", "--turns", "0"], ["--turns", "0 is not allowed", "2..20"]),
-    (["--threads", "0"], ["--threads", "0 is not allowed", ">= 1"]),
-    (["--threads", "-1"], ["--threads", "-1 is not allowed", ">= 1"]),
-    (["--workers", "0"], ["--workers", ">= 1"]),
-    (["--multiturn", "--turns", "20", "--asked", "5,10,20"], ["turns", "leave no room", "allowed: up to", "turns"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--depths", "101"], ["depths", "0..100"]),
+        (["--depths", "50,50"], ["depths", "twice"]),
+        (["--contexts", "900000"], ["contexts", "context of 1024"]),
+        (["--contexts", "100"], ["context", "too small", "at least"]),
+        (["--tasks", "needle"], ["tasks", "niah_single_number", "qa"]),
+        (["--haystack", "hay"], ["haystack", "noise", "document"]),
+        (["--budgets", "0"], ["budgets", "1.."]),
+        (["--strategies", "window:budget=4"], ["budget", "remove budget="]),
+        (["--strategies", "nothing"], ["nothing"]),
+        (["--samples", "0"], ["samples", "1..1000"]),
+        (["--ratios", "0"], ["ratios", "above 0 and below 1"]),
+        (["--ratios", "1.5"], ["ratios", "above 0 and below 1"]),
+        (["--ratios", "half"], ["ratios", "'half'", "kvpress"]),
+        (["--ratios", "0.5,0.50"], ["ratios", "0.5 is listed twice"]),
+        (["--multiturn", "--turns", "1"], ["turns", "2..20"]),
+        (["--turns", "3"], ["turns", "--multiturn"]),
+        (["--multiturn", "--depths", "50"], ["depths", "--multiturn", "leave it out"]),
+        (["--multiturn", "--tasks", "niah_multikey"], ["tasks", "'niah_multikey'", "niah_single_number", "qa"]),
+        (["--multiturn", "--asked", "6"], ["asked", "'6'", "1..5"]),
+        (["--asked", "2"], ["asked", "--multiturn"]),
+        (["--multiturn", "--turns", "0"], ["--turns", "0 is not allowed", "2..20"]),
+        (["--threads", "0"], ["--threads", "0 is not allowed", ">= 1"]),
+        (["--threads", "-1"], ["--threads", "-1 is not allowed", ">= 1"]),
+        (["--workers", "0"], ["--workers", ">= 1"]),
+        (["--multiturn", "--turns", "20", "--asked", "5,10,20"], ["turns", "leave no room", "allowed: up to", "turns"]),
+    ],
+)
 def test_bad_settings_get_one_line_naming_the_setting(args, words, capsys):
     code = main(["tasks", "--model", "tiny-llama", "--contexts", "512", "--tasks", "niah_single_number", *args])
     err = capsys.readouterr().err.strip()
@@ -129,18 +151,34 @@ def test_the_shipped_result_is_a_valid_tasks_file_whose_exact_answers_equal_the_
     for cell in result["cells"]:
         for lane in cell["lanes"].values():
             assert not lane["exact"] or lane["equal_full"]
-    assert {r["strategy"] for r in result["rows"]} >= {"full", "kvdirect", "anchorkv", "h2o", "streaming_llm", "snapkv",
-                                                       "tova", "window", "knorm", "pyramidkv"}
+    assert {r["strategy"] for r in result["rows"]} >= {
+        "full",
+        "kvdirect",
+        "anchorkv",
+        "h2o",
+        "streaming_llm",
+        "snapkv",
+        "tova",
+        "window",
+        "knorm",
+        "pyramidkv",
+    }
     assert scores.summarise(result["cells"], result["question"]) == {
-        "rows": result["rows"], "heatmap": result["heatmap"],
-        **({"leaderboard": result["leaderboard"]} if result.get("ratios") else {})}
+        "rows": result["rows"],
+        "heatmap": result["heatmap"],
+        **({"leaderboard": result["leaderboard"]} if result.get("ratios") else {}),
+    }
 
 
 def test_smollm2_a_window_of_64_cannot_see_a_needle_in_the_middle_and_exact_lanes_answer_as_the_full_cache():
     """The real model, one 512-token sample: the full cache finds the needle; a window of the last 64 tokens
     cannot hold it (it sits ~250 tokens back) and so cannot answer; KV-Direct answers as the full cache."""
-    out = benchmarks.tasks(benchmarks.TasksConfig(contexts="512", depths="50", tasks="niah_single_number",
-                                                  budgets="64", strategies="kvdirect,window"), say=lambda line: None)
+    out = benchmarks.tasks(
+        benchmarks.TasksConfig(
+            contexts="512", depths="50", tasks="niah_single_number", budgets="64", strategies="kvdirect,window"
+        ),
+        say=lambda line: None,
+    )
     lanes = out["cells"][0]["lanes"]
     assert lanes["full"]["score"] == 1.0, lanes["full"]["reply"]
     assert lanes["window:budget=64"]["score"] == 0.0 and lanes["kvdirect:budget=64"]["equal_full"]
@@ -179,8 +217,7 @@ def test_a_task_cell_keeps_freed_blocks_in_the_heap_and_hands_them_back_after(mo
     import sys
     from contextlib import contextmanager
 
-    done = subprocess.run([sys.executable, "-c", KEPT_HEAP], capture_output=True, text=True, timeout=120,
-                          check=True)
+    done = subprocess.run([sys.executable, "-c", KEPT_HEAP], capture_output=True, text=True, timeout=120, check=True)
     kept, released, out, inside, after = done.stdout.split()
     assert (kept, released) == ("True", "False"), done.stdout
     out, inside, after = int(out), int(inside), int(after)
@@ -207,18 +244,35 @@ def test_a_ratio_is_a_budget_from_each_samples_prompt_with_the_question_in_it(tm
     runs once and both lanes get its answer.  The leaderboard rows are kvpress's (strategy, ratio, task, score);
     the Tasks tab offers each budget and each ratio.  Mutations: round() for int() (128 kept); the lanes of a
     ratio shown at a budget that one sample's ratio budget happens to equal."""
-    assert (scores.ratio_budget(0.5, 510), scores.ratio_budget(0.75, 510), scores.ratio_budget(0.99, 50)) == \
-        (255, 127, 1)
-    out = benchmarks.tasks(replace(TINY, depths="0,100", budgets="255", ratios="0.5,0.75", strategies="window,kvdirect",
-                                   question="with-context"), say=lambda line: None)
+    assert (scores.ratio_budget(0.5, 510), scores.ratio_budget(0.75, 510), scores.ratio_budget(0.99, 50)) == (
+        255,
+        127,
+        1,
+    )
+    out = benchmarks.tasks(
+        replace(
+            TINY,
+            depths="0,100",
+            budgets="255",
+            ratios="0.5,0.75",
+            strategies="window,kvdirect",
+            question="with-context",
+        ),
+        say=lambda line: None,
+    )
     validate(stamp("tasks", out))
     assert out["ratios"] == [0.5, 0.75] and out["budgets"] == [255]
     for cell in out["cells"]:
         assert cell["prompt_tokens"] == 510
         lanes = cell["lanes"]
         assert [(k, a["budget"], a["ratio"]) for k, a in lanes.items() if k != "full"] == [
-            ("window:budget=255", 255, None), ("kvdirect:budget=255", 255, None), ("window:ratio=0.5", 255, 0.5),
-            ("window:ratio=0.75", 127, 0.75), ("kvdirect:ratio=0.5", 255, 0.5), ("kvdirect:ratio=0.75", 127, 0.75)]
+            ("window:budget=255", 255, None),
+            ("kvdirect:budget=255", 255, None),
+            ("window:ratio=0.5", 255, 0.5),
+            ("window:ratio=0.75", 127, 0.75),
+            ("kvdirect:ratio=0.5", 255, 0.5),
+            ("kvdirect:ratio=0.75", 127, 0.75),
+        ]
         assert lanes["window:ratio=0.5"]["spec"] == "window:budget=255"
         assert lanes["window:ratio=0.5"]["reply"] == lanes["window:budget=255"]["reply"]
         assert lanes["window:ratio=0.75"]["held_bytes"] < lanes["window:ratio=0.5"]["held_bytes"]
@@ -228,8 +282,7 @@ def test_a_ratio_is_a_budget_from_each_samples_prompt_with_the_question_in_it(tm
     assert rows["window:ratio=0.75"]["ratio"] == 0.75 and rows["window:ratio=0.75"]["budget"] is None
     assert rows["kvdirect:ratio=0.75"]["compression_ratio"] == 0  # keeps (or rebuilds) every token's K/V
     board = {(r["strategy"], r["ratio"]): r for r in out["leaderboard"]}
-    assert sorted(board) == [("full", 0.0), ("kvdirect", 0.5), ("kvdirect", 0.75), ("window", 0.5),
-                             ("window", 0.75)]
+    assert sorted(board) == [("full", 0.0), ("kvdirect", 0.5), ("kvdirect", 0.75), ("window", 0.5), ("window", 0.75)]
     assert board[("window", 0.75)]["task"] == "niah_single_number" and board[("window", 0.75)]["cells"] == 2
     assert board[("window", 0.75)]["score"] == rows["window:ratio=0.75"]["score"]
     assert tasks_view.settings(out) == [("budget 255", 255), ("ratio 0.5", 0.5), ("ratio 0.75", 0.75)]
@@ -239,9 +292,17 @@ def test_a_ratio_is_a_budget_from_each_samples_prompt_with_the_question_in_it(tm
     assert "window" in tasks_view.table_html(out, 0.75)
 
 
-MULTI = benchmarks.TasksConfig(model="tiny-llama", multiturn=True, contexts="512", tasks="niah_single_number",
-                               turns=3, samples=2, ratios="0.5,0.875", strategies="kvdirect,anchorkv,window,snapkv",
-                               threads=1)
+MULTI = benchmarks.TasksConfig(
+    model="tiny-llama",
+    multiturn=True,
+    contexts="512",
+    tasks="niah_single_number",
+    turns=3,
+    samples=2,
+    ratios="0.5,0.875",
+    strategies="kvdirect,anchorkv,window,snapkv",
+    threads=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -258,12 +319,15 @@ def test_a_conversation_runs_turn_by_turn_each_turn_scored_and_exact_lanes_equal
     validate(stamp("tasks", out))
     assert out["multiturn"] and out["turns"] == 3 and out["depths"] == [] and out["ratios"] == [0.5, 0.875]
     assert [(c["task"], c["context"], c["seed"], c["depth"]) for c in out["cells"]] == [
-        ("niah_single_number", 512, 0, None), ("niah_single_number", 512, 1, None)]
+        ("niah_single_number", 512, 0, None),
+        ("niah_single_number", 512, 1, None),
+    ]
     loaded = load_model("tiny-llama", progress=lambda msg: None)
     for cell in out["cells"]:
         conv = multi_turn.conversation("niah_single_number", loaded.tokenizer, 512, 3, cell["seed"], chat=loaded.chat)
         assert [(t["question"], t["references"], t["needle_depth"]) for t in cell["turns"]] == [
-            (t.question, list(t.answers), t.needle_depth) for t in conv.turns]
+            (t.question, list(t.answers), t.needle_depth) for t in conv.turns
+        ]
         full = cell["lanes"]["full"]
         for spec, lane in cell["lanes"].items():
             assert len(lane["replies"]) == 3 and lane["reply"] == lane["replies"][0]
@@ -288,8 +352,11 @@ def test_an_exact_lane_whose_later_turn_differs_is_named_with_its_seed_and_turn(
     monkeypatch.setattr(Window, "claims_exact", True)
     out = benchmarks.tasks(replace(MULTI, samples=1, ratios="0.875", strategies="window"), say=lambda line: None)
     lane = out["cells"][0]["lanes"]["window:ratio=0.875"]
-    want = [["niah_single_number", 512, None, "window:ratio=0.875", 0, n + 1]
-            for n, same in enumerate(lane["equal_full_turns"]) if not same]
+    want = [
+        ["niah_single_number", 512, None, "window:ratio=0.875", 0, n + 1]
+        for n, same in enumerate(lane["equal_full_turns"])
+        if not same
+    ]
     assert want and out["exact_mismatches"] == want and not out["exact_answers_equal_full"]
 
 
@@ -316,17 +383,27 @@ def test_smollm2_over_turns_a_window_answers_only_the_needle_it_still_holds():
     answers every turn; a window at ratio 0.875 (the last 127 prompt tokens) answers only the turn whose needle sits
     at the end, the others are too far back; KV-Direct answers as the full cache in every turn.  Mutation: every
     turn scored against turn 1's references (the full cache then scores 1, 0, 0)."""
-    out = benchmarks.tasks(benchmarks.TasksConfig(multiturn=True, contexts="1024", tasks="niah_single_number",
-                                                  turns=3, samples=1, ratios="0.875", strategies="kvdirect,window"),
-                           say=lambda line: None)
+    out = benchmarks.tasks(
+        benchmarks.TasksConfig(
+            multiturn=True,
+            contexts="1024",
+            tasks="niah_single_number",
+            turns=3,
+            samples=1,
+            ratios="0.875",
+            strategies="kvdirect,window",
+        ),
+        say=lambda line: None,
+    )
     cell = out["cells"][0]
     lanes = cell["lanes"]
     assert lanes["full"]["scores"] == [1.0, 1.0, 1.0], lanes["full"]["replies"]
     assert lanes["kvdirect:ratio=0.875"]["equal_full_turns"] == [True, True, True]
     ends = [t["needle_depth"] == 100.0 for t in cell["turns"]]
     assert sorted(ends) == [False, False, True]
-    assert lanes["window:ratio=0.875"]["scores"] == [1.0 if end else 0.0 for end in ends], \
-        lanes["window:ratio=0.875"]["replies"]
+    assert lanes["window:ratio=0.875"]["scores"] == [1.0 if end else 0.0 for end in ends], lanes["window:ratio=0.875"][
+        "replies"
+    ]
     assert [t["score"] for t in out["by_turn"]["window:ratio=0.875"]] == lanes["window:ratio=0.875"]["scores"]
 
 
@@ -337,8 +414,7 @@ def test_the_turn_chart_draws_each_lanes_score_by_turn_with_the_full_cache_as_th
     result = tasks_view.load(path)
     fig = tasks_view.turns_figure(result, 0.875)
     specs = tasks_view.specs_at(result, 0.875)
-    assert specs == ["full", "kvdirect:ratio=0.875", "anchorkv:ratio=0.875", "window:ratio=0.875",
-                     "snapkv:ratio=0.875"]
+    assert specs == ["full", "kvdirect:ratio=0.875", "anchorkv:ratio=0.875", "window:ratio=0.875", "snapkv:ratio=0.875"]
     assert [t.name.split(" ")[0] for t in fig.data] == ["Full", "KV-Direct", "AnchorKV", "Sliding", "SnapKV"]
     assert "reference" in fig.data[0].name and fig.data[0].line.width > fig.data[1].line.width
     raw = tasks_view.turns_figure(result, 0.875, score=tasks_view.RAW)
@@ -347,7 +423,8 @@ def test_the_turn_chart_draws_each_lanes_score_by_turn_with_the_full_cache_as_th
         assert list(trace.y) == pytest.approx([t["from_context"] for t in result["by_turn"][spec]])
         assert list(raw_trace.y) == pytest.approx([t["score"] for t in result["by_turn"][spec]])
         assert list(trace.error_y.array) == pytest.approx(
-            [t["from_context_high"] - t["from_context"] for t in result["by_turn"][spec]])
+            [t["from_context_high"] - t["from_context"] for t in result["by_turn"][spec]]
+        )
         assert [d[3] for d in trace.customdata] == [t["copies"] for t in result["by_turn"][spec]]
     assert "ratio 0.875" in fig.layout.title.text and "0.5" in tasks_view.turns_figure(result, 0.5).layout.title.text
     assert "2 conversations of 3 turns" in tasks_view.head_html(result)
@@ -366,8 +443,18 @@ def test_the_shipped_multiturn_result_is_valid_and_its_exact_answers_equal_the_f
         assert len(cell["turns"]) == result["turns"]
         for lane in cell["lanes"].values():
             assert not lane["exact"] or lane["equal_full_turns"] == [True] * result["turns"]
-    assert {r["strategy"] for r in result["rows"]} >= {"full", "kvdirect", "anchorkv", "h2o", "streaming_llm",
-                                                       "snapkv", "tova", "window", "knorm", "pyramidkv"}
+    assert {r["strategy"] for r in result["rows"]} >= {
+        "full",
+        "kvdirect",
+        "anchorkv",
+        "h2o",
+        "streaming_llm",
+        "snapkv",
+        "tova",
+        "window",
+        "knorm",
+        "pyramidkv",
+    }
     summary = scores.summarise(result["cells"], result["question"])
     assert summary["by_turn"] == result["by_turn"] and summary["rows"] == result["rows"]
 
@@ -404,14 +491,17 @@ def test_a_stale_setting_from_a_hurried_visitor_is_skipped_never_an_error_in_the
 
 
 @pytest.mark.check
-@pytest.mark.parametrize("argv, words", [
-    (["roofline", "--threads", "-1"], ["--threads", "-1 is not allowed", ">= 1"]),
-    (["roofline", "--max-new-tokens", "1"], ["--max-new-tokens", "2"]),
-    (["run", "--threads", "0", "--prompt", "Hi"], ["--threads", "0 is not allowed"]),
-    (["sweep", "--workers", "-1", "--prompt", "Hi"], ["--workers", "-1 is not allowed"]),
-    (["reproduce", "--threads", "-1", "--out", "x"], ["--threads", "-1 is not allowed"]),
-    (["replay", "--spacing", "0"], ["--spacing", "0 is not allowed", ">= 1"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["roofline", "--threads", "-1"], ["--threads", "-1 is not allowed", ">= 1"]),
+        (["roofline", "--max-new-tokens", "1"], ["--max-new-tokens", "2"]),
+        (["run", "--threads", "0", "--prompt", "Hi"], ["--threads", "0 is not allowed"]),
+        (["sweep", "--workers", "-1", "--prompt", "Hi"], ["--workers", "-1 is not allowed"]),
+        (["reproduce", "--threads", "-1", "--out", "x"], ["--threads", "-1 is not allowed"]),
+        (["replay", "--spacing", "0"], ["--spacing", "0 is not allowed", ">= 1"]),
+    ],
+)
 def test_every_number_is_checked_where_it_is_parsed(argv, words, capsys):
     """No number is silently replaced: a thread count of 0 or -1 is an error, never "the default" (the reviewer's
     cases: roofline --threads -1 ended in a traceback; tasks and roofline took 0 as the default)."""
@@ -433,11 +523,28 @@ def test_a_thread_count_given_in_code_is_checked_too():
 
 
 def _cell(held: dict[str, int | None], budget: int = 16, prompt: int = 512) -> dict:
-    lanes = {spec: {"strategy": spec.split(":")[0], "budget": None if spec == "full" else budget, "ratio": None,
-                    "spec": spec, "score": 1.0, "exact": spec == "full", "equal_full": spec == "full",
-                    "held_bytes": b, "peak_bytes": b} for spec, b in held.items()}
-    return {"task": "qa", "context": prompt, "depth": 50, "prompt_tokens": prompt, "context_tokens": prompt,
-            "lanes": lanes}
+    lanes = {
+        spec: {
+            "strategy": spec.split(":")[0],
+            "budget": None if spec == "full" else budget,
+            "ratio": None,
+            "spec": spec,
+            "score": 1.0,
+            "exact": spec == "full",
+            "equal_full": spec == "full",
+            "held_bytes": b,
+            "peak_bytes": b,
+        }
+        for spec, b in held.items()
+    }
+    return {
+        "task": "qa",
+        "context": prompt,
+        "depth": 50,
+        "prompt_tokens": prompt,
+        "context_tokens": prompt,
+        "lanes": lanes,
+    }
 
 
 def test_the_measured_compression_stands_beside_the_nominal_one():
@@ -480,8 +587,9 @@ def test_a_run_reports_the_measured_compression_from_its_own_bytes(tiny_result):
     """Each row's measured compression is its lanes' held bytes against the full cache's, cell by cell."""
     rows = {r["spec"]: r for r in tiny_result["rows"]}
     for spec in ("window:budget=8", "kvdirect:budget=8"):
-        want = sum(1 - c["lanes"][spec]["held_bytes"] / c["lanes"]["full"]["held_bytes"]
-                   for c in tiny_result["cells"]) / len(tiny_result["cells"])
+        want = sum(
+            1 - c["lanes"][spec]["held_bytes"] / c["lanes"]["full"]["held_bytes"] for c in tiny_result["cells"]
+        ) / len(tiny_result["cells"])
         assert rows[spec]["measured_compression"] == pytest.approx(want)
     assert rows["window:budget=8"]["measured_compression"] > 0.5
     validate(stamp("tasks", tiny_result))

@@ -100,8 +100,9 @@ def set_capacity(results: dict, value: float):
 
 def twenty_turns(results: dict) -> dict:
     """The report's model's twenty-turn run: its lanes by spec."""
-    return next(c for c in cells(results, "turns20") if c["kind"] == "run" and c["json"]["model"] == results["model"]
-                )["json"]["strategies"]
+    return next(c for c in cells(results, "turns20") if c["kind"] == "run" and c["json"]["model"] == results["model"])[
+        "json"
+    ]["strategies"]
 
 
 def set_peak_ratio(results: dict, ratio: float, prefix: str = ""):
@@ -153,8 +154,10 @@ def test_the_committed_run_renders_with_the_verdicts_its_numbers_give(committed)
     # Committed: 16.4x above the pass ratio 465 / 30 = 15.5x; a naive pass 113,873 ms / 465 = 245 ms, a cascade one
     # 6,961 ms / 30 = 232 ms.
     assert "the layer-pass ratio (465 naive passes / 30 cascade) is 15.5x" in claims["replay"]["reason"]
-    assert ("the time ratio is above the pass ratio because a naive pass cost more than a cascade pass here "
-            "(245 ms against 232 ms)") in claims["replay"]["reason"]
+    assert (
+        "the time ratio is above the pass ratio because a naive pass cost more than a cascade pass here "
+        "(245 ms against 232 ms)"
+    ) in claims["replay"]["reason"]
     below = copy.deepcopy(committed)
     set_replay(below, naive=(2.0, 60), cascade=(1.5, 30))  # 1.33x in time against 2x in passes: 33.3 ms vs 50 ms
     reason = reproduce.reassess(below)["claims"]["replay"]["reason"]
@@ -164,8 +167,10 @@ def test_the_committed_run_renders_with_the_verdicts_its_numbers_give(committed)
     set_replay(above, naive=(3.0, 60), cascade=(1.0, 30))  # 3x in time against 2x in passes: 50 ms vs 33.3 ms
     reason = reproduce.reassess(above)["claims"]["replay"]["reason"]
     assert "3x here against 16.3x in the paper (this part holds in direction, not in size)" in reason
-    assert ("the time ratio is above the pass ratio because a naive pass cost more than a cascade pass here "
-            "(50 ms against 33.3 ms)") in reason and "a cascade pass cost" not in reason
+    assert (
+        "the time ratio is above the pass ratio because a naive pass cost more than a cascade pass here "
+        "(50 ms against 33.3 ms)"
+    ) in reason and "a cascade pass cost" not in reason
     assert "1: 0.69x" in claims["parked"]["reason"]  # spacing 1 (below s*) listed, not counted
 
 
@@ -198,11 +203,31 @@ def test_render_follows_mutations_of_every_claim(committed, tmp_path, capsys):
     set_recompute_speedup(b, 2.0)
     c = copy.deepcopy(committed)
     set_baselines(c, 0.99)  # the issue's edit: baselines that keep 99% of the tokens lose nothing
-    expected = [(a, {"agreement": HOLDS, "parked": FAILS, "turns20": FAILS, "replay": FAILS, "recompute": HOLDS,
-                     "exactness": FAILS, "bytes": FAILS}),
-                (b, {"agreement": DIRECTION_ONLY, "parked": HOLDS, "turns20": DIRECTION_ONLY,
-                     "replay": DIRECTION_ONLY, "recompute": DIRECTION_ONLY}),
-                (c, {"agreement": FAILS})]
+    expected = [
+        (
+            a,
+            {
+                "agreement": HOLDS,
+                "parked": FAILS,
+                "turns20": FAILS,
+                "replay": FAILS,
+                "recompute": HOLDS,
+                "exactness": FAILS,
+                "bytes": FAILS,
+            },
+        ),
+        (
+            b,
+            {
+                "agreement": DIRECTION_ONLY,
+                "parked": HOLDS,
+                "turns20": DIRECTION_ONLY,
+                "replay": DIRECTION_ONLY,
+                "recompute": DIRECTION_ONLY,
+            },
+        ),
+        (c, {"agreement": FAILS}),
+    ]
     for i, (results, want) in enumerate(expected):
         after, report, printed = rendered(tmp_path / str(i), results, capsys)
         for name, verdict in want.items():
@@ -253,9 +278,11 @@ def test_the_equal_memory_table_names_its_target(committed):
     peak = twenty_turns(committed)[sweep["config"]["target"]]["state_bytes"]["peak"]
     assert (sweep["json"]["target_bytes"], peak) == (6_585_094, 6_585_092)
     text = render.render(reproduce.reassess(committed))
-    assert ("At equal measured peak: each baseline at the budget whose measured peak is closest to "
-            f"anchorkv:spacing=30:budget=32:rebuild=step's measured peak in the same conversation, "
-            f"{fmt_bytes(6_585_094)}:") in text
+    assert (
+        "At equal measured peak: each baseline at the budget whose measured peak is closest to "
+        f"anchorkv:spacing=30:budget=32:rebuild=step's measured peak in the same conversation, "
+        f"{fmt_bytes(6_585_094)}:"
+    ) in text
     blind = copy.deepcopy(committed)
     next(c for c in cells(blind, "turns20") if c["kind"] == "sweep")["json"].pop("target_bytes")
     assert "closest to a target not recorded:" in render.render(reproduce.reassess(blind))
@@ -282,15 +309,26 @@ CPU = {"device": "cpu", "processor": "x86_64", "cpus": 2, "torch": "2.13.0", "th
 def tasks_cell(samples: list[dict]) -> dict:
     """A hand-made `bench tasks` cell: each sample {spec: (score, answer equal to the full cache's)}; a spec whose
     name is kvdirect or anchorkv is an exact lane, any other a lossy one."""
+
     def lane(spec, score, equal):
         name = spec.split(":")[0]
         exact = name in ("full", "kvdirect", "anchorkv")
         return {"strategy": name, "score": score, "equal_full": equal, "exact": exact}
 
-    return {"kind": "tasks", "section": "tasks", "name": "task scores", "env": CPU,
-            "json": {"tasks": ["niah_single_number"], "contexts": [512], "budgets": [8], "rows": [],
-                     "kernels": "invariant",
-                     "cells": [{"lanes": {spec: lane(spec, *v) for spec, v in sample.items()}} for sample in samples]}}
+    return {
+        "kind": "tasks",
+        "section": "tasks",
+        "name": "task scores",
+        "env": CPU,
+        "json": {
+            "tasks": ["niah_single_number"],
+            "contexts": [512],
+            "budgets": [8],
+            "rows": [],
+            "kernels": "invariant",
+            "cells": [{"lanes": {spec: lane(spec, *v) for spec, v in sample.items()}} for sample in samples],
+        },
+    }
 
 
 def test_task_scores_follow_the_answers(committed):
@@ -305,35 +343,54 @@ def test_task_scores_follow_the_answers(committed):
     changed: 4 of 6); a two-sided test (knorm's p doubles to 1/16: 2 of 6); ties counted as higher; the exact
     methods pooled (one part of 11 of 12); the window counted; fewer than six counted as measured; four samples
     judged."""
+
     def report(samples):
         hand = copy.deepcopy(committed)
         hand["cells"] = [c for c in hand["cells"] if c["section"] != "tasks"] + [tasks_cell(samples)]
         return reproduce.reassess(hand)["claims"]["tasks"]
 
     full = [1.0, 1.0, 0.5, 1.0, 0.5, 1.0]
-    exact = [{"full": (f, True), "anchorkv:budget=8": (f, True), "kvdirect:budget=8": (f, i != 1)}
-             for i, f in enumerate(full)]
+    exact = [
+        {"full": (f, True), "anchorkv:budget=8": (f, True), "kvdirect:budget=8": (f, i != 1)}
+        for i, f in enumerate(full)
+    ]
     # Per sample, the lossy methods' scores against the full cache's 1, 1, 0.5, 1, 0.5, 1.
-    lossy = {"h2o:budget=8": [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # 6 lower: p = 1/64, changes
-             "streaming_llm:budget=8": [0.0, 1.0, 0.5, 1.0, 0.5, 1.0],  # 1 lower, 5 tied: p = 1/2, no change
-             "snapkv:budget=8": [0.0, 0.0, 0.0, 1.0, 0.5, 1.0],  # 3 lower: p = 1/8, no change
-             "tova:budget=8": [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],  # 5 lower, 0 higher, 1 tied: p = 1/32, changes
-             "knorm:budget=8": [0.0, 0.0, 0.0, 0.0, 1.0, 0.0],  # 5 lower, 1 higher: p = 7/64, no change
-             "pyramidkv:budget=8": [0.5, 0.5, 0.0, 0.5, 0.0, 0.5],  # 6 lower: p = 1/64, changes
-             "window:budget=8": [1.0] * 6}  # ours, not counted either way
-    samples = lambda: [{**e, **{spec: (v[i], False) for spec, v in lossy.items()}}  # noqa: E731
-                       for i, e in enumerate(exact)]
+    lossy = {
+        "h2o:budget=8": [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # 6 lower: p = 1/64, changes
+        "streaming_llm:budget=8": [0.0, 1.0, 0.5, 1.0, 0.5, 1.0],  # 1 lower, 5 tied: p = 1/2, no change
+        "snapkv:budget=8": [0.0, 0.0, 0.0, 1.0, 0.5, 1.0],  # 3 lower: p = 1/8, no change
+        "tova:budget=8": [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],  # 5 lower, 0 higher, 1 tied: p = 1/32, changes
+        "knorm:budget=8": [0.0, 0.0, 0.0, 0.0, 1.0, 0.0],  # 5 lower, 1 higher: p = 7/64, no change
+        "pyramidkv:budget=8": [0.5, 0.5, 0.0, 0.5, 0.0, 0.5],  # 6 lower: p = 1/64, changes
+        "window:budget=8": [1.0] * 6,
+    }  # ours, not counted either way
+    samples = lambda: [
+        {**e, **{spec: (v[i], False) for spec, v in lossy.items()}}  # noqa: E731
+        for i, e in enumerate(exact)
+    ]
     out = report(samples())
     assert [(p["key"], p["ours"], p["verdict"]) for p in out["parts"]] == [
-        ("anchorkv", 1.0, HOLDS), ("kvdirect", 5 / 6, FAILS), ("lossy", 3 / 6, FAILS)]
+        ("anchorkv", 1.0, HOLDS),
+        ("kvdirect", 5 / 6, FAILS),
+        ("lossy", 3 / 6, FAILS),
+    ]
     assert out["verdict"] == FAILS
-    assert "AnchorKV in 6 of 6 and KV-Direct in 5 of 6 samples answered and scored as the full cache did" in \
-        out["sentence"]
-    assert ("3 of the 6 external lossy methods scored lower than the full cache beyond noise (one-sided exact sign "
-            "test on 6 samples, p < 0.05: h2o p = 0.0156") in out["sentence"], out["sentence"]
-    for words in ("h2o changes (p = 0.0156; 6 lower / 0 higher of 6", "streaming_llm no change beyond noise (p = 0.5;"
-                  " 1 lower / 0 higher of 6", "snapkv no change beyond noise (p = 0.125;", "tova changes (p = 0.0312;",
-                  "knorm no change beyond noise (p = 0.109; 5 lower / 1 higher", "window (ours, not counted)"):
+    assert (
+        "AnchorKV in 6 of 6 and KV-Direct in 5 of 6 samples answered and scored as the full cache did"
+        in out["sentence"]
+    )
+    assert (
+        "3 of the 6 external lossy methods scored lower than the full cache beyond noise (one-sided exact sign "
+        "test on 6 samples, p < 0.05: h2o p = 0.0156"
+    ) in out["sentence"], out["sentence"]
+    for words in (
+        "h2o changes (p = 0.0156; 6 lower / 0 higher of 6",
+        "streaming_llm no change beyond noise (p = 0.5; 1 lower / 0 higher of 6",
+        "snapkv no change beyond noise (p = 0.125;",
+        "tova changes (p = 0.0312;",
+        "knorm no change beyond noise (p = 0.109; 5 lower / 1 higher",
+        "window (ours, not counted)",
+    ):
         assert words in out["reason"], (words, out["reason"])
     assert out["rule"].startswith("A lossy method changes task scores when a one-sided exact sign test")
     # Every external method lower beyond noise, KV-Direct's answers equal:
@@ -359,14 +416,22 @@ def test_task_scores_follow_the_answers(committed):
     assert methods == {"window", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "pyramidkv"}
     claim = reproduce.reassess(committed)["claims"]["tasks"]
     assert [p["ours"] for p in claim["parts"]] == [1.0, 1.0, 1.0]
-    for words in ("h2o changes (p = 2.38e-07; 22 lower / 0 higher of 45", "streaming_llm changes (p = 6.06e-05; 20 "
-                  "lower / 2 higher of 45", "snapkv changes (p = 1.05e-05; 20 lower / 1 higher", "tova changes (p = "
-                  "6.06e-05; 20 lower / 2 higher", "knorm changes (p = 3.73e-09; 28 lower / 0 higher",
-                  "pyramidkv changes (p = 0.000244; 20 lower / 3 higher"):
+    for words in (
+        "h2o changes (p = 2.38e-07; 22 lower / 0 higher of 45",
+        "streaming_llm changes (p = 6.06e-05; 20 lower / 2 higher of 45",
+        "snapkv changes (p = 1.05e-05; 20 lower / 1 higher",
+        "tova changes (p = 6.06e-05; 20 lower / 2 higher",
+        "knorm changes (p = 3.73e-09; 28 lower / 0 higher",
+        "pyramidkv changes (p = 0.000244; 20 lower / 3 higher",
+    ):
         assert words in claim["reason"], words
     differs = copy.deepcopy(committed)
-    lane = next(lane for c in cells(differs, "tasks")[0]["json"]["cells"] for lane in c["lanes"].values()
-                if lane["exact"] and lane["strategy"] == "kvdirect")
+    lane = next(
+        lane
+        for c in cells(differs, "tasks")[0]["json"]["cells"]
+        for lane in c["lanes"].values()
+        if lane["exact"] and lane["strategy"] == "kvdirect"
+    )
     lane["equal_full"] = False
     assert [p["verdict"] for p in reproduce.reassess(differs)["claims"]["tasks"]["parts"]] == [HOLDS, FAILS, HOLDS]
     unchanged = copy.deepcopy(committed)
@@ -402,8 +467,11 @@ def test_exact_or_fast_is_the_runs_mode_not_its_name(committed):
     assert verdicts(named_fast)["exactness"] == FAILS
     # A run named as exact but recorded as fast: not counted, so a miss there changes nothing.
     named_exact = copy.deepcopy(committed)
-    r = next(r for s, r in exactness_rows(named_exact) if "mode=fast" not in s and r["mode"] == "exact"
-             and r["rebuilt_token_layers"])
+    r = next(
+        r
+        for s, r in exactness_rows(named_exact)
+        if "mode=fast" not in s and r["mode"] == "exact" and r["rebuilt_token_layers"]
+    )
     r["mode"], r["kv_exact"] = "fast", False
     assert verdicts(named_exact)["exactness"] == HOLDS
     # A run that rebuilt nothing proves nothing either way.
@@ -422,12 +490,29 @@ def test_exact_or_fast_is_the_runs_mode_not_its_name(committed):
 def exactness_cell(model: str, dtype: str, forwards: str, load: int, lanes: dict) -> dict:
     """A hand-made `bench run` exactness cell on the CPU: {spec: (mode, rebuilt token-layers, K/V bit-equal, token
     match, rebuild kernels)}; `forwards` the kernels of the reference's and every lane's forwards."""
-    return {"kind": "run", "section": "exactness", "name": f"exactness {model} {dtype}", "load": load,
-            "env": CPU,
-            "json": {"model": model, "dtype": dtype, "kernels": {"mode": forwards}, "strategies": {
-                spec: {"mode": mode, "rebuilt_token_layers": rebuilt, "kv_exact": kv, "token_match": match,
-                       "max_abs_dk": 0.0 if kv else 0.5, "kernels": {"rebuild": kernels}}
-                for spec, (mode, rebuilt, kv, match, kernels) in lanes.items()}}}
+    return {
+        "kind": "run",
+        "section": "exactness",
+        "name": f"exactness {model} {dtype}",
+        "load": load,
+        "env": CPU,
+        "json": {
+            "model": model,
+            "dtype": dtype,
+            "kernels": {"mode": forwards},
+            "strategies": {
+                spec: {
+                    "mode": mode,
+                    "rebuilt_token_layers": rebuilt,
+                    "kv_exact": kv,
+                    "token_match": match,
+                    "max_abs_dk": 0.0 if kv else 0.5,
+                    "kernels": {"rebuild": kernels},
+                }
+                for spec, (mode, rebuilt, kv, match, kernels) in lanes.items()
+            },
+        },
+    }
 
 
 def test_exactness_counts_only_runs_that_rebuilt(committed):
@@ -442,28 +527,47 @@ def test_exactness_counts_only_runs_that_rebuilt(committed):
     against its own recomputation and never the rebuilds'."""
     hand = copy.deepcopy(committed)
     hand["cells"] = [c for c in hand["cells"] if c["section"] != "exactness"] + [
-        exactness_cell("tiny-a", "float32", "invariant", 0, {
-            "full": (None, 0, True, 1.0, None),
-            "kvdirect:budget=4": ("exact", 10, True, 1.0, "rows"),
-            "kvdirect:budget=4:mode=fast": ("fast", 10, False, 1.0, "native"),
-            "anchorkv:spacing=2:budget=4": ("exact", 0, True, 1.0, "rows"),
-            "h2o:budget=4": (None, 0, None, 0.5, None)}),
-        exactness_cell("tiny-b", "bfloat16", "native", 2, {
-            "full": (None, 0, True, 1.0, None),
-            "kvdirect:budget=4": ("exact", 5, False, 0.5, "rows"),
-            "anchorkv:spacing=2:budget=4:rebuild=step": ("exact", 7, True, 1.0, "block")})]
+        exactness_cell(
+            "tiny-a",
+            "float32",
+            "invariant",
+            0,
+            {
+                "full": (None, 0, True, 1.0, None),
+                "kvdirect:budget=4": ("exact", 10, True, 1.0, "rows"),
+                "kvdirect:budget=4:mode=fast": ("fast", 10, False, 1.0, "native"),
+                "anchorkv:spacing=2:budget=4": ("exact", 0, True, 1.0, "rows"),
+                "h2o:budget=4": (None, 0, None, 0.5, None),
+            },
+        ),
+        exactness_cell(
+            "tiny-b",
+            "bfloat16",
+            "native",
+            2,
+            {
+                "full": (None, 0, True, 1.0, None),
+                "kvdirect:budget=4": ("exact", 5, False, 0.5, "rows"),
+                "anchorkv:spacing=2:budget=4:rebuild=step": ("exact", 7, True, 1.0, "block"),
+            },
+        ),
+    ]
     out = reproduce.reassess(hand)
     section, claim = out["sections"]["exactness"], out["claims"]["exactness"]
     assert (section["counted"], section["idle"], len(section["rows"])) == (3, 1, 5)
     assert [p["ours"] for p in claim["parts"]] == [pytest.approx(2 / 3)] * 2 and claim["verdict"] == FAILS
     assert claim["measured_on"] == "devices: cpu; kernels: invariant, native"
     reason = claim["reason"]
-    assert ("2 of 3 exact-mode runs that rebuilt K/V bit-equal, 2 with every token equal (tiny-a, tiny-b; bfloat16, "
-            "float32; 2 under busy processes)") in reason
+    assert (
+        "2 of 3 exact-mode runs that rebuilt K/V bit-equal, 2 with every token equal (tiny-a, tiny-b; bfloat16, "
+        "float32; 2 under busy processes)"
+    ) in reason
     assert "; 1 runs rebuilt nothing and are listed apart:" in reason
     assert "kernels: the reference and every lane's forwards invariant, native; exact rebuilds block, rows;" in reason
-    assert ("fast mode (all old tokens in one call, rebuilt with: native), not counted: 0 of 1 bit-equal to the "
-            "forwards' K/V") in reason
+    assert (
+        "fast mode (all old tokens in one call, rebuilt with: native), not counted: 0 of 1 bit-equal to the "
+        "forwards' K/V"
+    ) in reason
     text = render.render(out)
     idle = text.index("Nothing to rebuild (0 token-layers), not counted:")
     assert "| tiny-a | float32 | anchorkv:spacing=2:budget=4 | 0 | 1 | True | 0 | 0 |" in text[idle:]
@@ -558,7 +662,8 @@ def test_the_claims_tab_shows_verdicts_computed_from_the_numbers(committed, tmp_
         "bytes": "devices: none (arithmetic on a config); kernels: none (arithmetic)",
         "recompute": "devices: cpu; kernels: the model's own (the microbenchmark's GEMMs and copies)",
         "exactness_accelerator": "devices: no accelerator ran in this report",
-        "patching": "devices: cpu; kernels: the model's own (plain forwards, no cache)"}
+        "patching": "devices: cpu; kernels: the model's own (plain forwards, no cache)",
+    }
     for name, verdict in COMMITTED_VERDICTS.items():
         title = TITLES[name]
         assert row_verdict(shown, title) == verdict, name
@@ -610,8 +715,12 @@ def claim_row(markdown: str, title: str) -> list[str]:
 def parse_cards(cards: str) -> dict:
     """{title: {"verdict", "on", "sentence"}} from the cards' HTML, as plain text."""
     text = lambda s: html.unescape(re.sub(r"<[^>]+>", "", s))  # noqa: E731
-    found = re.findall(r'<div class="kvd-card-title">(.*?) <span.*?<div class="kvd-card-verdict kvd-\w+">(.*?)</div>'
-                       r'.*?<tr><th>on</th><td[^>]*>(.*?)</td>.*?<div class="kvd-card-why"[^>]*>(.*?)</div>', cards, re.S)
+    found = re.findall(
+        r'<div class="kvd-card-title">(.*?) <span.*?<div class="kvd-card-verdict kvd-\w+">(.*?)</div>'
+        r'.*?<tr><th>on</th><td[^>]*>(.*?)</td>.*?<div class="kvd-card-why"[^>]*>(.*?)</div>',
+        cards,
+        re.S,
+    )
     return {text(t): {"verdict": text(v), "on": text(o), "sentence": text(w)} for t, v, o, w in found}
 
 
@@ -668,8 +777,9 @@ def test_card_table_and_sentence_say_the_same_verdict(committed, tmp_path, monke
     `sections.assess`), the issue's claim 3 ("in direction, not in size" over a sentence ending "(holds)")."""
     better = copy.deepcopy(committed)
     set_baselines(better, 0.2)
-    for i, (results, want) in enumerate(((committed, COMMITTED_VERDICTS),
-                                         (better, {**COMMITTED_VERDICTS, "agreement": HOLDS}))):
+    for i, (results, want) in enumerate(
+        ((committed, COMMITTED_VERDICTS), (better, {**COMMITTED_VERDICTS, "agreement": HOLDS}))
+    ):
         cards, table = claims_tab(results, tmp_path / str(i), monkeypatch)
         report = render.render(reproduce.reassess(results))
         by_title = parse_cards(cards)
@@ -693,28 +803,40 @@ def test_each_card_reads_on_its_own(committed, tmp_path, monkeypatch):
 
     Mutation that fails it: the card showing the reason's first part (`first_sentence(claim["reason"])`, the code
     before), which names neither r nor the samples."""
-    twenty = next(c for c in cells(committed, "turns20") if c["kind"] == "run" and c["json"]["model"] ==
-                  committed["model"])["json"]
+    twenty = next(
+        c for c in cells(committed, "turns20") if c["kind"] == "run" and c["json"]["model"] == committed["model"]
+    )["json"]
     r = next(c for c in cells(committed, "bytes") if c["json"]["source"] == committed["model"])["json"]["ratio_r"]
     task = cells(committed, "tasks")[0]["json"]
     assert (r, twenty["max_new_tokens"], len(task["cells"]), task["contexts"]) == (1.5, 12, 45, [512, 1024, 2048])
     page = claims_tab(committed, tmp_path / "a", monkeypatch)[0]
     cards = parse_cards(page)
     two, nine = cards[TITLES["turns20"]], cards[TITLES["tasks"]]
-    assert page.count("Rule: ") == 1 and "Rule: A lossy method changes task scores when a one-sided exact sign test" in page
-    assert two["sentence"].startswith("Claim 2 does not hold here: on smollm2-135m over 20 turns of at most 12 new "
-                                      "tokens each, KV-Direct's lane kvdirect:budget=32 peaks at 47.8 MiB")
+    assert (
+        page.count("Rule: ") == 1
+        and "Rule: A lossy method changes task scores when a one-sided exact sign test" in page
+    )
+    assert two["sentence"].startswith(
+        "Claim 2 does not hold here: on smollm2-135m over 20 turns of at most 12 new "
+        "tokens each, KV-Direct's lane kvdirect:budget=32 peaks at 47.8 MiB"
+    )
     assert two["sentence"].endswith("because the residual it keeps at every layer weighs r = 1.5x that layer's K/V.")
-    assert two["on"] == ("smollm2-135m; 20 turns; at most 12 new tokens per turn; 42 tokens in the first turn; lane "
-                         "kvdirect:budget=32; devices: cpu; kernels: invariant")
-    assert nine["sentence"].startswith("Claim 9 holds: on 45 samples of 5 tasks (niah_multikey, niah_multivalue, "
-                                       "niah_single_number, qa, variable_tracking) at 3 context lengths (512, 1024 and "
-                                       "2048 tokens) and budget 64, AnchorKV in 45 of 45 and KV-Direct in 45 of 45 "
-                                       "samples answered and scored as the full cache did")
-    assert nine["on"].startswith("smollm2-135m; 45 samples; tasks niah_multikey, niah_multivalue, niah_single_number, "
-                                 "qa, variable_tracking; 3 context lengths: 512, 1024, 2048 tokens; budget 64; the "
-                                 "question read after the context was compressed alone (kvpress's setting); devices: "
-                                 "cpu")
+    assert two["on"] == (
+        "smollm2-135m; 20 turns; at most 12 new tokens per turn; 42 tokens in the first turn; lane "
+        "kvdirect:budget=32; devices: cpu; kernels: invariant"
+    )
+    assert nine["sentence"].startswith(
+        "Claim 9 holds: on 45 samples of 5 tasks (niah_multikey, niah_multivalue, "
+        "niah_single_number, qa, variable_tracking) at 3 context lengths (512, 1024 and "
+        "2048 tokens) and budget 64, AnchorKV in 45 of 45 and KV-Direct in 45 of 45 "
+        "samples answered and scored as the full cache did"
+    )
+    assert nine["on"].startswith(
+        "smollm2-135m; 45 samples; tasks niah_multikey, niah_multivalue, niah_single_number, "
+        "qa, variable_tracking; 3 context lengths: 512, 1024, 2048 tokens; budget 64; the "
+        "question read after the context was compressed alone (kvpress's setting); devices: "
+        "cpu"
+    )
     for title, card in cards.items():
         body = card["sentence"].removesuffix(".")
         assert card["sentence"].endswith(".") and ";" not in body and ". " not in body, (title, card["sentence"])
@@ -722,8 +844,10 @@ def test_each_card_reads_on_its_own(committed, tmp_path, monkeypatch):
     wider = copy.deepcopy(committed)
     cells(wider, "tasks")[0]["json"]["contexts"] = [1024, 2048]
     nine = parse_cards(claims_tab(wider, tmp_path / "b", monkeypatch)[0])[TITLES["tasks"]]
-    assert "at 2 context lengths (1024 and 2048 tokens)" in nine["sentence"] and "2 context lengths: 1024, 2048" in \
-        nine["on"]
+    assert (
+        "at 2 context lengths (1024 and 2048 tokens)" in nine["sentence"]
+        and "2 context lengths: 1024, 2048" in nine["on"]
+    )
 
 
 def test_claims_css_keeps_words_whole():
@@ -808,16 +932,18 @@ def test_a_png_call_made_before_the_pages_scripts_ran_waits_for_them(tmp_path):
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Serve)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    spec = fig_tools.coerce_for_js(go.Figure(go.Scatter(x=[1, 2], y=[3, 4])), None,
-                                   {"format": "png", "width": 200, "height": 100})
+    spec = fig_tools.coerce_for_js(
+        go.Figure(go.Scatter(x=[1, 2], y=[3, 4])), None, {"format": "png", "width": 200, "height": 100}
+    )
     try:
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
             tab = browser.new_page()
             tab.goto(f"http://127.0.0.1:{server.server_address[1]}/index.html", wait_until="commit")
             tab.wait_for_function("typeof window.kaleido_scopes === 'object'", timeout=20_000)
-            tab.evaluate("spec => { window.drawn = kaleido_scopes.plotly(spec, null, false).then(JSON.stringify); }",
-                         spec)
+            tab.evaluate(
+                "spec => { window.drawn = kaleido_scopes.plotly(spec, null, false).then(JSON.stringify); }", spec
+            )
             assert tab.evaluate("window.drawn instanceof Promise")  # made while kaleido_scopes.js is held back
             held.set()
             result = json.loads(tab.evaluate("window.drawn"))
@@ -834,15 +960,36 @@ def test_the_twenty_turn_section_scores_answers_at_turns_5_10_and_20_from_the_mu
     the note names the lane's equal answers.  Without the cell the section says it was not measured."""
     from kvdirect_app.claims.sections import twenty_turns
 
-    by_turn = {"full": [{"turn": n, "score": 1.0, "answers_equal_full": 1, "n": 1} for n in range(1, 21)],
-               "anchorkv:budget=32": [{"turn": n, "score": 1.0, "answers_equal_full": 1, "n": 1} for n in range(1, 21)],
-               "h2o:budget=32": [{"turn": n, "score": n / 100, "answers_equal_full": int(n == 1), "n": 1}
-                                 for n in range(1, 21)]}
-    rows = [{"spec": s, "kind": "lossy" if s.startswith("h2o") else "exact", "score": sum(t["score"] for t in v) / 20,
-             "held_bytes_mean": 1000} for s, v in by_turn.items()]
-    cell = {"kind": "tasks", "section": "turns20", "json": {
-        "model": "m", "turns": 20, "cells": [{}], "contexts": [1024], "budgets": [32], "by_turn": by_turn,
-        "rows": rows, "exact_answers_equal_full": True}}
+    by_turn = {
+        "full": [{"turn": n, "score": 1.0, "answers_equal_full": 1, "n": 1} for n in range(1, 21)],
+        "anchorkv:budget=32": [{"turn": n, "score": 1.0, "answers_equal_full": 1, "n": 1} for n in range(1, 21)],
+        "h2o:budget=32": [
+            {"turn": n, "score": n / 100, "answers_equal_full": int(n == 1), "n": 1} for n in range(1, 21)
+        ],
+    }
+    rows = [
+        {
+            "spec": s,
+            "kind": "lossy" if s.startswith("h2o") else "exact",
+            "score": sum(t["score"] for t in v) / 20,
+            "held_bytes_mean": 1000,
+        }
+        for s, v in by_turn.items()
+    ]
+    cell = {
+        "kind": "tasks",
+        "section": "turns20",
+        "json": {
+            "model": "m",
+            "turns": 20,
+            "cells": [{}],
+            "contexts": [1024],
+            "budgets": [32],
+            "by_turn": by_turn,
+            "rows": rows,
+            "exact_answers_equal_full": True,
+        },
+    }
     a = twenty_turns.answer_scores({"cells": [cell]})
     lanes = {r["strategy"]: r for r in a["lanes"]}
     assert a["at"] == [5, 10, 20] and lanes["h2o:budget=32"]["scores"] == [0.05, 0.10, 0.20]

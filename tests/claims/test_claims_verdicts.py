@@ -72,8 +72,11 @@ def test_not_measured_and_the_worst_part():
 def test_every_paper_figure_is_data_the_rule_can_read():
     assert set(VERDICTS) == {HOLDS, DIRECTION_ONLY, FAILS, NOT_MEASURED}
     for name, claim in papers.CLAIMS.items():
-        assert claim.figures and claim.quote and claim.paper in ("KV-Direct", "AnchorKV", "KV-Direct, AnchorKV",
-                                                                papers.BEYOND)
+        assert (
+            claim.figures
+            and claim.quote
+            and claim.paper in ("KV-Direct", "AnchorKV", "KV-Direct, AnchorKV", papers.BEYOND)
+        )
         for f in claim.figures:
             assert f.direction in (HIGHER, LOWER, EQUAL) and f.tolerance in (SIZE_TOLERANCE, EXACT_TOLERANCE)
             assert f.measures and f.label and f.model
@@ -85,7 +88,7 @@ def test_every_paper_figure_is_data_the_rule_can_read():
 
 
 def test_a_verdict_in_a_sentence_keeps_its_words():
-    """"Claim 7b is not measured: ..." and "Claim 3 holds in direction, not in size: ...": the sentence carries the
+    """ "Claim 7b is not measured: ..." and "Claim 3 holds in direction, not in size: ...": the sentence carries the
     verdict's own words, so the card, the table and the sentence read alike.  Mutation that fails it: `stated`
     rewording a verdict (FAILS as "fails", or NOT_MEASURED without its "is")."""
     assert [stated(v) for v in VERDICTS] == [HOLDS, DIRECTION_ONLY, FAILS, "is not measured"]

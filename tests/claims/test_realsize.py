@@ -63,7 +63,9 @@ def test_the_run_is_the_real_config_with_random_weights(measured):
     assert measured["parameters"] == 494_032_768  # Qwen2.5-0.5B's count (tied embedding counted once)
     assert measured["layers"] == 24 and measured["break_even_spacing"] == 4
     assert list(measured["lanes"]) == lanes()
-    assert measured["kernels_mode"] in ("invariant", "native") and measured["kernels"]["mode"] == measured["kernels_mode"]
+    assert (
+        measured["kernels_mode"] in ("invariant", "native") and measured["kernels"]["mode"] == measured["kernels_mode"]
+    )
     assert measured["device"] == "cpu" and measured["threads"] == THREADS
     # The random weights give a model whose logits are finite and whose greedy tokens vary.
     assert measured["logits_finite"] is True and measured["distinct_new_tokens"] > 1
@@ -110,5 +112,10 @@ def test_llama_3_2_1b_config_is_the_public_one():
     assert cfg.model_type == "llama" and cfg.tie_word_embeddings is True
     assert cfg.rope_parameters["rope_type"] == "llama3" and cfg.rope_parameters["rope_theta"] == 500000.0
     geom = ModelGeometry.from_config(cfg, torch.bfloat16)
-    assert (geom.num_layers, geom.hidden_size, geom.layers[0].num_kv_heads, geom.layers[0].head_dim) == (16, 2048, 8, 64)
+    assert (geom.num_layers, geom.hidden_size, geom.layers[0].num_kv_heads, geom.layers[0].head_dim) == (
+        16,
+        2048,
+        8,
+        64,
+    )
     assert geom.kv_bytes_per_token == 32 * 1024 and geom.break_even_spacing(token_id_anchor=True) == 2

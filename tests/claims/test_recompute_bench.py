@@ -43,7 +43,8 @@ def test_rows_for_every_cell(result):
         assert row["flops"] == row["tokens"] * 2 * 64 * 64
         assert row["intensity"] == pytest.approx(row["flops"] / row["residual_bytes"])
         expected = (row["kv_bytes"] / result["device_bytes_per_s"]) / (
-            row["flops"] / result["device_flops_per_s"] + row["residual_bytes"] / result["device_bytes_per_s"])
+            row["flops"] / result["device_flops_per_s"] + row["residual_bytes"] / result["device_bytes_per_s"]
+        )
         assert row["bound_speedup"] == pytest.approx(expected)
     # r = 1 here: the residual is as large as the K/V, so the bound is below 1 whatever the FLOPs.
     assert result["ratio_r"] == 1.0
@@ -61,8 +62,12 @@ def _forward_kv(loaded, index: int, ids: torch.Tensor):
 
     handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        cache = compat.Cache(layers=[compat.DynamicSlidingWindowLayer(s.sliding_window) if s.is_sliding
-                                     else compat.DynamicLayer() for s in compat.layer_specs(loaded.config)])
+        cache = compat.Cache(
+            layers=[
+                compat.DynamicSlidingWindowLayer(s.sliding_window) if s.is_sliding else compat.DynamicLayer()
+                for s in compat.layer_specs(loaded.config)
+            ]
+        )
         with torch.inference_mode():
             loaded.model(input_ids=ids, cache=cache, use_cache=True)
     finally:
@@ -136,9 +141,14 @@ def test_summary_verdict_follows_the_numbers(result):
     assert isinstance(s["sentence"], str) and "\n" not in s["sentence"]
     json.dumps(s)
     # Mutations: the same result with recompute made faster, or faster only against a host copy.
-    cases = [(6.0, None, "holds"), (2.0, None, "holds in direction, not in size"),
-             (0.5, 3.0, "holds in direction, not in size"), (0.5, 6.0, "holds"),
-             (0.5, 0.8, "does not hold here"), (0.25, None, "does not hold here")]
+    cases = [
+        (6.0, None, "holds"),
+        (2.0, None, "holds in direction, not in size"),
+        (0.5, 3.0, "holds in direction, not in size"),
+        (0.5, 6.0, "holds"),
+        (0.5, 0.8, "does not hold here"),
+        (0.25, None, "does not hold here"),
+    ]
     for speedup, host, verdict in cases:
         fake = _faked(result, speedup, host)
         out = rc.summary(fake)
@@ -171,8 +181,7 @@ def test_figure_has_bound_and_paper_reference(result):
 
 def test_cells_over_the_cap_are_skipped_and_said():
     loaded = tiny("tiny-llama")
-    out = rc.measure(loaded, batch_sizes=(1,), contexts=(8, 4096), repeats=1, max_cell_bytes=1 << 20,
-                     host_copy=True)
+    out = rc.measure(loaded, batch_sizes=(1,), contexts=(8, 4096), repeats=1, max_cell_bytes=1 << 20, host_copy=True)
     small, big = out["rows"]
     assert small["skipped"] is None and small["speedup"] > 0
     assert big["skipped"] and "cap" in big["skipped"] and big["speedup"] is None and big["read_ms"] is None

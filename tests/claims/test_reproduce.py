@@ -139,8 +139,11 @@ def test_reasons_and_verdicts_follow_from_the_cells(report):
     assert verdict["exactness_accelerator"] == NOT_MEASURED  # no accelerator in this run
 
     # 2 and 2b: tiny-llama's lanes are named by the plan: budget 8, AnchorKV's spacing its 4 layers.
-    runs = {c["json"]["model"]: c["json"]["strategies"] for c in results["cells"]
-            if c["section"] == "turns20" and c["kind"] == "run"}
+    runs = {
+        c["json"]["model"]: c["json"]["strategies"]
+        for c in results["cells"]
+        if c["section"] == "turns20" and c["kind"] == "run"
+    }
     assert set(runs) == {MODEL, reproduce.MHA}
     own = {"turns20": "kvdirect:budget=8", "turns20_anchorkv": "anchorkv:spacing=4:budget=8:rebuild=step"}
     for name, lane in own.items():
@@ -149,8 +152,11 @@ def test_reasons_and_verdicts_follow_from_the_cells(report):
             assert lanes[lane]["mode"] == "exact" and lanes[lane]["token_match"] == 1.0, (model, lane)
             ratio = lanes["full"]["state_bytes"]["peak"] / lanes[lane]["state_bytes"]["peak"]
             at = reason.index(f"{model}, 3 turns")
-            shown, = figures(rf"{re.escape(lane)} peaks at [^,]+ against the full cache's [^,]+, ([\d.]+)x "
-                             rf"\({re.escape(higher('turns20', ratio))}\)", reason[at:])
+            (shown,) = figures(
+                rf"{re.escape(lane)} peaks at [^,]+ against the full cache's [^,]+, ([\d.]+)x "
+                rf"\({re.escape(higher('turns20', ratio))}\)",
+                reason[at:],
+            )
             assert shown == pytest.approx(ratio, rel=5e-3), (name, model)
             if model == MODEL:  # the report's model decides
                 assert figures(r"([\d.]+)x here against 2.45x", reason) == [pytest.approx(ratio, rel=5e-3)]
@@ -167,22 +173,32 @@ def test_reasons_and_verdicts_follow_from_the_cells(report):
     # per-sample scores against the full cache's; a sample count where even every sample lower gives p >= 0.05 is
     # not enough samples, and the lossy part is then not measured.
     tasks = cell(results, "tasks")["json"]
-    exact = [lane["reply"] == c["lanes"]["full"]["reply"] and lane["score"] == c["lanes"]["full"]["score"]
-             for c in tasks["cells"] for spec, lane in c["lanes"].items() if spec != "full" and lane["exact"]]
+    exact = [
+        lane["reply"] == c["lanes"]["full"]["reply"] and lane["score"] == c["lanes"]["full"]["score"]
+        for c in tasks["cells"]
+        for spec, lane in c["lanes"].items()
+        if spec != "full" and lane["exact"]
+    ]
     assert {row["strategy"] for row in tasks["rows"] if row["kind"] == "lossy"} == set(reproduce.EVICTION)
     assert all(exact) and len(exact) == 2 * len(tasks["cells"])  # AnchorKV and KV-Direct in every sample
     external = ("h2o", "streaming_llm", "snapkv", "tova", "knorm", "pyramidkv")
-    deltas = {m: [lane["score"] - c["lanes"]["full"]["score"] for c in tasks["cells"]
-                  for lane in c["lanes"].values() if lane["strategy"] == m] for m in external}
+    deltas = {
+        m: [
+            lane["score"] - c["lanes"]["full"]["score"]
+            for c in tasks["cells"]
+            for lane in c["lanes"].values()
+            if lane["strategy"] == m
+        ]
+        for m in external
+    }
     n = len(tasks["cells"])
     assert all(len(d) == n for d in deltas.values())
 
     def p_lower(d):
         lower, untied = sum(x < 0 for x in d), sum(x != 0 for x in d)
-        return sum(math.comb(untied, k) for k in range(lower, untied + 1)) / 2 ** untied
+        return sum(math.comb(untied, k) for k in range(lower, untied + 1)) / 2**untied
 
-    lossy = (NOT_MEASURED if 0.5 ** n >= 0.05 else
-             HOLDS if all(p_lower(d) < 0.05 for d in deltas.values()) else FAILS)
+    lossy = NOT_MEASURED if 0.5**n >= 0.05 else HOLDS if all(p_lower(d) < 0.05 for d in deltas.values()) else FAILS
     assert verdict["tasks"] == combined(HOLDS, lossy)
 
     # 3: the five baselines the quote names, every budget.
@@ -205,8 +221,7 @@ def test_reasons_and_verdicts_follow_from_the_cells(report):
     assert verdict["replay"] == combined(higher("replay", replay["speedup"]), HOLDS)
 
     # 4: each cell's read time over its recompute time, the best of them.
-    best = max(r["read_ms"] / r["recompute_ms"] for r in cell(results, "recompute")["json"]["rows"]
-               if not r["skipped"])
+    best = max(r["read_ms"] / r["recompute_ms"] for r in cell(results, "recompute")["json"]["rows"] if not r["skipped"])
     assert figures(r"([\d.]+)x here", claims["recompute"]["reason"]) == [pytest.approx(best, rel=5e-3)]
     assert verdict["recompute"] == higher("recompute", best)
 
@@ -216,15 +231,24 @@ def test_reasons_and_verdicts_follow_from_the_cells(report):
     # s* = 1 (a token id and three residuals, 772 B, are below the K/V's 1,024 B in bf16 too), so every spacing counts.
     parked = {r["strategy"]: r["parked_bytes"] for r in cell(results, "parked")["json"]["rows"]}
     assert {k: v // 32768 for k, v in parked.items() if k.startswith(("full", "anchorkv"))} == {
-        "full": 1024, "anchorkv:spacing=1:budget=8": 772, "anchorkv:spacing=2:budget=8": 260,
-        "anchorkv:spacing=4:budget=8": 4, "anchorkv:spacing=4:budget=8:rebuild=step": 4}
+        "full": 1024,
+        "anchorkv:spacing=1:budget=8": 772,
+        "anchorkv:spacing=2:budget=8": 260,
+        "anchorkv:spacing=4:budget=8": 4,
+        "anchorkv:spacing=4:budget=8:rebuild=step": 4,
+    }
     low, high = figures(r"([\d.]+)-([\d.]+)x here", claims["parked"]["reason"])
     assert (low, high) == (pytest.approx(1024 / 772, rel=5e-3), 256)
     assert verdict["parked"] == higher("parked", 1024 / 772) == DIRECTION_ONLY
 
     # 7: every exact-mode run that rebuilt something, bit-equal with every token equal.
-    runs = [r for c in results["cells"] if c["section"] == "exactness" for r in c["json"]["strategies"].values()
-            if r["mode"] == "exact" and r["rebuilt_token_layers"] > 0]
+    runs = [
+        r
+        for c in results["cells"]
+        if c["section"] == "exactness"
+        for r in c["json"]["strategies"].values()
+        if r["mode"] == "exact" and r["rebuilt_token_layers"] > 0
+    ]
     assert runs and all(r["kv_exact"] and r["token_match"] == 1.0 for r in runs)
     assert f"{len(runs)} of {len(runs)} exact-mode runs that rebuilt K/V bit-equal" in claims["exactness"]["reason"]
     assert verdict["exactness"] == HOLDS
@@ -269,12 +293,15 @@ def test_a_run_that_did_not_end_resumes_from_its_finished_cells(report, tmp_path
             assert "resumed" not in c and c["env"]["processor"] != "kept by the earlier run", c["name"]
         else:
             assert c["resumed"]["commit"] == "0123abcd" and c["env"]["processor"] == "kept by the earlier run"
-    assert (f"with {len(planned) - 2} of its cells resumed from a run that did not end (commit 0123abcd"
-            in (tmp_path / "report.md").read_text())
+    assert (
+        f"with {len(planned) - 2} of its cells resumed from a run that did not end (commit 0123abcd"
+        in (tmp_path / "report.md").read_text()
+    )
     from kvdirect_app.app.ui.claims_cards import cards_html
 
-    assert (f"({len(planned) - 2} of them resumed from a run that did not end, their time not counted)"
-            in cards_html(reproduce.load(tmp_path)))
+    assert f"({len(planned) - 2} of them resumed from a run that did not end, their time not counted)" in cards_html(
+        reproduce.load(tmp_path)
+    )
     assert not (tmp_path / cells.KEPT).exists()
 
 
@@ -302,7 +329,8 @@ def test_the_twenty_turn_section_scores_answers_over_a_multiturn_conversation(re
     assert j["multiturn"] and j["budgets"] == [8] and j["exact_answers_equal_full"]
     run_lanes = cell(results, "turns20", "run")["config"]["strategies"]
     assert {lane["strategy"] for lane in j["cells"][0]["lanes"].values() if not lane["exact"]} == {
-        e for e in reproduce.EVICTION if f"{e}:budget=8" in run_lanes} - {"full"}
+        e for e in reproduce.EVICTION if f"{e}:budget=8" in run_lanes
+    } - {"full"}
     a = results["sections"]["turns20"]["answers"]
     assert a["at"] == [2, 3] and a["turns"] == 3 and a["conversations"] == 1
     lanes = {r["strategy"]: r for r in a["lanes"]}
@@ -346,8 +374,11 @@ def test_the_full_plans_equal_memory_sweep_runs_and_takes_its_target_from_anchor
     Mutation that fails it: the cell without its `target` (the SweepError of that run)."""
     plan = reproduce.plan(MODEL, quick=False)
     sweep = next(c for c in plan if c["section"] == "turns20" and c["kind"] == "sweep")
-    run = next(c for c in plan if c["section"] == "turns20" and c["kind"] == "run" and c["scenario"] == sweep[
-        "config"]["scenario"])
+    run = next(
+        c
+        for c in plan
+        if c["section"] == "turns20" and c["kind"] == "run" and c["scenario"] == sweep["config"]["scenario"]
+    )
     lane = sweep["config"]["target"]
     assert lane in run["config"]["strategies"].split(",") and lane.startswith("anchorkv:") and "rebuild=step" in lane
     assert sweep["config"]["max_new_tokens"] == run["config"]["max_new_tokens"]
@@ -355,6 +386,9 @@ def test_the_full_plans_equal_memory_sweep_runs_and_takes_its_target_from_anchor
     assert out["probes"][0]["strategy"] == lane and out["target_bytes"] == out["probes"][0]["state_bytes"]["peak"] > 0
     assert [r["strategy"] for r in out["rows"]] == reproduce.EVICTION
     for row in out["rows"]:
-        distance = [abs(p["state_bytes"]["peak"] - out["target_bytes"]) for p in out["probes"][1:]
-                    if p["strategy"] == row["strategy"]]
+        distance = [
+            abs(p["state_bytes"]["peak"] - out["target_bytes"])
+            for p in out["probes"][1:]
+            if p["strategy"] == row["strategy"]
+        ]
         assert abs(row["state_bytes"]["peak"] - out["target_bytes"]) == min(distance)

@@ -7,7 +7,9 @@ from kvdirect_app import bench
 
 def test_replay_rebuilds_exactly_with_the_predicted_passes(tmp_path, capsys):
     out = tmp_path / "replay.json"
-    assert bench.main(["replay", "--model", "tiny-gemma3", "--context", "40", "--spacing", "6", "--json", str(out)]) == 0
+    assert (
+        bench.main(["replay", "--model", "tiny-gemma3", "--context", "40", "--spacing", "6", "--json", str(out)]) == 0
+    )
     result = json.loads(out.read_text())
     for kind in ("cascade", "naive"):
         row = result["replay"][kind]
@@ -20,8 +22,28 @@ def test_replay_rebuilds_exactly_with_the_predicted_passes(tmp_path, capsys):
 
 def test_capacity_parks_real_sessions_and_measures_them(tmp_path, capsys):
     out = tmp_path / "capacity.json"
-    assert bench.main(["capacity", "--model", "tiny-llama", "--context", "4096", "--memory-gb", "1",
-                       "--measure-context", "64", "--measure", "2", "--budget", "8", "--json", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "capacity",
+                "--model",
+                "tiny-llama",
+                "--context",
+                "4096",
+                "--memory-gb",
+                "1",
+                "--measure-context",
+                "64",
+                "--measure",
+                "2",
+                "--budget",
+                "8",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = {row["strategy"]: row for row in json.loads(out.read_text())["rows"]}
     full, deepest = rows["full"], rows["anchorkv:spacing=4:budget=8"]
     assert deepest["parked_bytes"] == 4 * 4096  # token ids only

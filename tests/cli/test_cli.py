@@ -14,14 +14,39 @@ from kvdirect_app.plain.schema import schema_of
 ROOT = Path(__file__).resolve().parents[2]
 
 TOP_KEYS = {"model", "device", "dtype", "prompt_ids", "strategies"}
-STRATEGY_KEYS = {"token_ids", "text", "token_match", "first_divergence", "kv_exact", "max_abs_dk", "max_abs_dv",
-                 "max_abs_dlogit", "kl_mean", "state_bytes", "latency_ms", "tokens_per_s"}
+STRATEGY_KEYS = {
+    "token_ids",
+    "text",
+    "token_match",
+    "first_divergence",
+    "kv_exact",
+    "max_abs_dk",
+    "max_abs_dv",
+    "max_abs_dlogit",
+    "kl_mean",
+    "state_bytes",
+    "latency_ms",
+    "tokens_per_s",
+}
 
 
 def test_run_writes_the_documented_json(tmp_path, capsys):
     out = tmp_path / "out.json"
-    code = bench.main(["run", "--model", "tiny-qwen3", "--strategies", "full,kvdirect:budget=4:mode=exact",
-                       "--prompt", "hello", "--max-new-tokens", "6", "--json", str(out)])
+    code = bench.main(
+        [
+            "run",
+            "--model",
+            "tiny-qwen3",
+            "--strategies",
+            "full,kvdirect:budget=4:mode=exact",
+            "--prompt",
+            "hello",
+            "--max-new-tokens",
+            "6",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "kvdirect:budget=4:mode=exact" in printed and "K/V exact" in printed
@@ -37,8 +62,22 @@ def test_run_writes_the_documented_json(tmp_path, capsys):
 
 
 def test_a_long_prompt_is_read_in_pieces_with_progress(capsys):
-    code = bench.main(["run", "--model", "tiny-llama", "--strategies", "full,kvdirect:budget=4", "--raw",
-                       "--prompt", "cache " * 30, "--prefill-chunk", "8", "--max-new-tokens", "2"])
+    code = bench.main(
+        [
+            "run",
+            "--model",
+            "tiny-llama",
+            "--strategies",
+            "full,kvdirect:budget=4",
+            "--raw",
+            "--prompt",
+            "cache " * 30,
+            "--prefill-chunk",
+            "8",
+            "--max-new-tokens",
+            "2",
+        ]
+    )
     assert code == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if "prompt tokens" in line]
     assert lines and lines[0].startswith("turn 1: read 8 of ") and " of " in lines[-1]
@@ -64,6 +103,7 @@ def test_the_module_runs_as_a_program_and_fails_cleanly(tmp_path):
     strategy and an argparse error are each one line and status 2; and the schema check carries into the child
     process through the environment (conftest sets KVDIRECT_VALIDATE_JSON): a document its schema refuses (here:
     a schema that requires a field no result has) is not written."""
+
     def bench(*args, code=None, env=None):
         argv = ["-c", code, *args] if code else ["-m", "kvdirect_app.bench", *args]
         return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, env=env)
@@ -82,9 +122,11 @@ def test_the_module_runs_as_a_program_and_fails_cleanly(tmp_path):
     strict = schema_of("breakeven") | {"required": [*schema_of("breakeven")["required"], "no_such_field"]}
     (schemas / "breakeven.json").write_text(json.dumps(strict))
     (tmp_path / "presets").symlink_to(ROOT / "presets")
-    code = ("import sys; from kvdirect_app.plain import paths; paths.CHECKOUT = paths.Path(sys.argv[1]); "
-            "from kvdirect_app import bench; sys.exit(bench.main(['breakeven', '--model', 'smollm2-135m', "
-            "'--json', sys.argv[2]]))")
+    code = (
+        "import sys; from kvdirect_app.plain import paths; paths.CHECKOUT = paths.Path(sys.argv[1]); "
+        "from kvdirect_app import bench; sys.exit(bench.main(['breakeven', '--model', 'smollm2-135m', "
+        "'--json', sys.argv[2]]))"
+    )
     out = tmp_path / "b.json"
     done = bench(str(tmp_path), str(out), code=code, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 2 and "no_such_field" in done.stderr and not out.exists(), done.stderr[-500:]
@@ -99,9 +141,27 @@ def test_alone_runs_each_strategy_in_a_process_of_its_own_and_loads_no_model_its
 
     models._LOADED.pop(("tiny-qwen2", "float32", "cpu"), None)
     out = tmp_path / "alone.json"
-    assert bench.main(["run", "--alone", "--model", "tiny-qwen2", "--device", "cpu", "--strategies",
-                       "full,kvdirect:budget=4", "--prompt", "Hi there.", "--max-new-tokens", "4",
-                       "--json", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "run",
+                "--alone",
+                "--model",
+                "tiny-qwen2",
+                "--device",
+                "cpu",
+                "--strategies",
+                "full,kvdirect:budget=4",
+                "--prompt",
+                "Hi there.",
+                "--max-new-tokens",
+                "4",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert ("tiny-qwen2", "float32", "cpu") not in models._LOADED
     data = json.loads(out.read_text())
     assert data["alone"] is True and set(data["strategies"]) == {"full", "kvdirect:budget=4"}
@@ -124,9 +184,26 @@ def test_roofline_measures_the_machine_and_puts_each_pass_against_it(tmp_path, c
     from kvdirect_app.models.loading import load_model
 
     out = tmp_path / "roof.json"
-    assert bench.main(["roofline", "--model", "tiny-llama", "--strategies", "full,window:budget=4", "--rows", "1,3,8",
-                       "--step-strategies", "full,anchorkv:spacing=1:budget=2:rebuild=step", "--max-new-tokens", "3",
-                       "--json", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "roofline",
+                "--model",
+                "tiny-llama",
+                "--strategies",
+                "full,window:budget=4",
+                "--rows",
+                "1,3,8",
+                "--step-strategies",
+                "full,anchorkv:spacing=1:budget=2:rebuild=step",
+                "--max-new-tokens",
+                "3",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())  # validated against docs/schema/roofline.json by the suite's setting
     model = load_model("tiny-llama", device="cpu").model
     weights = {m.weight.data_ptr(): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}
@@ -142,8 +219,13 @@ def test_roofline_measures_the_machine_and_puts_each_pass_against_it(tmp_path, c
         assert r["native_linears_ms"] > 0 and r["invariant_linears_ms"] > 0  # the tiny model's probe passes here
     plain, panes = report["runs"]["plain"], report["runs"]["panes"]
     assert plain["rows"] == 1 and panes["rows"] >= 2 and panes["kernels"] == "invariant"
-    expected = roofline.best_ms(report["weights"]["weight_bytes"], report["weights"]["params"], panes["rows"],
-                                here["gemm_gflops"]["float32"], here["bandwidth_gbs"])["best_ms"]
+    expected = roofline.best_ms(
+        report["weights"]["weight_bytes"],
+        report["weights"]["params"],
+        panes["rows"],
+        here["gemm_gflops"]["float32"],
+        here["bandwidth_gbs"],
+    )["best_ms"]
     assert panes["best_ms"] == pytest.approx(expected)
     assert panes["shared_over_best"] == pytest.approx(panes["shared_ms"] / panes["best_ms"])
     assert set(panes["own_ms"]) == {"full", "window:budget=4"}

@@ -38,11 +38,12 @@ def test_a_figure_edited_by_hand_fails_the_check_naming_it(tmp_path, capsys):
         readme = next(p for p in docs.pages(tmp_path) if docs.MARKER.search(p.read_text()))
         text = readme.read_text()
         match = docs.MARKER.search(text)
-    edited = text[:match.start("text")] + "999.99" + text[match.end("text"):]
+    edited = text[: match.start("text")] + "999.99" + text[match.end("text") :]
     readme.write_text(edited)
     stale = docs.check(tmp_path)
     assert [(s.page, s.file, s.path, s.written) for s in stale] == [
-        (str(readme.relative_to(tmp_path)), match["file"], match["path"], "999.99")]
+        (str(readme.relative_to(tmp_path)), match["file"], match["path"], "999.99")
+    ]
     assert stale[0].measured == match["text"] and "bench docs re-renders it" in stale[0].line()
     assert docs.render(tmp_path) == [str(readme.relative_to(tmp_path))] and not docs.check(tmp_path)
 
@@ -53,8 +54,9 @@ def test_a_marker_whose_file_or_value_is_gone_is_one_line(tmp_path):
         docs.check(tmp_path)
     (tmp_path / "r.json").write_text(json.dumps({"rows": [{"spec": "full", "score": 0.5}]}))
     (tmp_path / "README.md").write_text("<!-- fig r.json rows[spec=h2o].score .2f -->1<!-- /fig -->\n")
-    with pytest.raises(docs.FigureError, match="README.md: the figure rows\\[spec=h2o\\].score of r.json: 'no item "
-                                               "with spec = h2o'"):
+    with pytest.raises(
+        docs.FigureError, match="README.md: the figure rows\\[spec=h2o\\].score of r.json: 'no item with spec = h2o'"
+    ):
         docs.check(tmp_path)
     (tmp_path / "README.md").write_text("<!-- fig r.json rows[spec=full].score .0% -->x<!-- /fig -->\n")
     assert [s.measured for s in docs.check(tmp_path)] == ["50%"]

@@ -43,7 +43,7 @@ def test_the_snapshot_is_the_models_own_attention_and_marks_what_was_evicted(fam
     full = maps["full"]
     turns = sum(e["type"] == "turn" for e in run.events)
     assert set(maps) == set(engine.show) and full["turn"] == turns and len(full["tokens"]) == full["position"] + 1
-    ids = engine.reference.history[:full["position"] + 1]
+    ids = engine.reference.history[: full["position"] + 1]
     for j, (ours, eager) in enumerate(zip(full["layers"], _eager_weights(loaded, ids))):
         handed = torch.tensor([w is not None for w in ours])
         weights = torch.tensor([0.0 if w is None else w for w in ours])
@@ -75,7 +75,7 @@ def test_the_snapshot_is_the_models_own_attention_and_marks_what_was_evicted(fam
 
 def _full_on_same_history(engine, label, maps, j):
     lane = next(l for l in engine.lanes if l.label == label)
-    assert lane.history[:maps[label]["position"] + 1] == engine.reference.history[:maps["full"]["position"] + 1]
+    assert lane.history[: maps[label]["position"] + 1] == engine.reference.history[: maps["full"]["position"] + 1]
     return maps["full"]["layers"][j]
 
 
@@ -105,7 +105,9 @@ def test_snapshots_change_no_figure_and_batching_changes_no_snapshot(family):
         for key in ("token_ids", "kv_exact", "max_abs_dk", "kl_mean", "rebuilt_token_layers"):
             assert a[label][key] == b[label][key], (label, key)
         sa, sb = a[label]["state_bytes"], b[label]["state_bytes"]
-        assert sa["instrument"] == sb["instrument"] == "allocator trace (cpu), auditing the allocator ledger (cpu)", label
+        assert sa["instrument"] == sb["instrument"] == "allocator trace (cpu), auditing the allocator ledger (cpu)", (
+            label
+        )
         for key in ("persistent_peak", "between_turns_peak", "final_persistent", "peak"):
             assert isinstance(sa[key], int) and sa[key] > 0, (label, key, sa[key])
             assert sa[key] == sb[key], (label, key)

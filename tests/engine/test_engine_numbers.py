@@ -9,7 +9,6 @@
 * a teacher-forced twin copies the cache's state, never the model.
 """
 
-
 import pytest
 import torch
 
@@ -26,10 +25,24 @@ from ..specs import every
 
 TURNS = ["Tell me about caches.", "Why do keys need positions?"]
 # Every strategy (tests/specs.py: one not named here joins at budget 6).
-EVERY = ",".join(every(("full", "kvdirect:budget=4", "anchorkv:spacing=2:budget=4:rebuild=step",
-                        "anchorkv:spacing=3:budget=4", "window:budget=6", "streaming_llm:budget=8", "h2o:budget=8",
-                        "snapkv:budget=16:window=4", "tova:budget=6", "knorm:budget=6", "pyramidkv:budget=16:window=4"),
-                       budget=6))
+EVERY = ",".join(
+    every(
+        (
+            "full",
+            "kvdirect:budget=4",
+            "anchorkv:spacing=2:budget=4:rebuild=step",
+            "anchorkv:spacing=3:budget=4",
+            "window:budget=6",
+            "streaming_llm:budget=8",
+            "h2o:budget=8",
+            "snapkv:budget=16:window=4",
+            "tova:budget=6",
+            "knorm:budget=6",
+            "pyramidkv:budget=16:window=4",
+        ),
+        budget=6,
+    )
+)
 
 
 def _events(loaded, specs, **options):
@@ -41,8 +54,9 @@ def _events(loaded, specs, **options):
 def test_every_latency_row_of_every_lane_has_the_same_ops(batch):
     """In turn 2 a diverged lane's prompt (its own earlier reply) has another length than the reference's: it is
     fed in a pass of its own, alone.  Its rows must carry the same ops as the batched ones."""
-    engine, events = _events(tiny("tiny-llama"), "full,window:budget=4,kvdirect:budget=4", max_new_tokens=6,
-                             batch=batch)
+    engine, events = _events(
+        tiny("tiny-llama"), "full,window:budget=4,kvdirect:budget=4", max_new_tokens=6, batch=batch
+    )
     rows = [ev["latency_ms"] for e in events if e["type"] == "step" for ev in e["lanes"].values()]
     assert rows and all(set(row) == {*OPS, "total"} for row in rows)
     assert all(row["total"] == pytest.approx(sum(row[op] for op in OPS)) for row in rows)
@@ -72,8 +86,9 @@ def test_a_step_adds_up_lanes_charged_by_rows_twins_and_instruments_apart():
     a negative rest; the shared pass divided among the lanes only (`shared / len(lanes)`) breaks the per-row
     charge."""
     loaded = tiny("tiny-llama")
-    engine = Engine(loaded, parse_specs("full,window:budget=4,tova:budget=4,kvdirect:budget=4"), max_new_tokens=8,
-                    threads=1)
+    engine = Engine(
+        loaded, parse_specs("full,window:budget=4,tova:budget=4,kvdirect:budget=4"), max_new_tokens=8, threads=1
+    )
     calls = []  # every call of the model: rows and tokens per row
 
     def before(module, args, kwargs):
@@ -154,8 +169,15 @@ def test_the_guard_bounds_a_prompt_fed_in_pieces():
     prompt = "A long message about caches, residual streams and anchors, read in pieces. " * 2
     engine = Engine(loaded, parse_specs(EVERY), max_new_tokens=5, threads=1, prefill_chunk=16, twins=False)
     result = run_to_end(engine, [prompt])
-    est = guard.estimate(loaded.config, loaded.dtype, parse_specs(EVERY), len(result["prompt_ids"]),
-                         len(result["prompt_ids"]) + 5, 16, twins=False)
+    est = guard.estimate(
+        loaded.config,
+        loaded.dtype,
+        parse_specs(EVERY),
+        len(result["prompt_ids"]),
+        len(result["prompt_ids"]) + 5,
+        16,
+        twins=False,
+    )
     for label, r in result["strategies"].items():
         assert est.lanes[label] >= r["state_bytes"]["peak"], label
 
@@ -237,8 +259,9 @@ def test_an_engine_leaves_the_process_thread_count_as_it_found_it(kernels):
     process pool's cells and the run in this process) starts from what the process had."""
     before = torch.get_num_threads()
     other = 2 if before != 2 else 1
-    engine = Engine(tiny("tiny-llama"), parse_specs("full,kvdirect:budget=2"), max_new_tokens=3, threads=other,
-                    kernels=kernels)
+    engine = Engine(
+        tiny("tiny-llama"), parse_specs("full,kvdirect:budget=2"), max_new_tokens=3, threads=other, kernels=kernels
+    )
     assert torch.get_num_threads() == before
     result = run_to_end(engine, TURNS[:1])
     assert torch.get_num_threads() == before and result["threads"] == other

@@ -27,8 +27,13 @@ from kvdirect_app.strategies import StrategyError
 from ..conftest import TINY_FAMILIES, all_sliding, tiny
 from ..specs import every
 
-EXACT = ("full", "kvdirect:budget=4", "anchorkv:spacing=2:budget=3", "kvdirect:budget=4:rebuild=step",
-         "anchorkv:spacing=2:budget=3:rebuild=step")
+EXACT = (
+    "full",
+    "kvdirect:budget=4",
+    "anchorkv:spacing=2:budget=3",
+    "kvdirect:budget=4:rebuild=step",
+    "anchorkv:spacing=2:budget=3:rebuild=step",
+)
 
 
 def _ids(loaded, text: str) -> torch.Tensor:
@@ -41,13 +46,25 @@ def _two_turns(loaded, cache=None, tokens=8):
     if cache is None:
         cache = compat.DynamicCache(config=model.config)
     first = _ids(loaded, "Tell me about caches.")
-    out = model.generate(first, **{compat.GENERATE_CACHE: cache}, max_new_tokens=tokens, do_sample=False,
-                         min_new_tokens=tokens, pad_token_id=0)
+    out = model.generate(
+        first,
+        **{compat.GENERATE_CACHE: cache},
+        max_new_tokens=tokens,
+        do_sample=False,
+        min_new_tokens=tokens,
+        pad_token_id=0,
+    )
     second = torch.cat([out, _ids(loaded, " Why do keys need positions?")], dim=1)
-    out2 = model.generate(second, **{compat.GENERATE_CACHE: cache}, max_new_tokens=tokens, do_sample=False,
-                          min_new_tokens=tokens, pad_token_id=0)
+    out2 = model.generate(
+        second,
+        **{compat.GENERATE_CACHE: cache},
+        max_new_tokens=tokens,
+        do_sample=False,
+        min_new_tokens=tokens,
+        pad_token_id=0,
+    )
     _two_turns.fed = out2.shape[1] - 1  # every token but the last generated one went through the model
-    return out[0, first.shape[1]:].tolist(), out2[0, second.shape[1]:].tolist()
+    return out[0, first.shape[1] :].tolist(), out2[0, second.shape[1] :].tolist()
 
 
 def _handed(cache) -> list:
@@ -282,7 +299,7 @@ def test_generate_takes_the_cache_under_either_name():
             out = model.generate(first, past_key_values=cache, **greedy)
             second = torch.cat([out, _ids(loaded, " Why do keys need positions?")], dim=1)
             out2 = model.generate(second, past_key_values=cache, **greedy)
-        assert (out[0, first.shape[1]:].tolist(), out2[0, second.shape[1]:].tolist()) == reference, spec
+        assert (out[0, first.shape[1] :].tolist(), out2[0, second.shape[1] :].tolist()) == reference, spec
         report = cache.report()
         assert report["rebuilt_token_layers"] > 0 and report["verified"]["exact"], (spec, report)
 
@@ -294,8 +311,10 @@ def test_on_smollm2_direct_forwards_rebuild_and_verify_exact(smollm2):
 
     Mutations (each applied, each fails): the hooks recognise the cache only under `compat.CACHE_KWARG` ->
     UnsupportedCall; with the guard in `GenerateCache.update` removed too -> AnchorKV rebuilds 0 token-layers."""
-    words = ("The locker code is 4127. Keys and values of a layer are projections of its input, so a cache may keep "
-             "the input and rebuild them when attention needs them again, at their original positions. ") * 3
+    words = (
+        "The locker code is 4127. Keys and values of a layer are projections of its input, so a cache may keep "
+        "the input and rebuild them when attention needs them again, at their original positions. "
+    ) * 3
     tokens = smollm2.tokenizer.encode(words)
     second = smollm2.tokenizer.encode(" Why do keys need positions in attention layers of a transformer?")[:12]
     prompts = (torch.tensor([tokens[:60]]), torch.tensor([second]))
@@ -310,11 +329,12 @@ def test_on_smollm2_direct_forwards_rebuild_and_verify_exact(smollm2):
         assert report["rebuilt_token_layers"] == _rebuilt(spec, 30, sizes) > 0, (spec, report)
         verified = report["verified"]
         assert verified["exact"] and verified["rebuilt_token_layers"] == report["rebuilt_token_layers"], verified
-        assert verified["checked_token_layers"] == 30 * sum(sum(sizes[:i + 1]) for i in range(len(sizes)))
+        assert verified["checked_token_layers"] == 30 * sum(sum(sizes[: i + 1]) for i in range(len(sizes)))
 
 
 def _swapping(rebuild_old):
     """A rebuild that hands back the keys of tokens 0 and 1 swapped (one wrong row pair per rebuild)."""
+
     def swapped(self, end, capacity):
         keys, values = rebuild_old(self, end, capacity)
         keys[..., [0, 1], :] = keys[..., [1, 0], :]
@@ -355,7 +375,11 @@ def test_verify_reports_a_swapped_rebuilt_row(spec, monkeypatch):
     assert not verified["exact"] and report["claims_exact"]
     first = verified["first_mismatch"]
     assert (first["forward"], first["layer"], first["token"], first["rebuilt"]) == (
-        1 if handing == 2 * STEPS + 1 else STEPS + 1, 0, 0, True), first
+        1 if handing == 2 * STEPS + 1 else STEPS + 1,
+        0,
+        0,
+        True,
+    ), first
 
 
 def test_a_lossy_strategy_under_verify_says_what_it_could_check():
@@ -413,8 +437,9 @@ def test_every_unsupported_way_in_raises_one_clear_error_and_leaves_the_cache_as
             "use_cache=False": lambda: model(token, cache=cache, use_cache=False),
             "generate, use_cache=False": lambda: model.generate(first, cache=cache, use_cache=False, **greedy),
             "beam search": lambda: model.generate(first, cache=cache, num_beams=2, **greedy),
-            "two sequences": lambda: model.generate(first, cache=cache, num_return_sequences=2, do_sample=True,
-                                                    max_new_tokens=2, pad_token_id=0),
+            "two sequences": lambda: model.generate(
+                first, cache=cache, num_return_sequences=2, do_sample=True, max_new_tokens=2, pad_token_id=0
+            ),
             "the inner model": lambda: model.model(token, cache=cache),
             ".forward": lambda: model.forward(token, cache=cache),
             "a layer": lambda: cache.update(*[torch.zeros(1, 2, 1, 16)] * 2, 0),
@@ -467,8 +492,11 @@ def test_a_forward_that_does_not_finish_leaves_the_cache_refusing_every_later_fo
     def nests(module, args):
         model(first[:, :1], cache=cache)
 
-    for hook, error, says in ((fails, RuntimeError, "boom"), (updates_layer0_again, UnsupportedCall, "twice"),
-                              (nests, UnsupportedCall, "runs inside it")):
+    for hook, error, says in (
+        (fails, RuntimeError, "boom"),
+        (updates_layer0_again, UnsupportedCall, "twice"),
+        (nests, UnsupportedCall, "runs inside it"),
+    ):
         with torch.no_grad(), strategy_cache(model, "anchorkv:spacing=2:budget=3:rebuild=step") as cache:
             model(first, cache=cache)
             handle = layer1.register_forward_pre_hook(hook)
@@ -515,13 +543,14 @@ def _pieces_turns(loaded, spec, chunk, prompts, tokens=8):
     """Two greedy generate turns on a strategy cache, each prompt fed in pieces of `chunk` tokens (None: whole);
     the new tokens of each turn, and the cache."""
     model = loaded.model
-    greedy = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0,
-                  prefill_chunk_size=chunk)
+    greedy = dict(
+        max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0, prefill_chunk_size=chunk
+    )
     with strategy_cache(model, spec, verify=True) as cache:
         out = model.generate(prompts[0], cache=cache, **greedy)
         second = torch.cat([out, prompts[1]], dim=1)
         out2 = model.generate(second, cache=cache, **greedy)
-    return (out[0, prompts[0].shape[1]:].tolist(), out2[0, second.shape[1]:].tolist()), cache
+    return (out[0, prompts[0].shape[1] :].tolist(), out2[0, second.shape[1] :].tolist()), cache
 
 
 def _held(cache) -> tuple:
@@ -544,8 +573,10 @@ def test_every_registered_strategy_serves_a_prompt_fed_in_pieces_as_one_prompt(f
     turns reported, not 2; a piece recorded as `Forward(q, prompt=...)` without `open`, or the pieces after the
     first as no prompt's (`prompt = starts`) -> the formula no longer matches what is held."""
     loaded = tiny(family)
-    text = ("Keys and values of a layer are projections of its input, so a cache may keep the input. "
-            "Why do keys need positions?")
+    text = (
+        "Keys and values of a layer are projections of its input, so a cache may keep the input. "
+        "Why do keys need positions?"
+    )
     tokens = loaded.tokenizer.encode(text)
     prompts = (torch.tensor([tokens[:33]]), torch.tensor([tokens[40:52]]))
     assert [p.shape[1] for p in prompts] == [33, 12]
@@ -573,15 +604,24 @@ def test_on_smollm2_snapkv_serves_the_reviewers_chunked_prompt_as_one_prompt(smo
 
     Mutation (applied, fails): `begin_step(..., more)` always passed False -> each layer keeps 102 tokens, and
     the tokens differ."""
-    words = ("The locker code is 4127. Keys and values of a layer are projections of its input, so a cache may keep "
-             "the input and rebuild them when attention needs them again, at their original positions. ") * 3
+    words = (
+        "The locker code is 4127. Keys and values of a layer are projections of its input, so a cache may keep "
+        "the input and rebuild them when attention needs them again, at their original positions. "
+    ) * 3
     ids = torch.tensor([smollm2.tokenizer.encode(words)[:87]])
     assert ids.shape[1] == 87
     runs = []
     for chunk in (None, 16):
         with strategy_cache(smollm2.model, "snapkv:budget=16:window=4") as cache:
-            out = smollm2.model.generate(ids, cache=cache, max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                         pad_token_id=0, prefill_chunk_size=chunk)
+            out = smollm2.model.generate(
+                ids,
+                cache=cache,
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=False,
+                pad_token_id=0,
+                prefill_chunk_size=chunk,
+            )
         kept = [layer.keys.shape[-2] for layer in cache.layers]
         runs.append((out[0, 87:].tolist(), cache.report()["bytes"]["held_last"], kept))
     assert runs[1] == runs[0]
@@ -601,8 +641,10 @@ def test_a_prompt_fed_in_pieces_leaves_the_turns_as_the_whole_prompt_does():
     it when fed in pieces (its last piece) and not when whole: the tokens differ."""
     loaded = tiny("tiny-llama")
     model = loaded.model
-    tokens = loaded.tokenizer.encode("Keys and values of a layer are projections of its input, so a cache may keep "
-                                     "the input. Why do keys need positions?")
+    tokens = loaded.tokenizer.encode(
+        "Keys and values of a layer are projections of its input, so a cache may keep "
+        "the input. Why do keys need positions?"
+    )
     first, more, second = (torch.tensor([tokens[a:b]]) for a, b in ((0, 33), (33, 40), (40, 52)))
     runs = []
     for chunk in (None, 8):
@@ -615,7 +657,7 @@ def test_a_prompt_fed_in_pieces_leaves_the_turns_as_the_whole_prompt_does():
             conversation = torch.cat([out, more, token, second], dim=1)
             out2 = model.generate(conversation, cache=cache, max_new_tokens=4, min_new_tokens=4, **greedy)
             turns.append(cache.report()["turns"])
-        runs.append((turns, out2[0, conversation.shape[1]:].tolist(), _held(cache)))
+        runs.append((turns, out2[0, conversation.shape[1] :].tolist(), _held(cache)))
     assert runs[1] == runs[0]
     assert runs[0][0] == [1, 1, 2]
 
@@ -703,8 +745,14 @@ def test_paged_generation_is_refused_instead_of_ignoring_the_cache():
     model = loaded.model
     with strategy_cache(model, "h2o:budget=6") as cache:
         with pytest.raises(UnsupportedCall, match="paged") as info:
-            model.generate(_ids(loaded, "Tell me about caches."), cache=cache, cache_implementation="paged",
-                           max_new_tokens=2, do_sample=False, pad_token_id=0)
+            model.generate(
+                _ids(loaded, "Tell me about caches."),
+                cache=cache,
+                cache_implementation="paged",
+                max_new_tokens=2,
+                do_sample=False,
+                pad_token_id=0,
+            )
         _one_line(info)
         assert cache.report()["forwards"] == 0
     assert "generate_batch" not in vars(model)

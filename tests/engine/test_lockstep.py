@@ -15,8 +15,16 @@ from kvdirect_app.strategies import parse_specs
 
 from ..runs import LOCKSTEP, TINY_FAMILIES, TINY_TURNS, all_sliding, one_by_one, run_once, tiny, tiny_union
 
-SAME = ("token_ids", "kv_exact", "max_abs_dk", "max_abs_dv", "max_abs_dlogit", "kl_mean", "teacher_forced_agreement",
-        "rebuilt_token_layers")
+SAME = (
+    "token_ids",
+    "kv_exact",
+    "max_abs_dk",
+    "max_abs_dv",
+    "max_abs_dlogit",
+    "kl_mean",
+    "teacher_forced_agreement",
+    "rebuilt_token_layers",
+)
 
 
 def assert_same_bits(batched_run, specs=LOCKSTEP):
@@ -49,7 +57,10 @@ def test_batched_lanes_give_the_same_bits_as_lanes_one_after_another(family):
     # Some lanes diverged, so twins ran in the batch too (not on a model whose every layer slides: its window
     # holds what every strategy's budget does).
     assert any(r["first_divergence"] is not None for r in batched["strategies"].values()) != all_sliding(loaded)
-    assert batched["shared_pass_ms_mean"] is not None and batched["strategies"]["full"]["latency_ms"]["decode_shared_ms_mean"]
+    assert (
+        batched["shared_pass_ms_mean"] is not None
+        and batched["strategies"]["full"]["latency_ms"]["decode_shared_ms_mean"]
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16"])
@@ -101,5 +112,5 @@ def test_reply_text_streams_without_broken_characters_and_ends_as_the_full_decod
     for b in text.encode("utf-8"):
         seen.append(reply.add(b))
     assert all("\ufffd" not in s for s in seen)
-    assert all(a == b[:len(a)] for a, b in zip(seen, seen[1:]))  # only ever grows
+    assert all(a == b[: len(a)] for a, b in zip(seen, seen[1:]))  # only ever grows
     assert seen[-1] == text == reply.final()

@@ -74,8 +74,8 @@ def test_a_row_has_the_same_bits_in_every_call_at_any_thread_count(shape, dtype)
         for threads in (1, 2):
             for m in range(1, 17):
                 for offset in (0, 1, 5, 17, 283):
-                    rows = dots.linear(x[offset:offset + m], w, b, name=name, threads=threads)
-                    assert torch.equal(rows, whole[offset:offset + m]), (name, threads, m, offset)
+                    rows = dots.linear(x[offset : offset + m], w, b, name=name, threads=threads)
+                    assert torch.equal(rows, whole[offset : offset + m]), (name, threads, m, offset)
 
 
 @pytest.mark.check
@@ -87,7 +87,7 @@ def test_it_is_the_linear_it_stands_for(dtype):
     got = dots.linear(x.view(3, 4, 576), w, b)
     assert got.shape == (3, 4, 96) and got.dtype == dtype
     exact = F.linear(x.double(), w.double(), b.double()).view(3, 4, 96)
-    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -20
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-20
     assert ((got.double() - exact).abs() <= ulp * exact.abs() + 1e-4).all()
 
 
@@ -114,7 +114,9 @@ def test_a_path_is_asked_for_by_name_and_a_bad_name_is_refused(monkeypatch):
     monkeypatch.setenv(dots.PATH_ENV, "avx2")
     assert dots.requested() == "avx2" and dots.path() == "avx2"
     monkeypatch.setenv(dots.PATH_ENV, "sse9")
-    with pytest.raises(ValueError, match="KVDIRECT_DOTS_PATH: 'sse9' is not allowed; allowed: auto, scalar, avx2, avx512"):
+    with pytest.raises(
+        ValueError, match="KVDIRECT_DOTS_PATH: 'sse9' is not allowed; allowed: auto, scalar, avx2, avx512"
+    ):
         dots.requested()
     assert "not allowed" in dots.unavailable()
     monkeypatch.delenv(dots.PATH_ENV)
@@ -160,5 +162,6 @@ def test_the_forced_avx2_path_runs_the_exact_lanes_with_the_bits_of_the_widest()
                 if spec != "full":
                     assert lane["kv_exact"] is True and lane["max_abs_dk"] == 0.0, (path, dtype, spec)
     for dtype in runs["avx2"]:
-        assert ({s: lane["kv_digest"] for s, lane in runs["avx2"][dtype]["lanes"].items()}
-                == {s: lane["kv_digest"] for s, lane in runs[here][dtype]["lanes"].items()}), dtype
+        assert {s: lane["kv_digest"] for s, lane in runs["avx2"][dtype]["lanes"].items()} == {
+            s: lane["kv_digest"] for s, lane in runs[here][dtype]["lanes"].items()
+        }, dtype

@@ -60,7 +60,7 @@ def test_probe_counts_are_what_it_says_on_fresh_data():
     x = torch.randn(probes.ROWS[-1] + 20, 96)
     ref = F.linear(x, weight, bias)
     for m in verdict.counts:
-        assert torch.equal(F.linear(x[3:3 + m], weight, bias), ref[3:3 + m]), m
+        assert torch.equal(F.linear(x[3 : 3 + m], weight, bias), ref[3 : 3 + m]), m
     for m in range(1, verdict.largest + 1):
         padded = verdict.pad(m)
         assert padded >= m and padded in verdict.counts
@@ -82,7 +82,7 @@ def test_kernels_linear_is_row_invariant_whatever_the_row_count_and_thread_count
         for threads in (1, 2, 3):
             with threads_set(threads):
                 for m in (1, 2, 3, 7, 100, 700):
-                    assert torch.equal(kernels.linear(x[5:5 + m], lin.weight, lin.bias), ref[5:5 + m]), (threads, m)
+                    assert torch.equal(kernels.linear(x[5 : 5 + m], lin.weight, lin.bias), ref[5 : 5 + m]), (threads, m)
         probed = K.Kernels("invariant", torch.get_num_threads(), store=loaded.probes)
         verdict = probes.probe_linear(lin.weight, lin.bias, probed.threads)
         probed.linears[(tuple(lin.weight.shape), lin.bias is not None)] = verdict
@@ -99,8 +99,11 @@ def test_the_probe_checks_every_rmsnorm_and_a_row_wise_reduction_that_is_not_fai
     loaded = tiny("tiny-qwen3")  # input norms and per-head q/k norms
     K.Kernels.for_model(loaded, "invariant", 1)
     probed = {k[1:3] for k in loaded.probes.verdicts if k[0] == "rows"}
-    norms = {(type(m).__name__, tuple(m.weight.shape)) for m in loaded.model.modules()
-             if type(m).__name__.endswith("RMSNorm")}
+    norms = {
+        (type(m).__name__, tuple(m.weight.shape))
+        for m in loaded.model.modules()
+        if type(m).__name__.endswith("RMSNorm")
+    }
     assert norms and probed == norms
 
     class CallMean(torch.nn.Module):
@@ -120,8 +123,9 @@ def test_the_fixed_order_kernels_are_checked_at_every_start_and_nothing_is_kept_
     loaded = tiny("tiny-llama")
     for _ in range(2):
         store = probe_verdicts.Store(loaded.name, loaded.dtype, loaded.device)
-        kernels = K.Kernels.for_model(SimpleNamespace(model=loaded.model, device=loaded.device, dtype=loaded.dtype,
-                                                      probes=store), "invariant", 1)
+        kernels = K.Kernels.for_model(
+            SimpleNamespace(model=loaded.model, device=loaded.device, dtype=loaded.dtype, probes=store), "invariant", 1
+        )
         report = kernels.report()
         assert kernels.invariant and report["dots_path"] and report["dots_checks"], report["reason"]
         assert all(c["same_bits"] for c in report["dots_checks"]) and store.confirmed == 0
@@ -136,15 +140,18 @@ def test_unknown_kernels_get_their_message():
 # --- the block attention ---------------------------------------------------------------------------------
 def _qkv(heads=4, kv_heads=2, t=200, d=16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(heads, t, d, generator=g), torch.randn(kv_heads, t, d, generator=g),
-            torch.randn(kv_heads, t, d, generator=g))
+    return (
+        torch.randn(heads, t, d, generator=g),
+        torch.randn(kv_heads, t, d, generator=g),
+        torch.randn(kv_heads, t, d, generator=g),
+    )
 
 
 @pytest.mark.parametrize("window", [None, 50])
 def test_block_attention_is_causal_attention(window):
     q, k, v = _qkv()
     t, d = q.shape[1], q.shape[2]
-    got = K.block_attention(q, k, v, t, d ** -0.5, window=window)  # (t, H, d)
+    got = K.block_attention(q, k, v, t, d**-0.5, window=window)  # (t, H, d)
     pos = torch.arange(t)
     allowed = pos[None, :] <= pos[:, None]
     if window is not None:
@@ -156,8 +163,8 @@ def test_block_attention_is_causal_attention(window):
 def test_block_attention_softcap_is_the_capped_scores():
     q, k, v = _qkv(t=70)
     t, d = q.shape[1], q.shape[2]
-    got = K.block_attention(q, k, v, t, d ** -0.5, softcap=5.0)
-    scores = torch.matmul(q, k.repeat_interleave(2, 0).transpose(1, 2)) * d ** -0.5
+    got = K.block_attention(q, k, v, t, d**-0.5, softcap=5.0)
+    scores = torch.matmul(q, k.repeat_interleave(2, 0).transpose(1, 2)) * d**-0.5
     scores = torch.tanh(scores / 5.0) * 5.0
     scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
     ref = torch.softmax(scores, -1) @ v.repeat_interleave(2, 0)
@@ -172,7 +179,7 @@ def test_a_query_has_the_same_bits_alone_and_in_a_prompt():
     rows = probes.probe_attention_rows(q.shape[2], q.dtype, q.device)
     whole = K.block_attention(q, k, v, t, scale, rows=rows)
     for e in [1, 63, 64, 65, 129, 200]:
-        alone = K.block_attention(q[:, e - 1:e], k[:, :e], v[:, :e], e, scale, rows=rows)
+        alone = K.block_attention(q[:, e - 1 : e], k[:, :e], v[:, :e], e, scale, rows=rows)
         assert torch.equal(alone[0], whole[e - 1]), e
     # The check can fail: the same query over one key more (a dropped mask) has other bits.
     more = K.block_attention(q[:, 99:100], k[:, :101], v[:, :101], 101, scale, rows=rows)
@@ -185,8 +192,7 @@ def _probe_cases(threads: int, rounds: int) -> list[str]:
     attention.store = probe_verdicts.Store("cases", torch.float32, "cpu")
     failures = []
     for _ in range(rounds):
-        ok, why = probes.probe_attention(attention.attention, 9, 3, 64, torch.float32,
-                                         "cpu", threads)
+        ok, why = probes.probe_attention(attention.attention, 9, 3, 64, torch.float32, "cpu", threads)
         if not ok:
             failures.append(why)
     return failures
@@ -220,8 +226,12 @@ def test_sdpa_would_not_pass_the_same_check():
     causal call over all positions (if a CPU ever made them equal, this test says so and can be dropped)."""
     q, k, v = _qkv(heads=2, kv_heads=2, t=300, d=64)
     whole = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    differ = sum(not torch.equal(F.scaled_dot_product_attention(q[:, p:p + 1], k[:, :p + 1], v[:, :p + 1])[:, 0],
-                                 whole[:, p]) for p in range(0, 300, 7))
+    differ = sum(
+        not torch.equal(
+            F.scaled_dot_product_attention(q[:, p : p + 1], k[:, : p + 1], v[:, : p + 1])[:, 0], whole[:, p]
+        )
+        for p in range(0, 300, 7)
+    )
     assert differ > 0
 
 
@@ -289,8 +299,12 @@ def test_both_modes_are_exact_where_they_claim_it(family, kernels):
 
 # The native kernels (the fallback wherever the probe fails, and `--kernels native`): every exact lane, prompts fed
 # in pieces of 3 tokens (each piece its own GEMM shape, repeated by the rebuild).
-NATIVE_LANES = (("full",) + KVDIRECT_LANES + ("anchorkv:spacing=2:budget=2:rebuild=step", "anchorkv:spacing=3:budget=3")
-                + ANCHORKV_EXTRA)
+NATIVE_LANES = (
+    ("full",)
+    + KVDIRECT_LANES
+    + ("anchorkv:spacing=2:budget=2:rebuild=step", "anchorkv:spacing=3:budget=3")
+    + ANCHORKV_EXTRA
+)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -388,7 +402,9 @@ def test_smollm2_invariant_exact_and_an_unproven_row_count_breaks_it(smollm2, mo
 def test_smollm2_native_and_invariant_reference_say_the_same(smollm2):
     """The reference's kernels change its bits, not its reply: both modes give the same tokens here (the runs
     tests/strategies/test_smollm2.py compares with `generate`)."""
-    a, b = (run_once(smollm2, "full", SMOL_TURNS[:1], 24, kernels=kernels).result for kernels in ("native", "invariant"))
+    a, b = (
+        run_once(smollm2, "full", SMOL_TURNS[:1], 24, kernels=kernels).result for kernels in ("native", "invariant")
+    )
     assert a["strategies"]["full"]["token_ids"] == b["strategies"]["full"]["token_ids"]
     assert a["strategies"]["full"]["kv_digest"] != b["strategies"]["full"]["kv_digest"]  # other bits, same answer
 

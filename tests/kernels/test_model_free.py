@@ -49,15 +49,18 @@ def test_parse_spec_reads_settings_and_keeps_the_written_label():
     assert parse_spec("kvdirect").claims_exact and parse_spec("full").claims_exact
 
 
-@pytest.mark.parametrize("text, words", [
-    ("nope", "unknown strategy 'nope'; known strategies:"),
-    ("kvdirect:colour=red", "unknown setting 'colour'; allowed: budget, mode, rebuild"),
-    ("kvdirect:budget=0", "budget=0 must be >= 1"),
-    ("kvdirect:budget=many", "budget='many' is not a valid int"),
-    ("kvdirect:mode=sloppy", "mode='sloppy' is not allowed; allowed: exact, fast"),
-    ("kvdirect:budget", "is not of the form key=value"),
-    ("", "empty strategy spec"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("nope", "unknown strategy 'nope'; known strategies:"),
+        ("kvdirect:colour=red", "unknown setting 'colour'; allowed: budget, mode, rebuild"),
+        ("kvdirect:budget=0", "budget=0 must be >= 1"),
+        ("kvdirect:budget=many", "budget='many' is not a valid int"),
+        ("kvdirect:mode=sloppy", "mode='sloppy' is not allowed; allowed: exact, fast"),
+        ("kvdirect:budget", "is not of the form key=value"),
+        ("", "empty strategy spec"),
+    ],
+)
 def test_bad_specs_name_the_setting_and_allowed_values(text, words):
     assert words in bad_spec_error(text)
 
@@ -96,7 +99,8 @@ def _selection(out_features: int, in_features: int) -> torch.Tensor:
     weight = torch.zeros(out_features, in_features)
     rows = torch.arange(out_features)
     weight[rows, (rows * 7) % in_features] = torch.tensor([0.5, -1.0, 2.0, -4.0]).repeat(out_features // 4 + 1)[
-        :out_features]
+        :out_features
+    ]
     return weight
 
 

@@ -35,8 +35,7 @@ def start() -> probe_verdicts.Store:
     return probe_verdicts.Store("tiny", torch.float32, "cpu")
 
 
-def verdict(store: probe_verdicts.Store, threads: int = 1,
-            weight: torch.Tensor = WEIGHT) -> probe_verdicts.Verdict:
+def verdict(store: probe_verdicts.Store, threads: int = 1, weight: torch.Tensor = WEIGHT) -> probe_verdicts.Verdict:
     """WEIGHT's verdict as `Kernels.for_model` asks the store for it."""
     return K.Kernels("invariant", threads, store=store)._linear_verdict(weight, None, threads)
 
@@ -49,10 +48,12 @@ def edit(store: probe_verdicts.Store, change):
 
 def entry(change):
     """A `change` for `edit`: `change(entry)` on the file's one verdict, then the file as JSON."""
+
     def apply(data):
         (stored,) = data["verdicts"]
         change(stored)
         return json.dumps(data)
+
     return apply
 
 
@@ -75,8 +76,9 @@ def test_a_proven_count_moved_to_failed_in_the_file_is_replaced_by_the_probes_ve
     file disagreed.  Mutation: the stored verdict used where its form is valid (32 then never used)."""
     first = start()
     assert 32 in verdict(first).counts
-    edit(first, entry(lambda e: e.update(proven=[c for c in e["proven"] if c != 32],
-                                         failed=sorted(e["failed"] + [32]))))
+    edit(
+        first, entry(lambda e: e.update(proven=[c for c in e["proven"] if c != 32], failed=sorted(e["failed"] + [32])))
+    )
     second = start()
     fresh = verdict(second)
     assert 32 in fresh.counts and fresh.pad(17) == 32
@@ -147,22 +149,41 @@ def _key_with_object(e):
     e["key"][2] = {"bias": False}
 
 
-@pytest.mark.parametrize("change", [
-    "{not json", "[1, 2]", json.dumps({"verdicts": []}),
-    lambda data: json.dumps(data | {"environment": data["environment"] | {"cpu": "another"}}),
-    lambda data: json.dumps(data | {"verdicts": 5}),
-    lambda data: json.dumps(data | {"verdicts": [5]}),
-    entry(lambda e: e.update(across_threads="yes")),
-    entry(lambda e: e.update(proven=[float(c) for c in e["proven"]])),
-    entry(lambda e: e.update(proven=[str(c) for c in e["proven"]])),
-    entry(lambda e: e.update(proven=e["proven"][::-1])),
-    entry(lambda e: e.update(proven=e["proven"][:-1], failed=e["proven"][-1:] * 2)),
-    entry(lambda e: e.pop("failed")),
-    entry(_key_with_object),
-    entry(lambda e: e.update(key=e["key"][:-1])),
-], ids=["not json", "a list", "no environment", "another environment", "verdicts not a list", "an entry not a dict",
-        "across_threads a string", "counts floats", "counts strings", "proven descending", "a count twice",
-        "no failed", "a key with an object", "a key cut short"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "{not json",
+        "[1, 2]",
+        json.dumps({"verdicts": []}),
+        lambda data: json.dumps(data | {"environment": data["environment"] | {"cpu": "another"}}),
+        lambda data: json.dumps(data | {"verdicts": 5}),
+        lambda data: json.dumps(data | {"verdicts": [5]}),
+        entry(lambda e: e.update(across_threads="yes")),
+        entry(lambda e: e.update(proven=[float(c) for c in e["proven"]])),
+        entry(lambda e: e.update(proven=[str(c) for c in e["proven"]])),
+        entry(lambda e: e.update(proven=e["proven"][::-1])),
+        entry(lambda e: e.update(proven=e["proven"][:-1], failed=e["proven"][-1:] * 2)),
+        entry(lambda e: e.pop("failed")),
+        entry(_key_with_object),
+        entry(lambda e: e.update(key=e["key"][:-1])),
+    ],
+    ids=[
+        "not json",
+        "a list",
+        "no environment",
+        "another environment",
+        "verdicts not a list",
+        "an entry not a dict",
+        "across_threads a string",
+        "counts floats",
+        "counts strings",
+        "proven descending",
+        "a count twice",
+        "no failed",
+        "a key with an object",
+        "a key cut short",
+    ],
+)
 def test_a_broken_file_is_said_probed_afresh_and_rewritten_without_an_error(probed, change):
     """Whatever the file holds, a start probes afresh (no exception), says what was wrong with the file and
     rewrites it.  Mutations: `_read` without its checks that the file is an object and its verdicts a list; `_stored`

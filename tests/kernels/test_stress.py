@@ -24,7 +24,11 @@ from .test_kernels import EXACT, _exact
 # layers for the old tokens in the last steps (one-query attention per row, the kernel whose rounding depends on
 # the thread count); AnchorKV with rebuild=turn replays everything when the second turn starts.  Each exact
 # strategy runs at every thread count; raw text keeps the prompt short, so the suite stays fast.
-KVDIRECT, STEP, TURN = "kvdirect:budget=8:mode=exact", "anchorkv:spacing=10:budget=40:rebuild=step", "anchorkv:spacing=6:budget=8"
+KVDIRECT, STEP, TURN = (
+    "kvdirect:budget=8:mode=exact",
+    "anchorkv:spacing=10:budget=40:rebuild=step",
+    "anchorkv:spacing=6:budget=8",
+)
 TURNS = ["The sky is blue because", "The sunset is red because"]
 BUSY_SECONDS = 900
 
@@ -54,15 +58,17 @@ def test_exact_strategies_stay_bit_exact_under_load_in_another_thread(smollm2):
     try:
         # A tiny model at 2 threads: exact, and the same digests as the quiet run (a thread that lags changes
         # nothing a kernel computes).
-        loaded_run = run_to_end(Engine(tiny("tiny-qwen2"), parse_specs(EXACT), max_new_tokens=8, threads=2),
-                                list(TINY_TURNS))
+        loaded_run = run_to_end(
+            Engine(tiny("tiny-qwen2"), parse_specs(EXACT), max_new_tokens=8, threads=2), list(TINY_TURNS)
+        )
         _exact(loaded_run)
         for spec in EXACT.split(","):
             assert loaded_run["strategies"][spec]["kv_digest"] == quiet["strategies"][spec]["kv_digest"], spec
         for threads in (cores, 1):
             specs = ["full", KVDIRECT, STEP, TURN]
-            engine = _in_thread(lambda: Engine(smollm2, parse_specs(",".join(specs)), max_new_tokens=24, raw=True,
-                                               threads=threads))
+            engine = _in_thread(
+                lambda: Engine(smollm2, parse_specs(",".join(specs)), max_new_tokens=24, raw=True, threads=threads)
+            )
             result = _in_thread(lambda: run_to_end(engine, TURNS))
             assert all(p.poll() is None for p in busy), "the load ended before the run did"
             ref = result["strategies"]["full"]

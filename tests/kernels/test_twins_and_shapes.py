@@ -15,9 +15,25 @@ STRATEGY = "tests/strategies_kept/mmap_state.py:KeepsMmap:budget=4"
 def test_a_state_that_cannot_be_copied_ends_a_run_in_one_line():
     """A twin (teacher-forced agreement, on by default) copies the lane's state; a strategy that keeps an `mmap`
     cannot be copied, and `bench run` says so in one line naming it, with no traceback."""
-    out = subprocess.run([sys.executable, "-m", "kvdirect_app.bench", "run", "--model", "tiny-llama", "--strategies",
-                          f"full,{STRATEGY}", "--max-new-tokens", "6", "--prompt", "Tell me about caches, please."],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvdirect_app.bench",
+            "run",
+            "--model",
+            "tiny-llama",
+            "--strategies",
+            f"full,{STRATEGY}",
+            "--max-new-tokens",
+            "6",
+            "--prompt",
+            "Tell me about caches, please.",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     text = out.stdout + out.stderr
     assert out.returncode != 0 and "Traceback" not in text, text[-2000:]
     lines = [line for line in text.splitlines() if "cannot be copied" in line]
@@ -30,9 +46,16 @@ def _dots():
         pytest.skip(reason)
 
 
-@pytest.mark.parametrize("x_shape, w_shape, bias", [((3, 8), (5, 4), None),  # 24 elements: reshapes to (6, 4)
-                                                     ((2, 3, 6), (5, 4), None), ((4,), (5, 8), None),
-                                                     ((3, 4), (5, 4), (4,)), ((3, 4), (5, 2, 2), None)])
+@pytest.mark.parametrize(
+    "x_shape, w_shape, bias",
+    [
+        ((3, 8), (5, 4), None),  # 24 elements: reshapes to (6, 4)
+        ((2, 3, 6), (5, 4), None),
+        ((4,), (5, 8), None),
+        ((3, 4), (5, 4), (4,)),
+        ((3, 4), (5, 2, 2), None),
+    ],
+)
 def test_fixed_order_linears_refuse_what_f_linear_refuses(x_shape, w_shape, bias):
     _dots()
     x, w = torch.randn(x_shape), torch.randn(w_shape)
@@ -50,12 +73,17 @@ def test_fixed_order_linears_take_what_f_linear_takes():
     torch.testing.assert_close(dots.linear(x, w, b), F.linear(x, w, b))
 
 
-@pytest.mark.parametrize("q, k, v, end", [((4, 2, 8), (2, 5, 8), (2, 5, 4), 5),  # values of another head size
-                                          ((4, 2, 8), (2, 5, 4), (2, 5, 4), 5),  # keys of another head size
-                                          ((3, 2, 8), (2, 5, 8), (2, 5, 8), 5),  # 3 heads over 2
-                                          ((4, 6, 8), (2, 5, 8), (2, 5, 8), 6),  # more queries than keys
-                                          ((4, 2, 8), (2, 5, 8), (2, 5, 8), 4),  # keys past the end
-                                          ((4, 8), (2, 5, 8), (2, 5, 8), 5)])
+@pytest.mark.parametrize(
+    "q, k, v, end",
+    [
+        ((4, 2, 8), (2, 5, 8), (2, 5, 4), 5),  # values of another head size
+        ((4, 2, 8), (2, 5, 4), (2, 5, 4), 5),  # keys of another head size
+        ((3, 2, 8), (2, 5, 8), (2, 5, 8), 5),  # 3 heads over 2
+        ((4, 6, 8), (2, 5, 8), (2, 5, 8), 6),  # more queries than keys
+        ((4, 2, 8), (2, 5, 8), (2, 5, 8), 4),  # keys past the end
+        ((4, 8), (2, 5, 8), (2, 5, 8), 5),
+    ],
+)
 def test_fixed_order_attention_refuses_shapes_that_do_not_fit(q, k, v, end):
     _dots()
     with pytest.raises(ValueError, match="fixed-order attention"):

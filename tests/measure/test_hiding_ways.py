@@ -39,8 +39,10 @@ from kvdirect_app.strategies.window import Window
 
 from ..conftest import tiny
 
-pytestmark = pytest.mark.skipif(ledger.unavailable() is not None or not ledger.load().numpy,
-                                reason="the allocator ledger (with numpy) cannot be built here")
+pytestmark = pytest.mark.skipif(
+    ledger.unavailable() is not None or not ledger.load().numpy,
+    reason="the allocator ledger (with numpy) cannot be built here",
+)
 TURNS = ["Tell me about caches.", "Why do keys need positions?"]
 PLAIN = "window:budget=4"
 PAYLOAD = 256 << 10
@@ -199,6 +201,7 @@ WAYS = {
 def _hider(way: str, keep, tmp):
     """A window registered as `test_hiding_<way>` whose score() hides a copy by `keep` (the bytes summed on the
     class: `hidden`); the buffer way's `__post_init__` makes a 1 MiB tensor first."""
+
     def score(self, step):
         type(self).calls += 1
         type(self).hidden += keep(self, step.keys, tmp)
@@ -211,8 +214,15 @@ def _hider(way: str, keep, tmp):
             self.buffer = torch.zeros(BUFFER // 4)
             type(self).hidden = self.buffer.untyped_storage().nbytes()
 
-    body = {"name": f"test_hiding_{way}", "hidden": 0, "owned": 0, "calls": 0, "score": score,
-            "__post_init__": post_init, "__annotations__": {}}
+    body = {
+        "name": f"test_hiding_{way}",
+        "hidden": 0,
+        "owned": 0,
+        "calls": 0,
+        "score": score,
+        "__post_init__": post_init,
+        "__annotations__": {},
+    }
     return dataclass(type(f"Hiding_{way}", (Window,), body))
 
 
@@ -250,10 +260,13 @@ def _shown(result: dict, label: str) -> dict[str, int]:
     """Where the run shows bytes beyond the plain window's: in the lane's own figures and as unattributed."""
     lanes = result["strategies"]
     mine, plain = lanes[label]["state_bytes"], lanes[PLAIN]["state_bytes"]
-    return {"lane": (mine["outside_torch"]["peak"] or 0) - (plain["outside_torch"]["peak"] or 0),
-            "formula": (mine["persistent_peak"] - mine["formula_persistent_peak"]
-                        if not mine["formula_matches_measurement"] else 0),
-            "unattributed": result["unattributed_bytes"]["peak"]}
+    return {
+        "lane": (mine["outside_torch"]["peak"] or 0) - (plain["outside_torch"]["peak"] or 0),
+        "formula": (
+            mine["persistent_peak"] - mine["formula_persistent_peak"] if not mine["formula_matches_measurement"] else 0
+        ),
+        "unattributed": result["unattributed_bytes"]["peak"],
+    }
 
 
 @pytest.mark.parametrize("way", list(WAYS))
@@ -278,8 +291,14 @@ def test_each_hiding_way_shows_at_least_half_its_size(way, hider):
                 release()
 
 
-@pytest.mark.parametrize("specs", ["full,window:budget=4", "full,window:budget=4,kvdirect:budget=2,h2o:budget=4,"
-                                   "anchorkv:spacing=2:budget=2,snapkv:budget=4,knorm:budget=4"])
+@pytest.mark.parametrize(
+    "specs",
+    [
+        "full,window:budget=4",
+        "full,window:budget=4,kvdirect:budget=2,h2o:budget=4,"
+        "anchorkv:spacing=2:budget=2,snapkv:budget=4,knorm:budget=4",
+    ],
+)
 def test_built_in_strategies_leave_nothing_unattributed(specs):
     """No phantom: the cross-check's counts of a normal run stay within its floor (`CrossCheck.FLOOR`, 2 MiB, plus
     `PER_FORWARD` a lane's forward), and so every part of the run's unattributed bytes is 0, with 24 new tokens a

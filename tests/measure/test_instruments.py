@@ -43,7 +43,12 @@ from kvdirect_app.strategies.window import Window
 from ..conftest import tiny
 
 TURNS = ["Tell me about caches.", "Why do keys need positions?"]
-KVD, ANCHOR, H2O_, WINDOW = "kvdirect:budget=4", "anchorkv:spacing=2:budget=3:rebuild=step", "h2o:budget=6", "window:budget=4"
+KVD, ANCHOR, H2O_, WINDOW = (
+    "kvdirect:budget=4",
+    "anchorkv:spacing=2:budget=3:rebuild=step",
+    "h2o:budget=6",
+    "window:budget=4",
+)
 SPECS = f"full,{KVD},{ANCHOR},{H2O_},{WINDOW}"
 DELAY = 0.05
 
@@ -60,13 +65,18 @@ class StillClock:
 
 def _inside(kind=None, label=None, op=None):
     """Whether this thread is in a region of that kind, owner label and op (None: any)."""
+
     def test() -> bool:
         found = current()
         if found is None:
             return False
         _, owner, region_op = found
-        return ((kind is None or owner.kind == kind) and (label is None or owner.label == label)
-                and (op is None or region_op == op))
+        return (
+            (kind is None or owner.kind == kind)
+            and (label is None or owner.label == label)
+            and (op is None or region_op == op)
+        )
+
     return test
 
 
@@ -101,49 +111,132 @@ def _owned(kind, label=None, op=None):
 # (owner, op) -> bool, the step figure it must show in: ("lane", label), ("measurement", instrument), ("engine", op),
 # ("shared",), or None for a part that works outside the steps)
 CASES = {
-    "a lane's attention": ("auto", lambda mp, e, c: _delay(mp, Kernels, "attention", c, _inside(label=KVD, op="attention")),
-                           lambda o, op: _lane(KVD)(o, op) and op == "attention", ("lane", KVD)),
-    "a lane's cache update": ("auto", lambda mp, e, c: _delay(mp, ScoredLayer, "update", c, _inside(label=WINDOW)),
-                              lambda o, op: _lane(WINDOW)(o, op) and op == "cache_update", ("lane", WINDOW)),
-    "a lane's scoring": ("auto", lambda mp, e, c: _delay(mp, H2O, "score", c, _inside(label=H2O_)),
-                         lambda o, op: _lane(H2O_)(o, op) and op == "scoring", ("lane", H2O_)),
-    "a lane's recompute": ("auto", lambda mp, e, c: _delay(mp, KVProjector, "project", c, _inside(label=KVD)),
-                           lambda o, op: _lane(KVD)(o, op) and op == "recompute", ("lane", KVD)),
-    "a lane's replay": ("auto", lambda mp, e, c: _delay(mp, LayerReplayer, "replay_layer", c, _inside(label=ANCHOR)),
-                        lambda o, op: _lane(ANCHOR)(o, op) and op == "replay", ("lane", ANCHOR)),
-    "a lane's setup": ("auto", lambda mp, e, c: _delay(mp, AnchorStore, "begin_step", c, _inside(label=ANCHOR)),
-                       lambda o, op: _lane(ANCHOR)(o, op) and op == "other", ("lane", ANCHOR)),
-    "the shared pass": ("auto", lambda mp, e, c: _delay(mp, e.model.model.norm, "forward", c, _inside(kind="shared")),
-                        lambda o, op: o.kind in ("lane", "twin") and op == "shared", ("shared",)),
-    "compare": ("auto", lambda mp, e, c: _delay(mp, torch, "equal", c, _inside(label="compare")),
-                _owned("instrument", "compare"), ("measurement", "compare")),
-    "agreement": ("auto", lambda mp, e, c: _delay(mp, engine_module, "agree", c),
-                  _owned("instrument", "agreement"), ("measurement", "agreement")),
-    "twins' fork": ("auto", lambda mp, e, c: _delay(mp, StrategyCache, "fork", c),
-                    _owned("twin", op="fork"), ("measurement", "twins")),
-    "twins' rows": ("auto", lambda mp, e, c: _delay(mp, Kernels, "attention", c, _inside(kind="twin")),
-                    _owned("twin", op="attention"), ("measurement", "twins")),
-    "snapshot": ("auto", lambda mp, e, c: _delay(mp, lockstep, "last_query_attention", c),
-                 _owned("instrument", "snapshot"), None),
-    "digest": ("auto", lambda mp, e, c: _delay(mp, observe.hashlib, "sha256", c, _inside(label="digest")),
-               _owned("instrument", "digest"), None),
-    "the allocator's reads": ("auto", lambda mp, e, c: _delay(mp, LedgerMeter, "held", c),
-                              _owned("instrument", "allocator", "read"), ("measurement", "allocator")),
-    "the storage count": ("auto", lambda mp, e, c: _delay(mp, observe, "storage_sizes", c),
-                          _owned("instrument", "storage"), ("measurement", "storage")),
-    "rss": ("auto", lambda mp, e, c: _delay(mp, psutil.Process, "memory_info", c, _inside(label="rss")),
-            _owned("instrument", "rss"), ("measurement", "rss")),
-    "the trace": ("trace", lambda mp, e, c: _delay(mp, AllocationTracer, "_fold", c),
-                  _owned("instrument", "trace", "session"), ("measurement", "trace")),
-    "choosing tokens": ("auto", lambda mp, e, c: _delay(mp, torch, "argmax", c, _inside(kind="engine", op="choose")),
-                        _owned("engine", op="choose"), ("engine", "choose")),
-    "detokenising": ("auto", lambda mp, e, c: _delay(mp, ReplyText, "add", c),
-                     _owned("engine", op="detokenize"), ("engine", "detokenize")),
-    "events": ("auto", lambda mp, e, c: _delay(mp, Engine, "_lane_event", c),
-               _owned("engine", op="events"), ("engine", "events")),
-    "the logits' copy": ("auto", lambda mp, e, c: _delay(mp, torch.Tensor, "clone", c,
-                                                         _inside(kind="engine", op="logits")),
-                         _owned("engine", op="logits"), ("engine", "logits")),
+    "a lane's attention": (
+        "auto",
+        lambda mp, e, c: _delay(mp, Kernels, "attention", c, _inside(label=KVD, op="attention")),
+        lambda o, op: _lane(KVD)(o, op) and op == "attention",
+        ("lane", KVD),
+    ),
+    "a lane's cache update": (
+        "auto",
+        lambda mp, e, c: _delay(mp, ScoredLayer, "update", c, _inside(label=WINDOW)),
+        lambda o, op: _lane(WINDOW)(o, op) and op == "cache_update",
+        ("lane", WINDOW),
+    ),
+    "a lane's scoring": (
+        "auto",
+        lambda mp, e, c: _delay(mp, H2O, "score", c, _inside(label=H2O_)),
+        lambda o, op: _lane(H2O_)(o, op) and op == "scoring",
+        ("lane", H2O_),
+    ),
+    "a lane's recompute": (
+        "auto",
+        lambda mp, e, c: _delay(mp, KVProjector, "project", c, _inside(label=KVD)),
+        lambda o, op: _lane(KVD)(o, op) and op == "recompute",
+        ("lane", KVD),
+    ),
+    "a lane's replay": (
+        "auto",
+        lambda mp, e, c: _delay(mp, LayerReplayer, "replay_layer", c, _inside(label=ANCHOR)),
+        lambda o, op: _lane(ANCHOR)(o, op) and op == "replay",
+        ("lane", ANCHOR),
+    ),
+    "a lane's setup": (
+        "auto",
+        lambda mp, e, c: _delay(mp, AnchorStore, "begin_step", c, _inside(label=ANCHOR)),
+        lambda o, op: _lane(ANCHOR)(o, op) and op == "other",
+        ("lane", ANCHOR),
+    ),
+    "the shared pass": (
+        "auto",
+        lambda mp, e, c: _delay(mp, e.model.model.norm, "forward", c, _inside(kind="shared")),
+        lambda o, op: o.kind in ("lane", "twin") and op == "shared",
+        ("shared",),
+    ),
+    "compare": (
+        "auto",
+        lambda mp, e, c: _delay(mp, torch, "equal", c, _inside(label="compare")),
+        _owned("instrument", "compare"),
+        ("measurement", "compare"),
+    ),
+    "agreement": (
+        "auto",
+        lambda mp, e, c: _delay(mp, engine_module, "agree", c),
+        _owned("instrument", "agreement"),
+        ("measurement", "agreement"),
+    ),
+    "twins' fork": (
+        "auto",
+        lambda mp, e, c: _delay(mp, StrategyCache, "fork", c),
+        _owned("twin", op="fork"),
+        ("measurement", "twins"),
+    ),
+    "twins' rows": (
+        "auto",
+        lambda mp, e, c: _delay(mp, Kernels, "attention", c, _inside(kind="twin")),
+        _owned("twin", op="attention"),
+        ("measurement", "twins"),
+    ),
+    "snapshot": (
+        "auto",
+        lambda mp, e, c: _delay(mp, lockstep, "last_query_attention", c),
+        _owned("instrument", "snapshot"),
+        None,
+    ),
+    "digest": (
+        "auto",
+        lambda mp, e, c: _delay(mp, observe.hashlib, "sha256", c, _inside(label="digest")),
+        _owned("instrument", "digest"),
+        None,
+    ),
+    "the allocator's reads": (
+        "auto",
+        lambda mp, e, c: _delay(mp, LedgerMeter, "held", c),
+        _owned("instrument", "allocator", "read"),
+        ("measurement", "allocator"),
+    ),
+    "the storage count": (
+        "auto",
+        lambda mp, e, c: _delay(mp, observe, "storage_sizes", c),
+        _owned("instrument", "storage"),
+        ("measurement", "storage"),
+    ),
+    "rss": (
+        "auto",
+        lambda mp, e, c: _delay(mp, psutil.Process, "memory_info", c, _inside(label="rss")),
+        _owned("instrument", "rss"),
+        ("measurement", "rss"),
+    ),
+    "the trace": (
+        "trace",
+        lambda mp, e, c: _delay(mp, AllocationTracer, "_fold", c),
+        _owned("instrument", "trace", "session"),
+        ("measurement", "trace"),
+    ),
+    "choosing tokens": (
+        "auto",
+        lambda mp, e, c: _delay(mp, torch, "argmax", c, _inside(kind="engine", op="choose")),
+        _owned("engine", op="choose"),
+        ("engine", "choose"),
+    ),
+    "detokenising": (
+        "auto",
+        lambda mp, e, c: _delay(mp, ReplyText, "add", c),
+        _owned("engine", op="detokenize"),
+        ("engine", "detokenize"),
+    ),
+    "events": (
+        "auto",
+        lambda mp, e, c: _delay(mp, Engine, "_lane_event", c),
+        _owned("engine", op="events"),
+        ("engine", "events"),
+    ),
+    "the logits' copy": (
+        "auto",
+        lambda mp, e, c: _delay(mp, torch.Tensor, "clone", c, _inside(kind="engine", op="logits")),
+        _owned("engine", op="logits"),
+        ("engine", "logits"),
+    ),
 }
 
 
@@ -171,9 +264,11 @@ def test_a_delay_in_one_part_of_a_step_shows_in_that_part_and_no_other(case, mon
     steps = [e for e in events if e["type"] == "step"]
     for step in steps:
         assert step["unattributed_ms"] == pytest.approx(0.0, abs=1e-6), step
-        figures = {**{("lane", k): v for k, v in step["lanes_ms"].items()},
-                   **{("measurement", k): v for k, v in step["measurement_ms"].items()},
-                   **{("engine", k): v for k, v in step["engine_ms"].items()}}
+        figures = {
+            **{("lane", k): v for k, v in step["lanes_ms"].items()},
+            **{("measurement", k): v for k, v in step["measurement_ms"].items()},
+            **{("engine", k): v for k, v in step["engine_ms"].items()},
+        }
         if where == ("shared",):  # charged by rows: the lanes' shares and the twins' add up to it
             shares = sum(step["lanes_ms"].values()) + step["measurement_ms"].get("twins", 0.0)
             assert shares == pytest.approx(step["shared_ms"]) == pytest.approx(step["step_ms"]), step
@@ -232,6 +327,7 @@ def test_the_observer_reads_the_real_clock():
 
 # --- no measurement work with the instruments off -------------------------------------------------------------------
 
+
 def _spied(monkeypatch) -> Counter:
     """Every piece of measurement work, counted where it is done: regions of an instrument or a twin, the storage
     count, the meters, the trace, the RSS read, forks, agreement, snapshots."""
@@ -275,8 +371,15 @@ def test_with_the_instruments_off_the_engine_does_no_measurement_work(monkeypatc
     engine = Engine(loaded, parse_specs(SPECS), max_new_tokens=8, threads=1, instruments=False)
     off = run_to_end(engine, TURNS)
     assert dict(seen) == {} and not engine.observer.counts
-    assert off["instruments"] == {"memory": "none", "compare": False, "twins": False, "agreement": False,
-                                  "snapshots": False, "digests": False, "rss": False}
+    assert off["instruments"] == {
+        "memory": "none",
+        "compare": False,
+        "twins": False,
+        "agreement": False,
+        "snapshots": False,
+        "digests": False,
+        "rss": False,
+    }
     assert off["steps"]["measurement_ms_mean"] == 0.0 and off["steps"]["measurement_by_instrument_ms_mean"] == {}
     for spec, r in off["strategies"].items():
         assert r["kv_digest"] is None and r["state_bytes"]["peak"] is None, spec
@@ -284,9 +387,26 @@ def test_with_the_instruments_off_the_engine_does_no_measurement_work(monkeypatc
     assert off["strategies"][KVD]["kv_exact"] is None  # nothing compared, nothing claimed
 
     on = run_to_end(Engine(loaded, parse_specs(SPECS), max_new_tokens=8, threads=1), TURNS)
-    expected = {"region:compare", "region:agreement", "region:twin", "region:snapshot", "region:digest",
-                "region:allocator", "region:storage", "region:rss", "storage_sizes", "meter.register", "meter.enter",
-                "meter.held", "meter.peak", "meter.reset", "rss", "fork", "agree", "snapshot"}
+    expected = {
+        "region:compare",
+        "region:agreement",
+        "region:twin",
+        "region:snapshot",
+        "region:digest",
+        "region:allocator",
+        "region:storage",
+        "region:rss",
+        "storage_sizes",
+        "meter.register",
+        "meter.enter",
+        "meter.held",
+        "meter.peak",
+        "meter.reset",
+        "rss",
+        "fork",
+        "agree",
+        "snapshot",
+    }
     assert expected <= set(seen), expected - set(seen)
     assert "trace" not in seen  # the default memory instrument is the allocator's ledger, not the trace
     assert on["strategies"][KVD]["kv_exact"] is True
@@ -299,14 +419,49 @@ def test_the_cli_names_its_instruments_and_refuses_an_unknown_one(tmp_path, caps
     from kvdirect_app import bench
 
     out = tmp_path / "run.json"
-    assert bench.main(["run", "--model", "tiny-llama", "--prompt", "Hi", "--max-new-tokens", "3", "--threads", "1",
-                       "--strategies", "full,kvdirect:budget=2", "--no-instruments", "--json", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "run",
+                "--model",
+                "tiny-llama",
+                "--prompt",
+                "Hi",
+                "--max-new-tokens",
+                "3",
+                "--threads",
+                "1",
+                "--strategies",
+                "full,kvdirect:budget=2",
+                "--no-instruments",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "memory instrument: none (formula only)" in printed and "measurement 0.0 (none)" in printed
     result = json.loads(out.read_text())
     assert not any(v for k, v in result["instruments"].items() if k != "memory")
-    assert bench.main(["run", "--model", "tiny-llama", "--prompt", "Hi", "--max-new-tokens", "3", "--threads", "1",
-                       "--strategies", "full,kvdirect:budget=2"]) == 0
+    assert (
+        bench.main(
+            [
+                "run",
+                "--model",
+                "tiny-llama",
+                "--prompt",
+                "Hi",
+                "--max-new-tokens",
+                "3",
+                "--threads",
+                "1",
+                "--strategies",
+                "full,kvdirect:budget=2",
+            ]
+        )
+        == 0
+    )
     assert "memory instrument: allocator ledger (cpu)" in capsys.readouterr().out
     assert bench.main(["run", "--model", "tiny-llama", "--prompt", "Hi", "--memory", "ledger"]) == 2
     assert "memory: 'ledger' is not allowed; allowed: auto, allocator, trace, storage, none" in capsys.readouterr().err
@@ -314,8 +469,10 @@ def test_the_cli_names_its_instruments_and_refuses_an_unknown_one(tmp_path, caps
 
 # --- strategies defined outside the package ----------------------------------------------------------------------
 
+
 def _swapping_layers(base: type, name: str, layer: type, copying: type) -> type:
     """A subclass of strategy `base`, registered as `name`, whose cache's `layer` layers are `copying` ones."""
+
     def build_cache(self, model):
         cache = base.build_cache(self, model)
         for each in cache.layers:
@@ -331,6 +488,7 @@ def outside():
     """Strategies a user would add (a subclass and a name), registered for the test only: a plain copy of the
     window, and, per strategy family, one that keeps a copy it does not list (in its score, its rebuild, its replay,
     its layers)."""
+
     @dataclass
     class MyWindow(Window):
         name = "test_my_window"
@@ -385,8 +543,10 @@ def outside():
 def test_a_strategy_defined_outside_the_package_is_measured_as_the_packages_own(outside):
     """A subclass with a name of its own and nothing else: the same tokens, bytes (measured, peak, formula) and
     latency ops as the window it copies: the observer finds its seams and its regions as it finds the package's."""
-    result = run_to_end(Engine(tiny("tiny-llama"), parse_specs(f"full,{WINDOW},test_my_window:budget=4"),
-                               max_new_tokens=6, threads=1), TURNS)
+    result = run_to_end(
+        Engine(tiny("tiny-llama"), parse_specs(f"full,{WINDOW},test_my_window:budget=4"), max_new_tokens=6, threads=1),
+        TURNS,
+    )
     mine, window = result["strategies"]["test_my_window:budget=4"], result["strategies"][WINDOW]
     assert mine["token_ids"] == window["token_ids"]
     for key in ("persistent_peak", "peak", "between_turns_peak", "formula_peak", "formula_matches_measurement"):
@@ -395,9 +555,12 @@ def test_a_strategy_defined_outside_the_package_is_measured_as_the_packages_own(
     assert mine["latency_ms"]["decode_scoring_ms_mean"] > 0  # its scoring was timed as scoring
 
 
-LEAKY = {"full": ("full", "test_leaky_full"), "kvdirect": (KVD, "test_leaky_kvdirect:budget=4"),
-         "anchorkv": (ANCHOR, "test_leaky_anchorkv:spacing=2:budget=3:rebuild=step"),
-         "eviction": (WINDOW, "test_leaky_window:budget=4")}
+LEAKY = {
+    "full": ("full", "test_leaky_full"),
+    "kvdirect": (KVD, "test_leaky_kvdirect:budget=4"),
+    "anchorkv": (ANCHOR, "test_leaky_anchorkv:spacing=2:budget=3:rebuild=step"),
+    "eviction": (WINDOW, "test_leaky_window:budget=4"),
+}
 
 
 def _caught(loaded, clean: str, leaky: str, **options) -> tuple[dict, dict, Session]:
@@ -424,8 +587,11 @@ def test_a_hidden_copy_is_caught_by_the_default_run_in_every_strategy_family(fam
     board = scoreboard_html(session)
     rows = {row.split("</td>")[0]: row for row in board.split("<tr>")[1:]}
     leaky_row = next(row for head, row in rows.items() if f'title="{leaky}"' in head)
-    clean_row = next(row for head, row in rows.items() if f'title="{clean}"' in head) if clean != "full" else \
-        next(row for head, row in rows.items() if 'title="full"' in head)
+    clean_row = (
+        next(row for head, row in rows.items() if f'title="{clean}"' in head)
+        if clean != "full"
+        else next(row for head, row in rows.items() if 'title="full"' in head)
+    )
     assert "holds ≠ its formula" in leaky_row and "holds ≠ its formula" not in clean_row
 
 

@@ -21,6 +21,7 @@ TURNS = ["Tell me about caches.", "Why do keys need positions?"]
 
 # --- the instrument ----------------------------------------------------------------------------------------------
 
+
 def test_the_tracer_attributes_blocks_to_their_owner_and_follows_them_across_owners():
     tracer = AllocationTracer("cpu")
     held = {}
@@ -49,6 +50,7 @@ def test_a_disabled_tracer_measures_nothing_and_says_so():
 
 # --- mutations: a hidden copy of K/V must show -------------------------------------------------------------------
 
+
 def _stash_in_layer(layer, keys):
     layer.hidden_copy = keys.clone()
 
@@ -68,8 +70,9 @@ MODEL: list = []
 
 
 @pytest.mark.parametrize("memory", ["auto", "trace"])
-@pytest.mark.parametrize("stash", [_stash_in_layer, _stash_in_model, _stash_in_closure],
-                         ids=["layer attribute", "model module", "closure"])
+@pytest.mark.parametrize(
+    "stash", [_stash_in_layer, _stash_in_model, _stash_in_closure], ids=["layer attribute", "model module", "closure"]
+)
 def test_a_hidden_copy_of_kv_changes_the_measurement_and_disagrees_with_the_formula(stash, memory, monkeypatch):
     """A copy of the handed keys kept wherever (the layer, a model module, a module-level list) is seen by the
     default instrument (the allocator's ledger: the copy was allocated in the lane's work) and by the trace, which
@@ -79,8 +82,9 @@ def test_a_hidden_copy_of_kv_changes_the_measurement_and_disagrees_with_the_form
     loaded = tiny("tiny-llama")
     MODEL[:] = [loaded.model]
     spec = "kvdirect:budget=4"
-    clean = run_to_end(Engine(loaded, parse_specs(f"full,{spec}"), memory=memory, max_new_tokens=6),
-                       TURNS)["strategies"][spec]
+    clean = run_to_end(Engine(loaded, parse_specs(f"full,{spec}"), memory=memory, max_new_tokens=6), TURNS)[
+        "strategies"
+    ][spec]
     assert clean["state_bytes"]["formula_matches_measurement"] is True
 
     original = ResidualLayer.update
@@ -108,10 +112,12 @@ def test_a_hidden_copy_of_kv_changes_the_measurement_and_disagrees_with_the_form
     lane = engine.lanes[0]
     assert sb["declared_mismatch_count"] == 0
     assert engine.observer.declared(lane.cache) == lane.strategy.formula_between_turns(
-        engine.geometry, lane.cache.get_seq_length(), lane.forwards)
+        engine.geometry, lane.cache.get_seq_length(), lane.forwards
+    )
 
 
 # --- peaks -------------------------------------------------------------------------------------------------------
+
 
 def test_rebuild_step_bounds_the_peak_not_only_what_is_held_between_steps():
     # A 300-token prompt, then decode steps that each replay every old token through every layer.  Interleaved
@@ -125,7 +131,9 @@ def test_rebuild_step_bounds_the_peak_not_only_what_is_held_between_steps():
     rows = []
     for event in engine.run(["A long message about caches and residual streams. " * 6]):
         if event["type"] == "step":
-            rows.append({label: (lane["peak_bytes"], lane["persistent_bytes"]) for label, lane in event["lanes"].items()})
+            rows.append(
+                {label: (lane["peak_bytes"], lane["persistent_bytes"]) for label, lane in event["lanes"].items()}
+            )
     lanes = {lane.label: lane for lane in engine.all_lanes}
     full_turn = lanes["full"].book.turns[0]
     prefill_activations = full_turn.peak - len(engine.prompt_ids) * engine.geometry.kv_bytes_per_token
@@ -145,7 +153,9 @@ def test_rebuild_step_bounds_the_peak_not_only_what_is_held_between_steps():
 def test_resume_rebuilds_once_not_twice():
     loaded = tiny("tiny-llama")
     L = loaded.config.num_hidden_layers
-    specs = f"full,anchorkv:spacing=2:budget=3,kvdirect:budget=3:rebuild=turn,anchorkv:spacing={L}:budget=3:rebuild=step"
+    specs = (
+        f"full,anchorkv:spacing=2:budget=3,kvdirect:budget=3:rebuild=turn,anchorkv:spacing={L}:budget=3:rebuild=step"
+    )
     engine = Engine(loaded, parse_specs(specs), memory="trace", max_new_tokens=4)
     for _ in engine.turn(TURNS[0]):
         pass
@@ -184,8 +194,10 @@ def test_the_first_run_in_a_process_measures_the_same_bytes_as_the_next():
 
     def peaks():
         result = run_to_end(Engine(loaded, parse_specs(specs), memory="trace", max_new_tokens=4), TURNS[:1])
-        return {label: (r["state_bytes"]["peak"], r["state_bytes"]["persistent_peak"])
-                for label, r in result["strategies"].items()}
+        return {
+            label: (r["state_bytes"]["peak"], r["state_bytes"]["persistent_peak"])
+            for label, r in result["strategies"].items()
+        }
 
     first = peaks()
     assert first == peaks()
@@ -214,17 +226,21 @@ def test_the_cache_lists_every_tensor_it_holds_as_the_formula_counts_them():
     """What the CUDA comparison rounds: the cache's own storages add up to the formula (CPU, every family)."""
     for family in ("tiny-llama", "tiny-gemma2"):
         loaded = tiny(family)
-        specs = ("full,kvdirect:budget=4,anchorkv:spacing=2:budget=3,h2o:budget=6,snapkv:budget=8:window=4,"
-                 "knorm:budget=6,pyramidkv:budget=8:window=2")
+        specs = (
+            "full,kvdirect:budget=4,anchorkv:spacing=2:budget=3,h2o:budget=6,snapkv:budget=8:window=4,"
+            "knorm:budget=6,pyramidkv:budget=8:window=2"
+        )
         engine = Engine(loaded, parse_specs(specs), memory="trace", max_new_tokens=5, threads=1)
         run_to_end(engine, TURNS)
         for lane in engine.all_lanes:
             seen = lane.cache.get_seq_length()
             assert sum(storage_sizes(*lane.cache.state_tensors()).values()) == lane.strategy.formula_between_turns(
-                engine.geometry, seen, lane.forwards), (family, lane.label)
+                engine.geometry, seen, lane.forwards
+            ), (family, lane.label)
 
 
 # --- the allocator's ledger (the default instrument) against the trace --------------------------------------------
+
 
 @pytest.mark.check
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -250,10 +266,25 @@ def test_the_default_instrument_matches_the_formula_and_its_peak_bounds_the_form
     turns, what each strategy lists agrees too, and each step's measured peak (the lane's own allocations at their
     highest) is at least the formula's (held + the strategy's buffers: a lower bound), for every strategy."""
     loaded = tiny(family)
-    specs = ",".join(every(("full", "kvdirect:budget=4", "kvdirect:budget=3:rebuild=turn",  # every strategy (specs.py)
-                            "anchorkv:spacing=2:budget=3:rebuild=step", "anchorkv:spacing=2:budget=3", "window:budget=6",
-                            "streaming_llm:budget=8", "h2o:budget=8", "snapkv:budget=16", "tova:budget=6",
-                            "knorm:budget=6", "pyramidkv:budget=8:window=2"), budget=6))
+    specs = ",".join(
+        every(
+            (
+                "full",
+                "kvdirect:budget=4",
+                "kvdirect:budget=3:rebuild=turn",  # every strategy (specs.py)
+                "anchorkv:spacing=2:budget=3:rebuild=step",
+                "anchorkv:spacing=2:budget=3",
+                "window:budget=6",
+                "streaming_llm:budget=8",
+                "h2o:budget=8",
+                "snapkv:budget=16",
+                "tova:budget=6",
+                "knorm:budget=6",
+                "pyramidkv:budget=8:window=2",
+            ),
+            budget=6,
+        )
+    )
     result = run_to_end(Engine(loaded, parse_specs(specs), max_new_tokens=6, threads=1), TURNS)
     assert result["memory_instrument"] == "allocator ledger (cpu)"
     for spec, r in result["strategies"].items():
@@ -268,8 +299,10 @@ def test_the_default_instrument_matches_the_formula_and_its_peak_bounds_the_form
 def test_the_storage_count_is_declared_never_measured():
     """`--memory storage` counts what each strategy lists: the run and every lane say "declared", and its peak is
     the held bytes plus the formula's buffers, labelled "formula" (no peak was read)."""
-    result = run_to_end(Engine(tiny("tiny-llama"), parse_specs("full,window:budget=4"), memory="storage",
-                               max_new_tokens=4, threads=1), TURNS[:1])
+    result = run_to_end(
+        Engine(tiny("tiny-llama"), parse_specs("full,window:budget=4"), memory="storage", max_new_tokens=4, threads=1),
+        TURNS[:1],
+    )
     assert "declared, not measured" in result["memory_instrument"]
     for spec, r in result["strategies"].items():
         sb = r["state_bytes"]

@@ -31,6 +31,7 @@ PLAIN = "window:budget=4"
 def _hider(name: str, keep):
     """A window registered as `name` whose score() hands the step's keys to `keep(strategy, keys)`, which returns the
     bytes it hid (summed on the class)."""
+
     def score(self, step):
         type(self).hidden += keep(self, step.keys)
         return Window.score(self, step)
@@ -90,8 +91,7 @@ def hiders():
 def _run(spec: str) -> tuple[dict, dict, Session]:
     """The run on a thread of its own, as the app runs its engine (numpy keeps its allocation handler per Python
     context: a new thread starts with numpy's own, so the ledger must put its handler in place where work runs)."""
-    engine = Engine(tiny("tiny-llama"), parse_specs(f"full,{PLAIN},{spec}"), max_new_tokens=6, threads=1,
-                    twins=False)
+    engine = Engine(tiny("tiny-llama"), parse_specs(f"full,{PLAIN},{spec}"), max_new_tokens=6, threads=1, twins=False)
     session = Session()
 
     def drive():
@@ -133,9 +133,14 @@ def test_a_tensor_made_on_a_thread_the_strategy_started_is_the_lanes(hiders):
     assert unattributed["outside_regions"] == 0, unattributed
 
 
-@pytest.mark.parametrize("way, keep, part", [("shared", _shared, "shared_memory"),
-                                             ("owner0", _owner_zero, "outside_regions"),
-                                             ("harness", _harness, "measurement")])
+@pytest.mark.parametrize(
+    "way, keep, part",
+    [
+        ("shared", _shared, "shared_memory"),
+        ("owner0", _owner_zero, "outside_regions"),
+        ("harness", _harness, "measurement"),
+    ],
+)
 def test_what_no_lane_holds_is_reported_as_unattributed(way, keep, part, hiders):
     """A clone moved to shared memory, one made while naming owner 0 or inside the measurement's scope: no lane
     holds them, and the run says so (`unattributed_bytes`, the board's row).  Mutations it catches: torch's blocks

@@ -11,12 +11,33 @@ from kvdirect_app.models.geometry import ModelGeometry, load_config
 
 pytestmark = pytest.mark.check  # the inner loop (`make check`)
 
-LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
-         "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16}
-GEMMA = {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
-         "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "sliding_window": 8,
-         "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
-                         "sliding_attention", "sliding_attention", "full_attention"]}
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+GEMMA = {
+    "model_type": "gemma3_text",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "sliding_window": 8,
+    "layer_types": [
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+    ],
+}
 
 
 def geom(config: dict, dtype=torch.float32) -> ModelGeometry:
@@ -96,8 +117,16 @@ def test_breakeven_cli_on_smollm2(tmp_path, capsys):
     assert bench.main(["breakeven", "--model", "smollm2-135m", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["ratio_r"] == 1.5 and report["break_even_spacing"] == 2
-    for key in ("layers", "hidden_size", "num_kv_heads", "head_dim", "kv_bytes_per_token", "residual_bytes_per_layer",
-                "break_even_spacing_token_id_anchor", "per_spacing"):
+    for key in (
+        "layers",
+        "hidden_size",
+        "num_kv_heads",
+        "head_dim",
+        "kv_bytes_per_token",
+        "residual_bytes_per_layer",
+        "break_even_spacing_token_id_anchor",
+        "per_spacing",
+    ):
         assert key in report
     assert report["per_spacing"][-1]["anchor_bytes_per_token_token_id_anchor"] == 4
     assert "r = d / (2 n_kv d_h) = 1.5" in capsys.readouterr().out

@@ -33,8 +33,13 @@ def test_an_absent_embedded_package_names_the_fix(monkeypatch, tmp_path):
     # The "Hub copy" is a folder that does not exist, so nothing touches the network.
     missing = str(tmp_path / "nobody" / "no-such-model-xyz")
     table = dict(models.presets())
-    table["ghost"] = {"kind": "gguf", "package": "no_such_package_xyz", "file": "x.gguf",
-                      "hub_id": missing, "install": "pip install no-such-package-xyz"}
+    table["ghost"] = {
+        "kind": "gguf",
+        "package": "no_such_package_xyz",
+        "file": "x.gguf",
+        "hub_id": missing,
+        "install": "pip install no-such-package-xyz",
+    }
     monkeypatch.setattr(models, "presets", lambda: table)
     messages = []
     with pytest.raises(ModelError) as info:
@@ -74,7 +79,8 @@ def space_without_smollm2(monkeypatch, tmp_path):
 
 @pytest.mark.check
 def test_a_space_defaults_to_smollm2_where_the_hub_cache_holds_it_else_to_gemma_said_to_continue_text(
-        space_without_smollm2):
+    space_without_smollm2,
+):
     """Mutations that fail it: `default_model` back to packaged presets only, `hub_copy` taking a cached config
     without weights for the model, hosted mode not offering a preset's cached Hub copy, or Gemma's label without
     `model_note`."""

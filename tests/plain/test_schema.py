@@ -29,8 +29,26 @@ def test_every_schema_is_valid_json_schema_and_every_kind_has_one():
 @pytest.fixture(scope="module")
 def run_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("schema") / "run.json"
-    assert bench.main(["run", "--model", "tiny-llama", "--strategies", "full,kvdirect:budget=4,h2o:budget=4",
-                       "--prompt", "hi", "--max-new-tokens", "4", "--threads", "1", "--json", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "run",
+                "--model",
+                "tiny-llama",
+                "--strategies",
+                "full,kvdirect:budget=4,h2o:budget=4",
+                "--prompt",
+                "hi",
+                "--max-new-tokens",
+                "4",
+                "--threads",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     return json.loads(out.read_text())
 
 
@@ -41,12 +59,18 @@ def test_a_written_run_names_its_schema_and_matches_it(run_json):
     check(run_json, "run")
 
 
-@pytest.mark.parametrize("change, where", [
-    (lambda d: d["strategies"]["full"].update(token_match="all"), "strategies/full/token_match"),
-    (lambda d: d["strategies"]["kvdirect:budget=4"]["state_bytes"].pop("peak"), "strategies/kvdirect:budget=4/state_bytes"),
-    (lambda d: d.update(threads=0), "threads"),
-    (lambda d: d.update(schema_version=VERSIONS["run"] + 1), "schema_version"),
-])
+@pytest.mark.parametrize(
+    "change, where",
+    [
+        (lambda d: d["strategies"]["full"].update(token_match="all"), "strategies/full/token_match"),
+        (
+            lambda d: d["strategies"]["kvdirect:budget=4"]["state_bytes"].pop("peak"),
+            "strategies/kvdirect:budget=4/state_bytes",
+        ),
+        (lambda d: d.update(threads=0), "threads"),
+        (lambda d: d.update(schema_version=VERSIONS["run"] + 1), "schema_version"),
+    ],
+)
 def test_validation_fails_on_a_changed_field_naming_it(run_json, change, where):
     bad = copy.deepcopy(run_json)
     change(bad)
@@ -56,7 +80,9 @@ def test_validation_fails_on_a_changed_field_naming_it(run_json, change, where):
 
 
 def test_readers_refuse_another_version_naming_it(run_json, tmp_path):
-    with pytest.raises(SchemaError, match=f"schema version 7 is not supported; this build reads version {VERSIONS['run']}"):
+    with pytest.raises(
+        SchemaError, match=f"schema version 7 is not supported; this build reads version {VERSIONS['run']}"
+    ):
         check({**run_json, "schema_version": 7}, "run")
     with pytest.raises(SchemaError, match="no schema field"):
         check({k: v for k, v in run_json.items() if k != "schema"}, "run")

@@ -84,7 +84,8 @@ def test_cascade_and_naive_rebuild_the_same_kv_with_the_predicted_pass_counts(fa
                     with observer.region(lane.owner, "replay"):
                         kv = rebuild_all(lane.cache, kind)
                     assert observer.tallies[lane.label]["layer passes"] == geom.replay_passes(
-                        anchors, cascade=kind == "cascade")
+                        anchors, cascade=kind == "cascade"
+                    )
                     assert kv and len(kv) == len(geom.global_layers)
                     for g, (k, v) in kv.items():
                         assert torch.equal(k, reference.layers[g].keys) and torch.equal(v, reference.layers[g].values)
@@ -116,14 +117,17 @@ def test_one_chunk_replay_reports_its_drift(kernels):
 
 
 @pytest.mark.check
-@pytest.mark.parametrize("text, words", [
-    ("anchorkv:spacing=0", "spacing=0 must be >= 1"),
-    ("anchorkv:anchors=1-2", "must include layer 0"),
-    ("anchorkv:anchors=a-b", "anchors='a-b' is not allowed; allowed:"),
-    ("anchorkv:replay=fastest", "replay='fastest' is not allowed; allowed: cascade, naive"),
-    ("anchorkv:rebuild=never", "allowed: step, turn"),
-    ("anchorkv:token_id_anchor=maybe", "is not a valid bool"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("anchorkv:spacing=0", "spacing=0 must be >= 1"),
+        ("anchorkv:anchors=1-2", "must include layer 0"),
+        ("anchorkv:anchors=a-b", "anchors='a-b' is not allowed; allowed:"),
+        ("anchorkv:replay=fastest", "replay='fastest' is not allowed; allowed: cascade, naive"),
+        ("anchorkv:rebuild=never", "allowed: step, turn"),
+        ("anchorkv:token_id_anchor=maybe", "is not a valid bool"),
+    ],
+)
 def test_bad_settings(text, words):
     assert words in bad_spec_error(text)
 

@@ -40,8 +40,9 @@ def broken():
 
 
 def _refused(strategy, kernels: str = "invariant") -> str:
-    engine = Engine(tiny("tiny-llama"), [parse_spec("full"), strategy], max_new_tokens=4, threads=1, twins=False,
-                    kernels=kernels)
+    engine = Engine(
+        tiny("tiny-llama"), [parse_spec("full"), strategy], max_new_tokens=4, threads=1, twins=False, kernels=kernels
+    )
     with pytest.raises(ContractError) as info:
         for text in (PROMPT, "And the values?"):  # a later prompt: masked over what the first turn kept
             for _ in engine.turn(text):
@@ -62,6 +63,7 @@ def test_scores_one_short_are_refused_not_shifted(broken):
 
 def test_nan_scores_are_refused(broken):
     """Mutation: the finiteness check removed (keep_top then sorts NaN as it happens to)."""
+
     def score(self, step):
         out = step.positions.float()
         out[..., 0] = float("nan")
@@ -75,6 +77,7 @@ def test_a_layer_that_keeps_more_than_its_budget_is_refused(broken):
     """A layer that keeps one token more than it evicted down to (its tensors, not its formula): the engine counts
     what each layer holds after every forward against what the budget allows.  Mutation: the engine's check
     removed from `Forwards._record` (the run then reports a window of 5 as a window of 4)."""
+
     class Greedy(ScoredLayer):
         def update(self, key_states, value_states, *args, **kwargs):
             out = super().update(key_states, value_states, *args, **kwargs)

@@ -41,7 +41,10 @@ def _global_layers(cache):
 
 # --- a budget larger than the conversation ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3", "tiny-olmo2", "tiny-gemma2", "tiny-gemma3", "tiny-mistral"])
+
+@pytest.mark.parametrize(
+    "family", ["tiny-llama", "tiny-qwen3", "tiny-olmo2", "tiny-gemma2", "tiny-gemma3", "tiny-mistral"]
+)
 def test_a_budget_larger_than_the_conversation_gives_the_full_caches_tokens(family):
     result = tiny_union(family).result  # its eviction lanes at budget 400
     ref = result["strategies"]["full"]
@@ -61,13 +64,23 @@ def test_a_budget_larger_than_the_conversation_gives_the_full_caches_tokens(fami
 
 # --- a small budget ---------------------------------------------------------------------------------------------
 
-SMALL = ["window:budget=6", "streaming_llm:budget=6:sinks=2", "h2o:budget=6", "h2o:budget=6:recent=0",
-         "snapkv:budget=6:window=2:kernel=3:decode=hold", "snapkv:budget=6:window=3:kernel=1:pooling=max:decode=hold",
-         "tova:budget=6", "knorm:budget=6", "knorm:budget=6:skip=0"]
+SMALL = [
+    "window:budget=6",
+    "streaming_llm:budget=6:sinks=2",
+    "h2o:budget=6",
+    "h2o:budget=6:recent=0",
+    "snapkv:budget=6:window=2:kernel=3:decode=hold",
+    "snapkv:budget=6:window=3:kernel=1:pooling=max:decode=hold",
+    "tova:budget=6",
+    "knorm:budget=6",
+    "knorm:budget=6:skip=0",
+]
 
 
-@pytest.mark.parametrize("family, dtype", [("tiny-llama", "float32"), ("tiny-qwen3", "bfloat16"),
-                                           ("tiny-gemma3", "float32"), ("tiny-gemma2", "float32")])
+@pytest.mark.parametrize(
+    "family, dtype",
+    [("tiny-llama", "float32"), ("tiny-qwen3", "bfloat16"), ("tiny-gemma3", "float32"), ("tiny-gemma2", "float32")],
+)
 def test_a_small_budget_is_never_exceeded_and_bytes_match_the_formula(family, dtype, monkeypatch):
     budget = 6
     forwards = []
@@ -122,8 +135,14 @@ def test_after_eviction_a_prefill_chunk_is_causal_and_sees_every_stored_token():
     with torch.inference_mode():
         compat.forward_step(model, first, cache)
         embeds = torch.zeros(1, chunk.shape[1], model.config.hidden_size)
-        mask = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=cache,
-                                  position_ids=None, allow_is_causal_skip=False)
+        mask = create_causal_mask(
+            config=model.config,
+            inputs_embeds=embeds,
+            attention_mask=None,
+            cache=cache,
+            position_ids=None,
+            allow_is_causal_skip=False,
+        )
         expected = torch.ones(4, budget + 4, dtype=torch.bool)
         expected[:, budget:] = torch.tril(torch.ones(4, 4, dtype=torch.bool))
         assert torch.equal(mask[0, 0].bool(), expected)
@@ -135,13 +154,16 @@ def test_after_eviction_a_prefill_chunk_is_causal_and_sees_every_stored_token():
             reference.update(layer.keys.clone(), layer.values.clone(), i)
         seen = cache.get_seq_length()
         positions = torch.arange(seen, seen + chunk.shape[1]).view(1, -1)
-        want = model(input_ids=chunk, cache=reference, position_ids=positions,
-                     attention_mask=expected.view(1, 1, 4, budget + 4)).logits
+        want = model(
+            input_ids=chunk, cache=reference, position_ids=positions, attention_mask=expected.view(1, 1, 4, budget + 4)
+        ).logits
         got = model(input_ids=chunk, cache=cache).logits
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-olmo2", "tiny-gemma2", "tiny-gemma3"])
+@pytest.mark.parametrize(
+    "family", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-olmo2", "tiny-gemma2", "tiny-gemma3"]
+)
 def test_rebuilt_attention_weights_equal_transformers_eager_attention(family):
     """H2O's accumulated attention, before and after an eviction, against the model's own eager weights
     (queries rebuilt with q_norm and RoPE, module scaling, Gemma 2 soft-capping, grouped heads averaged)."""
@@ -156,8 +178,9 @@ def test_rebuilt_attention_weights_equal_transformers_eager_attention(family):
         layers = {i: layer for i, layer in enumerate(cache.layers) if isinstance(layer, ScoredLayer)}
         with torch.inference_mode():
             model(input_ids=torch.arange(30, 47).view(1, -1), cache=cache)
-            before = {i: (layer.positions[0].clone(), layer.buffers["accumulated"][0].clone())
-                      for i, layer in layers.items()}
+            before = {
+                i: (layer.positions[0].clone(), layer.buffers["accumulated"][0].clone()) for i, layer in layers.items()
+            }
             out = model(input_ids=torch.arange(60, 63).view(1, -1), cache=cache, output_attentions=True)
     finally:
         tap.close()
@@ -185,7 +208,7 @@ HEADS = N_KV * GROUPS
 class Queries:
     """A projector whose attention input *is* the queries: (1, n, HEADS * D_H) -> (1, HEADS, n, D_H)."""
 
-    def __init__(self, scaling=D_H ** -0.5, softcap=None):
+    def __init__(self, scaling=D_H**-0.5, softcap=None):
         self.scaling, self.softcap = scaling, softcap
 
     def queries(self, x, start):
@@ -207,9 +230,9 @@ def _drive(spec, chunks, projector=None, seed=0, rank=0, count=1):
     seen = 0
     for turn in chunks:
         for i, q in enumerate(turn):
-            k = all_k[:, seen:seen + q].unsqueeze(0)
+            k = all_k[:, seen : seen + q].unsqueeze(0)
             if hasattr(layer, "capture"):
-                layer.capture(all_q[:, seen:seen + q].transpose(0, 1).reshape(1, q, HEADS * D_H))
+                layer.capture(all_q[:, seen : seen + q].transpose(0, 1).reshape(1, q, HEADS * D_H))
             layer.update(k, torch.randn(1, N_KV, q, D_H, generator=gen))
             seen += q
             yield layer, seen, all_k[:, :seen], all_q[:, :seen], q, i == 0
@@ -249,7 +272,7 @@ def test_streaming_llm_keeps_the_sinks_and_the_most_recent_tokens():
 @pytest.mark.parametrize("recent", [3, 0, 6])
 def test_h2o_keeps_heavy_hitters_by_accumulated_attention_and_a_recent_window(recent):
     budget = 6
-    scaling = D_H ** -0.5
+    scaling = D_H**-0.5
     kept = [set() for _ in range(N_KV)]
     accumulated = [dict() for _ in range(N_KV)]
     for layer, seen, keys, queries, q, _ in _drive(f"h2o:budget={budget}:recent={recent}", TURN_PLAN):
@@ -265,9 +288,9 @@ def test_h2o_keeps_heavy_hitters_by_accumulated_attention_and_a_recent_window(re
                     for p, w in _softmax_over(queries[j, p_query], keys_by_pos, visible, scaling).items():
                         accumulated[h][p] += w / GROUPS
             if len(candidates) > budget:
-                recent_set = set(candidates[len(candidates) - recent:]) if recent else set()
+                recent_set = set(candidates[len(candidates) - recent :]) if recent else set()
                 rest = [p for p in candidates if p not in recent_set]
-                heavy = sorted(rest, key=lambda p: (accumulated[h][p], p), reverse=True)[:budget - recent]
+                heavy = sorted(rest, key=lambda p: (accumulated[h][p], p), reverse=True)[: budget - recent]
                 candidates = sorted(recent_set | set(heavy))
             kept[h] = set(candidates)
             accumulated[h] = {p: accumulated[h][p] for p in candidates}
@@ -280,7 +303,7 @@ def test_h2o_keeps_heavy_hitters_by_accumulated_attention_and_a_recent_window(re
 @pytest.mark.parametrize("softcap", [None, 2.0])
 def test_tova_evicts_the_token_the_current_query_attends_least_averaged_over_heads(softcap):
     budget = 6
-    scaling = D_H ** -0.5
+    scaling = D_H**-0.5
     kept = set()
     for layer, seen, keys, queries, q, _ in _drive(f"tova:budget={budget}", TURN_PLAN, Queries(scaling, softcap)):
         candidates = sorted(kept | set(range(seen - q, seen)))
@@ -300,16 +323,18 @@ def _pool(values, kernel, how):
     """1-D pooling, stride 1, zero padding of kernel // 2 (max ignores the padding, avg divides by kernel)."""
     half, out = kernel // 2, []
     for i in range(len(values)):
-        span = values[max(0, i - half): i + half + 1]
+        span = values[max(0, i - half) : i + half + 1]
         out.append(max(span) if how == "max" else sum(span) / kernel)
     return out
 
 
-@pytest.mark.parametrize("window, kernel, pooling, decode", [(2, 3, "max", "hold"), (3, 5, "avg", "grow"),
-                                                          (4, 1, "max", "grow"), (3, 3, "avg", "hold")])
+@pytest.mark.parametrize(
+    "window, kernel, pooling, decode",
+    [(2, 3, "max", "hold"), (3, 5, "avg", "grow"), (4, 1, "max", "grow"), (3, 3, "avg", "hold")],
+)
 def test_snapkv_keeps_the_pooled_votes_of_the_observation_window(window, kernel, pooling, decode):
     budget = 7
-    scaling = D_H ** -0.5
+    scaling = D_H**-0.5
     kept = [set() for _ in range(N_KV)]
     selected_before = 0
     plan = [[12, 1, 1, 1], [6, 1, 1, 1, 1, 1], [1, 1, 1]]
@@ -324,7 +349,7 @@ def test_snapkv_keeps_the_pooled_votes_of_the_observation_window(window, kernel,
                 kept[h] = set(candidates)  # the paper: nothing is evicted while decoding
                 continue
             if prefill:
-                observers = new[-min(window, q):]
+                observers = new[-min(window, q) :]
                 prefix, observed = candidates[:-window], candidates[-window:]
                 keys_by_pos = {p: keys[h, p] for p in candidates}
                 pooled = {p: 0.0 for p in prefix}
@@ -336,12 +361,12 @@ def test_snapkv_keeps_the_pooled_votes_of_the_observation_window(window, kernel,
                             votes[p] += w
                     for p, v in zip(prefix, _pool([votes[p] for p in prefix], kernel, pooling)):
                         pooled[p] += v / GROUPS
-                chosen = sorted(prefix, key=lambda p: (pooled[p], p), reverse=True)[:budget - window]
+                chosen = sorted(prefix, key=lambda p: (pooled[p], p), reverse=True)[: budget - window]
                 kept[h] = set(chosen) | set(observed)
             else:
                 # Holding the budget while decoding: the last prompt's choice stays; the newest fill the rest.
                 chosen = [p for p in candidates if p < selected_before]
-                kept[h] = set(chosen) | set(candidates[len(candidates) - (budget - len(chosen)):])
+                kept[h] = set(chosen) | set(candidates[len(candidates) - (budget - len(chosen)) :])
         assert _kept(layer) == kept, (seen, prefill)
     if decode == "grow":
         assert layer.keys.shape[-2] > budget  # the last turn's decoded tokens were all kept
@@ -360,29 +385,33 @@ def test_snapkv_shrinks_a_window_that_does_not_fit_the_budget_and_says_so():
 
 # --- settings and the sweep ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.check
-@pytest.mark.parametrize("text, words", [
-    ("window:budget=0", "window: budget=0 must be >= 1"),
-    ("tova:budget=-3", "tova: budget=-3 must be >= 1"),
-    ("tova:sinks=4", "unknown setting 'sinks'; allowed: budget"),
-    ("streaming_llm:sinks=-1", "streaming_llm: sinks=-1 must be >= 0"),
-    ("h2o:budget=8:recent=9", "h2o: recent=9 must be between 0 and budget=8, or -1 (half the budget)"),
-    ("h2o:recent=-2", "recent=-2 must be between 0 and budget=64"),
-    ("h2o:budget=0", "h2o: budget=0 must be >= 1"),
-    ("snapkv:kernel=4", "snapkv: kernel=4 must be an odd integer >= 1"),
-    ("snapkv:kernel=0", "snapkv: kernel=0 must be an odd integer >= 1"),
-    ("snapkv:window=0", "snapkv: window=0 must be >= 1"),
-    ("snapkv:pooling=median", "snapkv: pooling='median' is not allowed; allowed: avg, max"),
-    ("snapkv:decode=forever", "snapkv: decode='forever' is not allowed; allowed: grow, hold"),
-    ("knorm:budget=0", "knorm: budget=0 must be >= 1"),
-    ("knorm:skip=-1", "knorm: skip=-1 must be >= 0"),
-    ("knorm:decode=forever", "knorm: decode='forever' is not allowed; allowed: grow, hold"),
-    ("knorm:window=4", "knorm: unknown setting 'window'; allowed: budget, skip, decode"),
-    ("pyramidkv:beta=0", "pyramidkv: beta=0 must be >= 1"),
-    ("pyramidkv:beta=2.5", "pyramidkv: setting beta='2.5' is not a valid int"),
-    ("pyramidkv:kernel=4", "pyramidkv: kernel=4 must be an odd integer >= 1"),
-    ("pyramidkv:pooling=median", "pyramidkv: pooling='median' is not allowed; allowed: avg, max"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("window:budget=0", "window: budget=0 must be >= 1"),
+        ("tova:budget=-3", "tova: budget=-3 must be >= 1"),
+        ("tova:sinks=4", "unknown setting 'sinks'; allowed: budget"),
+        ("streaming_llm:sinks=-1", "streaming_llm: sinks=-1 must be >= 0"),
+        ("h2o:budget=8:recent=9", "h2o: recent=9 must be between 0 and budget=8, or -1 (half the budget)"),
+        ("h2o:recent=-2", "recent=-2 must be between 0 and budget=64"),
+        ("h2o:budget=0", "h2o: budget=0 must be >= 1"),
+        ("snapkv:kernel=4", "snapkv: kernel=4 must be an odd integer >= 1"),
+        ("snapkv:kernel=0", "snapkv: kernel=0 must be an odd integer >= 1"),
+        ("snapkv:window=0", "snapkv: window=0 must be >= 1"),
+        ("snapkv:pooling=median", "snapkv: pooling='median' is not allowed; allowed: avg, max"),
+        ("snapkv:decode=forever", "snapkv: decode='forever' is not allowed; allowed: grow, hold"),
+        ("knorm:budget=0", "knorm: budget=0 must be >= 1"),
+        ("knorm:skip=-1", "knorm: skip=-1 must be >= 0"),
+        ("knorm:decode=forever", "knorm: decode='forever' is not allowed; allowed: grow, hold"),
+        ("knorm:window=4", "knorm: unknown setting 'window'; allowed: budget, skip, decode"),
+        ("pyramidkv:beta=0", "pyramidkv: beta=0 must be >= 1"),
+        ("pyramidkv:beta=2.5", "pyramidkv: setting beta='2.5' is not a valid int"),
+        ("pyramidkv:kernel=4", "pyramidkv: kernel=4 must be an odd integer >= 1"),
+        ("pyramidkv:pooling=median", "pyramidkv: pooling='median' is not allowed; allowed: avg, max"),
+    ],
+)
 def test_bad_settings_name_the_setting_and_its_allowed_values(text, words):
     assert words in bad_spec_error(text)
 
@@ -395,21 +424,48 @@ def test_defaults_are_the_papers():
     knorm, pyramid = parse_spec("knorm"), parse_spec("pyramidkv")
     assert (knorm.budget, knorm.skip, knorm.decode) == (64, 2, "hold")  # layers 0 and 1 whole, every step compressed
     assert (pyramid.budget, pyramid.window, pyramid.kernel, pyramid.pooling, pyramid.decode, pyramid.beta) == (
-        64, 32, 5, "avg", "grow", 20)
+        64,
+        32,
+        5,
+        "avg",
+        "grow",
+        20,
+    )
 
 
 def test_sweep_runs_every_strategy_at_every_budget_and_writes_every_row(tmp_path, capsys):
     out = tmp_path / "sweep.json"
-    code = bench.main(["sweep", "--model", "tiny-llama", "--prompt", "Hello there, how are you today?",
-                       "--strategies", "window,h2o:recent=6,snapkv:window=4", "--budgets", "4,8",
-                       "--max-new-tokens", "5", "--threads", "1", "--json", str(out)])
+    code = bench.main(
+        [
+            "sweep",
+            "--model",
+            "tiny-llama",
+            "--prompt",
+            "Hello there, how are you today?",
+            "--strategies",
+            "window,h2o:recent=6,snapkv:window=4",
+            "--budgets",
+            "4,8",
+            "--max-new-tokens",
+            "5",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0
     data = json.loads(out.read_text())
     got = {(r["strategy"], r["budget"]) for r in data["rows"]}
     assert got == {("window", 4), ("window", 8), ("h2o:recent=6", 8), ("snapkv:window=4", 4), ("snapkv:window=4", 8)}
-    assert data["skipped"] == [{"strategy": "h2o:recent=6", "budget": 4,
-                                "reason": "h2o: recent=6 must be between 0 and budget=4, or -1 (half the budget)"}]
+    assert data["skipped"] == [
+        {
+            "strategy": "h2o:recent=6",
+            "budget": 4,
+            "reason": "h2o: recent=6 must be between 0 and budget=4, or -1 (half the budget)",
+        }
+    ]
     assert "note: skipping h2o:recent=6 at budget 4" in printed
     for r in data["rows"]:
         assert r["spec"] == f"{r['strategy']}:budget={r['budget']}"
@@ -424,9 +480,26 @@ def test_sweep_at_equal_memory_picks_for_each_strategy_the_probe_closest_to_the_
 
     out = tmp_path / "equal.json"
     names = ["anchorkv:anchors=0:rebuild=step", "window", "streaming_llm:sinks=2"]
-    code = bench.main(["sweep", "--model", "tiny-llama", "--prompt", "Hello there, how are you today? " * 3,
-                       "--strategies", ",".join(names), "--budgets", "8", "--equal-memory",
-                       "--max-new-tokens", "4", "--threads", "1", "--json", str(out)])
+    code = bench.main(
+        [
+            "sweep",
+            "--model",
+            "tiny-llama",
+            "--prompt",
+            "Hello there, how are you today? " * 3,
+            "--strategies",
+            ",".join(names),
+            "--budgets",
+            "8",
+            "--equal-memory",
+            "--max-new-tokens",
+            "4",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     data = json.loads(out.read_text())
     target_run, probes = data["probes"][0], data["probes"][1:]
@@ -441,13 +514,16 @@ def test_sweep_at_equal_memory_picks_for_each_strategy_the_probe_closest_to_the_
         assert abs(row["state_bytes"]["peak"] - data["target_bytes"]) == min(distance)
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--strategies", "window,nosuchstrategy"], "'nosuchstrategy' is not a registered strategy"),
-    (["--strategies", "window:budget=4"], "sets budget itself"),
-    (["--strategies", "full"], "has no budget setting"),
-    (["--strategies", "h2o:recent=9"], "fits none of the budgets"),
-    (["--budgets", "4,zero"], "--budgets: 'zero' is not a positive integer"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--strategies", "window,nosuchstrategy"], "'nosuchstrategy' is not a registered strategy"),
+        (["--strategies", "window:budget=4"], "sets budget itself"),
+        (["--strategies", "full"], "has no budget setting"),
+        (["--strategies", "h2o:recent=9"], "fits none of the budgets"),
+        (["--budgets", "4,zero"], "--budgets: 'zero' is not a positive integer"),
+    ],
+)
 def test_sweep_refuses_bad_input_with_one_line(args, words, capsys):
     code = bench.main(["sweep", "--model", "tiny-llama", "--prompt", "Hi", "--budgets", "4,8", *args])
     err = capsys.readouterr().err
@@ -456,8 +532,24 @@ def test_sweep_refuses_bad_input_with_one_line(args, words, capsys):
 
 
 def test_sweep_skips_unknown_names_only_when_allowed(capsys):
-    code = bench.main(["sweep", "--model", "tiny-llama", "--prompt", "Hi", "--strategies", "nosuchstrategy,window",
-                       "--budgets", "4", "--max-new-tokens", "2", "--threads", "1", "--allow-missing"])
+    code = bench.main(
+        [
+            "sweep",
+            "--model",
+            "tiny-llama",
+            "--prompt",
+            "Hi",
+            "--strategies",
+            "nosuchstrategy,window",
+            "--budgets",
+            "4",
+            "--max-new-tokens",
+            "2",
+            "--threads",
+            "1",
+            "--allow-missing",
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0
     assert "note: skipping nosuchstrategy: 'nosuchstrategy' is not a registered strategy" in printed

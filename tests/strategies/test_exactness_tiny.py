@@ -101,8 +101,9 @@ def test_fast_mode_error_is_measured_not_hidden_under_native_kernels(family):
     lane = next(lane for lane in engine.lanes if lane.label == KVDIRECT_FAST)
     rows = len(result["prompt_ids"]) + 1  # the prompt and the first decoded token
     differences = []
-    for layer, ref, block in zip(lane.cache.layers, engine.reference.cache.layers,
-                                 compat.decoder_layers(engine.loaded.model)):
+    for layer, ref, block in zip(
+        lane.cache.layers, engine.reference.cache.layers, compat.decoder_layers(engine.loaded.model)
+    ):
         if getattr(layer, "inputs", None) is None:  # a sliding layer keeps its window: nothing rebuilt
             continue
         v_proj = compat.attention_module(block).v_proj
@@ -135,6 +136,11 @@ def test_full_equals_transformers_generate(family):
     first = result["strategies"]["full"]["turn_token_ids"][0]
     ids = torch.tensor([result["prompt_ids"]])
     with torch.inference_mode():
-        out = loaded.model.generate(ids, max_new_tokens=len(first), do_sample=False,
-                                    eos_token_id=sorted(loaded.eos_ids), pad_token_id=loaded.tokenizer.pad_token_id)
-    assert len(first) == 8 and first == out[0, ids.shape[1]:].tolist()
+        out = loaded.model.generate(
+            ids,
+            max_new_tokens=len(first),
+            do_sample=False,
+            eos_token_id=sorted(loaded.eos_ids),
+            pad_token_id=loaded.tokenizer.pad_token_id,
+        )
+    assert len(first) == 8 and first == out[0, ids.shape[1] :].tolist()

@@ -33,6 +33,7 @@ CPU = torch.device("cpu")
 
 # --- KNorm ---------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.check
 @pytest.mark.parametrize("decode", ["hold", "grow"])
 def test_knorm_keeps_the_keys_of_lowest_l2_norm_per_kv_head(decode):
@@ -49,8 +50,15 @@ def test_knorm_keeps_the_keys_of_lowest_l2_norm_per_kv_head(decode):
 
 
 @pytest.mark.check
-@pytest.mark.parametrize("family, spec, whole", [("tiny-llama", "knorm", {0, 1}), ("tiny-llama", "knorm:skip=0", set()),
-                                                 ("tiny-gemma3", "knorm", set()), ("tiny-gemma3", "knorm:skip=3", {2})])
+@pytest.mark.parametrize(
+    "family, spec, whole",
+    [
+        ("tiny-llama", "knorm", {0, 1}),
+        ("tiny-llama", "knorm:skip=0", set()),
+        ("tiny-gemma3", "knorm", set()),
+        ("tiny-gemma3", "knorm:skip=3", {2}),
+    ],
+)
 def test_knorm_leaves_the_global_layers_before_skip_whole(family, spec, whole):
     """`skip` counts decoder layers (the paper's layers 0 and 1); tiny-gemma3's global layers are 2 and 5."""
     cache = parse_spec(spec).build_cache(tiny(family).model)
@@ -60,6 +68,7 @@ def test_knorm_leaves_the_global_layers_before_skip_whole(family, spec, whole):
 
 
 # --- PyramidKV's budgets -------------------------------------------------------------------------------------------
+
 
 def _paper_budgets(budget, window, beta, count, seen):
     """Real-valued: beyond the window, the top layer keeps mean/beta, the bottom twice the mean less that (capped at
@@ -74,15 +83,22 @@ def _paper_budgets(budget, window, beta, count, seen):
 
 
 @pytest.mark.check
-@pytest.mark.parametrize("budget, window, beta, count, seen, exact", [
-    (8, 2, 20, 4, 40, [14, 10, 6, 2]),
-    (232, 32, 20, 5, 10_000, [422, 327, 232, 137, 42]),  # the official code's, where its integer steps are exact
-    (6, 2, 20, 4, 9, [9, 7, 5, 3]),  # the bottom layer capped at the prompt beyond the window
-    (8, 2, 20, 4, 11, [8, 8, 8, 8]),  # shorter than twice the mean beyond the window: uniform
-    (64, 32, 20, 30, 5000, None), (64, 32, 20, 30, 70, None), (100, 32, 3, 7, 500, None), (9, 4, 20, 1, 500, [9]),
-])
+@pytest.mark.parametrize(
+    "budget, window, beta, count, seen, exact",
+    [
+        (8, 2, 20, 4, 40, [14, 10, 6, 2]),
+        (232, 32, 20, 5, 10_000, [422, 327, 232, 137, 42]),  # the official code's, where its integer steps are exact
+        (6, 2, 20, 4, 9, [9, 7, 5, 3]),  # the bottom layer capped at the prompt beyond the window
+        (8, 2, 20, 4, 11, [8, 8, 8, 8]),  # shorter than twice the mean beyond the window: uniform
+        (64, 32, 20, 30, 5000, None),
+        (64, 32, 20, 30, 70, None),
+        (100, 32, 3, 7, 500, None),
+        (9, 4, 20, 1, 500, [9]),
+    ],
+)
 def test_pyramidkv_budgets_follow_the_papers_arithmetic_sequence_and_sum_to_the_uniform_total(
-        budget, window, beta, count, seen, exact):
+    budget, window, beta, count, seen, exact
+):
     pyramid = parse_spec(f"pyramidkv:budget={budget}:window={window}:beta={beta}")
     got = list(pyramid.layer_budgets(count, seen))
     want = _paper_budgets(budget, window, beta, count, seen)
@@ -110,8 +126,12 @@ def test_each_pyramidkv_layer_keeps_snapkvs_choice_at_its_own_budget(decode):
 
 # --- through the engine: each layer its own count, bytes by formula, both kernel modes, batched and alone ---------
 
-SPECS = ("pyramidkv:budget=8:window=2", "pyramidkv:budget=6:window=2:beta=2:decode=hold", "knorm:budget=6",
-         "knorm:budget=5:skip=0:decode=grow")
+SPECS = (
+    "pyramidkv:budget=8:window=2",
+    "pyramidkv:budget=6:window=2:beta=2:decode=hold",
+    "knorm:budget=6",
+    "knorm:budget=5:skip=0:decode=grow",
+)
 SAME = ("token_ids", "teacher_forced_agreement", "max_abs_dlogit", "kl_mean")
 
 
@@ -120,8 +140,7 @@ def test_each_layer_holds_its_own_budget_the_first_holds_the_most_and_bytes_matc
     loaded = tiny("tiny-llama")
     results, pyramids = [], 0
     for batch in (True, False):
-        engine = Engine(loaded, parse_specs(",".join(SPECS)), max_new_tokens=6, threads=1, kernels=kernels,
-                        batch=batch)
+        engine = Engine(loaded, parse_specs(",".join(SPECS)), max_new_tokens=6, threads=1, kernels=kernels, batch=batch)
         assert engine.kernels.mode == kernels
         for event in engine.run(TURNS):
             if event["type"] not in ("step", "turn_end"):
@@ -163,7 +182,7 @@ def _expected_attention(module, query, key, value, attention_mask, **kwargs):
     visible, the chunk's own keys causal."""
     q, t = query.shape[-2], key.shape[-2]
     mask = torch.ones(q, t, dtype=torch.bool)
-    mask[:, t - q:] = torch.tril(torch.ones(q, q, dtype=torch.bool))
+    mask[:, t - q :] = torch.tril(torch.ones(q, q, dtype=torch.bool))
     sdpa = compat.attention_function(module, "sdpa")
     return sdpa(module, query, key, value, mask.view(1, 1, q, t), **kwargs)
 
@@ -196,19 +215,31 @@ def test_after_eviction_a_prefill_chunk_sees_every_stored_token_of_its_layer_and
     caches = [parse_spec(spec).build_cache(model) for spec in CAUSAL]
     try:
         with torch.inference_mode(), threads_set(1):
-            run_batch(model, [Row(Owner(spec, "lane"), cache, FIRST) for spec, cache in zip(CAUSAL, caches)], observer,
-                      tap, CPU, run)
+            run_batch(
+                model,
+                [Row(Owner(spec, "lane"), cache, FIRST) for spec, cache in zip(CAUSAL, caches)],
+                observer,
+                tap,
+                CPU,
+                run,
+            )
             for cache in caches:
                 cache.end_turn()  # the chunk is the next turn's prompt
             stored = [_stored(cache) for cache in caches]
             assert [[k.shape[-2] for k, _ in layers] for layers in stored] == list(HELD)
             if kernels == "native":  # the mask the model builds for the cache, fitted to each layer
-                mask = create_causal_mask(config=model.config, inputs_embeds=torch.zeros(1, 4, 1), attention_mask=None,
-                                          cache=caches[0], position_ids=None, allow_is_causal_skip=False)
+                mask = create_causal_mask(
+                    config=model.config,
+                    inputs_embeds=torch.zeros(1, 4, 1),
+                    attention_mask=None,
+                    cache=caches[0],
+                    position_ids=None,
+                    allow_is_causal_skip=False,
+                )
                 for keys, _ in stored[0]:
                     t = keys.shape[-2] + 4
                     expected = torch.ones(4, t, dtype=torch.bool)
-                    expected[:, t - 4:] = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+                    expected[:, t - 4 :] = torch.tril(torch.ones(4, 4, dtype=torch.bool))
                     assert torch.equal(fit_mask(mask, t)[0, 0].bool(), expected)
             alone = [cache.fork() for cache in caches]
             rows = [Row(Owner(spec, "lane"), cache, CHUNK, len(FIRST)) for spec, cache in zip(CAUSAL, caches)]

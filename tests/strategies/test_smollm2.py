@@ -33,7 +33,7 @@ def test_full_matches_generate_on_smollm2(smollm2, kernels):
     ids = torch.tensor([result["prompt_ids"]])
     with torch.inference_mode():
         out = smollm2.model.generate(ids, max_new_tokens=24, do_sample=False)
-    generated = out[0, ids.shape[1]:].tolist()
+    generated = out[0, ids.shape[1] :].tolist()
     assert result["strategies"]["full"]["token_ids"] == generated
     assert "Paris" in result["strategies"]["full"]["text"]
 

@@ -24,8 +24,9 @@ def cards_html(results: dict) -> str:
     cards = []
     for claim in results["claims"].values():
         paper = "; ".join(f"{f['label']} {figure_text(f['value'], f['unit'])}" for f in claim["figures"])
-        ours = "; ".join(f"{f['label']} {figure_text(p['ours'], f['unit'])}"
-                         for f, p in zip(claim["figures"], claim["parts"]))
+        ours = "; ".join(
+            f"{f['label']} {figure_text(p['ours'], f['unit'])}" for f, p in zip(claim["figures"], claim["parts"])
+        )
         kind = KINDS[claim["verdict"]]
         cards.append(
             f'<div class="kvd-card kvd-card-{kind}">'
@@ -38,13 +39,21 @@ def cards_html(results: dict) -> str:
             f'<div class="kvd-card-why" title="{html.escape(claim["reason"])}">{e(claim["sentence"])}</div>'
             + (f'<div class="kvd-card-rule kvd-note">Rule: {e(claim["rule"])}</div>' if claim.get("rule") else "")
             + (f'<div class="kvd-card-also kvd-note">In {e(claim["also"])}</div>' if claim.get("also") else "")
-            + '</div>')
-    where = f'{e(results.get("device_name") or results.get("device", "?"))}, {e(results.get("date", "?"))}'
-    run = (f'{"a quick run" if results.get("quick") else "the full run"} of {len(results.get("cells", []))} cells'
-           + (f' in {results["seconds"] / 60:.0f} min' if results.get("seconds") else '')
-           + (f' ({results["resumed_cells"]} of them resumed from a run that did not end, their time not counted)'
-              if results.get("resumed_cells") else ''))
-    return (f'<div class="kvd-cards-head">Measured on {where}, {e(run)}, with <code>python -m kvdirect_app.bench '
-            f'reproduce {"--quick " if results.get("quick") else ""}--out DIR</code>; every number is a value of its '
-            f'results.json, every verdict computed from those numbers as the page opened.</div>'
-            f'<div class="kvd-cards">{"".join(cards)}</div>')
+            + "</div>"
+        )
+    where = f"{e(results.get('device_name') or results.get('device', '?'))}, {e(results.get('date', '?'))}"
+    run = (
+        f"{'a quick run' if results.get('quick') else 'the full run'} of {len(results.get('cells', []))} cells"
+        + (f" in {results['seconds'] / 60:.0f} min" if results.get("seconds") else "")
+        + (
+            f" ({results['resumed_cells']} of them resumed from a run that did not end, their time not counted)"
+            if results.get("resumed_cells")
+            else ""
+        )
+    )
+    return (
+        f'<div class="kvd-cards-head">Measured on {where}, {e(run)}, with <code>python -m kvdirect_app.bench '
+        f"reproduce {'--quick ' if results.get('quick') else ''}--out DIR</code>; every number is a value of its "
+        f"results.json, every verdict computed from those numbers as the page opened.</div>"
+        f'<div class="kvd-cards">{"".join(cards)}</div>'
+    )

@@ -19,16 +19,24 @@ def write_exports(session: Session, figures: dict | None = None) -> dict[str, st
     if session.workdir is None:
         session.workdir = tempfile.mkdtemp(prefix="kvdirect-studio-")
     folder = Path(session.workdir)
-    paths = {kind: folder / name for kind, name in
-             (("json", "kvdirect-run.json"), ("steps", "kvdirect-steps.csv"), ("summary", "kvdirect-summary.csv"),
-              ("plots", "kvdirect-plots.html"), ("recording", "kvdirect-recording.json.gz"))}
+    paths = {
+        kind: folder / name
+        for kind, name in (
+            ("json", "kvdirect-run.json"),
+            ("steps", "kvdirect-steps.csv"),
+            ("summary", "kvdirect-summary.csv"),
+            ("plots", "kvdirect-plots.html"),
+            ("recording", "kvdirect-recording.json.gz"),
+        )
+    }
     run = {"user_turns": session.user_turns, "results": session.result, "steps": session.step_rows()}
     paths["json"].write_text(json.dumps(run, indent=1))
     pd.DataFrame(session.step_rows()).to_csv(paths["steps"], index=False)
     strategies = (session.result or {}).get("strategies", {})
     summary = pd.json_normalize([{"strategy": label, **r} for label, r in strategies.items()])
-    summary = summary.drop(columns=[c for c in summary.columns if c.endswith("token_ids") or c == "turn_texts"],
-                           errors="ignore")
+    summary = summary.drop(
+        columns=[c for c in summary.columns if c.endswith("token_ids") or c == "turn_texts"], errors="ignore"
+    )
     summary.to_csv(paths["summary"], index=False)
     recording = session.recorded
     if recording is None and session.recorder is not None:
@@ -44,6 +52,8 @@ def write_exports(session: Session, figures: dict | None = None) -> dict[str, st
         save(recording, paths["recording"])
     figures = list((figures or all_figures(session)).values())
     parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figures)]
-    paths["plots"].write_text("<!doctype html><html><head><meta charset='utf-8'><title>KV-Direct Studio plots</title>"
-                              "</head><body>" + "\n".join(parts) + "</body></html>")
+    paths["plots"].write_text(
+        "<!doctype html><html><head><meta charset='utf-8'><title>KV-Direct Studio plots</title>"
+        "</head><body>" + "\n".join(parts) + "</body></html>"
+    )
     return {kind: str(path) for kind, path in paths.items() if path.exists()}

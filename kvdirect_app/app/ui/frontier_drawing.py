@@ -35,22 +35,36 @@ class FrontierDrawing:
         (or, cancelled, of the runs done).  Whoever waits for the slot meanwhile is told it is the frontier drawing
         and how far it is; its Cancel ends it after the step in progress."""
         f = self.studio.frontier
-        busy = lambda message: {f.status: views.status(message, "busy"), f.draw: gr.Button(interactive=False),
-                                f.cancel: gr.Button(interactive=True)}
-        done = lambda message, kind: {f.status: views.status(message, kind), f.draw: gr.Button(interactive=True),
-                                      f.cancel: gr.Button(interactive=False)}
+        busy = lambda message: {
+            f.status: views.status(message, "busy"),
+            f.draw: gr.Button(interactive=False),
+            f.cancel: gr.Button(interactive=True),
+        }
+        done = lambda message, kind: {
+            f.status: views.status(message, kind),
+            f.draw: gr.Button(interactive=True),
+            f.cancel: gr.Button(interactive=False),
+        }
         session.asked = None
         if session.busy:
             yield done("A turn is still running: wait for it or press Stop.", "error")
             return
         playback.unfold(session)
         known = isinstance(source, str) and (source == FRONTIER_CURRENT or source in scenarios())
-        turns = [] if not known else list(session.user_turns) if source == FRONTIER_CURRENT else \
-            list(scenarios()[source]["turns"])
+        turns = (
+            []
+            if not known
+            else list(session.user_turns)
+            if source == FRONTIER_CURRENT
+            else list(scenarios()[source]["turns"])
+        )
         if not turns:
-            yield done("Nothing to draw yet: send a message first, or choose a scenario." if source == FRONTIER_CURRENT
-                       else f"scenario: unknown {str(source)[:40]!r}; allowed: {FRONTIER_CURRENT}, "
-                       f"{', '.join(scenarios())}", "error")
+            yield done(
+                "Nothing to draw yet: send a message first, or choose a scenario."
+                if source == FRONTIER_CURRENT
+                else f"scenario: unknown {str(source)[:40]!r}; allowed: {FRONTIER_CURRENT}, {', '.join(scenarios())}",
+                "error",
+            )
             return
         try:
             settings = Settings.from_controls(controls)
@@ -86,12 +100,18 @@ class FrontierDrawing:
             LINE.ended(job)
         took = time.monotonic() - t0
         if cancelled:
-            words = (f"Cancelled after {len(rows)} point(s) of {sum(map(len, plan))} ({took:.0f} s): the points of "
-                     "the runs that finished are drawn." if rows else f"Cancelled before a run finished ({took:.0f} s).")
+            words = (
+                f"Cancelled after {len(rows)} point(s) of {sum(map(len, plan))} ({took:.0f} s): the points of "
+                "the runs that finished are drawn."
+                if rows
+                else f"Cancelled before a run finished ({took:.0f} s)."
+            )
             yield {**done(words, "ok"), **({f.plot: runner.frontier_plot(rows, sweep, source)} if rows else {})}
             return
-        yield {**done(f"{len(rows)} points from {len(plan)} runs in {took:.0f} s.", "ok"),
-               f.plot: runner.frontier_plot(rows, sweep, source)}
+        yield {
+            **done(f"{len(rows)} points from {len(plan)} runs in {took:.0f} s.", "ok"),
+            f.plot: runner.frontier_plot(rows, sweep, source),
+        }
 
     def cancel_frontier(self, session: Session) -> str:
         """The frontier drawing ends after the step in progress (its finished runs are drawn)."""

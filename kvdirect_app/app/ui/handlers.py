@@ -67,8 +67,9 @@ class Handlers:
         self.visitors: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
         self.queueing = Queueing(seen=self._seen)
         self.model_choice = ModelChoice(studio, seen=self._seen)
-        self.recording_buttons = RecordingButtons(studio, seen=self._seen, refuse=self._refuse, render=self.render,
-                                                  run=self._run)
+        self.recording_buttons = RecordingButtons(
+            studio, seen=self._seen, refuse=self._refuse, render=self.render, run=self._run
+        )
         self.frontier_drawing = FrontierDrawing(studio)
         self.enqueue, self.waiting = self.queueing.enqueue, self.queueing.waiting
         self.load_model = self.model_choice.load_model
@@ -94,10 +95,17 @@ class Handlers:
                 holder.session_data.pop(key, None)
                 holder.time_last_used.pop(key, None)
 
-
     # --- drawing ---------------------------------------------------------------
-    def render(self, session: Session, *, busy: bool, message: str | None = None, kind: str = "info",
-               plots: bool = False, final: bool = False) -> dict:
+    def render(
+        self,
+        session: Session,
+        *,
+        busy: bool,
+        message: str | None = None,
+        kind: str = "info",
+        plots: bool = False,
+        final: bool = False,
+    ) -> dict:
         a, v = self.s.actions, self.s.views
         out = {}
         for i, pane in enumerate(self.s.panes):
@@ -125,9 +133,16 @@ class Handlers:
         figures = None
         if plots:
             t0 = time.monotonic()
-            figures = {"memory": memory_figure(session), "latency": latency_figure(session),
-                       "agreement": agreement_figure(session)}
-            out[v.memory], out[v.latency], out[v.agreement] = figures["memory"], figures["latency"], figures["agreement"]
+            figures = {
+                "memory": memory_figure(session),
+                "latency": latency_figure(session),
+                "agreement": agreement_figure(session),
+            }
+            out[v.memory], out[v.latency], out[v.agreement] = (
+                figures["memory"],
+                figures["latency"],
+                figures["agreement"],
+            )
             session.last_plot = time.monotonic()
             session.plot_cost = session.last_plot - t0
         if final:
@@ -139,7 +154,6 @@ class Handlers:
             out[v.map_layer] = gr.Slider(value=layer)
             out.update(self._downloads(session, figures))
         return out
-
 
     @staticmethod
     def _maps(session: Session) -> dict | None:
@@ -159,25 +173,36 @@ class Handlers:
             log.error("writing the exports failed:\n%s", traceback.format_exc())
             gr.Warning(f"The downloads could not be written: {type(e).__name__}: {str(e)[:200]}")
             return {b: gr.DownloadButton(value=None, interactive=False) for b in buttons}
-        return {b: gr.DownloadButton(value=paths.get(k), interactive=k in paths)
-                for b, k in zip(buttons, ("json", "steps", "summary", "plots", "recording"))}
+        return {
+            b: gr.DownloadButton(value=paths.get(k), interactive=k in paths)
+            for b, k in zip(buttons, ("json", "steps", "summary", "plots", "recording"))
+        }
 
     def _token_map_html(self, session: Session, label: str | None, layer: int, other: str | None = None) -> str:
         if label is None or session.busy:
             return views.token_map_html(None, "", 0)
         return runner.map_pair_html(session, label, layer, other)
 
-
     # --- a run -----------------------------------------------------------------
-    def _stream(self, session: Session, config: RunConfig, turns: list[str], fresh: bool,
-                note: str, expect: tuple[int, str] | None = None, scenario: str | None = None,
-                job: Job | None = None) -> Iterator[dict]:
+    def _stream(
+        self,
+        session: Session,
+        config: RunConfig,
+        turns: list[str],
+        fresh: bool,
+        note: str,
+        expect: tuple[int, str] | None = None,
+        scenario: str | None = None,
+        job: Job | None = None,
+    ) -> Iterator[dict]:
         """Play `turns` (all of them on a fresh engine, else only the new one) and stream the panes; `job` says how
         far it is to whoever waits for the slot."""
         job = job or Job("a turn")
         session.busy, session.stop_requested, session.stopping = True, False, None
-        yield {**self.render(session, busy=True, message=note, kind="busy"),
-               self.s.actions.prompt: gr.Textbox(value="", interactive=False)}
+        yield {
+            **self.render(session, busy=True, message=note, kind="busy"),
+            self.s.actions.prompt: gr.Textbox(value="", interactive=False),
+        }
         events = None
         t_start = time.monotonic()
         stopped = timed_out = False
@@ -196,14 +221,16 @@ class Handlers:
                     session.recorder.resume()
                 played = turns[-1:]
             turns_before, steps_before = len(session.user_turns), session.steps
-            events = session.pump = runner.Pump(runner.play(config, played, session.engine),
-                                                lambda: session.stop_requested, HEARTBEAT_S)
+            events = session.pump = runner.Pump(
+                runner.play(config, played, session.engine), lambda: session.stop_requested, HEARTBEAT_S
+            )
             last = 0.0
             for event in events:  # every event the engine produced, also those after a stop request
                 now = time.monotonic()
                 if event is None:  # nothing for a while: the time so far and the time left
-                    yield {self.s.views.status: views.status(self._progress(session, progress, turns, fresh, now),
-                                                             "busy")}
+                    yield {
+                        self.s.views.status: views.status(self._progress(session, progress, turns, fresh, now), "busy")
+                    }
                     continue
                 if session.recorder is not None:  # the session reads the recorded copy: its time is the recording's
                     session.recorder.add(event)
@@ -217,10 +244,16 @@ class Handlers:
                     session.stop_requested = timed_out = True  # the engine's thread ends the turn after this step
                 first = event["type"] == "step" and event["index"] == 0
                 if event["type"] in ("turn", "turn_end", "prefill") or first or now - last >= UI_EVERY_S:
-                    plots = (event["type"] == "turn_end" or
-                             now - session.last_plot >= max(PLOTS_EVERY_S, session.plot_cost / PLOTS_SHARE))
-                    yield self.render(session, busy=True, message=self._progress(session, progress, turns, fresh, now),
-                                      kind="busy", plots=plots)
+                    plots = event["type"] == "turn_end" or now - session.last_plot >= max(
+                        PLOTS_EVERY_S, session.plot_cost / PLOTS_SHARE
+                    )
+                    yield self.render(
+                        session,
+                        busy=True,
+                        message=self._progress(session, progress, turns, fresh, now),
+                        kind="busy",
+                        plots=plots,
+                    )
                     last = now
         except runner.USER_ERRORS as e:
             gr.Warning(str(e))
@@ -228,8 +261,13 @@ class Handlers:
         except runner.OUT_OF_MEMORY as e:  # the guard's estimate fell short: free this session, stay up
             log.error("run ran out of memory:\n%s", traceback.format_exc())
             session.engine, session.config = None, None
-            message, kind = (f"Out of memory during the run ({type(e).__name__}); this conversation's caches were "
-                             "freed. Try fewer tokens or strategies, or AnchorKV with rebuild=step."), "error"
+            message, kind = (
+                (
+                    f"Out of memory during the run ({type(e).__name__}); this conversation's caches were "
+                    "freed. Try fewer tokens or strategies, or AnchorKV with rebuild=step."
+                ),
+                "error",
+            )
             gr.Warning(message)
         except Exception as e:  # the app stays up; the message says what broke (the traceback stays in the log)
             log.error("run failed:\n%s", traceback.format_exc())
@@ -238,16 +276,29 @@ class Handlers:
         else:
             took = time.monotonic() - t_start
             turn, ran = len(session.user_turns), len(session.user_turns) - turns_before
-            where = (f"after step {progress.steps} of turn {progress.turn}" if progress.steps else
-                     f"while reading turn {progress.turn}'s message ({progress.read:,} of {progress.total:,} tokens)")
+            where = (
+                f"after step {progress.steps} of turn {progress.turn}"
+                if progress.steps
+                else f"while reading turn {progress.turn}'s message ({progress.read:,} of {progress.total:,} tokens)"
+            )
             which = f"turn {turn}" if ran == 1 else f"turns {turns_before + 1}-{turn}"
             # The steps and the time are this run's: the turns it played, not the earlier ones'.
-            message, kind = ((f"Stopped at this server's time budget ({budget:.0f} s per run) {where}: what was "
-                              "produced is shown. Fewer panes or a shorter prompt fit more; the recordings show whole "
-                              "runs.", "ok") if timed_out else
-                             (f"Stopped {where}.", "ok") if stopped else
-                             (f"Done: {turn} turn(s); {which}: {session.steps - steps_before} steps in {took:.1f} s; "
-                              f"{session.kernels_line or 'kernels: ?'}.", "ok"))
+            message, kind = (
+                (
+                    f"Stopped at this server's time budget ({budget:.0f} s per run) {where}: what was "
+                    "produced is shown. Fewer panes or a shorter prompt fit more; the recordings show whole "
+                    "runs.",
+                    "ok",
+                )
+                if timed_out
+                else (f"Stopped {where}.", "ok")
+                if stopped
+                else (
+                    f"Done: {turn} turn(s); {which}: {session.steps - steps_before} steps in {took:.1f} s; "
+                    f"{session.kernels_line or 'kernels: ?'}.",
+                    "ok",
+                )
+            )
         finally:
             # Also when Gradio closes this generator (the client went away): the turn must end and free the model.
             if events is not None:
@@ -290,10 +341,19 @@ class Handlers:
         gr.Warning(message)
         yield {self.s.views.status: views.status(message, "error")}
 
-    def _run(self, session: Session, controls: dict, turns: list[str], raw: bool, fresh: bool | None,
-             note: Callable[[bool], str], problem: str | None = None,
-             expect: tuple[int, str] | None = None, scenario: str | None = None,
-             ask: tuple | None = None) -> Iterator[dict]:
+    def _run(
+        self,
+        session: Session,
+        controls: dict,
+        turns: list[str],
+        raw: bool,
+        fresh: bool | None,
+        note: Callable[[bool], str],
+        problem: str | None = None,
+        expect: tuple[int, str] | None = None,
+        scenario: str | None = None,
+        ask: tuple | None = None,
+    ) -> Iterator[dict]:
         """Check everything (`validate`, then the memory guard), then stream `turns`; `fresh` None: rebuild only if
         the settings changed.  `ask`: a run that reads more than `LONG_PROMPT_TOKENS` prompt tokens does not start;
         the status says its time and memory, and the same action again (`session.asked`) runs it."""
@@ -319,13 +379,24 @@ class Handlers:
         reads = sum(cost["prompt_tokens"]) if fresh else cost["prompt_tokens"][-1]
         if ask is not None and reads > LONG_PROMPT_TOKENS:
             session.asked = ask
-            yield {self.s.views.status: views.status(self._long_run(config, reads, len(turns) if fresh else 1,
-                                                                    cost["bytes"]), "info")}
+            yield {
+                self.s.views.status: views.status(
+                    self._long_run(config, reads, len(turns) if fresh else 1, cost["bytes"]), "info"
+                )
+            }
             return
         job = LINE.started(Job(f"a turn of {len(config.specs)} pane(s)", session))
         try:
-            yield from self._stream(session, config, turns, fresh, note(fresh),
-                                    expect if fresh else session.expect, scenario if fresh else session.scenario, job)
+            yield from self._stream(
+                session,
+                config,
+                turns,
+                fresh,
+                note(fresh),
+                expect if fresh else session.expect,
+                scenario if fresh else session.scenario,
+                job,
+            )
         finally:
             LINE.ended(job)
 
@@ -335,12 +406,17 @@ class Handlers:
         by the guard."""
         steps = turns * config.max_new_tokens
         known = runner.estimate_s(config, reads, steps)
-        when = (f"about {runner.duration(known[0])} ({known[1]})" if known else
-                "a time not known yet (nothing ran here with these settings; the status shows the time left as it "
-                "runs)")
-        return (f"This run reads {reads:,} prompt tokens (more than {LONG_PROMPT_TOKENS:,}) and makes up to {steps:,} "
-                f"steps: {when}, and about {fmt_bytes(peak)} of memory at its peak (the memory guard's estimate). "
-                "Press Send again to go on.")
+        when = (
+            f"about {runner.duration(known[0])} ({known[1]})"
+            if known
+            else "a time not known yet (nothing ran here with these settings; the status shows the time left as it "
+            "runs)"
+        )
+        return (
+            f"This run reads {reads:,} prompt tokens (more than {LONG_PROMPT_TOKENS:,}) and makes up to {steps:,} "
+            f"steps: {when}, and about {fmt_bytes(peak)} of memory at its peak (the memory guard's estimate). "
+            "Press Send again to go on."
+        )
 
     def send(self, session: Session, prompt: str, request: gr.Request = None, **controls) -> Iterator[dict]:
         self._seen(session, request)
@@ -351,13 +427,26 @@ class Handlers:
             return
         # A recording on screen is not a conversation to continue: a message starts a new one.
         earlier = 0 if session.recording else len(session.user_turns)
-        note = lambda fresh: "Starting…" if not earlier else (
-            f"Settings changed: rebuilding and replaying {earlier} earlier turn(s)…" if fresh
-            else "Continuing the conversation in every pane…")
+        note = lambda fresh: (
+            "Starting…"
+            if not earlier
+            else (
+                f"Settings changed: rebuilding and replaying {earlier} earlier turn(s)…"
+                if fresh
+                else "Continuing the conversation in every pane…"
+            )
+        )
         raw = session.config.raw if session.config else False
         turns = [*session.user_turns[:earlier], prompt] if earlier else [prompt]
-        yield from self._run(session, controls, turns, raw, True if session.recording else None, note,
-                             ask=None if again else ("send", prompt))
+        yield from self._run(
+            session,
+            controls,
+            turns,
+            raw,
+            True if session.recording else None,
+            note,
+            ask=None if again else ("send", prompt),
+        )
 
     def regenerate(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
         self._seen(session, request)
@@ -368,26 +457,37 @@ class Handlers:
             return
         turns = list(session.user_turns)
         raw = session.config.raw if session.config else False
-        yield from self._run(session, controls, turns, raw, True,
-                             lambda _: f"Rebuilding the engine and replaying {len(turns)} turn(s) (greedy: same tokens)…",
-                             None if turns else "Nothing to regenerate yet.")
+        yield from self._run(
+            session,
+            controls,
+            turns,
+            raw,
+            True,
+            lambda _: f"Rebuilding the engine and replaying {len(turns)} turn(s) (greedy: same tokens)…",
+            None if turns else "Nothing to regenerate yet.",
+        )
 
-    def play_scenario(self, session: Session, scenario: str, request: gr.Request = None,
-                      **controls) -> Iterator[dict]:
+    def play_scenario(self, session: Session, scenario: str, request: gr.Request = None, **controls) -> Iterator[dict]:
         self._seen(session, request)
         session.asked = None
         table = scenarios()
         chosen = table.get(scenario, {}) if isinstance(scenario, str) else {}
         turns = list(chosen.get("turns", []))
         expect = (len(turns) - 1, chosen["expect"]) if chosen.get("expect") else None
-        yield from self._run(session, controls, turns, bool(chosen.get("raw", False)), True,
-                             lambda _: f"Playing “{scenario}”: {len(turns)} turns…",
-                             None if chosen else f"scenario: unknown {str(scenario)[:40]!r}; allowed: {', '.join(table)}",
-                             expect, scenario if chosen else None)
+        yield from self._run(
+            session,
+            controls,
+            turns,
+            bool(chosen.get("raw", False)),
+            True,
+            lambda _: f"Playing “{scenario}”: {len(turns)} turns…",
+            None if chosen else f"scenario: unknown {str(scenario)[:40]!r}; allowed: {', '.join(table)}",
+            expect,
+            scenario if chosen else None,
+        )
 
     def play_recall(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
         yield from self.play_scenario(session, RECALL, request, **controls)
-
 
     def stop(self, session: Session) -> str:
         """The run ends after the step being computed now; the status names it, and names no later one after."""
@@ -407,12 +507,14 @@ class Handlers:
             gr.Warning("A turn is still running: press Stop first.")
             return {self.s.views.status: views.status("A turn is still running: press Stop first.", "error")}
         session.clear()
-        return self.render(session, busy=False, message="Cleared. Type a message to start a new conversation.",
-                           plots=True, final=True)
-
+        return self.render(
+            session, busy=False, message="Cleared. Type a message to start a new conversation.", plots=True, final=True
+        )
 
     def token_map(self, session: Session, label: str | None, layer: int, other: str | None = None) -> tuple:
         """The token maps of `label` (beside `other`) at `layer`, and the attention snapshot there."""
         playback.unfold(session)
-        return (self._token_map_html(session, label, layer, other),
-                runner.attention_plot(session, None if session.busy else label, layer))
+        return (
+            self._token_map_html(session, label, layer, other),
+            runner.attention_plot(session, None if session.busy else label, layer),
+        )

@@ -52,48 +52,88 @@ def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tok
     offered = [name for _, name in choices]
     cap = limits()
     with gr.Group():
-        preset = gr.Dropdown(choices, value=model if model in offered else default_model(), label="Model (preset)",
-                             elem_id="kvd-model",
-                             info="Locked while a turn runs. A new model replays the conversation's earlier turns "
-                                  "on it at your next message (Clear starts afresh). " + missing_models_note())
-        custom = gr.Textbox(value="" if model in offered else model, label="…or a Hub id / local path",
-                            placeholder="e.g. HuggingFaceTB/SmolLM2-360M-Instruct", info="Press Enter to load.",
-                            visible=not hosted())
+        preset = gr.Dropdown(
+            choices,
+            value=model if model in offered else default_model(),
+            label="Model (preset)",
+            elem_id="kvd-model",
+            info="Locked while a turn runs. A new model replays the conversation's earlier turns "
+            "on it at your next message (Clear starts afresh). " + missing_models_note(),
+        )
+        custom = gr.Textbox(
+            value="" if model in offered else model,
+            label="…or a Hub id / local path",
+            placeholder="e.g. HuggingFaceTB/SmolLM2-360M-Instruct",
+            info="Press Enter to load.",
+            visible=not hosted(),
+        )
         with gr.Row():
             device = gr.Dropdown(service.devices(), value="auto", label="Device", min_width=100)
             dtype = gr.Dropdown(list(DTYPE_NAMES), value="float32", label="dtype", min_width=100)
-    picked = gr.CheckboxGroup([(f"{title(n)} ({n})", n) for n in names], value=strategies or default_names(),
-                              label="Strategies (one pane each)")
+    picked = gr.CheckboxGroup(
+        [(f"{title(n)} ({n})", n) for n in names],
+        value=strategies or default_names(),
+        label="Strategies (one pane each)",
+    )
     with gr.Group():
         budget_s = gr.Slider(1, 512, value=budget, step=1, label="Budget (tokens of K/V kept)")
-        spacing = gr.Slider(1, 64, value=4, step=1, label="AnchorKV spacing s (layers)",
-                            visible=any_declares("spacing"))
-        mode = gr.Radio(["exact", "fast"], value="exact", label="Recompute mode",
-                        info="exact: bit-equal K/V; fast: one batched GEMM, error measured",
-                        visible=any_declares("mode"))
-        rebuild = gr.Radio(["step", "turn"], value=LIVE_REBUILD, label="Rebuild old K/V", elem_id="kvd-rebuild",
-                           info="turn (the live default, the papers' mode): rebuilt once per turn, full K/V held "
-                                "while the turn lasts: about the full cache's speed. step: every old token rebuilt "
-                                "at every step: the least memory, but in lockstep every pane waits for it (AnchorKV "
-                                "replays the whole conversation through its layers per token, ~1 s a token at a few "
-                                "hundred tokens on a laptop CPU). The recordings use step.",
-                           visible=any_declares("rebuild"))
-        max_new = gr.Slider(1, min(512, cap.max_new_tokens), value=min(max_new_tokens, cap.max_new_tokens), step=1,
-                            elem_id="kvd-max-new",
-                            label="Max new tokens per turn")
-        twins = gr.Checkbox(LIVE_TWINS, label="Measure agreement after a divergence", elem_id="kvd-twins",
-                            info="a teacher-forced twin per diverged pane, fed the full cache's tokens, for KL after "
-                                 "its first divergence: a second pass over the weights at every step (~+25% of a "
-                                 "turn here). Off for live turns, on in the recordings.")
-        kernels = gr.Radio(["invariant", "native"], value="invariant", label="Kernels", elem_id="kvd-kernels",
-                           info="invariant: every row's bits independent of the call (one GEMM for all lanes and "
-                                "replays; probed at start); native: the model's own kernels, replays repeat shapes")
+        spacing = gr.Slider(
+            1, 64, value=4, step=1, label="AnchorKV spacing s (layers)", visible=any_declares("spacing")
+        )
+        mode = gr.Radio(
+            ["exact", "fast"],
+            value="exact",
+            label="Recompute mode",
+            info="exact: bit-equal K/V; fast: one batched GEMM, error measured",
+            visible=any_declares("mode"),
+        )
+        rebuild = gr.Radio(
+            ["step", "turn"],
+            value=LIVE_REBUILD,
+            label="Rebuild old K/V",
+            elem_id="kvd-rebuild",
+            info="turn (the live default, the papers' mode): rebuilt once per turn, full K/V held "
+            "while the turn lasts: about the full cache's speed. step: every old token rebuilt "
+            "at every step: the least memory, but in lockstep every pane waits for it (AnchorKV "
+            "replays the whole conversation through its layers per token, ~1 s a token at a few "
+            "hundred tokens on a laptop CPU). The recordings use step.",
+            visible=any_declares("rebuild"),
+        )
+        max_new = gr.Slider(
+            1,
+            min(512, cap.max_new_tokens),
+            value=min(max_new_tokens, cap.max_new_tokens),
+            step=1,
+            elem_id="kvd-max-new",
+            label="Max new tokens per turn",
+        )
+        twins = gr.Checkbox(
+            LIVE_TWINS,
+            label="Measure agreement after a divergence",
+            elem_id="kvd-twins",
+            info="a teacher-forced twin per diverged pane, fed the full cache's tokens, for KL after "
+            "its first divergence: a second pass over the weights at every step (~+25% of a "
+            "turn here). Off for live turns, on in the recordings.",
+        )
+        kernels = gr.Radio(
+            ["invariant", "native"],
+            value="invariant",
+            label="Kernels",
+            elem_id="kvd-kernels",
+            info="invariant: every row's bits independent of the call (one GEMM for all lanes and "
+            "replays; probed at start); native: the model's own kernels, replays repeat shapes",
+        )
     with gr.Accordion("More panes (extra specs)", open=False):
-        extra = gr.Textbox(label="Extra specs, comma-separated", placeholder="kvdirect:budget=16:mode=fast",
-                           elem_id="kvd-extra",
-                           info="name[:key=value]…, or a class of your own: PATH.py:Class[:key=value]… (not on a "
-                                "hosted Space); budget/spacing/mode above fill in what a spec leaves unset.")
-    return Controls(preset, custom, device, dtype, picked, extra, budget_s, spacing, mode, rebuild, max_new, twins, kernels)
+        extra = gr.Textbox(
+            label="Extra specs, comma-separated",
+            placeholder="kvdirect:budget=16:mode=fast",
+            elem_id="kvd-extra",
+            info="name[:key=value]…, or a class of your own: PATH.py:Class[:key=value]… (not on a "
+            "hosted Space); budget/spacing/mode above fill in what a spec leaves unset.",
+        )
+    return Controls(
+        preset, custom, device, dtype, picked, extra, budget_s, spacing, mode, rebuild, max_new, twins, kernels
+    )
 
 
 CLAIMS = data("docs/claims")
@@ -106,8 +146,7 @@ def _claims_tab():
     try:
         results = reproduce.load(CLAIMS)
     except reproduce.ResultsError as e:
-        gr.Markdown(f"No report to show ({e}): run `python -m kvdirect_app.bench reproduce --quick --out "
-                    "docs/claims`.")
+        gr.Markdown(f"No report to show ({e}): run `python -m kvdirect_app.bench reproduce --quick --out docs/claims`.")
         return
     head, _, details = render.render(results).partition(render.DETAILS)
     gr.HTML(cards_html(results), elem_id="kvd-claims-cards")
@@ -117,8 +156,10 @@ def _claims_tab():
                 gr.Image(str(CLAIMS / f"{name}.png"), show_label=False, interactive=False)
     with gr.Accordion("The table: every claim's figures and the whole reason", open=False):
         again = f"python -m kvdirect_app.bench reproduce {'--quick ' if results['quick'] else ''}--out DIR"
-        gr.Markdown(head.replace("Every number below", f"Reproduce it with `{again}`. Every number below"),
-                    elem_id="kvd-claims-table")
+        gr.Markdown(
+            head.replace("Every number below", f"Reproduce it with `{again}`. Every number below"),
+            elem_id="kvd-claims-table",
+        )
     with gr.Accordion("Details: every measured row", open=False):
         gr.Markdown(re.sub(r"!\[[^\]]*\]\([^)]*\)", "", details))
 
@@ -133,10 +174,18 @@ def _panes(first: Session) -> list[Pane]:
             label = first.shown[i] if i < len(first.shown) else None
             with gr.Column(visible=label is not None, min_width=290, elem_classes="kvd-pane") as box:
                 head = gr.HTML(views.pane_header(first, label) if label else "")
-                chat = gr.Chatbot(views.messages(first, label) if label else [], show_label=False, height="auto",
-                                  min_height=120, max_height=PANE_MAX_PX,
-                                  layout="panel", buttons=[], elem_classes="kvd-chat",
-                                  placeholder="Replies stream here.", feedback_options=None)
+                chat = gr.Chatbot(
+                    views.messages(first, label) if label else [],
+                    show_label=False,
+                    height="auto",
+                    min_height=120,
+                    max_height=PANE_MAX_PX,
+                    layout="panel",
+                    buttons=[],
+                    elem_classes="kvd-chat",
+                    placeholder="Replies stream here.",
+                    feedback_options=None,
+                )
             panes.append(Pane(box, head, chat))
     return panes
 
@@ -156,20 +205,32 @@ def first_screen() -> Session:
 def _recordings(first: Session):
     """The sidebar's recordings: the shipped ones in a picker, the pace, a file of one's own."""
     choices = playback.offered()
-    picker = gr.Dropdown(choices, value=playback.first_name(), label="Recorded runs", elem_id="kvd-recordings",
-                         info="played back at the recorded pace (or faster); every number is the recorded one")
+    picker = gr.Dropdown(
+        choices,
+        value=playback.first_name(),
+        label="Recorded runs",
+        elem_id="kvd-recordings",
+        info="played back at the recorded pace (or faster); every number is the recorded one",
+    )
     speed = gr.Radio(list(playback.SPEEDS), value=playback.DEFAULT_SPEED, label="Replay speed", elem_id="kvd-speed")
-    upload = gr.UploadButton("📂 Open a recording file (.json / .json.gz)", file_types=[".json", ".gz"],
-                             file_count="single", type="filepath", variant="secondary", elem_id="kvd-upload",
-                             visible=not hosted())  # a hosted demo opens no visitor's file (`RecordingButtons.replay`)
+    upload = gr.UploadButton(
+        "📂 Open a recording file (.json / .json.gz)",
+        file_types=[".json", ".gz"],
+        file_count="single",
+        type="filepath",
+        variant="secondary",
+        elem_id="kvd-upload",
+        visible=not hosted(),
+    )  # a hosted demo opens no visitor's file (`RecordingButtons.replay`)
     return picker, speed, upload
 
 
 TABS = ("Chat", "Token map", "Time & agreement", "Frontier", "Geometry", "Tasks", "Claims", "Export", "Help")
 
 
-def build_demo(model: str | None = None, strategies: list[str] | None = None, budget: int = 64,
-               max_new_tokens: int = 64) -> gr.Blocks:
+def build_demo(
+    model: str | None = None, strategies: list[str] | None = None, budget: int = 64, max_new_tokens: int = 64
+) -> gr.Blocks:
     """The Studio page.  Launch it with `launch_options()` (theme and CSS go to `launch()` in Gradio 6).
 
     Laid out for a projector: at 1280x720 a one-line header, the tab row (`TABS`, the chat first), the message
@@ -182,41 +243,82 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
     with gr.Blocks(title="KV-Direct Studio", analytics_enabled=False) as demo:
         # Each visitor's state starts as a name only (Gradio copies the initial value per session): the first
         # screen's recording is folded into a visitor's session when a handler first needs it.
-        session = gr.State(Session(pending=playback.first_name() if empty.recording else None),
-                           time_to_live=session_ttl_s(), delete_callback=forget)
+        session = gr.State(
+            Session(pending=playback.first_name() if empty.recording else None),
+            time_to_live=session_ttl_s(),
+            delete_callback=forget,
+        )
         with gr.Sidebar(label="Settings", open=False, width=360, elem_id="kvd-side"):
             controls = _controls(model, strategies, budget, max_new_tokens)
-            scenario = gr.Dropdown([(f"{name} · {s.get('about', '')}", name) for name, s in table.items()],
-                                   value=next(iter(table), None), label="Scripted conversation",
-                                   elem_id="kvd-scenario")
+            scenario = gr.Dropdown(
+                [(f"{name} · {s.get('about', '')}", name) for name, s in table.items()],
+                value=next(iter(table), None),
+                label="Scripted conversation",
+                elem_id="kvd-scenario",
+            )
             play = gr.Button("▶ Play scenario", variant="secondary", elem_id="kvd-play", interactive=False)
             picker, speed, upload = _recordings(empty)
         banner = gr.HTML(views.header_html(), elem_id="kvd-header")
         with gr.Tabs(elem_id="kvd-tabs"):
             with gr.Tab(TABS[0], elem_id="kvd-tab-chat"):
-                status = gr.HTML(views.status("Loading the model… The recorded run below needs none: ▶ Replay it "
-                                              "plays it now.", "busy"), elem_id="kvd-status")
+                status = gr.HTML(
+                    views.status(
+                        "Loading the model… The recorded run below needs none: ▶ Replay it plays it now.", "busy"
+                    ),
+                    elem_id="kvd-status",
+                )
                 with gr.Row(elem_id="kvd-ask"):
-                    prompt = gr.Textbox(show_label=False, placeholder="Ask something; every pane gets the same turn",
-                                        scale=5, min_width=560, lines=1, max_lines=6, autofocus=True,
-                                        elem_id="kvd-prompt", max_length=limits().max_prompt_chars)
+                    prompt = gr.Textbox(
+                        show_label=False,
+                        placeholder="Ask something; every pane gets the same turn",
+                        scale=5,
+                        min_width=560,
+                        lines=1,
+                        max_lines=6,
+                        autofocus=True,
+                        elem_id="kvd-prompt",
+                        max_length=limits().max_prompt_chars,
+                    )
                     # The buttons that start a run work once a model is ready (`ModelChoice._runs_enabled`).
-                    send = gr.Button("Send", variant="primary", scale=0, min_width=100, elem_id="kvd-send",
-                                     interactive=False)
-                    stop = gr.Button("■ Stop", variant="stop", scale=0, min_width=100, interactive=False,
-                                     elem_id="kvd-stop")
+                    send = gr.Button(
+                        "Send", variant="primary", scale=0, min_width=100, elem_id="kvd-send", interactive=False
+                    )
+                    stop = gr.Button(
+                        "■ Stop", variant="stop", scale=0, min_width=100, interactive=False, elem_id="kvd-stop"
+                    )
                 with gr.Row(elem_id="kvd-recorded", equal_height=True):
-                    recall = gr.Button("▶ Recall demo", scale=0, min_width=140, size="sm", elem_id="kvd-recall",
-                                       visible=RECALL in table, interactive=False)
-                    regenerate = gr.Button("↻ Regenerate", scale=0, min_width=130, size="sm",
-                                           elem_id="kvd-regenerate", interactive=False)
+                    recall = gr.Button(
+                        "▶ Recall demo",
+                        scale=0,
+                        min_width=140,
+                        size="sm",
+                        elem_id="kvd-recall",
+                        visible=RECALL in table,
+                        interactive=False,
+                    )
+                    regenerate = gr.Button(
+                        "↻ Regenerate", scale=0, min_width=130, size="sm", elem_id="kvd-regenerate", interactive=False
+                    )
                     clear = gr.Button("Clear", scale=0, min_width=80, size="sm", elem_id="kvd-clear")
                     settings = gr.Button("⚙ Settings", scale=0, min_width=120, size="sm", elem_id="kvd-settings")
                     line = gr.HTML(views.recording_line(empty), elem_id="kvd-recording-line")
-                    replay = gr.Button("▶ Replay it", scale=0, min_width=120, elem_id="kvd-replay", size="sm",
-                                       visible=bool(playback.offered()))
-                    live = gr.Button("▶ Run it live", scale=0, min_width=130, elem_id="kvd-live", size="sm",
-                                     visible=bool(empty.recording), interactive=False)
+                    replay = gr.Button(
+                        "▶ Replay it",
+                        scale=0,
+                        min_width=120,
+                        elem_id="kvd-replay",
+                        size="sm",
+                        visible=bool(playback.offered()),
+                    )
+                    live = gr.Button(
+                        "▶ Run it live",
+                        scale=0,
+                        min_width=130,
+                        elem_id="kvd-live",
+                        size="sm",
+                        visible=bool(empty.recording),
+                        interactive=False,
+                    )
                 board = gr.HTML(scoreboard_html(empty), elem_id="kvd-board")
                 # The scoreboard and the memory curve within two screens (the bytes' story), the panes after them.
                 memory = gr.Plot(memory_figure(empty), show_label=False, elem_id="kvd-memory")
@@ -224,27 +326,33 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
             with gr.Tab(TABS[1], elem_id="kvd-tab-map"):
                 with gr.Row():
                     label0, other0, layer0 = views.telling_view(empty, empty.token_maps)
-                    map_label = gr.Dropdown(empty.shown, value=label0, label="Strategy", scale=3,
-                                            elem_id="kvd-map-label")
-                    map_other = gr.Dropdown(empty.shown, value=other0, label="…beside", scale=3,
-                                            elem_id="kvd-map-other")
+                    map_label = gr.Dropdown(
+                        empty.shown, value=label0, label="Strategy", scale=3, elem_id="kvd-map-label"
+                    )
+                    map_other = gr.Dropdown(
+                        empty.shown, value=other0, label="…beside", scale=3, elem_id="kvd-map-other"
+                    )
                     layers = len(next(iter(empty.token_maps.values()))["states"]) if empty.token_maps else 30
-                    map_layer = gr.Slider(0, max(1, layers - 1), value=layer0, step=1, label="Layer",
-                                          scale=2, elem_id="kvd-map-layer")
+                    map_layer = gr.Slider(
+                        0, max(1, layers - 1), value=layer0, step=1, label="Layer", scale=2, elem_id="kvd-map-layer"
+                    )
                 token_map = gr.HTML(runner.map_pair_html(empty, label0, layer0, other0), elem_id="kvd-token-map")
-                attention = gr.Plot(runner.attention_plot(empty, label0, layer0), show_label=False,
-                                    elem_id="kvd-attention")
+                attention = gr.Plot(
+                    runner.attention_plot(empty, label0, layer0), show_label=False, elem_id="kvd-attention"
+                )
             with gr.Tab(TABS[2], elem_id="kvd-tab-time"):
                 latency = gr.Plot(latency_figure(empty), show_label=False, elem_id="kvd-latency")
                 agreement = gr.Plot(agreement_figure(empty), show_label=False, elem_id="kvd-agreement")
             with gr.Tab(TABS[3], elem_id="kvd-tab-frontier"):
                 gr.Markdown(asset("frontier.md"))
                 with gr.Row():
-                    source = gr.Dropdown([FRONTIER_CURRENT, *table], value=FRONTIER_CURRENT, scale=3,
-                                         label="Conversation")
+                    source = gr.Dropdown(
+                        [FRONTIER_CURRENT, *table], value=FRONTIER_CURRENT, scale=3, label="Conversation"
+                    )
                     draw = gr.Button("Draw the frontier", variant="secondary", scale=1, elem_id="kvd-draw")
-                    cancel = gr.Button("Cancel the drawing", variant="stop", scale=1, interactive=False,
-                                       elem_id="kvd-frontier-cancel")
+                    cancel = gr.Button(
+                        "Cancel the drawing", variant="stop", scale=1, interactive=False, elem_id="kvd-frontier-cancel"
+                    )
                 frontier_status = gr.HTML("", elem_id="kvd-frontier-status")
                 frontier_plot = gr.Plot(frontier_figure([]), show_label=False, elem_id="kvd-frontier")
             with gr.Tab(TABS[4], elem_id="kvd-tab-geometry"):
@@ -256,18 +364,40 @@ def build_demo(model: str | None = None, strategies: list[str] | None = None, bu
             with gr.Tab(TABS[7], elem_id="kvd-tab-export"):
                 gr.Markdown("Downloads hold the last finished (or stopped) turn's run.")
                 with gr.Row():
-                    downloads = [gr.DownloadButton(text, interactive=False, variant="secondary")
-                                 for text in ("Run (JSON)", "Steps (CSV)", "Summary (CSV)", "Plots (HTML)")]
-                    record = gr.DownloadButton("Recording (.json.gz)", interactive=False, variant="secondary",
-                                               elem_id="kvd-download-recording")
+                    downloads = [
+                        gr.DownloadButton(text, interactive=False, variant="secondary")
+                        for text in ("Run (JSON)", "Steps (CSV)", "Summary (CSV)", "Plots (HTML)")
+                    ]
+                    record = gr.DownloadButton(
+                        "Recording (.json.gz)", interactive=False, variant="secondary", elem_id="kvd-download-recording"
+                    )
             with gr.Tab(TABS[8], elem_id="kvd-about"):
                 gr.Markdown(asset("about.md"))
         actions = Actions(prompt, send, stop, regenerate, clear, scenario, play, recall)
-        shown = Views(status, board, memory, latency, agreement, map_label, map_other, map_layer, token_map, attention, geometry,
-                      *downloads, banner)
-        studio = Studio(session, controls, actions, shown, panes,
-                        FrontierTab(source, draw, cancel, frontier_status, frontier_plot),
-                        Recordings(line, picker, speed, upload, replay, live, record))
+        shown = Views(
+            status,
+            board,
+            memory,
+            latency,
+            agreement,
+            map_label,
+            map_other,
+            map_layer,
+            token_map,
+            attention,
+            geometry,
+            *downloads,
+            banner,
+        )
+        studio = Studio(
+            session,
+            controls,
+            actions,
+            shown,
+            panes,
+            FrontierTab(source, draw, cancel, frontier_status, frontier_plot),
+            Recordings(line, picker, speed, upload, replay, live, record),
+        )
         handlers = Handlers(studio, demo)
         _wire(demo, studio, handlers)
         # The sidebar opens from the Chat tab too (its own toggle is a small arrow at the page's edge).
@@ -285,7 +415,9 @@ def launch_options() -> dict:
     and nothing at all on a hosted demo, whose page opens no visitor's file."""
     # Local fonts only: the demo must render offline (no web fonts).
     theme = gr.themes.Default(
-        primary_hue="blue", neutral_hue="slate", text_size=gr.themes.sizes.text_lg,
+        primary_hue="blue",
+        neutral_hue="slate",
+        text_size=gr.themes.sizes.text_lg,
         font=["system-ui", "-apple-system", "Segoe UI", "Roboto", "sans-serif"],
         font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"],
     )
@@ -298,9 +430,12 @@ def launch_options() -> dict:
         if (!chat.matches(':hover')) chat.scrollTop = chat.scrollHeight; });
       new MutationObserver(stick).observe(document.body, {childList: true, subtree: true, characterData: true});
     }"""
-    return {"theme": theme, "css_paths": [ASSETS / name for name in ("studio.css", "claims.css")
-                                                        if (ASSETS / name).is_file()], "js": start,
-            "max_file_size": 0 if hosted() else MAX_BYTES}
+    return {
+        "theme": theme,
+        "css_paths": [ASSETS / name for name in ("studio.css", "claims.css") if (ASSETS / name).is_file()],
+        "js": start,
+        "max_file_size": 0 if hosted() else MAX_BYTES,
+    }
 
 
 def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
@@ -308,9 +443,17 @@ def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
     out = studio.outputs()
     model_inputs = c.by_name("model", "custom_model", "device", "dtype")
     # A newer choice supersedes an older one still loading (always_last); loads do not wait behind runs.
-    load = dict(fn=h.load_model, inputs=[studio.session], inputs_kwargs=model_inputs, outputs=out,
-                api_visibility="private", trigger_mode="always_last", concurrency_id="load", concurrency_limit=4,
-                show_progress="hidden")
+    load = dict(
+        fn=h.load_model,
+        inputs=[studio.session],
+        inputs_kwargs=model_inputs,
+        outputs=out,
+        api_visibility="private",
+        trigger_mode="always_last",
+        concurrency_id="load",
+        concurrency_limit=4,
+        show_progress="hidden",
+    )
     demo.load(**load)
     for trigger in (c.model.input, c.device.input, c.dtype.input, c.custom_model.submit):
         trigger(**load)
@@ -319,11 +462,24 @@ def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
     def queued(trigger, fn, inputs, **kw):
         """Say the run's place in line at once (no queue), then run it in the queue, and while it waits say again,
         every second, what holds the slot and how far that is (a queue of its own: it never waits itself)."""
-        first = trigger(h.enqueue, inputs=[studio.session], outputs=[v.status], queue=False,
-                        api_visibility="private", show_progress="hidden")
+        first = trigger(
+            h.enqueue,
+            inputs=[studio.session],
+            outputs=[v.status],
+            queue=False,
+            api_visibility="private",
+            show_progress="hidden",
+        )
         first.success(fn, inputs=inputs, inputs_kwargs=c.by_name(), **run, **kw)
-        first.success(h.waiting, inputs=[studio.session], outputs=[v.status], concurrency_id="line",
-                      concurrency_limit=None, api_visibility="private", show_progress="hidden")
+        first.success(
+            h.waiting,
+            inputs=[studio.session],
+            outputs=[v.status],
+            concurrency_id="line",
+            concurrency_limit=None,
+            api_visibility="private",
+            show_progress="hidden",
+        )
 
     # The API's endpoints (send, regenerate, play_scenario) are the runs themselves; API clients see the queue's
     # own rank, and a full queue answers with Gradio's "queue is full".
@@ -335,20 +491,37 @@ def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
     a.stop.click(h.stop, inputs=[studio.session], outputs=[v.status], queue=False, api_visibility="private")
     a.clear.click(h.clear, inputs=[studio.session], outputs=out, api_visibility="private")
     f = studio.frontier
-    f.draw.click(h.frontier, inputs=[studio.session, f.source], inputs_kwargs=c.by_name(),
-                 outputs=[f.status, f.plot, f.draw, f.cancel], concurrency_id="generate", trigger_mode="once",
-                 show_progress="hidden", api_name="frontier")
-    f.cancel.click(h.cancel_frontier, inputs=[studio.session], outputs=[f.status], queue=False,
-                   api_visibility="private")
+    f.draw.click(
+        h.frontier,
+        inputs=[studio.session, f.source],
+        inputs_kwargs=c.by_name(),
+        outputs=[f.status, f.plot, f.draw, f.cancel],
+        concurrency_id="generate",
+        trigger_mode="once",
+        show_progress="hidden",
+        api_name="frontier",
+    )
+    f.cancel.click(
+        h.cancel_frontier, inputs=[studio.session], outputs=[f.status], queue=False, api_visibility="private"
+    )
     demo.unload(h.closed)
     for trigger in (v.map_label.input, v.map_other.input, v.map_layer.release, v.map_layer.input):  # arrow keys too
-        trigger(h.token_map, inputs=[studio.session, v.map_label, v.map_layer, v.map_other],
-                outputs=[v.token_map, v.attention],
-                api_visibility="private")
+        trigger(
+            h.token_map,
+            inputs=[studio.session, v.map_label, v.map_layer, v.map_other],
+            outputs=[v.token_map, v.attention],
+            api_visibility="private",
+        )
     r = studio.recordings
     # Playing a recording needs no model and waits behind no run: its own queue, a few at once.
-    replay = dict(outputs=out, concurrency_id="replay", concurrency_limit=8, trigger_mode="always_last",
-                  show_progress="hidden", api_visibility="private")
+    replay = dict(
+        outputs=out,
+        concurrency_id="replay",
+        concurrency_limit=8,
+        trigger_mode="always_last",
+        show_progress="hidden",
+        api_visibility="private",
+    )
     r.replay.click(h.replay, inputs=[studio.session, r.picker, r.speed], **replay)
     r.upload.upload(h.replay, inputs=[studio.session, r.picker, r.speed, r.upload], **replay)
     queued(r.live.click, h.run_live, [studio.session], api_visibility="private")

@@ -31,6 +31,7 @@ class Job:
         whose = " (yours)" if session is not None and self.owner is session else ""
         return f"{self.what}{whose}: {self.doing}"
 
+
 class Line:
     """Who waits for the one run slot: a place in line per session, said at once when a run is asked for and kept
     up to date while it waits (`waiting`).
@@ -57,8 +58,10 @@ class Line:
                     del self.tickets[key]
             limit = 8 if hosted() else MAX_WAITING
             if id(session) not in self.tickets and len(self.tickets) >= limit:
-                raise gr.Error(f"The demo is busy: {len(self.tickets)} runs are waiting. Try again in a minute.",
-                               print_exception=False)
+                raise gr.Error(
+                    f"The demo is busy: {len(self.tickets)} runs are waiting. Try again in a minute.",
+                    print_exception=False,
+                )
             self.tickets.setdefault(id(session), now)
             ahead = list(self.tickets).index(id(session))
             return ahead, self.running
@@ -112,10 +115,14 @@ class Line:
         if typical is None and budget is None:
             return " Your run starts when they finish."
         each = min(typical, budget) if typical is not None and budget is not None else (typical or budget)
-        basis = (f"the last {len(self.took)} run(s) took about {typical:.0f} s each" if typical is not None else
-                 "no run has finished yet")
+        basis = (
+            f"the last {len(self.took)} run(s) took about {typical:.0f} s each"
+            if typical is not None
+            else "no run has finished yet"
+        )
         cap = f"; each run here stops after {budget:.0f} s" if budget else ""
         return f" Expected wait: about {(ahead + running) * each:.0f} s ({basis}{cap})."
+
 
 LINE = Line()
 

@@ -38,8 +38,7 @@ class ModelChoice:
         session.asked = None
         number = session.load_number = next(self.loads)
         if session.busy:
-            yield {v.status: views.status("A turn is running: the model cannot change now. Press Stop first.",
-                                          "error")}
+            yield {v.status: views.status("A turn is running: the model cannot change now. Press Stop first.", "error")}
             return
         try:
             name = service.check_model_name((controls.get("custom_model") or "").strip() or controls.get("model"))
@@ -63,14 +62,16 @@ class ModelChoice:
             concurrent.futures.wait([loader], timeout=0.5)
             if not loader.done() and session.load_number == number:
                 doing = views.without_paths(heard[-1]) if heard else f"loading {name}"
-                yield {v.status: views.status(f"{doing[:1].upper()}{doing[1:]}… {time.monotonic() - t0:.0f} s",
-                                              "busy")}
+                yield {v.status: views.status(f"{doing[:1].upper()}{doing[1:]}… {time.monotonic() - t0:.0f} s", "busy")}
         error = box.get("error")
         if isinstance(error, runner.USER_ERRORS):
             message, kind = str(error), "error"
         elif error is not None:  # e.g. an architecture transformers cannot build: say so, stay up
-            log.error("loading %s failed:\n%s", name,
-                      "".join(traceback.format_exception(type(error), error, error.__traceback__)))
+            log.error(
+                "loading %s failed:\n%s",
+                name,
+                "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+            )
             message, kind = f"Cannot load {name}: {type(error).__name__}: {str(error)[:200]}", "error"
         else:
             info, message, kind = box["info"], None, "ok"
@@ -84,9 +85,11 @@ class ModelChoice:
         # when the model continues text instead of chatting.
         note = f" {model_note(name).capitalize()}." if model_note(name) else ""
         earlier = len(session.user_turns)
-        then = (f" Your next message replays the {earlier} earlier turn(s) on it first (Clear starts afresh)."
-                if earlier and session.config is not None and session.config.model != name else
-                " Type a message, or press Recall demo.")
+        then = (
+            f" Your next message replays the {earlier} earlier turn(s) on it first (Clear starts afresh)."
+            if earlier and session.config is not None and session.config.model != name
+            else " Type a message, or press Recall demo."
+        )
         yield {
             v.geometry: geometry_html(name, info["geometry"], info["dtype"]),
             v.banner: views.header_html(memory_banner(name, info["geometry"])),
@@ -95,8 +98,11 @@ class ModelChoice:
             # Cascade replay runs every layer once whatever the spacing, so the deepest spacing (token ids only,
             # 4 bytes per token) saves the most memory at the same compute; it is >= the break-even s*.
             c.spacing: gr.Slider(maximum=L, value=L),
-            v.status: views.status(f"{name} ready on {info['device']} ({L} layers), loaded from "
-                                   f"{views.without_paths(info['source'])}.{note}{then}", "ok"),
+            v.status: views.status(
+                f"{name} ready on {info['device']} ({L} layers), loaded from "
+                f"{views.without_paths(info['source'])}.{note}{then}",
+                "ok",
+            ),
             **self._runs_enabled(session),
         }
 
@@ -105,14 +111,15 @@ class ModelChoice:
         say it (the panes of a run on this model)."""
         session.memory_words = (name, memory_words(name, facts))
         playback.unfold(session)  # the first screen's recording, whose panes say it too
-        return {pane.head: views.pane_header(session, label)
-                for pane, label in zip(self.studio.panes, session.shown)}
+        return {pane.head: views.pane_header(session, label) for pane, label in zip(self.studio.panes, session.shown)}
 
     def _runs_enabled(self, session: Session) -> dict:
         """The buttons that start a run, shown disabled until a model is ready (a click before it would only wait)."""
         a, r = self.studio.actions, self.studio.recordings
-        return {**{b: gr.Button(interactive=not session.busy) for b in (a.send, a.recall, a.play, r.live)},
-                a.regenerate: gr.Button(interactive=regenerable(session, session.busy))}
+        return {
+            **{b: gr.Button(interactive=not session.busy) for b in (a.send, a.recall, a.play, r.live)},
+            a.regenerate: gr.Button(interactive=regenerable(session, session.busy)),
+        }
 
 
 def regenerable(session: Session, busy: bool) -> bool:

@@ -32,8 +32,9 @@ class RecordingButtons:
     run: Callable[..., Iterator[dict]]  # checks a run, then streams it (`Handlers._run`)
 
     # --- recordings ------------------------------------------------------------
-    def replay(self, session: Session, choice: str | None, speed: str, upload: str | None = None,
-               request: gr.Request = None) -> Iterator[dict]:
+    def replay(
+        self, session: Session, choice: str | None, speed: str, upload: str | None = None, request: gr.Request = None
+    ) -> Iterator[dict]:
         """Play a recording (a shipped one by name, or an uploaded file) at `speed`: the recorded events folded
         into this session exactly as the live run folded them; nothing is recomputed.  A live conversation on screen
         is replaced only when asked twice: the first time the status says what would be lost."""
@@ -43,12 +44,14 @@ class RecordingButtons:
             yield from self.refuse(session, "A turn is still running: wait for it or press Stop.")
             return
         if speed not in playback.SPEEDS:
-            yield from self.refuse(session, f"speed: {str(speed)[:40]!r} is not allowed; allowed: "
-                                             f"{', '.join(playback.SPEEDS)}")
+            yield from self.refuse(
+                session, f"speed: {str(speed)[:40]!r} is not allowed; allowed: {', '.join(playback.SPEEDS)}"
+            )
             return
         if upload and hosted():  # the button is hidden there; a request that sends a file anyway is refused
-            yield from self.refuse(session, "Opening a recording file is off on this hosted demo; pick one of the "
-                                             "recorded runs.")
+            yield from self.refuse(
+                session, "Opening a recording file is off on this hosted demo; pick one of the recorded runs."
+            )
             return
         try:
             recording = playback.open_recording(choice, upload)
@@ -58,10 +61,14 @@ class RecordingButtons:
         if session.user_turns and session.recording is None and not again:
             session.asked = ("replay", bool(upload))
             how = "Upload it again" if upload else "Press ▶ Replay it again"
-            yield {self.studio.views.status: views.status(
-                f"Replaying would replace this conversation: its {len(session.user_turns)} live turn(s) and "
-                f"{session.steps} steps on {session.config.model if session.config else 'this model'} (the Export tab "
-                f"keeps them as files). {how} to replace it.", "info")}
+            yield {
+                self.studio.views.status: views.status(
+                    f"Replaying would replace this conversation: its {len(session.user_turns)} live turn(s) and "
+                    f"{session.steps} steps on {session.config.model if session.config else 'this model'} (the Export tab "
+                    f"keeps them as files). {how} to replace it.",
+                    "info",
+                )
+            }
             return
         playback.start(session, recording)
         session.busy, session.stop_requested = True, False
@@ -74,16 +81,24 @@ class RecordingButtons:
                 now = time.monotonic()
                 if pace and (event["type"] in ("turn", "turn_end") or now - last >= UI_EVERY_S):
                     plots = event["type"] == "turn_end" or now - session.last_plot >= PLOTS_EVERY_S
-                    yield self.render(session, busy=True, plots=plots, kind="busy",
-                                      message=f"Replaying ({speed}): turn {len(session.user_turns)}, step "
-                                              f"{session.steps}; every number is the recorded one")
+                    yield self.render(
+                        session,
+                        busy=True,
+                        plots=plots,
+                        kind="busy",
+                        message=f"Replaying ({speed}): turn {len(session.user_turns)}, step "
+                        f"{session.steps}; every number is the recorded one",
+                    )
                     last = now
             stopped = session.stop_requested
         finally:
             session.busy = False
             playback.finish(session)
-        message = (f"Replay stopped at step {session.steps}." if stopped else
-                   f"Replayed: {about}. Every number is the recorded one; ▶ Run it live runs it on this machine.")
+        message = (
+            f"Replay stopped at step {session.steps}."
+            if stopped
+            else f"Replayed: {about}. Every number is the recorded one; ▶ Run it live runs it on this machine."
+        )
         yield self.render(session, busy=False, message=message, kind="ok", plots=True, final=True)
 
     def run_live(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
@@ -107,8 +122,11 @@ class RecordingButtons:
         except runner.USER_ERRORS:
             specs = []
         differs = [s for s in specs if meta.get("specs") and s not in meta["specs"]]
-        note = (f"Running “{scenario or 'the recording'}” live here: {len(turns)} turns" +
-                (f"; the sidebar's settings differ from the recording's ({', '.join(differs)})" if differs else "") +
-                "…")
-        yield from self.run(session, controls, turns, bool(meta.get("raw", False)), True, lambda _: note, None,
-                             expect, scenario)
+        note = (
+            f"Running “{scenario or 'the recording'}” live here: {len(turns)} turns"
+            + (f"; the sidebar's settings differ from the recording's ({', '.join(differs)})" if differs else "")
+            + "…"
+        )
+        yield from self.run(
+            session, controls, turns, bool(meta.get("raw", False)), True, lambda _: note, None, expect, scenario
+        )

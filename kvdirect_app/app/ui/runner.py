@@ -86,8 +86,11 @@ def compute() -> concurrent.futures.ThreadPoolExecutor:
     team (2-core CPU).  Engines built on Gradio's pooled handler threads left a team on each of them."""
     with _COMPUTE_LOCK:
         if not _COMPUTE:
-            _COMPUTE.append(concurrent.futures.ThreadPoolExecutor(
-                max_workers=queue_options()["default_concurrency_limit"], thread_name_prefix=COMPUTE_THREAD))
+            _COMPUTE.append(
+                concurrent.futures.ThreadPoolExecutor(
+                    max_workers=queue_options()["default_concurrency_limit"], thread_name_prefix=COMPUTE_THREAD
+                )
+            )
         return _COMPUTE[0]
 
 
@@ -105,8 +108,17 @@ def is_loaded(config: RunConfig) -> bool:
 def prepare(config: RunConfig, turns: list[str]) -> dict:
     """Every check before a run (the same `validate` stages as the CLI), then the memory guard; returns
     {"prompt_tokens": each turn's prompt with its template, "bytes": the guard's estimate of the run's peak}."""
-    return service.prepare(config.model, config.device, config.dtype, list(config.specs), config.max_new_tokens,
-                           turns, config.raw, config.twins, config.kernels)
+    return service.prepare(
+        config.model,
+        config.device,
+        config.dtype,
+        list(config.specs),
+        config.max_new_tokens,
+        turns,
+        config.raw,
+        config.twins,
+        config.kernels,
+    )
 
 
 # This process's measured speed per run settings (their max_new_tokens set to 0): what a long message's estimate
@@ -128,9 +140,11 @@ def estimate_s(config: RunConfig, prompt_tokens: int, steps: int) -> tuple[float
     pace = PACES.get(pace_key(config))
     if pace is None:
         return None
-    return (prompt_tokens * pace["read_s"] + steps * pace["step_s"],
-            f"{1e3 * pace['read_s']:.1f} ms a prompt token and {pace['step_s']:.2f} s a step, measured here with "
-            "these settings; a longer context reads slower")
+    return (
+        prompt_tokens * pace["read_s"] + steps * pace["step_s"],
+        f"{1e3 * pace['read_s']:.1f} ms a prompt token and {pace['step_s']:.2f} s a step, measured here with "
+        "these settings; a longer context reads slower",
+    )
 
 
 class Progress:
@@ -158,32 +172,49 @@ class Progress:
                 self.read_s = max(0.0, now - self.t0 - event["step_ms"] / 1e3) / max(1, self.total)
             self.steps += 1
             self.step_ms.append(event["step_ms"])
-            PACES[pace_key(self.config)] = {"read_s": self.read_s, "step_s": sum(self.step_ms) / len(self.step_ms) / 1e3}
+            PACES[pace_key(self.config)] = {
+                "read_s": self.read_s,
+                "step_s": sum(self.step_ms) / len(self.step_ms) / 1e3,
+            }
 
     def line(self, now: float) -> str:
-        """"reading the message, 1,024 of 4,476 tokens, 2 min 10 s so far, about 6 min 30 s left" (or "step 12 of at
+        """ "reading the message, 1,024 of 4,476 tokens, 2 min 10 s so far, about 6 min 30 s left" (or "step 12 of at
         most 64, ...")."""
         most = self.config.max_new_tokens
         if self.t0 is None:
             return "starting"
-        step_s = (sum(self.step_ms) / len(self.step_ms) / 1e3 if self.step_ms else
-                  self.pace["step_s"] if self.pace else None)
+        step_s = (
+            sum(self.step_ms) / len(self.step_ms) / 1e3 if self.step_ms else self.pace["step_s"] if self.pace else None
+        )
         if self.steps:
             done, when = f"step {self.steps} of at most {most}", f"about {duration((most - self.steps) * step_s)} left"
         else:
             done = f"reading the message, {self.read:,} of {self.total:,} tokens"
             read_s = self.read_s if self.read_s is not None else self.pace["read_s"] if self.pace else None
             left = None if read_s is None else (self.total - self.read) * read_s
-            when = ("the time left is known once a first piece is read" if left is None else
-                    f"about {duration(left)} left to read it" if step_s is None else
-                    f"about {duration(left + most * step_s)} left")
+            when = (
+                "the time left is known once a first piece is read"
+                if left is None
+                else f"about {duration(left)} left to read it"
+                if step_s is None
+                else f"about {duration(left + most * step_s)} left"
+            )
         return f"{done}, {duration(now - self.t0)} so far, {when}"
 
 
 def conversation(config: RunConfig) -> service.Conversation:
     """A new conversation (its engine, probed and checked), built on the compute thread."""
-    return on_compute(service.Conversation, config.model, config.device, config.dtype, list(config.specs),
-                      config.max_new_tokens, config.raw, config.twins, config.kernels)
+    return on_compute(
+        service.Conversation,
+        config.model,
+        config.device,
+        config.dtype,
+        list(config.specs),
+        config.max_new_tokens,
+        config.raw,
+        config.twins,
+        config.kernels,
+    )
 
 
 def head(spec: str) -> str:
@@ -205,9 +236,11 @@ def frontier_plan(config: RunConfig, settings: Settings, budgets: tuple[int, ...
         for name in dict.fromkeys(names):
             variants = [expand(name, budget, settings.spacing, settings.mode, settings.rebuild)]
             if name == "anchorkv":
-                variants = [f"anchorkv:spacing={deepest}:budget={budget}:rebuild=step",
-                            f"anchorkv:spacing={deepest}:budget={budget}:rebuild=turn",
-                            f"anchorkv:spacing={s_star}:budget={budget}:rebuild=step"]
+                variants = [
+                    f"anchorkv:spacing={deepest}:budget={budget}:rebuild=step",
+                    f"anchorkv:spacing={deepest}:budget={budget}:rebuild=turn",
+                    f"anchorkv:spacing={s_star}:budget={budget}:rebuild=step",
+                ]
             for spec in variants:
                 canonical = service.canonical_spec(spec)
                 if canonical not in seen:
@@ -223,9 +256,12 @@ def frontier_run(config: RunConfig, turns: list[str]) -> service.FrontierRun:
 
 def frontier_plot(rows: list[dict], run: service.FrontierRun, source: str):
     reference = run.reference["state_bytes"]
-    return frontier_figure(points_from_rows(rows), title=f"{run.head['model']}, {source}: memory against agreement",
-                           subtitle=f"{run.head['device']}, {run.head['dtype']}; full cache: peak "
-                                    f"{fmt_bytes(reference['peak'])}, between turns {fmt_bytes(reference['between_turns_peak'])}")
+    return frontier_figure(
+        points_from_rows(rows),
+        title=f"{run.head['model']}, {source}: memory against agreement",
+        subtitle=f"{run.head['device']}, {run.head['dtype']}; full cache: peak "
+        f"{fmt_bytes(reference['peak'])}, between turns {fmt_bytes(reference['between_turns_peak'])}",
+    )
 
 
 @gpu
@@ -277,11 +313,16 @@ class Pump:
                         self.turn, self.step = event["turn"] + 1, 0
                     elif kind == "step":
                         self.step = event["index"] + 1
-                    self.stepping = (kind == "turn" or (kind == "prefill" and event["done"] >= event["total"]) or
-                                     (kind == "step" and any(lane["active"] for lane in event["lanes"].values())))
+                    self.stepping = (
+                        kind == "turn"
+                        or (kind == "prefill" and event["done"] >= event["total"])
+                        or (kind == "step" and any(lane["active"] for lane in event["lanes"].values()))
+                    )
                 self.queue.put(("event", event))
-                if self.abandoned.is_set() or (self.should_stop() and (
-                        self.target is None or not self.stepping or (self.turn, self.step) >= self.target)):
+                if self.abandoned.is_set() or (
+                    self.should_stop()
+                    and (self.target is None or not self.stepping or (self.turn, self.step) >= self.target)
+                ):
                     break
         except BaseException as e:  # handed to the reader, who reports it
             self.queue.put(("error", e))
@@ -320,10 +361,23 @@ class Pump:
 
 def recorder(config: RunConfig, scenario: str | None, expect: tuple[int, str] | None) -> Recorder:
     """A live run's recording (the Export tab writes it): what the run is; the events say the rest."""
-    return Recorder({"source": "app", "command": None, "model": config.model, "dtype": config.dtype,
-                     "specs": list(config.specs), "max_new_tokens": config.max_new_tokens, "raw": config.raw,
-                     "twins": config.twins, "kernels_mode": config.kernels, "memory": "trace", "turns": [],
-                     "scenario": scenario, "expect": list(expect) if expect else None})
+    return Recorder(
+        {
+            "source": "app",
+            "command": None,
+            "model": config.model,
+            "dtype": config.dtype,
+            "specs": list(config.specs),
+            "max_new_tokens": config.max_new_tokens,
+            "raw": config.raw,
+            "twins": config.twins,
+            "kernels_mode": config.kernels,
+            "memory": "trace",
+            "turns": [],
+            "scenario": scenario,
+            "expect": list(expect) if expect else None,
+        }
+    )
 
 
 def token_map(talk: service.Conversation | None, maps: dict | None, label: str, layer: int) -> dict | None:
@@ -344,16 +398,26 @@ def compare_specs(strategies: str, budget: int, spacing: int, mode: str = "") ->
     entries = [e for e in strategies.split(",") if e.strip()]
     for entry in entries:
         if external(entry):
-            raise UserError(f"strategies: {entry.strip()[:80]!r} names a file or module; the compare API runs "
-                            "registered strategies only (code is never taken from a web request); allowed: "
-                            "registered names like 'full,kvdirect:budget=64'")
+            raise UserError(
+                f"strategies: {entry.strip()[:80]!r} names a file or module; the compare API runs "
+                "registered strategies only (code is never taken from a web request); allowed: "
+                "registered names like 'full,kvdirect:budget=64'"
+            )
     return ",".join(expand(e, budget or None, spacing or None, mode or None) for e in entries)
 
 
 @gpu
-def compare(prompt: str, model: str = "", strategies: str = "full,kvdirect:mode=exact",
-            budget: int = 64, spacing: int = 0, max_new_tokens: int = 64, device: str = "auto",
-            dtype: str = "float32", kernels: str = "invariant") -> dict:
+def compare(
+    prompt: str,
+    model: str = "",
+    strategies: str = "full,kvdirect:mode=exact",
+    budget: int = 64,
+    spacing: int = 0,
+    max_new_tokens: int = 64,
+    device: str = "auto",
+    dtype: str = "float32",
+    kernels: str = "invariant",
+) -> dict:
     """Run `strategies` in lockstep on one prompt; returns the same JSON as `python -m kvdirect_app.bench run`.
 
     `strategies` is comma-separated `name[:key=value]...`; a strategy that
@@ -366,8 +430,11 @@ def compare(prompt: str, model: str = "", strategies: str = "full,kvdirect:mode=
     try:
         if not isinstance(strategies, str):
             raise UserError("strategies: expected text like 'full,kvdirect:budget=64'")
-        specs = compare_specs(strategies, integer("budget", budget, 1, 1 << 20),
-                              integer("spacing", spacing, 0, 4096, "0: the strategy's default"))
+        specs = compare_specs(
+            strategies,
+            integer("budget", budget, 1, 1 << 20),
+            integer("spacing", spacing, 0, 4096, "0: the strategy's default"),
+        )
         tokens = integer("max_new_tokens", max_new_tokens, 1, limits().max_new_tokens)
         if kernels not in KERNELS:
             raise UserError(f"kernels: {str(kernels)[:40]!r} is not allowed; allowed: {', '.join(KERNELS)}")
@@ -378,8 +445,9 @@ def compare(prompt: str, model: str = "", strategies: str = "full,kvdirect:mode=
         raise gr.Error(f"{e}; try fewer tokens or strategies", print_exception=False) from None
     except Exception as e:  # a bug: logged here with its traceback, answered without it
         log.error("compare failed:\n%s", traceback.format_exc())
-        raise gr.Error(f"internal error ({type(e).__name__}); the server log has the details",
-                       print_exception=False) from None
+        raise gr.Error(
+            f"internal error ({type(e).__name__}); the server log has the details", print_exception=False
+        ) from None
 
 
 def map_pair_html(session, label: str | None, layer: int, other: str | None = None) -> str:
@@ -408,8 +476,14 @@ def attention_data(session, label: str) -> callable:
     maps = session.attention_maps
     if maps is not None:
         m = maps.get(label)
-        return lambda layer: None if m is None else {**{k: m[k] for k in ("position", "turn", "tokens")},
-                                                      "weights": m["layers"][min(layer, len(m["layers"]) - 1)]}
+        return lambda layer: (
+            None
+            if m is None
+            else {
+                **{k: m[k] for k in ("position", "turn", "tokens")},
+                "weights": m["layers"][min(layer, len(m["layers"]) - 1)],
+            }
+        )
     talk = session.engine
     if talk is None:
         return lambda layer: None

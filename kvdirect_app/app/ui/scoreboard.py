@@ -46,8 +46,10 @@ def verdict(session: Session, label: str) -> tuple[str, str]:
 
 def scoreboard_html(session: Session) -> str:
     if not session.shown:
-        return ('<div class="kvd-board kvd-board-empty">Send a message, or press <b>Recall demo</b>: one row per '
-                'strategy will show whether it kept every token, what it held and how fast it ran.</div>')
+        return (
+            '<div class="kvd-board kvd-board-empty">Send a message, or press <b>Recall demo</b>: one row per '
+            "strategy will show whether it kept every token, what it held and how fast it ran.</div>"
+        )
     palette = colours(session.shown)
     means = session.step_means()  # once per drawing: each row reads its lane's share of it
     instrument = memory_instrument(session)
@@ -59,26 +61,40 @@ def scoreboard_html(session: Session) -> str:
         kind, words = verdict(session, label)
         notes = session.about.get(label, {}).get("notes", ())
         if notes:
-            words += f' <span class="kvd-note" title="{html.escape(" ".join(notes))}">· settings adapted: ' \
-                     f'{html.escape(notes[0].split(";")[-1].strip())}</span>'
+            words += (
+                f' <span class="kvd-note" title="{html.escape(" ".join(notes))}">· settings adapted: '
+                f"{html.escape(notes[0].split(';')[-1].strip())}</span>"
+            )
         off = lane.disagreements() if lane is not None else 0
         if off:  # the allocator saw other bytes than the strategy's formula: a hidden copy, or a wrong formula
-            words += (f' <span class="kvd-bad kvd-bytes-off" title="the allocator measured other held bytes than this '
-                      f'strategy\'s formula at {off} step(s): it holds something its formula does not count">· '
-                      f'holds ≠ its formula ({off} steps)</span>')
-        between, source = byte_figure(f.get("between"), f.get("formula_between"), "held after the last finished turn",
-                                      instrument)
+            words += (
+                f' <span class="kvd-bad kvd-bytes-off" title="the allocator measured other held bytes than this '
+                f"strategy's formula at {off} step(s): it holds something its formula does not count\">· "
+                f"holds ≠ its formula ({off} steps)</span>"
+            )
+        between, source = byte_figure(
+            f.get("between"), f.get("formula_between"), "held after the last finished turn", instrument
+        )
         between += _outside(f.get("outside"), f.get("between"))
         sources["between"].add(source)
-        peak, source = byte_figure(f.get("peak"), f.get("formula_peak"), "highest during a forward of this turn",
-                                   instrument, f.get("peak_source"))
+        peak, source = byte_figure(
+            f.get("peak"),
+            f.get("formula_peak"),
+            "highest during a forward of this turn",
+            instrument,
+            f.get("peak_source"),
+        )
         sources["peak"].add(source)
         name = strategy_name(label)
         own, share = own_cost(session, label, f.get("ms_per_token"), means)
         says = session.says_expected(label)
-        answer = ("" if session.expect is None else
-                  '<td class="kvd-num">…</td>' if says is None else
-                  f'<td class="kvd-num kvd-{"good" if says else "bad"}">{"✓" if says else "✗"}</td>')
+        answer = (
+            ""
+            if session.expect is None
+            else '<td class="kvd-num">…</td>'
+            if says is None
+            else f'<td class="kvd-num kvd-{"good" if says else "bad"}">{"✓" if says else "✗"}</td>'
+        )
         rows.append(
             f'<tr><td title="{html.escape(label)}"><span class="kvd-dot" style="background:'
             f'{palette.get(label, "#333")}"></span><b>{html.escape(title(name))}</b></td>'
@@ -86,21 +102,32 @@ def scoreboard_html(session: Session) -> str:
             f'<td class="kvd-num">{between}</td>'
             f'<td class="kvd-num">{peak}</td>'
             f'<td class="kvd-num">{own}</td>'
-            f'<td class="kvd-num">{share}</td></tr>')
-    asked = ("" if session.expect is None else
-             f'<th title="does its reply to the scenario\'s last question contain the right answer?">'
-             f'says {html.escape(session.expect[1])}?</th>')
-    recorded = (f' <span class="kvd-recorded-label" title="every figure on this page is the recorded one">· '
-                f'{html.escape(session.recorded_label)}</span>' if session.recording else "")
-    head = (f'<tr><th>strategy{_legend(sources["between"] | sources["peak"], instrument)}</th>'
-            f'<th>verdict against the full cache{recorded}</th>' + asked +
-            _bytes_head("between turns", "bytes held after the last finished turn", sources["between"], instrument) +
-            _bytes_head("peak in turn", "highest bytes during a forward of this turn", sources["peak"], instrument) +
-            '<th title="mean ms of this strategy\'s own work per decode step this turn (a step it sat out counts 0): '
-            'its attention, its cache\'s work, and the batched pass\'s shared linears charged by rows (1/N to each of '
-            'N rows); the column adds up to the last row\'s panes\' own">own ms/step</th>'
-            '<th title="its own ms per step as a share of the step\'s wall time: every pane waits for the whole step, '
-            'so this is what it costs, not how fast it streamed">share of step</th></tr>')
+            f'<td class="kvd-num">{share}</td></tr>'
+        )
+    asked = (
+        ""
+        if session.expect is None
+        else f'<th title="does its reply to the scenario\'s last question contain the right answer?">'
+        f"says {html.escape(session.expect[1])}?</th>"
+    )
+    recorded = (
+        f' <span class="kvd-recorded-label" title="every figure on this page is the recorded one">· '
+        f"{html.escape(session.recorded_label)}</span>"
+        if session.recording
+        else ""
+    )
+    head = (
+        f"<tr><th>strategy{_legend(sources['between'] | sources['peak'], instrument)}</th>"
+        f"<th>verdict against the full cache{recorded}</th>"
+        + asked
+        + _bytes_head("between turns", "bytes held after the last finished turn", sources["between"], instrument)
+        + _bytes_head("peak in turn", "highest bytes during a forward of this turn", sources["peak"], instrument)
+        + "<th title=\"mean ms of this strategy's own work per decode step this turn (a step it sat out counts 0): "
+        "its attention, its cache's work, and the batched pass's shared linears charged by rows (1/N to each of "
+        "N rows); the column adds up to the last row's panes' own\">own ms/step</th>"
+        "<th title=\"its own ms per step as a share of the step's wall time: every pane waits for the whole step, "
+        'so this is what it costs, not how fast it streamed">share of step</th></tr>'
+    )
     return f'<table class="kvd-board">{head}{"".join(rows)}{_step_rows(session, bool(session.expect))}</table>'
 
 
@@ -123,8 +150,11 @@ def _outside(outside: int | None, held: int | None) -> str:
 def _named(sources: set, instrument: str) -> list[str]:
     """Each source's mark and name, in `BYTE_SOURCES`' order; a measured one in the run's own words."""
     measured = lambda s: s in ("allocator", "declared") and instrument
-    return [f"{BYTE_SOURCES[s][0]} {instrument if measured(s) else BYTE_SOURCES[s][1]}"
-            for s in BYTE_SOURCES if s in sources]
+    return [
+        f"{BYTE_SOURCES[s][0]} {instrument if measured(s) else BYTE_SOURCES[s][1]}"
+        for s in BYTE_SOURCES
+        if s in sources
+    ]
 
 
 def _bytes_head(name: str, what: str, sources: set, instrument: str) -> str:
@@ -142,8 +172,10 @@ def _legend(sources: set, instrument: str) -> str:
     present = sources - {None}
     if not present:
         return ""
-    return (f'<br><span class="kvd-note kvd-src-legend" title="{html.escape("; ".join(_named(present, instrument)))}">'
-            f'bytes: {html.escape(source_legend(present))}</span>')
+    return (
+        f'<br><span class="kvd-note kvd-src-legend" title="{html.escape("; ".join(_named(present, instrument)))}">'
+        f"bytes: {html.escape(source_legend(present))}</span>"
+    )
 
 
 def _step_rows(session: Session, asked: bool) -> str:
@@ -154,24 +186,33 @@ def _step_rows(session: Session, asked: bool) -> str:
     if means is None:
         return ""
     measured = sum(means["measurement"].values())
-    parts = ", ".join(f"{name} {ms:.0f}" for name, ms in sorted(means["measurement"].items(), key=lambda kv: -kv[1])
-                      if ms >= 0.5)
+    parts = ", ".join(
+        f"{name} {ms:.0f}" for name, ms in sorted(means["measurement"].items(), key=lambda kv: -kv[1]) if ms >= 0.5
+    )
     wall = means["wall"]
     own = sum(means["own"].values())
-    words = (f"= panes' own {own:.0f} + measurement {measured:.0f}{f' ({parts})' if parts else ''} + "
-             f"engine {means['engine']:.0f} + unattributed {means['unattributed']:.0f} ms · mean of {means['steps']} "
-             "steps this turn")
+    words = (
+        f"= panes' own {own:.0f} + measurement {measured:.0f}{f' ({parts})' if parts else ''} + "
+        f"engine {means['engine']:.0f} + unattributed {means['unattributed']:.0f} ms · mean of {means['steps']} "
+        "steps this turn"
+    )
     rate = session.seen_rate()
     seen = "—" if rate is None else f"{rate:.1f} tok/s"
-    title = ("a decode step's wall time: every pane gets one token per step, in lockstep, so every pane streams at "
-             "the same rate: the last cell, tokens per second from this turn's first token to its last as they "
-             "reached the page; its parts are the panes' own ms/step (the column above, summed), the instruments' "
-             "time (measurement: never inside a pane's), the engine's own (choosing tokens, detokenising, events) "
-             "and what no clock covered")
-    return (f'<tr class="kvd-step-row" title="{html.escape(title)}"><td><b>every pane, as seen</b></td>'
-            f'<td colspan="{4 if asked else 3}" class="kvd-note">{html.escape(words)}</td>'
-            f'<td class="kvd-num"><b>{wall:.0f}</b></td>'
-            f'<td class="kvd-num kvd-seen"><b>{seen}</b></td></tr>' if wall > 0 else "") + _unattributed_row(session, asked)
+    title = (
+        "a decode step's wall time: every pane gets one token per step, in lockstep, so every pane streams at "
+        "the same rate: the last cell, tokens per second from this turn's first token to its last as they "
+        "reached the page; its parts are the panes' own ms/step (the column above, summed), the instruments' "
+        "time (measurement: never inside a pane's), the engine's own (choosing tokens, detokenising, events) "
+        "and what no clock covered"
+    )
+    return (
+        f'<tr class="kvd-step-row" title="{html.escape(title)}"><td><b>every pane, as seen</b></td>'
+        f'<td colspan="{4 if asked else 3}" class="kvd-note">{html.escape(words)}</td>'
+        f'<td class="kvd-num"><b>{wall:.0f}</b></td>'
+        f'<td class="kvd-num kvd-seen"><b>{seen}</b></td></tr>'
+        if wall > 0
+        else ""
+    ) + _unattributed_row(session, asked)
 
 
 def _unattributed_row(session: Session, asked: bool) -> str:
@@ -181,21 +222,26 @@ def _unattributed_row(session: Session, asked: bool) -> str:
     now = session.unattributed
     if now is None:
         return ""
-    parts = {"outside_regions": ("outside every region", "allocated outside every pane's work (code outside "
-                                                          "every region)"),
-             "measurement": ("measurement", "the measurement's own work"),
-             "malloc": ("malloc", "the C allocator's bytes no hook saw (bytes, bytearray, pickles, ctypes malloc)"),
-             "python_objects": ("Python objects", "Python's small objects (a tuple's floats, a dict's ints)"),
-             "anonymous": ("mappings", "private mappings (mmap, torch.from_file)"),
-             "shared_memory": ("shared", "writable shared mappings (shared memory, np.memmap)")}
+    parts = {
+        "outside_regions": ("outside every region", "allocated outside every pane's work (code outside every region)"),
+        "measurement": ("measurement", "the measurement's own work"),
+        "malloc": ("malloc", "the C allocator's bytes no hook saw (bytes, bytearray, pickles, ctypes malloc)"),
+        "python_objects": ("Python objects", "Python's small objects (a tuple's floats, a dict's ints)"),
+        "anonymous": ("mappings", "private mappings (mmap, torch.from_file)"),
+        "shared_memory": ("shared", "writable shared mappings (shared memory, np.memmap)"),
+    }
     short = " · ".join(f"{word} {fmt_bytes(now[key])}" for key, (word, _) in parts.items() if now.get(key))
     long = "; ".join(f"{what} {fmt_bytes(now.get(key, 0))}" for key, (_, what) in parts.items())
     kind = "kvd-bad" if now["bytes"] else "kvd-note"
-    title = html.escape("bytes no pane's work holds (process-wide, since the run began): " + long + ".  Unseen: "
-                        "copies below the cross-check's floor (2 MiB plus 8 KiB a pane's step, in all), another "
-                        "process's memory, files written and not kept mapped")
-    return (f'<tr class="kvd-unattributed-row" title="{title}"><td><b>unattributed</b></td>'
-            f'<td class="kvd-note">no pane\'s: {html.escape(short or "nothing")}</td>'
-            + ('<td></td>' if asked else '')
-            + f'<td class="kvd-num {kind}">{fmt_bytes(now["bytes"])}</td>'
-            f'<td class="kvd-num {kind}">{fmt_bytes(session.unattributed_peak)}</td><td></td><td></td></tr>')
+    title = html.escape(
+        "bytes no pane's work holds (process-wide, since the run began): " + long + ".  Unseen: "
+        "copies below the cross-check's floor (2 MiB plus 8 KiB a pane's step, in all), another "
+        "process's memory, files written and not kept mapped"
+    )
+    return (
+        f'<tr class="kvd-unattributed-row" title="{title}"><td><b>unattributed</b></td>'
+        f'<td class="kvd-note">no pane\'s: {html.escape(short or "nothing")}</td>'
+        + ("<td></td>" if asked else "")
+        + f'<td class="kvd-num {kind}">{fmt_bytes(now["bytes"])}</td>'
+        f'<td class="kvd-num {kind}">{fmt_bytes(session.unattributed_peak)}</td><td></td><td></td></tr>'
+    )

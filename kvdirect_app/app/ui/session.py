@@ -38,7 +38,7 @@ class TurnReply:
         first bytes of a character that a later token completes) spans the character it is part of; a token
         with no text at all (end of sequence) spans nothing, at the end."""
         start = self.starts[index]
-        end = next((s for s in self.starts[index + 1:] if s > start), len(self.text))
+        end = next((s for s in self.starts[index + 1 :] if s > start), len(self.text))
         return start, max(start, end)
 
     @property
@@ -72,13 +72,15 @@ class LaneView:
         peaks = [row["peak"] for row in current if row["peak"] is not None]
         formula_peaks = [row["formula_peak"] for row in current]
         ms = [row["total"] for row in self.latency if row.get("turn") == (current[0]["turn"] if current else -1)]
-        return {"between": self.turns[-1]["between_turns"] if self.turns else None,
-                "formula_between": self.turns[-1]["formula_between_turns"] if self.turns else None,
-                "peak": max(peaks) if peaks else None,
-                "formula_peak": max(formula_peaks) if formula_peaks else None,
-                "peak_source": current[-1].get("peak_source") if current else None,
-                "outside": current[-1].get("outside") if current else None,
-                "ms_per_token": sum(ms) / len(ms) if ms else None}
+        return {
+            "between": self.turns[-1]["between_turns"] if self.turns else None,
+            "formula_between": self.turns[-1]["formula_between_turns"] if self.turns else None,
+            "peak": max(peaks) if peaks else None,
+            "formula_peak": max(formula_peaks) if formula_peaks else None,
+            "peak_source": current[-1].get("peak_source") if current else None,
+            "outside": current[-1].get("outside") if current else None,
+            "ms_per_token": sum(ms) / len(ms) if ms else None,
+        }
 
     def disagreements(self) -> int:
         """Steps so far where the measured held bytes differed from the strategy's formula (a hidden copy, or a
@@ -174,7 +176,14 @@ class Session:
     def apply(self, event: dict):
         kind = event["type"]
         if kind == "start":
-            self.user_turns, self.steps, self.position, self.rss, self.result, self.token_maps = [], 0, 0, [], None, None
+            self.user_turns, self.steps, self.position, self.rss, self.result, self.token_maps = (
+                [],
+                0,
+                0,
+                [],
+                None,
+                None,
+            )
             self.step_times = []
             self.unattributed, self.unattributed_peak = None, 0  # no lane's bytes (`Report.unattributed`)
             self.seen = []
@@ -224,13 +233,23 @@ class Session:
             if ev is not None:
                 lane.replies[turn].add(ev["token_id"], ev["text"])
                 lane.active = ev["active"]
-                lane.memory.append({"step": self.steps, "position": self.position, "turn": turn, "index": index,
-                                    "seen": ev["seen"],
-                                    "persistent": ev["persistent_bytes"], "peak": ev["peak_bytes"],
-                                    "formula": ev["formula_bytes"], "formula_peak": ev["formula_peak_bytes"],
-                                    # (recordings made before the allocator's figures have neither)
-                                    "peak_source": ev.get("peak_source"), "agrees": ev.get("formula_agrees"),
-                                    "outside": ev.get("outside_bytes")})
+                lane.memory.append(
+                    {
+                        "step": self.steps,
+                        "position": self.position,
+                        "turn": turn,
+                        "index": index,
+                        "seen": ev["seen"],
+                        "persistent": ev["persistent_bytes"],
+                        "peak": ev["peak_bytes"],
+                        "formula": ev["formula_bytes"],
+                        "formula_peak": ev["formula_peak_bytes"],
+                        # (recordings made before the allocator's figures have neither)
+                        "peak_source": ev.get("peak_source"),
+                        "agrees": ev.get("formula_agrees"),
+                        "outside": ev.get("outside_bytes"),
+                    }
+                )
                 if ev["active"]:  # the token was fed: the step's timings are of this token's forward
                     lane.latency.append({"step": self.steps, "turn": turn, **ev["latency_ms"]})
             else:
@@ -252,10 +271,17 @@ class Session:
             self.unattributed = event["unattributed_bytes"]
             self.unattributed_peak = max(self.unattributed_peak, self.unattributed["bytes"])
         if "step_ms" in event:  # (a recording made before step times has none)
-            self.step_times.append({"step": self.steps, "turn": turn, "step_ms": event["step_ms"],
-                                    "lanes_ms": event["lanes_ms"], "measurement_ms": event["measurement_ms"],
-                                    "engine_ms": event.get("engine_ms", {}),
-                                    "unattributed_ms": event["unattributed_ms"]})
+            self.step_times.append(
+                {
+                    "step": self.steps,
+                    "turn": turn,
+                    "step_ms": event["step_ms"],
+                    "lanes_ms": event["lanes_ms"],
+                    "measurement_ms": event["measurement_ms"],
+                    "engine_ms": event.get("engine_ms", {}),
+                    "unattributed_ms": event["unattributed_ms"],
+                }
+            )
 
     def seen_rate(self) -> float | None:
         """Tokens per second each pane streamed at in the current (or last) turn, as a visitor saw them: every pane
@@ -278,10 +304,15 @@ class Session:
         names = sorted({name for r in rows for name in r["measurement_ms"]})
         measured = {name: sum(r["measurement_ms"].get(name, 0.0) for r in rows) / n for name in names}
         own = {label: sum(r["lanes_ms"].get(label, 0.0) for r in rows) / n for label in self.shown}
-        return {"steps": n, "wall": sum(r["step_ms"] for r in rows) / n, "own": own,
-                "lanes": sum(sum(r["lanes_ms"].values()) for r in rows) / n,
-                "measurement": measured, "engine": sum(sum(r["engine_ms"].values()) for r in rows) / n,
-                "unattributed": sum(r["unattributed_ms"] for r in rows) / n}
+        return {
+            "steps": n,
+            "wall": sum(r["step_ms"] for r in rows) / n,
+            "own": own,
+            "lanes": sum(sum(r["lanes_ms"].values()) for r in rows) / n,
+            "measurement": measured,
+            "engine": sum(sum(r["engine_ms"].values()) for r in rows) / n,
+            "unattributed": sum(r["unattributed_ms"] for r in rows) / n,
+        }
 
     def step_rows(self) -> list[dict]:
         """One row per strategy and step: what the CSV export holds."""
@@ -294,12 +325,22 @@ class Session:
                 lat = latency.get(mem["step"], {})
                 agree = agreement.get(mem["step"], {})
                 reply = lane.replies[mem["turn"]]
-                rows.append({
-                    "strategy": label, "step": mem["step"], "turn": mem["turn"], "index": mem["index"],
-                    "token_id": reply.tokens[mem["index"]], "position": mem["position"], "seen": mem["seen"],
-                    "persistent_bytes": mem["persistent"], "peak_bytes": mem["peak"], "formula_bytes": mem["formula"],
-                    "formula_peak_bytes": mem["formula_peak"],
-                    **{f"{op}_ms": v for op, v in lat.items() if op not in ("step", "turn")},
-                    "token_match_so_far": agree.get("match"), "kl_mean_so_far": agree.get("kl"),
-                })
+                rows.append(
+                    {
+                        "strategy": label,
+                        "step": mem["step"],
+                        "turn": mem["turn"],
+                        "index": mem["index"],
+                        "token_id": reply.tokens[mem["index"]],
+                        "position": mem["position"],
+                        "seen": mem["seen"],
+                        "persistent_bytes": mem["persistent"],
+                        "peak_bytes": mem["peak"],
+                        "formula_bytes": mem["formula"],
+                        "formula_peak_bytes": mem["formula_peak"],
+                        **{f"{op}_ms": v for op, v in lat.items() if op not in ("step", "turn")},
+                        "token_match_so_far": agree.get("match"),
+                        "kl_mean_so_far": agree.get("kl"),
+                    }
+                )
         return rows

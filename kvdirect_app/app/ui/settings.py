@@ -59,8 +59,11 @@ def model_choices() -> list[tuple[str, str]]:
     Hub copy says where it comes from, a base model that it does not chat."""
     names, table = offered_presets(), presets()
     where = {n: hub_copy(table[n]) for n in names}
-    real = [(" · ".join(filter(None, (n, model_note(n), where[n] and f"from {where[n]}"))), n)
-            for n in names if not is_test_model(n)]
+    real = [
+        (" · ".join(filter(None, (n, model_note(n), where[n] and f"from {where[n]}"))), n)
+        for n in names
+        if not is_test_model(n)
+    ]
     return real + [(f"{n} · test model, random weights", n) for n in names if is_test_model(n)]
 
 
@@ -74,8 +77,11 @@ def missing_models_note() -> str:
         if where:
             lines.append(f"{name}: {p['package']} is not installed; it loads its Hub copy {p['hub_id']} from {where}.")
         elif reason:
-            lines.append(f"{name} is not offered here: {reason}." if name not in offered_presets()
-                         else f"{name}: {reason}; choosing it tries the Hub again.")
+            lines.append(
+                f"{name} is not offered here: {reason}."
+                if name not in offered_presets()
+                else f"{name}: {reason}; choosing it tries the Hub again."
+            )
     return " ".join(lines)
 
 
@@ -109,8 +115,13 @@ def max_panes() -> int:
     return len(catalogue()) + EXTRA_PANES
 
 
-def expand(entry: str, budget: int | None = None, spacing: int | None = None, mode: str | None = None,
-           rebuild: str | None = None) -> str:
+def expand(
+    entry: str,
+    budget: int | None = None,
+    spacing: int | None = None,
+    mode: str | None = None,
+    rebuild: str | None = None,
+) -> str:
     """`name[:k=v...]` plus each shared setting the strategy declares and the entry leaves unset."""
     entry = entry.strip()
     found = external(entry)  # a file's or module's class: "PATH.py:Class" is its name
@@ -163,8 +174,9 @@ class Settings:
             raise SettingError(f"strategies: expected a list of names; allowed: {', '.join(catalogue())}")
         unknown = [n for n in strategies if n not in catalogue()]
         if unknown:
-            raise SettingError(f"strategies: unknown {', '.join(map(repr, unknown))}; allowed: "
-                                        f"{', '.join(catalogue())}")
+            raise SettingError(
+                f"strategies: unknown {', '.join(map(repr, unknown))}; allowed: {', '.join(catalogue())}"
+            )
         v["strategies"] = tuple(strategies)
         for key in ("model", "custom_model", "extra_specs"):
             if v[key] is not None and not isinstance(v[key], str):
@@ -184,8 +196,9 @@ class Settings:
         if not isinstance(v["twins"], bool):
             raise SettingError("twins: expected true or false")
         if len(v["extra_specs"]) > 2_000:
-            raise SettingError(f"The extra specs box holds {len(v['extra_specs']):,} characters; allowed: at most "
-                               "2,000")
+            raise SettingError(
+                f"The extra specs box holds {len(v['extra_specs']):,} characters; allowed: at most 2,000"
+            )
         return cls(**v)
 
     @property
@@ -198,10 +211,12 @@ class Settings:
         extras = [e for e in self.extra_specs.split(",") if e.strip()]
         for entry in extras:  # before anything reads the spec: the box is web input, whoever fills it
             if external(entry) and page_folder() is None:
-                raise SettingError(f"extra specs: {entry.strip()[:80]!r} names a file or module, and this page runs "
-                                   "none (code is never taken from a web request); allowed: registered strategies, "
-                                   f"or .py files from the folder the operator names with {STRATEGY_DIR}=FOLDER on "
-                                   "a server bound to loopback")
+                raise SettingError(
+                    f"extra specs: {entry.strip()[:80]!r} names a file or module, and this page runs "
+                    "none (code is never taken from a web request); allowed: registered strategies, "
+                    f"or .py files from the folder the operator names with {STRATEGY_DIR}=FOLDER on "
+                    "a server bound to loopback"
+                )
         entries += extras
         if not entries:
             raise SettingError("strategies: no strategy selected; tick at least one")
@@ -214,5 +229,6 @@ class Settings:
     def run_config(self, raw: bool = False) -> RunConfig:
         name = service.check_model_name(self.model_name)
         device, dtype = service.check_device_dtype(self.device, self.dtype)
-        return RunConfig(name, device, dtype, tuple(self.specs()), self.max_new_tokens, raw, bool(self.twins),
-                         self.kernels)
+        return RunConfig(
+            name, device, dtype, tuple(self.specs()), self.max_new_tokens, raw, bool(self.twins), self.kernels
+        )

@@ -55,7 +55,7 @@ def models(found: dict) -> list[str]:
 
 def shipped(multiturn: bool = False, model: str = DEFAULT_MODEL, history: str = KEEP) -> Path | None:
     """The shipped file of `model`: its single-turn result, or with `multiturn` its multi-turn one of `history`."""
-    want = (history if multiturn else SINGLE)
+    want = history if multiturn else SINGLE
     for path in sorted(SHIPPED.glob("*.json")) if SHIPPED.is_dir() else []:
         try:
             result = load(path)
@@ -89,8 +89,9 @@ def _cells(result: dict, task: str) -> list[dict]:
 
 def settings(result: dict) -> list[tuple[str, int | float]]:
     """The picker's choices: each budget (tokens per layer), then each compression ratio (a float) of the run."""
-    return ([(f"budget {b}", b) for b in result["budgets"]] +
-            [(f"ratio {r:g}", float(r)) for r in result.get("ratios", [])])
+    return [(f"budget {b}", b) for b in result["budgets"]] + [
+        (f"ratio {r:g}", float(r)) for r in result.get("ratios", [])
+    ]
 
 
 def setting_words(setting: int | float | None) -> str:
@@ -102,10 +103,14 @@ def specs_at(result: dict, setting: int | float | None) -> list[str]:
     strategy at that setting (one without a budget setting always), in the run's order."""
     lanes = result["cells"][0]["lanes"] if result["cells"] else {}
     if isinstance(setting, float):
-        return [REFERENCE] + [s for s, a in lanes.items() if s != REFERENCE and (
-            a.get("ratio") == setting or (a["budget"] is None and not a.get("ratio")))]
-    return [REFERENCE] + [s for s, a in lanes.items() if s != REFERENCE and not a.get("ratio")
-                          and a["budget"] in (None, setting)]
+        return [REFERENCE] + [
+            s
+            for s, a in lanes.items()
+            if s != REFERENCE and (a.get("ratio") == setting or (a["budget"] is None and not a.get("ratio")))
+        ]
+    return [REFERENCE] + [
+        s for s, a in lanes.items() if s != REFERENCE and not a.get("ratio") and a["budget"] in (None, setting)
+    ]
 
 
 def _score(cells: list[dict], spec: str) -> float | None:
@@ -124,10 +129,21 @@ def heatmap_figure(result: dict, budget: int | None, task: str = ALL) -> go.Figu
     names = []
     for spec in specs:
         name, s = title(spec), _score(cells, spec)
-        names.append(name if s is None else f"<b>{name}</b><br>{s:.2f}" if spec == REFERENCE else
-                     f"<b>{name}</b><br>{s:.2f} (full {full:.2f})")
-    fig = make_subplots(rows=rows, cols=COLUMNS, subplot_titles=names, horizontal_spacing=0.02, shared_yaxes=True,
-                        vertical_spacing=0.14 if rows > 1 else 0.1)
+        names.append(
+            name
+            if s is None
+            else f"<b>{name}</b><br>{s:.2f}"
+            if spec == REFERENCE
+            else f"<b>{name}</b><br>{s:.2f} (full {full:.2f})"
+        )
+    fig = make_subplots(
+        rows=rows,
+        cols=COLUMNS,
+        subplot_titles=names,
+        horizontal_spacing=0.02,
+        shared_yaxes=True,
+        vertical_spacing=0.14 if rows > 1 else 0.1,
+    )
     xs = ["any" if d is None else f"{d:g}%" for d in depths]
     ys = [f"{c:,}" for c in contexts]
     for i, spec in enumerate(specs):
@@ -140,21 +156,43 @@ def heatmap_figure(result: dict, budget: int | None, task: str = ALL) -> go.Figu
                 words.append("" if not v else f"{row[-1]:.2f}")
             z.append(row)
             text.append(words)
-        fig.add_trace(go.Heatmap(z=z, x=xs, y=ys, text=text, texttemplate="%{text}", zmin=0, zmax=1,
-                                 colorscale="Cividis", showscale=i == 0, xgap=2, ygap=2,
-                                 colorbar=dict(title="score", len=0.8, thickness=12),
-                                 hovertemplate=f"{html.escape(spec)}<br>context %{{y}} tokens, depth %{{x}}"
-                                               "<br>score %{z:.2f}<extra></extra>"),
-                      row=i // COLUMNS + 1, col=i % COLUMNS + 1)
+        fig.add_trace(
+            go.Heatmap(
+                z=z,
+                x=xs,
+                y=ys,
+                text=text,
+                texttemplate="%{text}",
+                zmin=0,
+                zmax=1,
+                colorscale="Cividis",
+                showscale=i == 0,
+                xgap=2,
+                ygap=2,
+                colorbar=dict(title="score", len=0.8, thickness=12),
+                hovertemplate=f"{html.escape(spec)}<br>context %{{y}} tokens, depth %{{x}}"
+                "<br>score %{z:.2f}<extra></extra>",
+            ),
+            row=i // COLUMNS + 1,
+            col=i % COLUMNS + 1,
+        )
     fig.update_xaxes(title_text="", tickfont=dict(size=11))
     fig.update_xaxes(title_text="needle depth", title_font=dict(size=12), row=rows)  # the bottom row names it
     fig.update_yaxes(tickfont=dict(size=11))
     fig.update_yaxes(title_text="context (tokens)", col=1)
     where = "every task" if task == ALL else task
-    fig.update_layout(template="plotly_white", font=FONT, height=190 + 230 * rows,
-                      margin=dict(l=70, r=20, t=80, b=60),
-                      title=dict(text=f"Needle found, by context and depth ({where}; {setting_words(budget)}): 1 = "
-                                      "every reference in the answer", x=0.01, font=dict(size=17)))
+    fig.update_layout(
+        template="plotly_white",
+        font=FONT,
+        height=190 + 230 * rows,
+        margin=dict(l=70, r=20, t=80, b=60),
+        title=dict(
+            text=f"Needle found, by context and depth ({where}; {setting_words(budget)}): 1 = "
+            "every reference in the answer",
+            x=0.01,
+            font=dict(size=17),
+        ),
+    )
     fig.update_annotations(font_size=13)
     return fig
 
@@ -205,44 +243,86 @@ def turns_figure(result: dict, setting: int | float | None, task: str = ALL, sco
         mean = sum(asked) / len(asked)
         shift = 0.3 * (i / max(1, len(specs) - 1) - 0.5) if len(specs) > 1 else 0.0
         xs = [t + shift for t in turns]
-        bars = dict(type="data", symmetric=False, thickness=1.2, width=3,
-                    array=[None if y is None else sp[1] - y for y, sp in zip(ys, spans)],
-                    arrayminus=[None if y is None else y - sp[0] for y, sp in zip(ys, spans)])
-        hover = (f"{html.escape(spec)}<br>turn %{{customdata[0]}}: score %{{y:.2f}} (95 % interval "
-                 f"%{{customdata[1]:.2f}}-%{{customdata[2]:.2f}}, {n} conversation{'' if n == 1 else 's'})<br>"
-                 "answers copied from the lane's own earlier replies: %{customdata[3]}<extra></extra>")
+        bars = dict(
+            type="data",
+            symmetric=False,
+            thickness=1.2,
+            width=3,
+            array=[None if y is None else sp[1] - y for y, sp in zip(ys, spans)],
+            arrayminus=[None if y is None else y - sp[0] for y, sp in zip(ys, spans)],
+        )
+        hover = (
+            f"{html.escape(spec)}<br>turn %{{customdata[0]}}: score %{{y:.2f}} (95 % interval "
+            f"%{{customdata[1]:.2f}}-%{{customdata[2]:.2f}}, {n} conversation{'' if n == 1 else 's'})<br>"
+            "answers copied from the lane's own earlier replies: %{customdata[3]}<extra></extra>"
+        )
         data = [[t, sp[0] if sp else None, sp[1] if sp else None, c] for t, sp, c in zip(turns, spans, copies)]
         if spec == REFERENCE:
-            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=f"{title(name)} (the reference) "
-                                                                            f"{mean:.2f}",
-                                     connectgaps=True, error_y={**bars, "color": "rgba(60,60,60,0.6)"},
-                                     line=dict(color="rgba(60,60,60,0.28)", width=14),
-                                     marker=dict(color="rgba(60,60,60,0.5)", size=6), customdata=data,
-                                     hovertemplate=hover))
+            fig.add_trace(
+                go.Scatter(
+                    x=xs,
+                    y=ys,
+                    mode="lines+markers",
+                    name=f"{title(name)} (the reference) {mean:.2f}",
+                    connectgaps=True,
+                    error_y={**bars, "color": "rgba(60,60,60,0.6)"},
+                    line=dict(color="rgba(60,60,60,0.28)", width=14),
+                    marker=dict(color="rgba(60,60,60,0.5)", size=6),
+                    customdata=data,
+                    hovertemplate=hover,
+                )
+            )
             continue
         exact = cells[0]["lanes"][spec]["exact"]
-        fig.add_trace(go.Scatter(
-            x=xs, y=ys, mode="lines+markers", name=f"{title(name)} {mean:.2f}", connectgaps=True,
-            line=dict(color=base_colour(name), width=2.5, dash="dot" if exact else "solid"),
-            marker=dict(symbol=symbol(name), size=11 if exact else 9, color=base_colour(name),
-                        line=dict(color="#fff", width=1)),
-            error_y={**bars, "color": base_colour(name)}, customdata=data, hovertemplate=hover))
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=ys,
+                mode="lines+markers",
+                name=f"{title(name)} {mean:.2f}",
+                connectgaps=True,
+                line=dict(color=base_colour(name), width=2.5, dash="dot" if exact else "solid"),
+                marker=dict(
+                    symbol=symbol(name),
+                    size=11 if exact else 9,
+                    color=base_colour(name),
+                    line=dict(color="#fff", width=1),
+                ),
+                error_y={**bars, "color": base_colour(name)},
+                customdata=data,
+                hovertemplate=hover,
+            )
+        )
     where = "every task" if task == ALL else task
-    what = ("found in the context: an answer copied from the lane's own earlier replies scores 0" if score != RAW else
-            "raw: every answer that holds the reference")
-    fig.update_layout(template="plotly_white", font=FONT, height=470, margin=dict(l=70, r=20, t=80, b=55),
-                      title=dict(text=f"Answers across turns ({where}; {setting_words(setting)}; "
-                                      f"{HISTORY_WORDS[kind(result)]})<br><sup>score {what}; bars: 95 % bootstrap "
-                                      f"interval over {n} conversation{'' if n == 1 else 's'}</sup>", x=0.01,
-                                 font=dict(size=17)),
-                      legend=dict(title=dict(text="mean over the turns"), font=dict(size=13)),
-                      xaxis=dict(title="turn", tickmode="array", tickvals=turns, range=[0.6, turns[-1] + 0.4]),
-                      yaxis=dict(title="mean score", range=[-0.04, 1.04]))
+    what = (
+        "found in the context: an answer copied from the lane's own earlier replies scores 0"
+        if score != RAW
+        else "raw: every answer that holds the reference"
+    )
+    fig.update_layout(
+        template="plotly_white",
+        font=FONT,
+        height=470,
+        margin=dict(l=70, r=20, t=80, b=55),
+        title=dict(
+            text=f"Answers across turns ({where}; {setting_words(setting)}; "
+            f"{HISTORY_WORDS[kind(result)]})<br><sup>score {what}; bars: 95 % bootstrap "
+            f"interval over {n} conversation{'' if n == 1 else 's'}</sup>",
+            x=0.01,
+            font=dict(size=17),
+        ),
+        legend=dict(title=dict(text="mean over the turns"), font=dict(size=13)),
+        xaxis=dict(title="turn", tickmode="array", tickvals=turns, range=[0.6, turns[-1] + 0.4]),
+        yaxis=dict(title="mean score", range=[-0.04, 1.04]),
+    )
     return fig
 
 
-HISTORY_WORDS = {KEEP: "history kept: a conversation", DROP: "history dropped: each question from the compressed "
-                                                             "context", SINGLE: "one question"}
+HISTORY_WORDS = {
+    KEEP: "history kept: a conversation",
+    DROP: "history dropped: each question from the compressed context",
+    SINGLE: "one question",
+}
 
 
 def frontier_points(result: dict, task: str = ALL) -> tuple[list[Point], float | None]:
@@ -255,57 +335,86 @@ def frontier_points(result: dict, task: str = ALL) -> tuple[list[Point], float |
     for spec in cells[0]["lanes"]:
         held = [c["lanes"][spec]["held_bytes"] for c in cells if c["lanes"][spec]["held_bytes"] is not None]
         if held:
-            points.append(Point(spec, int(sum(held) / len(held)), _score(cells, spec), None,
-                                instrument=result["memory_instrument"], axis=HELD))
+            points.append(
+                Point(
+                    spec,
+                    int(sum(held) / len(held)),
+                    _score(cells, spec),
+                    None,
+                    instrument=result["memory_instrument"],
+                    axis=HELD,
+                )
+            )
     return points, _score(cells, REFERENCE)
 
 
 def frontier(result: dict, task: str = ALL) -> go.Figure:
     points, full = frontier_points(result, task)
-    return frontier_figure(points, title="Task score against memory", axis=TASK_SCORE, reference=full,
-                           subtitle=f"{'every task' if task == ALL else task}, {result['model']}; bytes held after the "
-                                    f"answer, mean over the samples; measured {result['measured_at']} on {result['device']}")
+    return frontier_figure(
+        points,
+        title="Task score against memory",
+        axis=TASK_SCORE,
+        reference=full,
+        subtitle=f"{'every task' if task == ALL else task}, {result['model']}; bytes held after the "
+        f"answer, mean over the samples; measured {result['measured_at']} on {result['device']}",
+    )
 
 
 def provenance(result: dict) -> str:
-    return (f"measured {result['measured_at']} on {result['device']} ({result.get('processor', '?')}), "
-            f"{result['threads']} thread{'' if result['threads'] == 1 else 's'}, {result['kernels']} kernels, {result['model']}, "
-            f"commit {result.get('commit') or '?'}")
+    return (
+        f"measured {result['measured_at']} on {result['device']} ({result.get('processor', '?')}), "
+        f"{result['threads']} thread{'' if result['threads'] == 1 else 's'}, {result['kernels']} kernels, {result['model']}, "
+        f"commit {result.get('commit') or '?'}"
+    )
 
 
 # The nominal ratio (kvpress's: the share of one layer's compressed tokens dropped, from the budget) and the measured
 # one beside it (the share of the full cache's bytes not held, by the allocator: whole layers kept show there).
-COMPRESSION_HEADS = ("<th title=\"kvpress's ratio: the share of one layer's compressed tokens dropped, from the "
-                     "budget\">compression (nominal)</th><th title=\"1 - bytes held after the answer / the full "
-                     "cache's, measured by the allocator\">measured</th>")
-QUESTION_WORDS = {"after": "the question read after the context was compressed alone (kvpress's setting)",
-                  "with-context": "the question inside the compressed prompt (the SnapKV paper's setting)"}
+COMPRESSION_HEADS = (
+    "<th title=\"kvpress's ratio: the share of one layer's compressed tokens dropped, from the "
+    'budget">compression (nominal)</th><th title="1 - bytes held after the answer / the full '
+    "cache's, measured by the allocator\">measured</th>"
+)
+QUESTION_WORDS = {
+    "after": "the question read after the context was compressed alone (kvpress's setting)",
+    "with-context": "the question inside the compressed prompt (the SnapKV paper's setting)",
+}
 
 
 def head_html(result: dict) -> str:
     """Where and when the result was measured, what it holds, where the question was read, the history, how long
     it took, and the exactness check."""
     every = "in every turn of every conversation" if result.get("multiturn") else "in every cell"
-    exact = (f"every exact strategy's answer equals the full cache's, token for token, {every}"
-             if result["exact_answers_equal_full"] else
-             f"<b>{len(result['exact_mismatches'])} exact answers differ from the full cache's</b>")
+    exact = (
+        f"every exact strategy's answer equals the full cache's, token for token, {every}"
+        if result["exact_answers_equal_full"]
+        else f"<b>{len(result['exact_mismatches'])} exact answers differ from the full cache's</b>"
+    )
     n = len(result["cells"])
     asking = f" (turns {'/'.join(map(str, result['asked']))} ask; the others chat)" if result.get("asked") else ""
-    what = (f"{n} conversation{'' if n == 1 else 's'} of {result['turns']} turns{asking}" if result.get("multiturn") else
-            f"{n} sample{'' if n == 1 else 's'}")
+    what = (
+        f"{n} conversation{'' if n == 1 else 's'} of {result['turns']} turns{asking}"
+        if result.get("multiturn")
+        else f"{n} sample{'' if n == 1 else 's'}"
+    )
     history = f"; {HISTORY_WORDS[kind(result)]}" if result.get("multiturn") else ""
-    return (f"<p class='kvd-tasks-head'>{html.escape(provenance(result))}: {what} "
-            f"({', '.join(result['tasks'])}), contexts {', '.join(map(str, result['contexts']))} tokens, haystack "
-            f"{html.escape(result['haystack'])}; {QUESTION_WORDS[result['question']]}{history}; "
-            f"{result['seconds'] / 60:.0f} min on {result['executor']}; {exact}.</p>")
+    return (
+        f"<p class='kvd-tasks-head'>{html.escape(provenance(result))}: {what} "
+        f"({', '.join(result['tasks'])}), contexts {', '.join(map(str, result['contexts']))} tokens, haystack "
+        f"{html.escape(result['haystack'])}; {QUESTION_WORDS[result['question']]}{history}; "
+        f"{result['seconds'] / 60:.0f} min on {result['executor']}; {exact}.</p>"
+    )
 
 
 def measured(cells: list[dict], spec: str) -> float | None:
     """The measured compression of lane `spec` over `cells` (`tasks.scores.measured_compression`: 1 - its held bytes
     over the full cache's in the same cell, the mean), from each cell's bytes, so that a results file written before
     the summary carried it shows it too; None where no memory was measured."""
-    values = [1 - c["lanes"][spec]["held_bytes"] / c["lanes"][REFERENCE]["held_bytes"] for c in cells
-              if c["lanes"][spec].get("held_bytes") is not None and c["lanes"][REFERENCE].get("held_bytes")]
+    values = [
+        1 - c["lanes"][spec]["held_bytes"] / c["lanes"][REFERENCE]["held_bytes"]
+        for c in cells
+        if c["lanes"][spec].get("held_bytes") is not None and c["lanes"][REFERENCE].get("held_bytes")
+    ]
     return sum(values) / len(values) if values else None
 
 
@@ -328,14 +437,18 @@ def turns_table_html(result: dict, setting: int | float | None, task: str = ALL)
         asked = sum(x is not None for c in cells for x in c["lanes"][spec]["scores"])
         same = sum(sum(c["lanes"][spec]["equal_full_turns"]) for c in cells)
         turns = sum(len(c["lanes"][spec]["equal_full_turns"]) for c in cells)
-        rows.append(f"<tr><td>{html.escape(title(spec))}</td><td>{html.escape(r.get('kind', ''))}</td>"
-                    f"<td><b>{mean(spec, 'score_from_context'):.2f}</b></td><td>{mean(spec, 'score'):.2f}</td>"
-                    f"<td>{sum(c['lanes'][spec]['copies'] for c in cells)}/{asked}</td>"
-                    f"<td>{full_own:.2f} / {full_raw:.2f}</td><td>{same}/{turns}</td>{_compression(cells, spec, r)}"
-                    f"<td>{fmt_bytes(r.get('held_bytes_mean'))}</td></tr>")
-    return ("<table class='kvd-tasks-table'><tr><th>strategy</th><th>kind</th><th>found in the context</th>"
-            "<th>raw</th><th>copied answers</th><th>full cache (context / raw)</th><th>= full answers</th>"
-            f"{COMPRESSION_HEADS}<th>held after</th></tr>" + "".join(rows) + "</table>")
+        rows.append(
+            f"<tr><td>{html.escape(title(spec))}</td><td>{html.escape(r.get('kind', ''))}</td>"
+            f"<td><b>{mean(spec, 'score_from_context'):.2f}</b></td><td>{mean(spec, 'score'):.2f}</td>"
+            f"<td>{sum(c['lanes'][spec]['copies'] for c in cells)}/{asked}</td>"
+            f"<td>{full_own:.2f} / {full_raw:.2f}</td><td>{same}/{turns}</td>{_compression(cells, spec, r)}"
+            f"<td>{fmt_bytes(r.get('held_bytes_mean'))}</td></tr>"
+        )
+    return (
+        "<table class='kvd-tasks-table'><tr><th>strategy</th><th>kind</th><th>found in the context</th>"
+        "<th>raw</th><th>copied answers</th><th>full cache (context / raw)</th><th>= full answers</th>"
+        f"{COMPRESSION_HEADS}<th>held after</th></tr>" + "".join(rows) + "</table>"
+    )
 
 
 def table_html(result: dict, budget: int | None, task: str = ALL) -> str:
@@ -348,10 +461,15 @@ def table_html(result: dict, budget: int | None, task: str = ALL) -> str:
         s, r = _score(cells, spec), by_spec.get(spec, {})
         below = sum(c["lanes"][spec]["score"] < c["lanes"][REFERENCE]["score"] for c in cells)
         same = sum(c["lanes"][spec]["equal_full"] for c in cells)
-        rows.append(f"<tr><td>{html.escape(title(spec))}</td><td>{html.escape(r.get('kind', ''))}</td>"
-                    f"<td><b>{s:.2f}</b></td><td>{full:.2f}</td><td>{below}/{len(cells)}</td>"
-                    f"<td>{same}/{len(cells)}</td>{_compression(cells, spec, r)}"
-                    f"<td>{fmt_bytes(r.get('held_bytes_mean'))}</td><td>{fmt_bytes(r.get('peak_bytes_mean'))}</td></tr>")
-    return ("<table class='kvd-tasks-table'><tr><th>strategy</th><th>kind</th><th>score</th><th>full cache</th>"
-            f"<th>below full</th><th>= full answer</th>{COMPRESSION_HEADS}<th>held after</th><th>peak during</th></tr>"
-            + "".join(rows) + "</table>")
+        rows.append(
+            f"<tr><td>{html.escape(title(spec))}</td><td>{html.escape(r.get('kind', ''))}</td>"
+            f"<td><b>{s:.2f}</b></td><td>{full:.2f}</td><td>{below}/{len(cells)}</td>"
+            f"<td>{same}/{len(cells)}</td>{_compression(cells, spec, r)}"
+            f"<td>{fmt_bytes(r.get('held_bytes_mean'))}</td><td>{fmt_bytes(r.get('peak_bytes_mean'))}</td></tr>"
+        )
+    return (
+        "<table class='kvd-tasks-table'><tr><th>strategy</th><th>kind</th><th>score</th><th>full cache</th>"
+        f"<th>below full</th><th>= full answer</th>{COMPRESSION_HEADS}<th>held after</th><th>peak during</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )

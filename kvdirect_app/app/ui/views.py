@@ -14,19 +14,26 @@ from .session import LaneView, Session, TurnReply
 from .settings import REFERENCE, title
 
 USER_PREVIEW = 360  # characters of a long user turn shown in each pane
-STATE_CLASSES = {"kv": "K/V kept", "residual": "residual kept", "anchor": "anchor kept",
-                 "replayed": "replayed from an anchor", "evicted": "evicted"}
+STATE_CLASSES = {
+    "kv": "K/V kept",
+    "residual": "residual kept",
+    "anchor": "anchor kept",
+    "replayed": "replayed from an anchor",
+    "evicted": "evicted",
+}
 STATE_TITLES = {
     "kv": "this layer holds the token's K/V",
     "residual": "this layer holds the token's attention input; its K/V are rebuilt from it",
     "anchor": "an anchor layer: it holds the token's residual (layer 0: its token id), from which the layers up to "
-              "the next anchor are replayed",
+    "the next anchor are replayed",
     "replayed": "nothing of the token is held at this layer: its K/V are replayed from the anchor layer below",
     "evicted": "dropped: neither its K/V nor anything to rebuild them from",
 }
 PARTIAL = "⟨partial character⟩"
-PARTIAL_TITLE = ("the reply ends inside a multi-byte character: the tokens with its last bytes were never generated "
-                 "(end of turn or token limit)")
+PARTIAL_TITLE = (
+    "the reply ends inside a multi-byte character: the tokens with its last bytes were never generated "
+    "(end of turn or token limit)"
+)
 
 
 def _esc(text: str) -> str:
@@ -59,21 +66,34 @@ def reply_markup(session: Session, lane: LaneView, turn: int) -> str:
         return (_esc(reply.text[:cut]) + tail) if reply.text else ("▍" if lane.active else "")
     index = lane.divergence[1]
     if index >= len(reply.tokens):  # this strategy stopped where the full cache went on
-        return _esc(reply.text[:cut]) + tail + " " + _mark("⟂ end of reply", "this strategy's reply ends here; "
-                                                                             "the full cache's goes on")
+        return (
+            _esc(reply.text[:cut])
+            + tail
+            + " "
+            + _mark("⟂ end of reply", "this strategy's reply ends here; the full cache's goes on")
+        )
     start, end = reply.piece(index)
     if start == end:  # a token without text: this strategy's end of sequence
-        return _esc(reply.text[:cut]) + tail + " " + _mark(
-            "⟂ end of reply", "first token that differs from the full cache: this strategy ended its reply here "
-                              "(end of sequence), the full cache's goes on")
+        return (
+            _esc(reply.text[:cut])
+            + tail
+            + " "
+            + _mark(
+                "⟂ end of reply",
+                "first token that differs from the full cache: this strategy ended its reply here "
+                "(end of sequence), the full cache's goes on",
+            )
+        )
     ref = session.reference
     why = "first token that differs from the full cache" + (
         ", which ended its reply here: this strategy went on"
-        if ref is not None and turn < len(ref.replies) and _ended_at(ref.replies[turn], index) else "")
+        if ref is not None and turn < len(ref.replies) and _ended_at(ref.replies[turn], index)
+        else ""
+    )
     if end > cut:  # the differing token is (part of) the cut character
         why += "; " + PARTIAL_TITLE
         tail = ""
-    shown = _visible(reply.text[start:min(end, cut)]) + (PARTIAL if end > cut else "")
+    shown = _visible(reply.text[start : min(end, cut)]) + (PARTIAL if end > cut else "")
     return _esc(reply.text[:start]) + _mark(shown, why) + _esc(reply.text[end:cut]) + tail
 
 
@@ -127,8 +147,9 @@ def byte_source(measured, instrument: str, peak_source: str | None = None) -> st
     return "unnamed"
 
 
-def byte_figure(measured, formula, what: str, instrument: str = "", peak_source: str | None = None
-                ) -> tuple[str, str | None]:
+def byte_figure(
+    measured, formula, what: str, instrument: str = "", peak_source: str | None = None
+) -> tuple[str, str | None]:
     """(html, source) of a byte figure: the measured value where there is one, else the formula's, followed by
     its source's mark (`BYTE_SOURCES`), the instrument named in its tooltip with the formula beside it;
     ("—", None) where there is neither."""
@@ -140,13 +161,19 @@ def byte_figure(measured, formula, what: str, instrument: str = "", peak_source:
         value, tip = formula, f"{what}: by formula ({mark}), nothing measured it"
     else:
         by = instrument or name
-        how = {"declared": f"declared by the strategy, not measured ({by})",
-               "estimated": f"held bytes by {by} plus the formula's buffers: no peak could be read"}.get(
-                   source, f"measured by {by}")
-        value, tip = measured, f"{what}: {how} ({mark})" + (
-            f"; formula {fmt_bytes(formula)}" if formula is not None else "")
-    return (f'<span class="kvd-bytes" data-source="{source}" title="{html.escape(tip)}">{fmt_bytes(value)}'
-            f'<span class="kvd-note kvd-src">{mark}</span></span>', source)
+        how = {
+            "declared": f"declared by the strategy, not measured ({by})",
+            "estimated": f"held bytes by {by} plus the formula's buffers: no peak could be read",
+        }.get(source, f"measured by {by}")
+        value, tip = (
+            measured,
+            f"{what}: {how} ({mark})" + (f"; formula {fmt_bytes(formula)}" if formula is not None else ""),
+        )
+    return (
+        f'<span class="kvd-bytes" data-source="{source}" title="{html.escape(tip)}">{fmt_bytes(value)}'
+        f'<span class="kvd-note kvd-src">{mark}</span></span>',
+        source,
+    )
 
 
 def source_legend(sources) -> str:
@@ -184,22 +211,29 @@ def pane_header(session: Session, label: str) -> str:
     if lane is not None and lane.memory:
         f = lane.turn_figures()
         by = memory_instrument(session)
-        stats.append(f"between turns <b>{_bytes_cell(f['between'], f['formula_between'], 'held after the last turn', by)}"
-                     "</b>")
-        stats.append(f"peak in turn <b>{_bytes_cell(f['peak'], f['formula_peak'], 'highest during a forward of this turn', by)}"
-                     "</b>")
+        stats.append(
+            f"between turns <b>{_bytes_cell(f['between'], f['formula_between'], 'held after the last turn', by)}</b>"
+        )
+        stats.append(
+            f"peak in turn <b>{_bytes_cell(f['peak'], f['formula_peak'], 'highest during a forward of this turn', by)}"
+            "</b>"
+        )
         if f["ms_per_token"] is not None:
             own, share = own_cost(session, label, f["ms_per_token"])
-            stats.append(f'<span title="its own work per decode step this turn (attention, recompute, replay, '
-                         f'scoring, cache update, and 1/N of the pass the N lanes make together) and its share of the '
-                         f'step; every pane streams at the step\'s rate (the scoreboard\'s last row); the CLI\'s bench '
-                         f'run --alone gives the cost deployed alone">own <b>{own}</b> ms/step'
-                         f'{"" if share == "—" else f" ({share})"}</span>')
+            stats.append(
+                f'<span title="its own work per decode step this turn (attention, recompute, replay, '
+                f"scoring, cache update, and 1/N of the pass the N lanes make together) and its share of the "
+                f"step; every pane streams at the step's rate (the scoreboard's last row); the CLI's bench "
+                f'run --alone gives the cost deployed alone">own <b>{own}</b> ms/step'
+                f"{'' if share == '—' else f' ({share})'}</span>"
+            )
     if lane is not None and label != REFERENCE and lane.match is not None:
         cls = "good" if lane.match == 1.0 else "bad"
         stats.append(f'<span class="kvd-{cls}">match <b>{100 * lane.match:.0f}%</b></span>')
         if lane.agreement:
-            stats.append(f'<span title="mean KL to the full cache, teacher-forced">KL {lane.agreement[-1]["kl"]:.2g}</span>')
+            stats.append(
+                f'<span title="mean KL to the full cache, teacher-forced">KL {lane.agreement[-1]["kl"]:.2g}</span>'
+            )
     summary = _summary(session, label)
     notes = []
     if label == REFERENCE:  # (a lane that keeps the full cache's tokens says nothing more: the scoreboard says it)
@@ -208,26 +242,36 @@ def pane_header(session: Session, label: str) -> str:
         turn, index = lane.divergence
         notes.append(f'<span class="kvd-bad">first differs at turn {turn + 1}, token {index + 1}</span>')
     if summary.get("exact_unavailable"):
-        notes.append(f'<span class="kvd-warn" title="{html.escape(summary["exact_unavailable"])}">no exact mode here</span>')
+        notes.append(
+            f'<span class="kvd-warn" title="{html.escape(summary["exact_unavailable"])}">no exact mode here</span>'
+        )
     elif summary.get("kv_exact") is not None and label != REFERENCE:
         if summary["kv_exact"] and not summary.get("rebuilt_token_layers"):
-            notes.append('<span class="kvd-note" title="K/V equal, but nothing was rebuilt yet">K/V equal (nothing rebuilt yet)</span>')
+            notes.append(
+                '<span class="kvd-note" title="K/V equal, but nothing was rebuilt yet">K/V equal (nothing rebuilt yet)</span>'
+            )
         elif summary["kv_exact"]:
-            notes.append(f'<span class="kvd-good" title="torch.equal on every compared layer, '
-                         f'{summary["rebuilt_token_layers"]:,} token-layers rebuilt">K/V bit-equal ✓</span>')
+            notes.append(
+                f'<span class="kvd-good" title="torch.equal on every compared layer, '
+                f'{summary["rebuilt_token_layers"]:,} token-layers rebuilt">K/V bit-equal ✓</span>'
+            )
         else:
-            notes.append(f'<span class="kvd-warn" title="largest |ΔK| against the full cache">K/V differ: '
-                         f'max|ΔK| {summary["max_abs_dk"]:.1e}</span>')
+            notes.append(
+                f'<span class="kvd-warn" title="largest |ΔK| against the full cache">K/V differ: '
+                f"max|ΔK| {summary['max_abs_dk']:.1e}</span>"
+            )
     for note in summary.get("notes", []):
         notes.append(f'<span class="kvd-note" title="{html.escape(note)}">settings adapted</span>')
     told = _memory_told(session, name)
     if told:
         notes.append(f'<span class="kvd-memory-told">{_esc(told)}</span>')
-    return (f'<div class="kvd-pane-head" style="border-left-color:{colour}">'
-            f'<div class="kvd-pane-title" title="{html.escape(session.about.get(label, {}).get("doc", ""))}"><span class="kvd-dot" style="background:{colour}"></span>'
-            f'{_esc(title(name))}{chips}</div>'
-            f'<div class="kvd-stats">{" · ".join(stats) or "&nbsp;"}</div>'
-            f'<div class="kvd-notes">{" ".join(notes) or "&nbsp;"}</div></div>')
+    return (
+        f'<div class="kvd-pane-head" style="border-left-color:{colour}">'
+        f'<div class="kvd-pane-title" title="{html.escape(session.about.get(label, {}).get("doc", ""))}"><span class="kvd-dot" style="background:{colour}"></span>'
+        f"{_esc(title(name))}{chips}</div>"
+        f'<div class="kvd-stats">{" · ".join(stats) or "&nbsp;"}</div>'
+        f'<div class="kvd-notes">{" ".join(notes) or "&nbsp;"}</div></div>'
+    )
 
 
 def _memory_told(session: Session, name: str) -> str:
@@ -272,34 +316,43 @@ def token_map_html(data: dict | None, label: str, layer: int, limit: int = 2000,
         return '<div class="kvd-empty">The token map appears after a turn: pick a strategy and a layer.</div>'
     tokens, states = data["tokens"], data["states"]
     counts = {s: states.count(s) for s in dict.fromkeys(states)}
-    legend = " ".join(f'<span class="kvd-tok kvd-{s}" title="{html.escape(STATE_TITLES.get(s, s))}">'
-                      f'{STATE_CLASSES.get(s, s)}: {n}</span>' for s, n in counts.items())
-    marked = marked_tokens(tokens[:len(states)], mark)
+    legend = " ".join(
+        f'<span class="kvd-tok kvd-{s}" title="{html.escape(STATE_TITLES.get(s, s))}">'
+        f"{STATE_CLASSES.get(s, s)}: {n}</span>"
+        for s, n in counts.items()
+    )
+    marked = marked_tokens(tokens[: len(states)], mark)
     found = ""
     if marked:
         kept = sorted({states[i] for i in marked})
         cls = "bad" if kept == ["evicted"] else "warn" if "evicted" in kept else "good"
-        found = (f' · <span class="kvd-{cls}">“{_esc(mark)}”: '
-                 f'{", ".join(STATE_CLASSES.get(k, k) for k in kept)}</span>')
+        found = f' · <span class="kvd-{cls}">“{_esc(mark)}”: {", ".join(STATE_CLASSES.get(k, k) for k in kept)}</span>'
     start = max(0, len(states) - limit)
     cut = f'<span class="kvd-note">… {start} earlier tokens not drawn …</span> ' if start else ""
     spans = []
     for i, (tok, state) in enumerate(zip(tokens[start:], states[start:]), start):
         text = tok.replace("\n", "↵") or "⟨no text⟩"
         extra = " kvd-expect" if i in marked else ""
-        spans.append(f'<span class="kvd-tok kvd-{state}{extra}" title="{html.escape(STATE_TITLES.get(state, state))}">'
-                     f'{_esc(text)}</span>' + ("<br>" if "\n" in tok else "<wbr>"))
-    return (f'<div class="kvd-map-head"><b>{_esc(label)}</b>, layer {layer}: {len(states)} tokens{found} · {legend}</div>'
-            f'<div class="kvd-map">{cut}{"".join(spans)}</div>')
+        spans.append(
+            f'<span class="kvd-tok kvd-{state}{extra}" title="{html.escape(STATE_TITLES.get(state, state))}">'
+            f"{_esc(text)}</span>" + ("<br>" if "\n" in tok else "<wbr>")
+        )
+    return (
+        f'<div class="kvd-map-head"><b>{_esc(label)}</b>, layer {layer}: {len(states)} tokens{found} · {legend}</div>'
+        f'<div class="kvd-map">{cut}{"".join(spans)}</div>'
+    )
 
 
 def side_by_side(parts: list[str], recorded: str = "") -> str:
     """One or two token maps next to each other (each scrolls on its own)."""
-    caption = f'<div class="kvd-note">{_esc(recorded)}: the token states at the end of the recorded run</div>' \
-        if recorded else ""
+    caption = (
+        f'<div class="kvd-note">{_esc(recorded)}: the token states at the end of the recorded run</div>'
+        if recorded
+        else ""
+    )
     if len(parts) == 1:
         return caption + parts[0]
-    return caption + '<div class="kvd-map-pair">' + "".join(f'<div>{p}</div>' for p in parts) + '</div>'
+    return caption + '<div class="kvd-map-pair">' + "".join(f"<div>{p}</div>" for p in parts) + "</div>"
 
 
 def telling_view(session: Session, maps: dict | None, states_at=None) -> tuple[str | None, str | None, int]:
@@ -325,10 +378,15 @@ def telling_view(session: Session, maps: dict | None, states_at=None) -> tuple[s
             return list(codes) if isinstance(codes, str) else codes
         return states_at(label, layer) if states_at is not None else None
 
-    evicted = "e" if maps is not None and maps and isinstance(next(iter(maps.values()))["states"][0], str) else "evicted"
+    evicted = (
+        "e" if maps is not None and maps and isinstance(next(iter(maps.values()))["states"][0], str) else "evicted"
+    )
     lossy = [label for label in shown if label != REFERENCE and name_of(label) not in ("kvdirect", "anchorkv")]
-    diverged = sorted((session.first_divergence_index(label), label) for label in lossy
-                      if session.lanes.get(label) is not None and session.lanes[label].divergence is not None)
+    diverged = sorted(
+        (session.first_divergence_index(label), label)
+        for label in lossy
+        if session.lanes.get(label) is not None and session.lanes[label].divergence is not None
+    )
     pick = diverged[0][1] if diverged else (lossy[0] if lossy else shown[0])
     exact = [label for name in ("anchorkv", "kvdirect") for label in shown if name_of(label) == name]
     other = exact[0] if exact else (REFERENCE if REFERENCE in shown and pick != REFERENCE else None)
@@ -339,7 +397,7 @@ def telling_view(session: Session, maps: dict | None, states_at=None) -> tuple[s
         st = states(pick, layer)
         if st is None:
             break
-        marked = marked_tokens(tokens[:len(st)], words) if tokens is not None else set()
+        marked = marked_tokens(tokens[: len(st)], words) if tokens is not None else set()
         key = (sum(st[i] == evicted for i in marked), st.count(evicted))
         if best_key is None or key > best_key:
             best, best_key = layer, key
@@ -351,13 +409,25 @@ def recording_line(session: Session) -> str:
     meta = session.recording
     if not meta:
         what = "▶ Replay it plays the recorded run picked under ⚙ Settings ▸ Recorded runs."
-        return (f'<div class="kvd-recording" title="{what}"><b>Live on this machine.</b> <span class="kvd-note">'
-                f'{what}</span></div>') if session.shown else ""
+        return (
+            (
+                f'<div class="kvd-recording" title="{what}"><b>Live on this machine.</b> <span class="kvd-note">'
+                f"{what}</span></div>"
+            )
+            if session.shown
+            else ""
+        )
     what = meta.get("scenario") or "a recorded conversation"
-    says = {"recall": "a locker code told in turn 1, asked for seven turns later: the exact panes still say it, "
-                      "the eviction baselines have dropped it"}.get(meta.get("scenario") or "", meta.get("about", ""))
-    full = (f"{describe(meta)}. Every number below is the recorded one; nothing is recomputed. ▶ Replay it plays "
-            f"it back; ▶ Run it live runs the same conversation on this machine.")
-    return (f'<div class="kvd-recording" title="{html.escape(full)}"><b>Recorded run: {_esc(what)}</b>'
-            f'{" · " + _esc(says) if says else ""} <span class="kvd-note">· {meta.get("seconds", 0):.0f} s on '
-            f'{_esc(str(meta.get("device", "?")))}</span></div>')
+    says = {
+        "recall": "a locker code told in turn 1, asked for seven turns later: the exact panes still say it, "
+        "the eviction baselines have dropped it"
+    }.get(meta.get("scenario") or "", meta.get("about", ""))
+    full = (
+        f"{describe(meta)}. Every number below is the recorded one; nothing is recomputed. ▶ Replay it plays "
+        f"it back; ▶ Run it live runs the same conversation on this machine."
+    )
+    return (
+        f'<div class="kvd-recording" title="{html.escape(full)}"><b>Recorded run: {_esc(what)}</b>'
+        f'{" · " + _esc(says) if says else ""} <span class="kvd-note">· {meta.get("seconds", 0):.0f} s on '
+        f"{_esc(str(meta.get('device', '?')))}</span></div>"
+    )

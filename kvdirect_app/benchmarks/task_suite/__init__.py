@@ -22,7 +22,28 @@ from .multi_turn import (
 )
 from .single_turn import Sample, prompt_ids, prompt_parts, prompt_text, sample, score
 
-__all__ = ["DEPTHLESS", "HAYSTACKS", "MAX_NEW_TOKENS", "MIN_CONTEXT", "TASKS", "SampleError", "MAX_TURNS",
-           "MULTITURN_TASKS", "Conversation", "Turn", "conversation", "conversation_ids", "conversation_parts",
-           "question_ids", "score_from_context", "score_turns", "score_turns_from_context", "Sample", "prompt_ids",
-           "prompt_parts", "prompt_text", "sample", "score"]
+__all__ = [
+    "DEPTHLESS",
+    "HAYSTACKS",
+    "MAX_NEW_TOKENS",
+    "MIN_CONTEXT",
+    "TASKS",
+    "SampleError",
+    "MAX_TURNS",
+    "MULTITURN_TASKS",
+    "Conversation",
+    "Turn",
+    "conversation",
+    "conversation_ids",
+    "conversation_parts",
+    "question_ids",
+    "score_from_context",
+    "score_turns",
+    "score_turns_from_context",
+    "Sample",
+    "prompt_ids",
+    "prompt_parts",
+    "prompt_text",
+    "sample",
+    "score",
+]

@@ -41,8 +41,16 @@ from functools import lru_cache
 from ...plain.errors import UserError
 from . import qa
 
-TASKS = ("niah_single_number", "niah_single_word", "niah_single_uuid", "niah_multikey", "niah_multivalue",
-         "niah_multiquery", "variable_tracking", "qa")
+TASKS = (
+    "niah_single_number",
+    "niah_single_word",
+    "niah_single_uuid",
+    "niah_multikey",
+    "niah_multivalue",
+    "niah_multiquery",
+    "variable_tracking",
+    "qa",
+)
 HAYSTACKS = ("noise", "document")
 DEPTHLESS: tuple[str, ...] = ()  # tasks that take no depth: none, every task places its (first) needle at one
 # A floor for settings checks: no task fits in fewer tokens (`single_turn.sample` names each task's own minimum:
@@ -50,26 +58,126 @@ DEPTHLESS: tuple[str, ...] = ()  # tasks that take no depth: none, every task pl
 MIN_CONTEXT = 64
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-MAX_NEW_TOKENS = {"niah_single_number": 16, "niah_single_word": 16, "niah_single_uuid": 48, "niah_multikey": 16,
-                  "niah_multivalue": 48, "niah_multiquery": 48, "variable_tracking": 32, "qa": 32}
+MAX_NEW_TOKENS = {
+    "niah_single_number": 16,
+    "niah_single_word": 16,
+    "niah_single_uuid": 48,
+    "niah_multikey": 16,
+    "niah_multivalue": 48,
+    "niah_multiquery": 48,
+    "variable_tracking": 32,
+    "qa": 32,
+}
 
-ADJECTIVES = ("amber", "brave", "calm", "clever", "crimson", "curly", "dusty", "eager", "early", "fancy", "fluffy",
-              "gentle", "giant", "glossy", "golden", "grumpy", "happy", "hollow", "humble", "icy", "jolly", "lively",
-              "lucky", "mellow", "misty", "noble", "odd", "olive", "plucky", "polite", "proud", "quick", "quiet",
-              "rapid", "rusty", "sandy", "shiny", "silent", "silky", "sleepy", "smoky", "sunny", "swift", "tidy",
-              "velvet", "wild", "windy", "witty")
-NOUNS = ("acorn", "anchor", "apple", "badger", "basket", "beetle", "blanket", "bucket", "button", "candle", "carrot",
-         "castle", "cobbler", "comet", "cricket", "dolphin", "falcon", "feather", "fiddle", "garden", "glacier",
-         "hammer", "harbor", "helmet", "island", "jacket", "kettle", "ladder", "lantern", "lemon", "meadow", "mitten",
-         "needle", "orchard", "otter", "parrot", "pebble", "pepper", "pillow", "pocket", "rabbit", "saddle", "spider",
-         "teapot", "thimble", "tulip", "walnut", "whistle")
+ADJECTIVES = (
+    "amber",
+    "brave",
+    "calm",
+    "clever",
+    "crimson",
+    "curly",
+    "dusty",
+    "eager",
+    "early",
+    "fancy",
+    "fluffy",
+    "gentle",
+    "giant",
+    "glossy",
+    "golden",
+    "grumpy",
+    "happy",
+    "hollow",
+    "humble",
+    "icy",
+    "jolly",
+    "lively",
+    "lucky",
+    "mellow",
+    "misty",
+    "noble",
+    "odd",
+    "olive",
+    "plucky",
+    "polite",
+    "proud",
+    "quick",
+    "quiet",
+    "rapid",
+    "rusty",
+    "sandy",
+    "shiny",
+    "silent",
+    "silky",
+    "sleepy",
+    "smoky",
+    "sunny",
+    "swift",
+    "tidy",
+    "velvet",
+    "wild",
+    "windy",
+    "witty",
+)
+NOUNS = (
+    "acorn",
+    "anchor",
+    "apple",
+    "badger",
+    "basket",
+    "beetle",
+    "blanket",
+    "bucket",
+    "button",
+    "candle",
+    "carrot",
+    "castle",
+    "cobbler",
+    "comet",
+    "cricket",
+    "dolphin",
+    "falcon",
+    "feather",
+    "fiddle",
+    "garden",
+    "glacier",
+    "hammer",
+    "harbor",
+    "helmet",
+    "island",
+    "jacket",
+    "kettle",
+    "ladder",
+    "lantern",
+    "lemon",
+    "meadow",
+    "mitten",
+    "needle",
+    "orchard",
+    "otter",
+    "parrot",
+    "pebble",
+    "pepper",
+    "pillow",
+    "pocket",
+    "rabbit",
+    "saddle",
+    "spider",
+    "teapot",
+    "thimble",
+    "tulip",
+    "walnut",
+    "whistle",
+)
 
 # The needles' and the QA set's templates, RULER's; each kind's question and answer prefix are its own module's.
 NIAH_NEEDLE = "One of the special magic {kind}s for {key} is: {value}."
-QA_TEMPLATE = ("Answer the question based on the given documents. Only give me the answer and do not output any "
-               "other words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on "
-               "the given documents. Only give me the answer and do not output any other words.\n\n"
-               "Question: {query}")
+QA_TEMPLATE = (
+    "Answer the question based on the given documents. Only give me the answer and do not output any "
+    "other words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on "
+    "the given documents. Only give me the answer and do not output any other words.\n\n"
+    "Question: {query}"
+)
 QA_PREFIX = "Answer:"
 
 
@@ -79,8 +187,9 @@ class SampleError(UserError):
 
 # --- prompts ------------------------------------------------------------------------------------------------------
 def render_chat(tokenizer, user: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def encode(tokenizer, text: str, special: bool) -> list[int]:
@@ -95,11 +204,15 @@ def split_ids(tokenizer, user: str, tail: str, answer_prefix: str, chat: bool) -
     head = render_chat(tokenizer, user) if chat else user
     at = head.rfind(user)
     if at < 0 or not user.endswith(tail):
-        raise SampleError("chat: this tokenizer's chat template changes the user message, so the context cannot be "
-                          "cut from the question; allowed: chat=False")
+        raise SampleError(
+            "chat: this tokenizer's chat template changes the user message, so the context cannot be "
+            "cut from the question; allowed: chat=False"
+        )
     at += len(user) - len(tail)
-    return (encode(tokenizer, head[:at], not chat),
-            encode(tokenizer, head[at:], False) + encode(tokenizer, answer_prefix, False))
+    return (
+        encode(tokenizer, head[:at], not chat),
+        encode(tokenizer, head[at:], False) + encode(tokenizer, answer_prefix, False),
+    )
 
 
 def joined_ids(tokenizer, user: str, tail: str, answer_prefix: str, chat: bool) -> list[int]:
@@ -117,7 +230,7 @@ def stream(name: str, skip: int | None = None) -> tuple[tuple[str, str], ...]:
         return tuple((s, "\n" if i == len(sents) - 1 else " ") for i, s in enumerate(sents))
     paras = list(qa.paragraphs())
     if skip is not None:
-        paras = paras[skip + 1:] + paras[:skip]
+        paras = paras[skip + 1 :] + paras[:skip]
     out = []
     for p in paras:
         sents = qa.sentences(p)
@@ -278,7 +391,6 @@ def distinct(make, n: int, avoid=()) -> list[str]:
     return out
 
 
-
 # --- checks -------------------------------------------------------------------------------------------------------
 def check_settings(task, tokenizer, context, depth, seed, haystack, chat) -> None:
     if task not in TASKS:
@@ -286,19 +398,25 @@ def check_settings(task, tokenizer, context, depth, seed, haystack, chat) -> Non
     if haystack not in HAYSTACKS:
         raise SampleError(f"haystack: {haystack!r} is not allowed; allowed: {', '.join(HAYSTACKS)}")
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-        raise SampleError(f"context: {context!r} is not allowed; allowed: a whole number of tokens, at least "
-                          f"{MIN_CONTEXT}")
-    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, float))
-                              or not math.isfinite(depth) or not 0 <= depth <= 100):
-        raise SampleError(f"depth: {depth!r} is not allowed; allowed: 0..100 (percent of the haystack before the "
-                          "needle) or None (drawn from the seed)")
+        raise SampleError(
+            f"context: {context!r} is not allowed; allowed: a whole number of tokens, at least {MIN_CONTEXT}"
+        )
+    if depth is not None and (
+        isinstance(depth, bool)
+        or not isinstance(depth, (int, float))
+        or not math.isfinite(depth)
+        or not 0 <= depth <= 100
+    ):
+        raise SampleError(
+            f"depth: {depth!r} is not allowed; allowed: 0..100 (percent of the haystack before the "
+            "needle) or None (drawn from the seed)"
+        )
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise SampleError(f"seed: {seed!r} is not allowed; allowed: a whole number")
     if not isinstance(chat, bool):
         raise SampleError(f"chat: {chat!r} is not allowed; allowed: True, False")
     if chat and not getattr(tokenizer, "chat_template", None):
         raise SampleError("chat: this tokenizer has no chat template; allowed: chat=False")
-
 
 
 # --- the finished prompt: where its needle is, what a reply scores ----------------------------------------------
@@ -346,9 +464,11 @@ def fit(build, context: int, task: str):
     or a conversation hands in."""
     smallest = build(0)[1]
     if smallest > context:
-        raise SampleError(f"context: {context} tokens is too small for {task} (its instruction, needle(s) and "
-                          f"question take {smallest} tokens with this tokenizer and seed); "
-                          f"allowed: at least {smallest}")
+        raise SampleError(
+            f"context: {context} tokens is too small for {task} (its instruction, needle(s) and "
+            f"question take {smallest} tokens with this tokenizer and seed); "
+            f"allowed: at least {smallest}"
+        )
     lo, hi = 0, 64
     while build(hi)[1] <= context:
         lo, hi = hi, hi * 2
@@ -363,4 +483,3 @@ def fit(build, context: int, task: str):
             lo = more
     user, _, rest = build(lo)
     return (user, *rest)
-

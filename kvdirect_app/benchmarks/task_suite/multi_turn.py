@@ -42,16 +42,22 @@ from .haystack import (
 MULTITURN_TASKS = ("niah_single_number", "niah_single_word", "niah_single_uuid", "qa")
 MAX_TURNS = 20
 
-_MT_TEMPLATE = ("Some special magic {kind}s are hidden within the following text. Make sure to memorize it. I will "
-                "quiz you about the {kind}s afterwards.\n{context}\n{question}")
+_MT_TEMPLATE = (
+    "Some special magic {kind}s are hidden within the following text. Make sure to memorize it. I will "
+    "quiz you about the {kind}s afterwards.\n{context}\n{question}"
+)
 _MT_QUESTION = "What is the special magic {kind} for {key} mentioned in the provided text?"
 _MT_PREFIX = "The special magic {kind} for {key} mentioned in the provided text is"
-_QA_LATER = ("Answer the question based on the given documents. Only give me the answer and do not output any "
-             "other words.\n\nQuestion: {query}")
+_QA_LATER = (
+    "Answer the question based on the given documents. Only give me the answer and do not output any "
+    "other words.\n\nQuestion: {query}"
+)
 # Turn 1 where it asks nothing (`asked` without 1): the instruction and the context alone.
 _MT_LATER = "Remember the special magic {kind}s: I will ask you about them later."
-_QA_QUIET = ("Read the following documents: I will ask you questions about them later.\n\nThe following are given "
-             "documents.\n\n{context}")
+_QA_QUIET = (
+    "Read the following documents: I will ask you questions about them later.\n\nThe following are given "
+    "documents.\n\n{context}"
+)
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,7 @@ def question_ids(conv: Conversation, tokenizer, n: int) -> list[int]:
     question and answer cut (kvpress's multi-question mode; `bench tasks --multiturn --history drop`): the question
     ids turn 1 would have had, asking it."""
     first, turn = conv.turns[0], conv.turns[n]
-    context = first.user[:len(first.user) - len(first.tail)]
+    context = first.user[: len(first.user) - len(first.tail)]
     return split_ids(tokenizer, context + turn.tail, turn.tail, turn.answer_prefix, conv.chat)[1]
 
 
@@ -129,8 +135,10 @@ def score_turns_from_context(conv: Conversation, replies: list[str]) -> tuple[li
     for a turn that asks about no needle."""
     if len(replies) != len(conv.turns):
         raise ValueError(f"{len(replies)} replies for {len(conv.turns)} turns")
-    scored = [score_from_context(conv.task, t.answers, r, replies[:n]) if t.answers else (None, False)
-              for n, (t, r) in enumerate(zip(conv.turns, replies))]
+    scored = [
+        score_from_context(conv.task, t.answers, r, replies[:n]) if t.answers else (None, False)
+        for n, (t, r) in enumerate(zip(conv.turns, replies))
+    ]
     return [s for s, _ in scored], [c for _, c in scored]
 
 
@@ -141,8 +149,16 @@ def _report_stream(words: int) -> tuple[tuple[str, str], ...]:
     return doc + noise * (words // 20 + 2)
 
 
-def conversation(task: str, tokenizer, context: int, turns: int, seed: int, haystack: str = "noise",
-                 chat: bool = True, asked: tuple[int, ...] | None = None) -> Conversation:
+def conversation(
+    task: str,
+    tokenizer,
+    context: int,
+    turns: int,
+    seed: int,
+    haystack: str = "noise",
+    chat: bool = True,
+    asked: tuple[int, ...] | None = None,
+) -> Conversation:
     """A conversation after SCBench's multi-turn mode (Li et al., ICLR 2025: a shared context, then a query per
     turn) on RULER's needles: turn 1 carries a context of at most `context` tokens holding one needle per turn and
     asks about one of them; each later turn asks about another, answerable from turn 1 alone.
@@ -162,13 +178,20 @@ def conversation(task: str, tokenizer, context: int, turns: int, seed: int, hays
         raise SampleError(f"task: {task!r} has no multi-turn form; allowed: {', '.join(MULTITURN_TASKS)}")
     if isinstance(turns, bool) or not isinstance(turns, int) or not 2 <= turns <= MAX_TURNS:
         raise SampleError(f"turns: {turns!r} is not allowed; allowed: whole numbers 2..{MAX_TURNS}")
-    if asked is not None and (not asked or any(isinstance(t, bool) or not isinstance(t, int) for t in asked)
-                              or list(asked) != sorted(set(asked)) or not 1 <= asked[0] <= asked[-1] <= turns):
-        raise SampleError(f"asked: {asked!r} is not allowed; allowed: turn numbers 1..{turns}, increasing, at least one")
+    if asked is not None and (
+        not asked
+        or any(isinstance(t, bool) or not isinstance(t, int) for t in asked)
+        or list(asked) != sorted(set(asked))
+        or not 1 <= asked[0] <= asked[-1] <= turns
+    ):
+        raise SampleError(
+            f"asked: {asked!r} is not allowed; allowed: turn numbers 1..{turns}, increasing, at least one"
+        )
     asking = list(asked) if asked else list(range(1, turns + 1))
     n_asked = len(asking)
-    says = random.Random(f"{task}|{seed}|{turns}|conversation" if asked is None else
-                         f"{task}|{seed}|{turns}|{tuple(asked)}|conversation")
+    says = random.Random(
+        f"{task}|{seed}|{turns}|conversation" if asked is None else f"{task}|{seed}|{turns}|{tuple(asked)}|conversation"
+    )
     gap = "" if chat else " "  # as a sample's: in plain text the answer prefix follows the question after a space
     order = says.sample(range(n_asked), n_asked)  # asked turn n asks about needle order[n] (needle i at place i)
     if task == "qa":
@@ -177,8 +200,10 @@ def conversation(task: str, tokenizer, context: int, turns: int, seed: int, hays
             return _between(conv, turns, asking) if asked else conv
         picked = _distinct_paragraphs(says, n_asked, range(len(qa.QUESTIONS)))
         if len(picked) < n_asked:
-            raise SampleError(f"turns: {n_asked} asking turns are not allowed for qa; allowed: up to {len(picked)} "
-                              "(the report's questions are about that many different paragraphs)")
+            raise SampleError(
+                f"turns: {n_asked} asking turns are not allowed for qa; allowed: up to {len(picked)} "
+                "(the report's questions are about that many different paragraphs)"
+            )
         needles = [qa.paragraphs()[qa.fact_paragraph(q)] for q in picked]
         asks = [(_QA_LATER.format(query=q.question), QA_PREFIX, q.answers, q.question) for q in picked]
         tails = [_qa_tail(q.question) for q in picked]
@@ -189,12 +214,20 @@ def conversation(task: str, tokenizer, context: int, turns: int, seed: int, hays
         keys = distinct(lambda: adjective_noun(says), n_asked)
         values = distinct(lambda: needle_value(kind, says), n_asked, avoid=keys)
         needles = [NIAH_NEEDLE.format(kind=kind, key=k, value=v) for k, v in zip(keys, values)]
-        asks = [(_MT_QUESTION.format(kind=kind, key=k), _MT_PREFIX.format(kind=kind, key=k), (v,),
-                 _MT_QUESTION.format(kind=kind, key=k)) for k, v in zip(keys, values)]
+        asks = [
+            (
+                _MT_QUESTION.format(kind=kind, key=k),
+                _MT_PREFIX.format(kind=kind, key=k),
+                (v,),
+                _MT_QUESTION.format(kind=kind, key=k),
+            )
+            for k, v in zip(keys, values)
+        ]
         question = asks[order[0]][0] if 1 in asking else _MT_LATER.format(kind=kind)
         template, sep = _MT_TEMPLATE.format(kind=kind, context="{context}", question=question), "\n"
-        tails = [_MT_TEMPLATE.format(kind=kind, context="{context}", question=a[0]).partition("{context}")[2]
-                 for a in asks]
+        tails = [
+            _MT_TEMPLATE.format(kind=kind, context="{context}", question=a[0]).partition("{context}")[2] for a in asks
+        ]
     # The first needle at the haystack's start (depth 0), the others at evenly spread shares of its boundaries (one
     # needle alone: in the middle).
     first_prefix = asks[order[0]][1] if 1 in asking else ""
@@ -236,8 +269,9 @@ def _between(conv: Conversation, turns: int, asking: list[int]) -> Conversation:
     return replace(conv, turns=tuple(out))
 
 
-def _report_conversation(tokenizer, context: int, n: int, seed: int, chat: bool, says: random.Random,
-                         first_asks: bool = True) -> Conversation:
+def _report_conversation(
+    tokenizer, context: int, n: int, seed: int, chat: bool, says: random.Random, first_asks: bool = True
+) -> Conversation:
     """qa on the document: the report from its start, and `n` questions about paragraphs it holds whole (the first
     in turn 1, or with `first_asks` False all after a turn 1 that asks nothing)."""
     gap = "" if chat else " "
@@ -263,16 +297,26 @@ def _report_conversation(tokenizer, context: int, n: int, seed: int, chat: bool,
     held = [i for i in shuffled if qa.paragraphs()[qa.fact_paragraph(qa.QUESTIONS[i])] in text]
     picked = _distinct_paragraphs(says, n, held)
     if len(picked) < n:
-        raise SampleError(f"context: {context} tokens of the report hold whole paragraphs for {len(picked)} "
-                          f"different questions; allowed: turns up to {len(picked)} at this context, or a longer "
-                          "context")
+        raise SampleError(
+            f"context: {context} tokens of the report hold whole paragraphs for {len(picked)} "
+            f"different questions; allowed: turns up to {len(picked)} at this context, or a longer "
+            "context"
+        )
     user, text, _, _, hay_spans = window(picked[0].question if first_asks else None)
     out = [] if first_asks else [Turn(user, "", "", (), None, _QA_QUIET.partition("{context}")[2])]
     for q in picked:
         para = text.index(qa.paragraphs()[qa.fact_paragraph(q)])
         depth = measure_depth(tokenizer, user, text, [(para, para)], hay_spans, 0, chat)
-        out.append(Turn(_QA_LATER.format(query=q.question) if out else user, q.question, gap + QA_PREFIX, q.answers,
-                        depth, _qa_tail(q.question)))
+        out.append(
+            Turn(
+                _QA_LATER.format(query=q.question) if out else user,
+                q.question,
+                gap + QA_PREFIX,
+                q.answers,
+                depth,
+                _qa_tail(q.question),
+            )
+        )
     return Conversation("qa", context, seed, "document", tuple(out), MAX_NEW_TOKENS["qa"], chat)
 
 

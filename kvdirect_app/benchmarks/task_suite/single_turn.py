@@ -75,15 +75,21 @@ from .haystack import (
 NEEDLES = 4  # keys of multi-key and multi-query, values of multi-value (RULER's 4)
 HOPS = 4  # the variable chain's hops (RULER's 4: five variables)
 
-_NIAH_TEMPLATE = ("Some special magic {kind}s are hidden within the following text. Make sure to memorize it. "
-                  "I will quiz you about the {kind}s afterwards.\n{context}\nWhat are all the special magic {kind}s "
-                  "for {query} mentioned in the provided text?")
+_NIAH_TEMPLATE = (
+    "Some special magic {kind}s are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the {kind}s afterwards.\n{context}\nWhat are all the special magic {kind}s "
+    "for {query} mentioned in the provided text?"
+)
 _NIAH_PREFIX = "The special magic {kind}s for {query} mentioned in the provided text are"
-_VT_TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
-                "Question: Find all variables that are assigned the value {query} in the text above.")
+_VT_TEMPLATE = (
+    "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+    "Question: Find all variables that are assigned the value {query} in the text above."
+)
 # RULER's ends "they are: " with a space; a prompt ending in a space makes a BPE model start its answer oddly.
-_VT_PREFIX = ("Answer: According to the chain(s) of variable assignment in the text above, {n} variables are "
-              "assigned the value {query}, they are:")
+_VT_PREFIX = (
+    "Answer: According to the chain(s) of variable assignment in the text above, {n} variables are "
+    "assigned the value {query}, they are:"
+)
 
 
 @dataclass(frozen=True)
@@ -148,31 +154,55 @@ def _niah(task: str, rng: random.Random, goes: random.Random) -> Task:
         goes.shuffle(ordered)  # RULER shuffles the needles
     template, prefix = _NIAH_TEMPLATE, _NIAH_PREFIX
     if len(answers) == 1:  # RULER's singular wording for one answer
-        template = (template.replace("Some", "A").replace("are all", "is").replace("are", "is")
-                    .replace("{kind}s", "{kind}"))
+        template = (
+            template.replace("Some", "A").replace("are all", "is").replace("are", "is").replace("{kind}s", "{kind}")
+        )
         prefix = prefix.replace("are", "is").replace("{kind}s", "{kind}")
-    return Task(template.format(kind=kind, query=query, context="{context}"), prefix.format(kind=kind, query=query),
-                answers, ordered, others, [goes.random() for _ in ordered[1:]], "\n")
+    return Task(
+        template.format(kind=kind, query=query, context="{context}"),
+        prefix.format(kind=kind, query=query),
+        answers,
+        ordered,
+        others,
+        [goes.random() for _ in ordered[1:]],
+        "\n",
+    )
 
 
 def _variable_tracking(rng: random.Random, goes: random.Random) -> Task:
     names = distinct(lambda: "".join(rng.choices(string.ascii_uppercase, k=5)), HOPS + 1, avoid=("VAR",))
     value = str(rng.randint(10000, 99999))
     chain = [f"VAR {names[0]} = {value}"] + [f"VAR {names[j + 1]} = VAR {names[j]}" for j in range(HOPS)]
-    return Task(_VT_TEMPLATE.format(query=value, context="{context}"), _VT_PREFIX.format(n=HOPS + 1, query=value),
-                tuple(names), chain, "after", [goes.random() for _ in chain[1:]], "\n")
+    return Task(
+        _VT_TEMPLATE.format(query=value, context="{context}"),
+        _VT_PREFIX.format(n=HOPS + 1, query=value),
+        tuple(names),
+        chain,
+        "after",
+        [goes.random() for _ in chain[1:]],
+        "\n",
+    )
 
 
 def _qa(seed: int, haystack: str) -> Task:
     q = qa.question_for(seed)
     k = qa.fact_paragraph(q)
-    return Task(QA_TEMPLATE.format(query=q.question, context="{context}"), QA_PREFIX, q.answers,
-                [qa.paragraphs()[k]], "after", [], "\n\n", k if haystack == "document" else None)
+    return Task(
+        QA_TEMPLATE.format(query=q.question, context="{context}"),
+        QA_PREFIX,
+        q.answers,
+        [qa.paragraphs()[k]],
+        "after",
+        [],
+        "\n\n",
+        k if haystack == "document" else None,
+    )
 
 
 # --- the sample ---------------------------------------------------------------------------------------------------
-def sample(task: str, tokenizer, context: int, depth: float | None, seed: int, haystack: str = "noise",
-           chat: bool = True) -> Sample:
+def sample(
+    task: str, tokenizer, context: int, depth: float | None, seed: int, haystack: str = "noise", chat: bool = True
+) -> Sample:
     """One prompt of at most `context` tokens (and within a few of it) with its needle(s) at `depth`; see the
     module's docstring and `haystack`'s.  Bad settings raise SampleError (a ValueError) with one line."""
     check_settings(task, tokenizer, context, depth, seed, haystack, chat)
@@ -204,8 +234,20 @@ def sample(task: str, tokenizer, context: int, depth: float | None, seed: int, h
     user, text, inserts, needle_spans, hay_spans = fit(build, context, task)
     primary = [x for _, x in inserts].index(t.needles[0])
     measured = measure_depth(tokenizer, user, text, needle_spans, hay_spans, primary, chat)
-    return Sample(task, context, None if depth is None else float(depth), seed, haystack, user, tail, prefix,
-                  t.answers, measured, MAX_NEW_TOKENS[task], chat)
+    return Sample(
+        task,
+        context,
+        None if depth is None else float(depth),
+        seed,
+        haystack,
+        user,
+        tail,
+        prefix,
+        t.answers,
+        measured,
+        MAX_NEW_TOKENS[task],
+        chat,
+    )
 
 
 def score(sample: Sample, reply: str) -> float:

