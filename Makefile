@@ -56,9 +56,10 @@ browser:
 	@test -x /usr/bin/chromium || { apt-get update && apt-get install -y --no-install-recommends chromium; }
 
 # The layout's checks (a few seconds): each layer imports only those below it and the plain layer no torch
-# (.importlinter), and the linter (pyproject.toml's [tool.ruff]).
+# (.importlinter), the formatter's layout and the linter (pyproject.toml's [tool.ruff]).
 lint: install
 	$(BIN)/lint-imports
+	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
 # Two workers (pytest-xdist): tests that share a process-wide fixture run together (tests/conftest.py).

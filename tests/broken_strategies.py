@@ -1,6 +1,6 @@
-"""Strategies that each break one rule of the conformance kit (`kvdirect_app/benchmarks/conformance.py`), as a careless author
-would: tests/benchmarks/test_kit_rules.py runs `bench check-strategy tests/broken_strategies.py:Name` on each and expects that
-rule's FAIL line, exit 1 and no traceback.  Each passed the kit before issue 54."""
+"""Strategies that each break one rule of the conformance kit (`kvdirect_app/benchmarks/conformance.py`), as a careless
+author would: tests/benchmarks/test_kit_rules.py runs `bench check-strategy tests/broken_strategies.py:Name` on each and
+expects that rule's FAIL line, exit 1 and no traceback.  Each passed the kit before issue 54."""
 
 import time
 from dataclasses import dataclass

@@ -21,7 +21,8 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 # Every results file the suite writes (bench run/sweep/reproduce/..., the compare endpoint), in this process or
-# in a subprocess, is validated against its JSON Schema (docs/schema/) before it is written (kvdirect_app/plain/schema.py).
+# in a subprocess, is validated against its JSON Schema (docs/schema/) before it is written
+# (kvdirect_app/plain/schema.py).
 os.environ["KVDIRECT_VALIDATE_JSON"] = "1"
 
 # The invariance probe's kept verdicts (models/probe_verdicts.py) go to a folder of this run's own, empty at its

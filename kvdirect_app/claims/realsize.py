@@ -30,7 +30,8 @@ and each norm's weight set to its identity (ones for a plain RMSNorm, zeros for 
 found by what the norm does rather than by family name); the input embedding is then divided by the scale the
 family applies to it (Gemma's sqrt(d); `fill_random` says why).  With that spread each layer's output is of the
 order of the residual it is added to, so the layers matter to the logits and greedy tokens vary with the
-context (`distinct_new_tokens` in the result says how much).  A multimodal config (Gemma 3's ``gemma3``) is built from its text part.
+context (`distinct_new_tokens` in the result says how much).  A multimodal config (Gemma 3's ``gemma3``) is built from
+its text part.
 """
 
 from __future__ import annotations

@@ -154,8 +154,8 @@ def _details(results: dict) -> list[str]:
             f"turn 1 holds {'/'.join(map(str, a['contexts']))} tokens with a needle for each of turns {at} (they "
             "ask about them; the turns between chat)"
             if a.get("asked")
-            else f"turn 1 holds {'/'.join(map(str, a['contexts']))} tokens with a needle per turn, every turn asks about "
-            "one of them"
+            else f"turn 1 holds {'/'.join(map(str, a['contexts']))} tokens with a needle per turn, every turn asks "
+            "about one of them"
         )
         out += [
             "",
@@ -261,9 +261,9 @@ def _details(results: dict) -> list[str]:
         ],
     )
     out += ["", *title("exactness")]
+    accelerator = results["claims"]["exactness_accelerator"]
     out += [
-        f"{results['claims']['exactness_accelerator']['title']}: {results['claims']['exactness_accelerator']['verdict']}"
-        f" ({results['claims']['exactness_accelerator']['measured_on']}).",
+        f"{accelerator['title']}: {accelerator['verdict']} ({accelerator['measured_on']}).",
         "",
     ]
     cols = [

@@ -269,7 +269,8 @@ def plan(model: str, quick: bool, device: str = "auto", threads: int = 1) -> lis
             }
         )
     if k.equal_memory:  # the baselines, each at the budget whose measured peak is closest to AnchorKV's lowest exact
-        # lane's in the same conversation (the sweep measures that lane itself; a sweep of baselines alone has no target)
+        # lane's in the same conversation (the sweep measures that lane itself; a sweep of baselines alone has no
+        # target)
         cells.append(
             {
                 "kind": "sweep",

@@ -109,7 +109,8 @@ def rule_text() -> str:
         f"Where higher (lower) is better, the weak end of each range counts (the least, or the largest, value): "
         f"**{HOLDS}** when ours is at least as good as the paper's, within {SIZE_TOLERANCE:.0%} of the paper's "
         f"figure; **{DIRECTION_ONLY}** when ours is on the claimed side of the neutral value (1x: no gain; a "
-        f"token match of 1: no loss) by more than {SIZE_TOLERANCE:.0%} of it, but short of the paper's; **{FAILS}** otherwise. A claim of equality "
+        f"token match of 1: no loss) by more than {SIZE_TOLERANCE:.0%} of it, but short of the paper's; **{FAILS}** "
+        "otherwise. A claim of equality "
         f"holds within {SIZE_TOLERANCE:.0%} for figures the paper rounds (bytes), within {EXACT_TOLERANCE:g} "
         f"for bit-exactness and token identity, and otherwise does not hold here. **{NOT_MEASURED}**: no figure "
         f'of ours. A claim of several figures takes its worst part. "Computed from the config" is arithmetic '

@@ -1,4 +1,5 @@
-"""`bench check-strategy SPEC`: the contract a strategy of one's own is held to (`kvdirect_app/benchmarks/conformance.py`).
+"""`bench check-strategy SPEC`: the contract a strategy of one's own is held to
+(`kvdirect_app/benchmarks/conformance.py`).
 
     python -m kvdirect_app.bench check-strategy examples/random_eviction.py:RandomEviction
     python -m kvdirect_app.bench check-strategy mypackage.strategies:ValueNorm:budget=32 --models tiny-llama

@@ -180,7 +180,8 @@ def cmd_roofline(args) -> int:
     print()
     for name, run in report["runs"].items():
         print(
-            f"  {RUN_NAMES[name]} ({run['rows']} row(s) a step, kernels {run['kernels']}): {run['seconds']:.1f} s; per decode "
+            f"  {RUN_NAMES[name]} ({run['rows']} row(s) a step, kernels {run['kernels']}): {run['seconds']:.1f} s; "
+            "per decode "
             f"step {run['wall_ms']:.0f} ms: shared pass {run['shared_ms']:.0f} ms = {run['shared_over_best']:.1f}x "
             f"its roofline ({run['best_ms']:.1f} ms), lanes' own {run['lanes_ms'] - run['shared_ms']:.0f}, "
             f"measurement {run['measurement_ms']:.0f}"

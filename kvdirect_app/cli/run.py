@@ -180,7 +180,7 @@ def print_result(result: dict):
     print(
         f"model {result['model']} ({result['model_source']}), device {result['device']}, dtype {result['dtype']}, "
         f"threads {result['threads']}, prompt {len(result['prompt_ids'])} tokens, {mode}, "
-        f"process RSS peak {fmt_bytes(result['process_rss_peak_bytes']) if result['process_rss_peak_bytes'] else 'not read'}"
+        f"process RSS peak {fmt_bytes(rss) if (rss := result['process_rss_peak_bytes']) else 'not read'}"
     )
     print(describe(result["kernels"]))
     print(f"memory instrument: {result['memory_instrument']}")

@@ -133,7 +133,8 @@ def activation_bytes(
     inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
     per_token = (8 * cfg.hidden_size + 4 * inter + 2 * heads * head_dim) * b
     scores = q if getattr(config, "_attn_implementation", None) == "eager" and not block else scores
-    # Replay runs old rows through one layer at a time: measured, about two MLP-wide and two hidden rows per old token stay live.
+    # Replay runs old rows through one layer at a time: measured, about two MLP-wide and two hidden rows per old token
+    # stay live.
     return (
         q * per_token
         + replayed * 2 * (inter + cfg.hidden_size) * b

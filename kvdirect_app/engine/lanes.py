@@ -236,8 +236,8 @@ class Lane:
     forwards: list = field(default_factory=list)  # a `strategies.base.Forward` for each forward of the free run
     parks: list[dict] = field(default_factory=list)  # per park: seen, bytes measured and by formula, resume ms
     kv_digest: str | None = None  # a hash of the bits its cache held at the end of the latest turn
-    # The last query of the latest turn's prompt: {"position": p, "turn": t, "layers": {layer: (handed (p+1,) bool, probs
-    # (p+1,) fp32)}} (lockstep.last_query_attention), None before the first turn.
+    # The last query of the latest turn's prompt: {"position": p, "turn": t, "layers": {layer: (handed (p+1,) bool,
+    # probs (p+1,) fp32)}} (lockstep.last_query_attention), None before the first turn.
     attention: dict | None = None
 
     def __post_init__(self):

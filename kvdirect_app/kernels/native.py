@@ -27,10 +27,10 @@ def compiler() -> str | None:
 
 
 def library(source: Path, what: str, env: str, name: str, flags=(), libs=(), includes=()) -> Path:
-    """`source` compiled into a shared library (kept under the cache folder `env` names, else ``~/.cache/kvdirect-
-        studio/<name>``): the kept one where source, flags, compiler and torch build are the same, else built now (a few
-        seconds).  `flags` go before the source, `libs` after it; `includes`: files the source includes (their text is part
-    of what is kept apart); `what` names it in the reasons `Unavailable` gives."""
+    """`source` compiled into a shared library (kept under the cache folder `env` names, else
+    ``~/.cache/kvdirect-studio/<name>``): the kept one where source, flags, compiler and torch build are the same, else
+    built now (a few seconds).  `flags` go before the source, `libs` after it; `includes`: files the source includes
+    (their text is part of what is kept apart); `what` names it in the reasons `Unavailable` gives."""
     if sys.platform not in ("linux", "darwin"):
         raise Unavailable(f"{what} is built for Linux and macOS, not {sys.platform}")
     cxx = compiler()

@@ -287,7 +287,8 @@ class CrossCheck:
     reported only from `FLOOR` bytes up, plus `PER_FORWARD` for each lane's forward so far (the caller's
     `forwards`): hidden copies smaller than that, in all, are not seen here.  Also unseen: a copy kept by another
     process, a file written and not kept mapped (a file, not memory), a device's memory, up to 8 MiB a thread of the
-    mappings (not the objects or the C allocator's bytes) made in a step that also started threads.  A read costs ~60-100 µs (glibc's
+    mappings (not the objects or the C allocator's bytes) made in a step that also started threads.  A read costs
+    ~60-100 µs (glibc's
     `malloc_info`, pymalloc's statistics, /proc/self/statm and /proc/self/stat), and the map ~1 ms when it is read.
     """
 

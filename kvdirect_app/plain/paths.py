@@ -12,8 +12,8 @@ INSTALLED = {"presets": "presets", "assets": "assets", "docs/claims": "claims", 
 
 
 def data(name: str) -> Path:
-    """The folder `name` ("presets", "assets", "docs/claims" or "docs/schema"): the checkout's when this module runs from a
-    checkout, else the installed package's copy."""
+    """The folder `name` ("presets", "assets", "docs/claims" or "docs/schema"): the checkout's when this module runs
+    from a checkout, else the installed package's copy."""
     local = CHECKOUT / name
     if local.is_dir():
         return local

@@ -29,7 +29,8 @@ VERSIONS = {
     "breakeven": 1,  # bench breakeven --json
     "replay": 1,  # bench replay --json
     "capacity": 1,  # bench capacity --json
-    "tasks": 2,  # bench tasks --json, presets/tasks/*.json (the Tasks tab) (2: question, context_tokens, scores from the context)
+    # bench tasks --json, presets/tasks/*.json (the Tasks tab) (2: question, context_tokens, scores from the context)
+    "tasks": 2,
     "roofline": 2,  # bench roofline --json (2: kernels, ratios, each run's parts_ms)
 }
 

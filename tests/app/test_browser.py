@@ -115,7 +115,8 @@ def status(page) -> str:
 OVERFLOW = """() => {
   const hidden = e => e.closest('.sr-only, .visually-hidden, .hide, [aria-hidden=true]');
   const clipped = e => { for (let a = e.parentElement; a; a = a.parentElement) {
-      if (getComputedStyle(a).overflowX !== 'visible' && a.getBoundingClientRect().right <= innerWidth + 1) return true; }
+      if (getComputedStyle(a).overflowX !== 'visible' && a.getBoundingClientRect().right <= innerWidth + 1)
+        return true; }
     return false; };
   const out = [];
   for (const e of document.querySelectorAll('body *')) {
@@ -330,7 +331,8 @@ def test_the_page_fits_a_laptop_and_a_projector(url, browser, width, height):
     assert tabs.get_by_role("tab").first.inner_text().strip() == TABS[0] == "Chat"
     prompt = page.locator("#kvd-prompt textarea")
     assert prompt.bounding_box()["width"] >= 560, prompt.bounding_box()
-    room = prompt.evaluate("""e => { const c = document.createElement('canvas').getContext('2d'), s = getComputedStyle(e);
+    room = prompt.evaluate("""e => {
+        const c = document.createElement('canvas').getContext('2d'), s = getComputedStyle(e);
         c.font = `${s.fontSize} ${s.fontFamily}`;
         return e.clientWidth - parseFloat(s.paddingLeft) - parseFloat(s.paddingRight)
                - c.measureText(e.placeholder).width; }""")

@@ -160,7 +160,8 @@ def test_a_space_installs_requirements_txt_and_serves_gemma_without_the_hub(spac
                 env,
                 (
                     "r = c.predict('The sky is', '', 'full,kvdirect:budget=4', 8, 0, 3, api_name='/compare')\n"
-                    "print(json.dumps({'model': r['model'], 'match': r['strategies']['kvdirect:budget=4']['token_match'],"
+                    "print(json.dumps({'model': r['model'],"
+                    " 'match': r['strategies']['kvdirect:budget=4']['token_match'],"
                     " 'source': r['model_source']}))\n"
                     "try:\n"
                     "    c.predict('Hi', 'smollm2-135m', 'full', 8, 0, 2, api_name='/compare')\n"

@@ -4,7 +4,8 @@ findings so far kept); the kit still passes the example and every built-in (test
 
 Mutations tried (each made the named test fail, then was undone): the against-the-full-cache rule reading the
 class's `exact` again (Inflated passed); the budget read from the strategy's own `stored` instead of its family's
-(NeverEvicts and FourTimes passed), the bytes against its family's skipped (Hoards passed); the determinism rule removed (Unseeded passed); the step's digest taken after
+(NeverEvicts and FourTimes passed), the bytes against its family's skipped (Hoards passed); the determinism rule
+removed (Unseeded passed); the step's digest taken after
 the call (EditsKeys passed); the dtype check removed (HalfScores: no float16 line), the +inf count removed
 (Overflows passed); the per-call time limit removed (Slow ran 30 s, to the run's limit); the alarm removed (Hangs
 stopped only after its minute, in no score() call); the score wrapper's `except Exception` removed (RaisesLater's

@@ -239,10 +239,10 @@ def test_a_task_cell_keeps_freed_blocks_in_the_heap_and_hands_them_back_after(mo
 
 def test_a_ratio_is_a_budget_from_each_samples_prompt_with_the_question_in_it(tmp_path):
     """With --question with-context a ratio counts the whole prompt: the share of its K/V tokens a layer drops,
-    int(tokens x (1 - ratio)) kept.  Worked out by hand for tiny-llama's 512-token samples (510 prompt tokens): ratio 0.5 keeps 255, 0.75
-    keeps int(127.5) = 127 (compression 1 - 127/510 = 0.7510); a ratio whose budget equals a listed one (255)
-    runs once and both lanes get its answer.  The leaderboard rows are kvpress's (strategy, ratio, task, score);
-    the Tasks tab offers each budget and each ratio.  Mutations: round() for int() (128 kept); the lanes of a
+    int(tokens x (1 - ratio)) kept.  Worked out by hand for tiny-llama's 512-token samples (510 prompt tokens): ratio
+    0.5 keeps 255, 0.75 keeps int(127.5) = 127 (compression 1 - 127/510 = 0.7510); a ratio whose budget equals a listed
+    one (255) runs once and both lanes get its answer.  The leaderboard rows are kvpress's (strategy, ratio, task,
+    score); the Tasks tab offers each budget and each ratio.  Mutations: round() for int() (128 kept); the lanes of a
     ratio shown at a budget that one sample's ratio budget happens to equal."""
     assert (scores.ratio_budget(0.5, 510), scores.ratio_budget(0.75, 510), scores.ratio_budget(0.99, 50)) == (
         255,

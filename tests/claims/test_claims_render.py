@@ -144,8 +144,8 @@ def test_the_committed_run_renders_with_the_verdicts_its_numbers_give(committed)
     """Every claim's verdict on the committed run as worked out by hand (`COMMITTED_VERDICTS`), and the replay's
     note on either side of the pass ratio, on the committed numbers and on round ones written here.
 
-    Mutation that fails it: the replay note's two per-pass costs swapped (`sections.cascade_replay.build`'s else branch printing
-    the naive pass's ms as the cascade's and the other way round): the old test recomputed only which note to
+    Mutation that fails it: the replay note's two per-pass costs swapped (`sections.cascade_replay.build`'s else branch
+    printing the naive pass's ms as the cascade's and the other way round): the old test recomputed only which note to
     expect, not its numbers."""
     assert verdicts(committed) == COMMITTED_VERDICTS
     claims = reproduce.reassess(committed)["claims"]
@@ -244,7 +244,8 @@ def test_claim_2_is_judged_on_kv_directs_own_lane(committed, tmp_path, capsys):
     The MHA model's row (r = 0.5) is checked against its own numbers, worked out by hand: the full cache peaks at
     489,017 B, KV-Direct's lane at 537,841 B, 0.909x, not above 1.1x: does not hold.  Mutation that fails that
     part: the full cache's lane looked up among every model's rows instead of the model's own (`full = next(...
-    for r in rows ...)` in `sections.twenty_turns.build`), which makes the MHA ratio 30,837,264 / 537,841 = 57.3x (holds);
+    for r in rows ...)` in `sections.twenty_turns.build`), which makes the MHA ratio 30,837,264 / 537,841 = 57.3x
+    (holds);
     the old test required only some ratio above 0 and any verdict."""
     own = copy.deepcopy(committed)
     set_peak_ratio(own, 10.0, prefix="kvdirect")
@@ -798,7 +799,8 @@ def test_card_table_and_sentence_say_the_same_verdict(committed, tmp_path, monke
 def test_each_card_reads_on_its_own(committed, tmp_path, monkeypatch):
     """Each card's one sentence, worked out from the run's numbers: claim 2 names its r and new tokens per turn (the
     bytes and twenty-turn cells), claim 9 its samples and context lengths (the task cell: 45 samples at three
-    contexts, 512, 1024 and 2048 tokens; edited to two contexts, the card follows); each card says what ours was measured on
+    contexts, 512, 1024 and 2048 tokens; edited to two contexts, the card follows); each card says what ours was
+    measured on
     (model, turns, samples, budgets, device, kernels) and its sentence is one sentence.
 
     Mutation that fails it: the card showing the reason's first part (`first_sentence(claim["reason"])`, the code

@@ -42,7 +42,10 @@ def test_every_spacing_is_bit_equal_and_keeps_tokens(family, dtype):
 def test_park_and_resume_rebuild_exactly(family):
     loaded = tiny(family)
     L = loaded.config.num_hidden_layers
-    specs = f"full,kvdirect:budget=3,kvdirect:budget=3:rebuild=turn,anchorkv:spacing=2:budget=3,anchorkv:spacing={L}:budget=3:rebuild=step"
+    specs = (
+        "full,kvdirect:budget=3,kvdirect:budget=3:rebuild=turn,anchorkv:spacing=2:budget=3,"
+        f"anchorkv:spacing={L}:budget=3:rebuild=step"
+    )
     result = run_once(loaded, specs, TURNS + ["Once more."], 5, park=True).result
     _check_exact(result, L, rebuilds=family != "tiny-mistral")
     for spec, r in result["strategies"].items():

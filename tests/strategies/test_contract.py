@@ -96,8 +96,8 @@ def test_a_layer_that_keeps_more_than_its_budget_is_refused(broken):
 
 def test_budgets_that_grow_with_depth_are_refused_where_the_mask_is_built_once_per_layer_type(broken):
     """Native kernels build one mask per layer type, sized by its first layer: a deeper layer holding more keys
-    than that cannot be masked right (the second turn's prompt attends over what the first kept).  Mutation: `fit_mask` cutting a mask it cannot fit (attention then fails
-    with a shape error, or attends wrongly)."""
+    than that cannot be masked right (the second turn's prompt attends over what the first kept).  Mutation: `fit_mask`
+    cutting a mask it cannot fit (attention then fails with a shape error, or attends wrongly)."""
     cls = broken(PyramidKV, "growing", layer_budgets=lambda self, count, seen: tuple(4 + 2 * r for r in range(count)))
     message = _refused(cls(budget=4), kernels="native")
     assert "never grow with depth" in message and "keys, more than the" in message

@@ -35,7 +35,10 @@ def test_anchorkv_on_smollm2_with_park_and_resume(smollm2):
 
 def test_gemma3_across_the_sliding_window(gemma3):
     first = filler_ids(gemma3.tokenizer, 600)  # longer than the 512-token window of the sliding layers
-    specs = "full,kvdirect:budget=32,anchorkv:spacing=6:budget=32,anchorkv:spacing=18:budget=32,anchorkv:anchors=dp:spacing=3:budget=32"
+    specs = (
+        "full,kvdirect:budget=32,anchorkv:spacing=6:budget=32,anchorkv:spacing=18:budget=32,"
+        "anchorkv:anchors=dp:spacing=3:budget=32"
+    )
     result = _run(gemma3, specs, first, ["(context)", "The harbour light was first lit in"], 8, park=True)
     _assert_exact(result)
     assert len(result["prompt_ids"]) == 600

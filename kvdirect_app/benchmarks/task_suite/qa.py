@@ -3,8 +3,8 @@
 Each question asks for one fact that the document states exactly once, inside one paragraph (the fact's
 paragraph), and that paragraph alone answers it: it holds the question's key facts too (`Question.clue`, a phrase
 of that paragraph).  The reference answer (`answers[0]`) occurs once in the document, in that paragraph; the other
-accepted forms ("22 metres" beside "twenty-two metres") occur nowhere else in it.  tests/benchmarks/test_tasks_generate.py
-checks all of this against the file.
+accepted forms ("22 metres" beside "twenty-two metres") occur nowhere else in it.
+tests/benchmarks/test_tasks_generate.py checks all of this against the file.
 
 A reply is right when it contains any accepted form as a whole word or phrase (case-insensitive; "red" is found
 in "a red band", not in "entered"): RULER's string_match_part, with word boundaries, since some answers here are

@@ -20,8 +20,9 @@ The tasks (RULER's configuration in brackets):
 * ``variable_tracking``: one chain of 4 hops, "VAR ABCDE = 12345", "VAR FGHIJ = VAR ABCDE", ..., one assignment
   per line with noise between; the question asks which variables hold the value, all five must be named [vt,
   without RULER's one-shot example, which would not fit a 512-token context].
-* ``qa``: a question about presets/long_document.md (kvdirect_app/benchmarks/task_suite/qa.py); the fact's paragraph is the needle
-  [RULER's qa template and answer prefix; RULER draws SQuAD/HotpotQA, we have one document and our own questions].
+* ``qa``: a question about presets/long_document.md (kvdirect_app/benchmarks/task_suite/qa.py); the fact's paragraph
+  is the needle [RULER's qa template and answer prefix; RULER draws SQuAD/HotpotQA, we have one document and our
+  own questions].
 
 Keys are "adjective-noun" words from the fixed lists in `haystack` (RULER draws them from wonderwords' lists), values
 7-digit numbers, "adjective-noun" words or UUIDs; variable names are five capital letters, the chain's value a

@@ -38,7 +38,8 @@ def build(results: dict) -> dict:
     ]
     out["why"] = (
         f"on {j['model']} layer {j['layer']} ({j['device']}, {j['dtype']}, "
-        f"{plural(j['threads'], 'thread')}), the best speed-up of recomputing K/V from the residual over reading them was "
+        f"{plural(j['threads'], 'thread')}), the best speed-up of recomputing K/V from the residual over reading "
+        "them was "
         f"{times(out['ours']['speedup'])} (batch {at['batch']}, context {at['context']}, K/V "
         f"{'copied from host' if host else 'in device'} memory), where the arithmetic-intensity bound allows "
         f"at most {times(s['largest_bound'])} for r = {number(j['ratio_r'])} and the paper has up to "
