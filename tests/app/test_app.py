@@ -9,7 +9,7 @@ gradio_client = pytest.importorskip("gradio_client")
 
 from gradio_client.exceptions import AppError  # noqa: E402
 
-from kvdirect_app.app.ui.runner import compare_specs  # noqa: E402
+from kvdirect_app.app.ui.compare_api import compare_specs  # noqa: E402
 from kvdirect_app.app.ui.settings import catalogue, default_names, expand  # noqa: E402
 from kvdirect_app.engine.runner import Engine, run_to_end  # noqa: E402
 from kvdirect_app.models.loading import load_model  # noqa: E402
@@ -283,13 +283,12 @@ def _statuses(demo, updates) -> list[str]:
 def test_a_long_message_asks_first_with_its_time_and_memory_and_a_second_send_runs_it(app, monkeypatch):
     """Mutations: `send` passes `ask=None` always (the long run starts unasked), or `load_model` keeps
     `session.asked` (after another action the next Send runs without asking)."""
-    from kvdirect_app.app.ui import handlers as handlers_module
-    from kvdirect_app.app.ui import runner
+    from kvdirect_app.app.ui import runner, turn_buttons
     from kvdirect_app.app.ui.session import Session
 
     demo, _ = app
     h = demo.kvd_handlers
-    monkeypatch.setattr(handlers_module, "LONG_PROMPT_TOKENS", 5)  # every message of this test is "long"
+    monkeypatch.setattr(turn_buttons, "LONG_PROMPT_TOKENS", 5)  # every message of this test is "long"
     monkeypatch.setattr(runner, "PACES", {})  # nothing measured yet in this process
     session, controls = Session(), _controls(strategies=["full", "kvdirect"])
     asked = _statuses(demo, h.send(session, "Tell me about caches.", **controls))[-1]
@@ -388,8 +387,7 @@ def test_the_status_shows_the_time_while_a_long_message_is_read_and_no_event_com
     read, their total and the time.  Mutation: `Pump.__iter__` waits without `tick` (no status until the piece ends)."""
     import threading
 
-    from kvdirect_app.app.ui import handlers as handlers_module
-    from kvdirect_app.app.ui import runner
+    from kvdirect_app.app.ui import runner, turn_buttons
     from kvdirect_app.app.ui.session import Session
 
     demo, _ = app
@@ -403,7 +401,7 @@ def test_the_status_shows_the_time_while_a_long_message_is_read_and_no_event_com
                 reading.wait(timeout=60)
 
     monkeypatch.setattr(runner, "play", slow)
-    monkeypatch.setattr(handlers_module, "HEARTBEAT_S", 0.01)
+    monkeypatch.setattr(turn_buttons, "HEARTBEAT_S", 0.01)
     session = Session()
     run = h.send(session, "Hello.", **_controls(strategies=["full", "kvdirect"]))
     for update in run:

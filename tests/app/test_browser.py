@@ -42,8 +42,8 @@ pytestmark = pytest.mark.skipif(
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (requirements-dev.txt)")
 
 from kvdirect_app.app.ui import build_demo, tasks_view  # noqa: E402
-from kvdirect_app.app.ui.layout import TABS  # noqa: E402
 from kvdirect_app.app.ui.settings import default_names, title  # noqa: E402
+from kvdirect_app.app.ui.tabs import TABS  # noqa: E402
 from kvdirect_app.claims import reproduce  # noqa: E402
 
 from ..conftest import launch_local  # noqa: E402

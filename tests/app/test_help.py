@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdirect_app.app.ui.layout import TABS
 from kvdirect_app.app.ui.settings import catalogue, title
+from kvdirect_app.app.ui.tabs import TABS
 
 pytestmark = pytest.mark.check  # the inner loop (`make check`)
 

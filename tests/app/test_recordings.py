@@ -15,7 +15,7 @@ import pytest
 
 from kvdirect_app import bench
 from kvdirect_app.app import service
-from kvdirect_app.app.ui import playback, runner, views
+from kvdirect_app.app.ui import playback, token_map_tab, views
 from kvdirect_app.app.ui.plots import all_figures
 from kvdirect_app.app.ui.scoreboard import scoreboard_html
 from kvdirect_app.app.ui.session import Session
@@ -120,7 +120,7 @@ def test_a_recording_keeps_the_attention_snapshot_to_four_decimals(recorded):
     # The page draws it: the full cache and the strategy, the strategy's evicted tokens marked.
     h2o = next(label for label in live.shown if label.startswith("h2o"))
     layer = max(range(len(maps["full"]["states"])), key=lambda j: attention[h2o]["layers"][j].count(None))
-    figure = runner.attention_plot(played, h2o, layer)
+    figure = token_map_tab.attention_plot(played, h2o, layer)
     names = [trace.name for trace in figure.data]
     assert names[:2] == ["Full KV cache", "H2O"]
     crosses = next(trace for trace in figure.data if trace.name.startswith("evicted by"))
@@ -408,10 +408,10 @@ def test_replaying_folds_the_file_and_a_message_then_starts_a_new_conversation(h
 
 
 def test_a_hosted_run_stops_at_its_time_budget_and_says_so(handlers, monkeypatch):
-    from kvdirect_app.app.ui import handlers as handlers_module
+    from kvdirect_app.app.ui import turn_buttons
     from kvdirect_app.plain import limits as limits_module
 
-    monkeypatch.setattr(handlers_module, "limits", lambda: limits_module.Limits(run_seconds=0.0))
+    monkeypatch.setattr(turn_buttons, "limits", lambda: limits_module.Limits(run_seconds=0.0))
     session = Session()
     final = list(handlers.send(session, "Tell me a story.", **controls(max_new_tokens=40)))[-1]
     message = status_of(final)
@@ -419,7 +419,7 @@ def test_a_hosted_run_stops_at_its_time_budget_and_says_so(handlers, monkeypatch
     steps = session.steps
     assert 1 <= steps < 40 and not session.busy
     # Without the budget the same run goes on to its token limit (or its end of reply): the stop was the budget's.
-    monkeypatch.setattr(handlers_module, "limits", lambda: limits_module.Limits())
+    monkeypatch.setattr(turn_buttons, "limits", lambda: limits_module.Limits())
     unbounded = Session()
     list(handlers.send(unbounded, "Tell me a story.", **controls(max_new_tokens=40)))
     assert unbounded.steps > steps

@@ -226,14 +226,14 @@ def test_a_hosted_demo_hides_and_refuses_every_upload(monkeypatch, tmp_path):
     import gradio as gr
 
     from kvdirect_app.app.ui import launch_options
-    from kvdirect_app.app.ui.layout import _recordings
     from kvdirect_app.app.ui.recording_buttons import RecordingButtons
     from kvdirect_app.app.ui.session import Session
+    from kvdirect_app.app.ui.sidebar import recordings_picker
     from kvdirect_app.app.ui.tasks_tab import tasks_tab
 
     monkeypatch.setenv("KVDIRECT_HOSTED", "1")
     with gr.Blocks() as page:
-        _, _, upload = _recordings(Session())
+        _, _, upload = recordings_picker(Session())
         tasks_tab()
     by_id = {b.elem_id: b for b in page.blocks.values() if getattr(b, "elem_id", None)}
     assert upload.visible is False and by_id["kvd-tasks-upload"].visible is False

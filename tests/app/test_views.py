@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from kvdirect_app.app.ui.agreement_plot import agreement_figure
 from kvdirect_app.app.ui.export import write_exports
-from kvdirect_app.app.ui.plots import agreement_figure, latency_figure, memory_figure
+from kvdirect_app.app.ui.latency_plot import latency_figure
+from kvdirect_app.app.ui.memory_plot import memory_figure
 from kvdirect_app.app.ui.session import Session
 from kvdirect_app.app.ui.settings import REFERENCE
 from kvdirect_app.app.ui.views import BYTE_SOURCES, messages, pane_header, reply_markup, token_map_html

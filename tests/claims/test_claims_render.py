@@ -643,7 +643,7 @@ def test_the_claims_tab_shows_verdicts_computed_from_the_numbers(committed, tmp_
     the old test, taking its expected verdicts from `reproduce.reassess`, could not see."""
     import gradio as gr
 
-    from kvdirect_app.app.ui import layout
+    from kvdirect_app.app.ui import tabs
 
     forged = copy.deepcopy(committed)
     forged = {**reproduce.reassess(forged)}
@@ -652,9 +652,9 @@ def test_the_claims_tab_shows_verdicts_computed_from_the_numbers(committed, tmp_
     forged.pop("sections")
     (tmp_path / "results.json").write_text(json.dumps(forged))
     (tmp_path / "report.md").write_text("# forged report\n\n## Details\n\nforged details\n")
-    monkeypatch.setattr(layout, "CLAIMS", tmp_path)
+    monkeypatch.setattr(tabs, "CLAIMS", tmp_path)
     with gr.Blocks() as demo:
-        layout._claims_tab()
+        tabs.claims_tab()
     shown = " ".join(str(getattr(block, "value", "")) for block in demo.blocks.values())
     assert "forged" not in shown
     assert f'kvd-card-verdict kvd-bad">{FAILS}<' in shown
@@ -677,13 +677,13 @@ def claims_tab(results: dict, folder: Path, monkeypatch) -> tuple[str, str]:
     """The Claims tab built from `results` written as folder/results.json: (the cards' HTML, the table's Markdown)."""
     import gradio as gr
 
-    from kvdirect_app.app.ui import layout
+    from kvdirect_app.app.ui import tabs
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "results.json").write_text(json.dumps(results))
-    monkeypatch.setattr(layout, "CLAIMS", folder)
+    monkeypatch.setattr(tabs, "CLAIMS", folder)
     with gr.Blocks() as demo:
-        layout._claims_tab()
+        tabs.claims_tab()
     shown = {block.elem_id: block.value for block in demo.blocks.values() if getattr(block, "elem_id", None)}
     return shown["kvd-claims-cards"], shown["kvd-claims-table"]
 

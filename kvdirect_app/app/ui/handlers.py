@@ -1,9 +1,8 @@
 """What the buttons do.  Generators stream dict updates {component: value} drawn from the Session.
 
-A turn runs on the session's engine; a change of settings (or a regenerate)
-builds a new engine and replays the conversation, which greedy decoding makes
-identical.  Stop sets a flag that the engine's own thread (`runner.Pump`) checks
-between steps, so the turn is always closed cleanly, on the thread that opened it, after the step Stop named.
+`Handlers` draws the page from a session, frees a closed tab's, and holds one part per reason: the turn's
+buttons (`turn_buttons`: send, regenerate, a scenario, stop), the place in line, loading a model, the recordings'
+buttons and the frontier's drawing.
 """
 
 from __future__ import annotations
@@ -12,30 +11,26 @@ import logging
 import time
 import traceback
 import weakref
-from typing import Callable, Iterator
+from typing import Iterator
 
 import gradio as gr
 
 from ...plain.hosted import hosted
-from ...plain.limits import limits
-from ...plain.scenarios import scenarios
-from ...plain.units import fmt_bytes
 from . import playback, runner, views
 from .components import Studio
 from .export import write_exports
-from .frontier_drawing import FRONTIER_CURRENT, FrontierDrawing
-from .line import LINE, Job, Queueing
+from .frontier_drawing import FrontierDrawing
+from .line import LINE, Queueing
 from .model_choice import ModelChoice, regenerable
-from .pace import HEARTBEAT_S, PLOTS_EVERY_S, PLOTS_SHARE, UI_EVERY_S
-from .plots import agreement_figure, latency_figure, memory_figure
-from .recording_buttons import RECALL, RecordingButtons
+from .plots import all_figures
+from .recording_buttons import RecordingButtons
 from .scoreboard import scoreboard_html
 from .session import Session
-from .settings import RunConfig, Settings
+from .token_map_tab import attention_plot, map_pair_html
+from .turn_buttons import TurnButtons
 
-__all__ = ["Handlers", "FRONTIER_CURRENT", "RECALL", "forget", "session_ttl_s"]
+__all__ = ["Handlers", "forget", "session_ttl_s"]
 log = logging.getLogger(__name__)
-LONG_PROMPT_TOKENS = 1000  # a run that reads more prompt tokens than this asks first, with its time and memory
 
 
 def session_ttl_s() -> int:
@@ -55,9 +50,9 @@ def forget(session: Session):
 
 
 class Handlers:
-    """Every button's handler: the turn's own here (send, regenerate, a scenario, stop, clear, drawing the page),
-    each other reason in a part it holds, given what that part uses: `queueing` (`line.Queueing`: the place in
-    line), `model_choice` (`model_choice.ModelChoice`: loading a model), `recording_buttons`
+    """Every button's handler: drawing the page, clear and the token map here, each other reason in a part it holds,
+    given what that part uses: `turn_buttons` (`turn_buttons.TurnButtons`: send, regenerate, a scenario, stop),
+    `queueing` (`line.Queueing`: the place in line), `model_choice` (`model_choice.ModelChoice`: loading a model), `recording_buttons`
     (`recording_buttons.RecordingButtons`: replaying a recording, running it live) and `frontier_drawing`
     (`frontier_drawing.FrontierDrawing`).  The parts' handlers are named here too (`self.load_model`, ...), as the
     page wires them (`layout._wire`) and the tests call them."""
@@ -67,12 +62,16 @@ class Handlers:
         self.visitors: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
         self.queueing = Queueing(seen=self._seen)
         self.model_choice = ModelChoice(studio, seen=self._seen)
+        self.turn_buttons = TurnButtons(studio, seen=self._seen, refuse=self._refuse, render=self.render)
         self.recording_buttons = RecordingButtons(
-            studio, seen=self._seen, refuse=self._refuse, render=self.render, run=self._run
+            studio, seen=self._seen, refuse=self._refuse, render=self.render, run=self.turn_buttons.run
         )
         self.frontier_drawing = FrontierDrawing(studio)
         self.enqueue, self.waiting = self.queueing.enqueue, self.queueing.waiting
         self.load_model = self.model_choice.load_model
+        t = self.turn_buttons
+        self.send, self.regenerate, self.stop = t.send, t.regenerate, t.stop
+        self.play_scenario, self.play_recall = t.play_scenario, t.play_recall
         self.replay, self.run_live = self.recording_buttons.replay, self.recording_buttons.run_live
         self.frontier, self.cancel_frontier = self.frontier_drawing.frontier, self.frontier_drawing.cancel_frontier
 
@@ -133,11 +132,7 @@ class Handlers:
         figures = None
         if plots:
             t0 = time.monotonic()
-            figures = {
-                "memory": memory_figure(session),
-                "latency": latency_figure(session),
-                "agreement": agreement_figure(session),
-            }
+            figures = all_figures(session)
             out[v.memory], out[v.latency], out[v.agreement] = (
                 figures["memory"],
                 figures["latency"],
@@ -150,7 +145,7 @@ class Handlers:
             out[v.map_label] = gr.Dropdown(choices=session.shown, value=label)
             out[v.map_other] = gr.Dropdown(choices=session.shown, value=other)
             out[v.token_map] = self._token_map_html(session, label, layer, other)
-            out[v.attention] = runner.attention_plot(session, label, layer)
+            out[v.attention] = attention_plot(session, label, layer)
             out[v.map_layer] = gr.Slider(value=layer)
             out.update(self._downloads(session, figures))
         return out
@@ -181,325 +176,11 @@ class Handlers:
     def _token_map_html(self, session: Session, label: str | None, layer: int, other: str | None = None) -> str:
         if label is None or session.busy:
             return views.token_map_html(None, "", 0)
-        return runner.map_pair_html(session, label, layer, other)
-
-    # --- a run -----------------------------------------------------------------
-    def _stream(
-        self,
-        session: Session,
-        config: RunConfig,
-        turns: list[str],
-        fresh: bool,
-        note: str,
-        expect: tuple[int, str] | None = None,
-        scenario: str | None = None,
-        job: Job | None = None,
-    ) -> Iterator[dict]:
-        """Play `turns` (all of them on a fresh engine, else only the new one) and stream the panes; `job` says how
-        far it is to whoever waits for the slot."""
-        job = job or Job("a turn")
-        session.busy, session.stop_requested, session.stopping = True, False, None
-        yield {
-            **self.render(session, busy=True, message=note, kind="busy"),
-            self.s.actions.prompt: gr.Textbox(value="", interactive=False),
-        }
-        events = None
-        t_start = time.monotonic()
-        stopped = timed_out = False
-        budget = limits().run_seconds
-        progress = runner.Progress(config)
-        try:
-            if fresh or session.engine is None or runner.on_zero_gpu():
-                engine = None if runner.on_zero_gpu() else runner.conversation(config)
-                session.clear()
-                session.busy, session.expect = True, expect
-                session.config, session.engine, session.scenario = config, engine, scenario
-                session.recorder = runner.recorder(config, scenario, expect)
-                played = turns
-            else:
-                if session.recorder is not None:
-                    session.recorder.resume()
-                played = turns[-1:]
-            turns_before, steps_before = len(session.user_turns), session.steps
-            events = session.pump = runner.Pump(
-                runner.play(config, played, session.engine), lambda: session.stop_requested, HEARTBEAT_S
-            )
-            last = 0.0
-            for event in events:  # every event the engine produced, also those after a stop request
-                now = time.monotonic()
-                if event is None:  # nothing for a while: the time so far and the time left
-                    yield {
-                        self.s.views.status: views.status(self._progress(session, progress, turns, fresh, now), "busy")
-                    }
-                    continue
-                if session.recorder is not None:  # the session reads the recorded copy: its time is the recording's
-                    session.recorder.add(event)
-                    event = session.recorder.events[-1]
-                session.apply(event)
-                progress.add(event, now)
-                doing = self._progress(session, progress, turns, fresh, now).rstrip("…")
-                job.doing = doing[:1].lower() + doing[1:]
-                stopped = session.stop_requested
-                if budget is not None and not stopped and now - t_start > budget:
-                    session.stop_requested = timed_out = True  # the engine's thread ends the turn after this step
-                first = event["type"] == "step" and event["index"] == 0
-                if event["type"] in ("turn", "turn_end", "prefill") or first or now - last >= UI_EVERY_S:
-                    plots = event["type"] == "turn_end" or now - session.last_plot >= max(
-                        PLOTS_EVERY_S, session.plot_cost / PLOTS_SHARE
-                    )
-                    yield self.render(
-                        session,
-                        busy=True,
-                        message=self._progress(session, progress, turns, fresh, now),
-                        kind="busy",
-                        plots=plots,
-                    )
-                    last = now
-        except runner.USER_ERRORS as e:
-            gr.Warning(str(e))
-            message, kind = str(e), "error"
-        except runner.OUT_OF_MEMORY as e:  # the guard's estimate fell short: free this session, stay up
-            log.error("run ran out of memory:\n%s", traceback.format_exc())
-            session.engine, session.config = None, None
-            message, kind = (
-                (
-                    f"Out of memory during the run ({type(e).__name__}); this conversation's caches were "
-                    "freed. Try fewer tokens or strategies, or AnchorKV with rebuild=step."
-                ),
-                "error",
-            )
-            gr.Warning(message)
-        except Exception as e:  # the app stays up; the message says what broke (the traceback stays in the log)
-            log.error("run failed:\n%s", traceback.format_exc())
-            message, kind = f"Run failed: {type(e).__name__}: {str(e)[:200]}", "error"
-            gr.Warning(message)
-        else:
-            took = time.monotonic() - t_start
-            turn, ran = len(session.user_turns), len(session.user_turns) - turns_before
-            where = (
-                f"after step {progress.steps} of turn {progress.turn}"
-                if progress.steps
-                else f"while reading turn {progress.turn}'s message ({progress.read:,} of {progress.total:,} tokens)"
-            )
-            which = f"turn {turn}" if ran == 1 else f"turns {turns_before + 1}-{turn}"
-            # The steps and the time are this run's: the turns it played, not the earlier ones'.
-            message, kind = (
-                (
-                    f"Stopped at this server's time budget ({budget:.0f} s per run) {where}: what was "
-                    "produced is shown. Fewer panes or a shorter prompt fit more; the recordings show whole "
-                    "runs.",
-                    "ok",
-                )
-                if timed_out
-                else (f"Stopped {where}.", "ok")
-                if stopped
-                else (
-                    f"Done: {turn} turn(s); {which}: {session.steps - steps_before} steps in {took:.1f} s; "
-                    f"{session.kernels_line or 'kernels: ?'}.",
-                    "ok",
-                )
-            )
-        finally:
-            # Also when Gradio closes this generator (the client went away): the turn must end and free the model.
-            if events is not None:
-                events.close()
-            session.busy, session.pump = False, None
-        yield self._final(session, message, kind)
-
-    @staticmethod
-    def _stopping(session: Session) -> str:
-        turn, step = session.stopping
-        return f"Stopping after step {step} of turn {turn}…" if step else "Stopping after this piece of the message…"
-
-    def _progress(self, session: Session, progress: runner.Progress, turns: list[str], fresh: bool, now: float) -> str:
-        """The status during a run; once Stop is pressed, only the step it ends after (no later number)."""
-        if session.stopping is not None:
-            return self._stopping(session)
-        turn = len(session.user_turns)
-        return f"Turn {turn}/{len(turns) if fresh else turn}: {progress.line(now)}…"
-
-    def _final(self, session: Session, message: str, kind: str) -> dict:
-        if session.engine is not None and session.user_turns:
-            try:
-                session.result = session.engine.results()
-            except Exception as e:  # a summary that cannot be made must not leave the page stuck
-                log.error("results failed:\n%s", traceback.format_exc())
-                session.result = None
-                message, kind = f"{message} (No summary: {type(e).__name__}: {e})", "error"
-            try:  # measured once per process (~1 s after the first turn), on the compute thread
-                session.roofline = runner.on_compute(session.engine.roofline)
-            except Exception:
-                log.error("roofline failed:\n%s", traceback.format_exc())
-                session.roofline = None
-        try:
-            return self.render(session, busy=False, message=message, kind=kind, plots=True, final=True)
-        except Exception as e:
-            log.error("drawing the final state failed:\n%s", traceback.format_exc())
-            return self.render(session, busy=False, message=f"{message} (Drawing failed: {e})", kind="error")
+        return map_pair_html(session, label, layer, other)
 
     def _refuse(self, session: Session, message: str) -> Iterator[dict]:
         gr.Warning(message)
         yield {self.s.views.status: views.status(message, "error")}
-
-    def _run(
-        self,
-        session: Session,
-        controls: dict,
-        turns: list[str],
-        raw: bool,
-        fresh: bool | None,
-        note: Callable[[bool], str],
-        problem: str | None = None,
-        expect: tuple[int, str] | None = None,
-        scenario: str | None = None,
-        ask: tuple | None = None,
-    ) -> Iterator[dict]:
-        """Check everything (`validate`, then the memory guard), then stream `turns`; `fresh` None: rebuild only if
-        the settings changed.  `ask`: a run that reads more than `LONG_PROMPT_TOKENS` prompt tokens does not start;
-        the status says its time and memory, and the same action again (`session.asked`) runs it."""
-        LINE.leave(session)
-        if session.busy:
-            problem = "A turn is still running: wait for it or press Stop."
-        if problem:
-            yield from self._refuse(session, problem)
-            return
-        try:
-            config = Settings.from_controls(controls).run_config(raw)
-            if not runner.is_loaded(config):
-                yield {self.s.views.status: views.status(f"Loading {config.model}…", "busy")}
-            cost = runner.prepare(config, turns)
-        except runner.USER_ERRORS as e:
-            yield from self._refuse(session, str(e))
-            return
-        except Exception as e:  # a model that fails to build, say: the page says so and stays usable
-            log.error("checking the run failed:\n%s", traceback.format_exc())
-            yield from self._refuse(session, f"Cannot start: {type(e).__name__}: {str(e)[:200]}")
-            return
-        fresh = config != session.config if fresh is None else fresh
-        reads = sum(cost["prompt_tokens"]) if fresh else cost["prompt_tokens"][-1]
-        if ask is not None and reads > LONG_PROMPT_TOKENS:
-            session.asked = ask
-            yield {
-                self.s.views.status: views.status(
-                    self._long_run(config, reads, len(turns) if fresh else 1, cost["bytes"]), "info"
-                )
-            }
-            return
-        job = LINE.started(Job(f"a turn of {len(config.specs)} pane(s)", session))
-        try:
-            yield from self._stream(
-                session,
-                config,
-                turns,
-                fresh,
-                note(fresh),
-                expect if fresh else session.expect,
-                scenario if fresh else session.scenario,
-                job,
-            )
-        finally:
-            LINE.ended(job)
-
-    @staticmethod
-    def _long_run(config: RunConfig, reads: int, turns: int, peak: int) -> str:
-        """What a long run will cost, asked before it starts: its time at this machine's measured speed, its memory
-        by the guard."""
-        steps = turns * config.max_new_tokens
-        known = runner.estimate_s(config, reads, steps)
-        when = (
-            f"about {runner.duration(known[0])} ({known[1]})"
-            if known
-            else "a time not known yet (nothing ran here with these settings; the status shows the time left as it "
-            "runs)"
-        )
-        return (
-            f"This run reads {reads:,} prompt tokens (more than {LONG_PROMPT_TOKENS:,}) and makes up to {steps:,} "
-            f"steps: {when}, and about {fmt_bytes(peak)} of memory at its peak (the memory guard's estimate). "
-            "Press Send again to go on."
-        )
-
-    def send(self, session: Session, prompt: str, request: gr.Request = None, **controls) -> Iterator[dict]:
-        self._seen(session, request)
-        again, session.asked = session.asked == ("send", prompt), None
-        playback.unfold(session)
-        if not isinstance(prompt, str):
-            yield from self._refuse(session, "prompt: expected text")
-            return
-        # A recording on screen is not a conversation to continue: a message starts a new one.
-        earlier = 0 if session.recording else len(session.user_turns)
-        note = lambda fresh: (
-            "Starting…"
-            if not earlier
-            else (
-                f"Settings changed: rebuilding and replaying {earlier} earlier turn(s)…"
-                if fresh
-                else "Continuing the conversation in every pane…"
-            )
-        )
-        raw = session.config.raw if session.config else False
-        turns = [*session.user_turns[:earlier], prompt] if earlier else [prompt]
-        yield from self._run(
-            session,
-            controls,
-            turns,
-            raw,
-            True if session.recording else None,
-            note,
-            ask=None if again else ("send", prompt),
-        )
-
-    def regenerate(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
-        self._seen(session, request)
-        session.asked = None
-        playback.unfold(session)
-        if session.recording:
-            yield from self._refuse(session, "A recording is on screen: ▶ Run it live runs its conversation here.")
-            return
-        turns = list(session.user_turns)
-        raw = session.config.raw if session.config else False
-        yield from self._run(
-            session,
-            controls,
-            turns,
-            raw,
-            True,
-            lambda _: f"Rebuilding the engine and replaying {len(turns)} turn(s) (greedy: same tokens)…",
-            None if turns else "Nothing to regenerate yet.",
-        )
-
-    def play_scenario(self, session: Session, scenario: str, request: gr.Request = None, **controls) -> Iterator[dict]:
-        self._seen(session, request)
-        session.asked = None
-        table = scenarios()
-        chosen = table.get(scenario, {}) if isinstance(scenario, str) else {}
-        turns = list(chosen.get("turns", []))
-        expect = (len(turns) - 1, chosen["expect"]) if chosen.get("expect") else None
-        yield from self._run(
-            session,
-            controls,
-            turns,
-            bool(chosen.get("raw", False)),
-            True,
-            lambda _: f"Playing “{scenario}”: {len(turns)} turns…",
-            None if chosen else f"scenario: unknown {str(scenario)[:40]!r}; allowed: {', '.join(table)}",
-            expect,
-            scenario if chosen else None,
-        )
-
-    def play_recall(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
-        yield from self.play_scenario(session, RECALL, request, **controls)
-
-    def stop(self, session: Session) -> str:
-        """The run ends after the step being computed now; the status names it, and names no later one after."""
-        session.asked = None
-        if not session.busy:
-            return views.status("Nothing is running.", "info")
-        if session.pump is None:  # a replay, or an engine still being built
-            session.stop_requested = True
-            return views.status("Stopping…", "busy")
-        session.stopping = session.pump.stop_after()  # before the flag: the pump stops there, not at its next event
-        session.stop_requested = True
-        return views.status(self._stopping(session), "busy")
 
     def clear(self, session: Session) -> dict:
         session.pending = None
@@ -516,5 +197,5 @@ class Handlers:
         playback.unfold(session)
         return (
             self._token_map_html(session, label, layer, other),
-            runner.attention_plot(session, None if session.busy else label, layer),
+            attention_plot(session, None if session.busy else label, layer),
         )

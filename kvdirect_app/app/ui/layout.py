@@ -1,167 +1,31 @@
-"""The page: components grouped in small dataclasses, wired to the handlers in one place, and its launch options."""
+"""The page: components grouped in small dataclasses, wired to the handlers in one place, and its launch options.
+The Chat tab is built here; the settings drawer's contents are in `sidebar`, the other tabs' in `tabs`."""
 
 from __future__ import annotations
 
 import logging
-import re
 
 import gradio as gr
 
-from ...claims import render, reproduce
-from ...plain.catalog import DTYPE_NAMES
-from ...plain.frontier import frontier_figure
 from ...plain.hosted import hosted
 from ...plain.jsonfile import MAX_BYTES
 from ...plain.limits import limits
-from ...plain.paths import data
 from ...plain.recording import RecordingError
 from ...plain.scenarios import scenarios
-from .. import service
-from . import playback, runner, views
-from .claims_cards import cards_html
-from .components import Actions, Controls, FrontierTab, Pane, Recordings, Studio, Views
-from .handlers import FRONTIER_CURRENT, RECALL, Handlers, forget, session_ttl_s
-from .plots import agreement_figure, latency_figure, memory_figure
+from . import playback, views
+from .compare_api import compare
+from .components import Actions, Pane, Recordings, Studio, Views
+from .handlers import Handlers, forget, session_ttl_s
+from .memory_plot import memory_figure
+from .recording_buttons import RECALL
 from .scoreboard import scoreboard_html
 from .session import Session
-from .settings import (
-    any_declares,
-    catalogue,
-    default_model,
-    default_names,
-    max_panes,
-    missing_models_note,
-    model_choices,
-    title,
-)
+from .settings import default_model, max_panes
+from .sidebar import recordings_picker, settings_controls
+from .tabs import ASSETS, TABS, asset, claims_tab, export_tab, frontier_tab, map_tab, time_tab
 from .tasks_tab import tasks_tab
 
-ASSETS = data("assets")
-LIVE_REBUILD = "turn"  # the live defaults (docs/perf.md, "Live defaults": what a 64-token turn costs with them)
-LIVE_TWINS = False
 PANE_MAX_PX = 320  # a pane's chat at most: the last 64-token reply whole (~290 px), two rows of panes in ~900 px
-
-
-def asset(name: str) -> str:
-    return (ASSETS / name).read_text(encoding="utf-8")
-
-
-def _controls(model: str, strategies: list[str] | None, budget: int, max_new_tokens: int) -> Controls:
-    names = catalogue()
-    choices = model_choices()
-    offered = [name for _, name in choices]
-    cap = limits()
-    with gr.Group():
-        preset = gr.Dropdown(
-            choices,
-            value=model if model in offered else default_model(),
-            label="Model (preset)",
-            elem_id="kvd-model",
-            info="Locked while a turn runs. A new model replays the conversation's earlier turns "
-            "on it at your next message (Clear starts afresh). " + missing_models_note(),
-        )
-        custom = gr.Textbox(
-            value="" if model in offered else model,
-            label="…or a Hub id / local path",
-            placeholder="e.g. HuggingFaceTB/SmolLM2-360M-Instruct",
-            info="Press Enter to load.",
-            visible=not hosted(),
-        )
-        with gr.Row():
-            device = gr.Dropdown(service.devices(), value="auto", label="Device", min_width=100)
-            dtype = gr.Dropdown(list(DTYPE_NAMES), value="float32", label="dtype", min_width=100)
-    picked = gr.CheckboxGroup(
-        [(f"{title(n)} ({n})", n) for n in names],
-        value=strategies or default_names(),
-        label="Strategies (one pane each)",
-    )
-    with gr.Group():
-        budget_s = gr.Slider(1, 512, value=budget, step=1, label="Budget (tokens of K/V kept)")
-        spacing = gr.Slider(
-            1, 64, value=4, step=1, label="AnchorKV spacing s (layers)", visible=any_declares("spacing")
-        )
-        mode = gr.Radio(
-            ["exact", "fast"],
-            value="exact",
-            label="Recompute mode",
-            info="exact: bit-equal K/V; fast: one batched GEMM, error measured",
-            visible=any_declares("mode"),
-        )
-        rebuild = gr.Radio(
-            ["step", "turn"],
-            value=LIVE_REBUILD,
-            label="Rebuild old K/V",
-            elem_id="kvd-rebuild",
-            info="turn (the live default, the papers' mode): rebuilt once per turn, full K/V held "
-            "while the turn lasts: about the full cache's speed. step: every old token rebuilt "
-            "at every step: the least memory, but in lockstep every pane waits for it (AnchorKV "
-            "replays the whole conversation through its layers per token, ~1 s a token at a few "
-            "hundred tokens on a laptop CPU). The recordings use step.",
-            visible=any_declares("rebuild"),
-        )
-        max_new = gr.Slider(
-            1,
-            min(512, cap.max_new_tokens),
-            value=min(max_new_tokens, cap.max_new_tokens),
-            step=1,
-            elem_id="kvd-max-new",
-            label="Max new tokens per turn",
-        )
-        twins = gr.Checkbox(
-            LIVE_TWINS,
-            label="Measure agreement after a divergence",
-            elem_id="kvd-twins",
-            info="a teacher-forced twin per diverged pane, fed the full cache's tokens, for KL after "
-            "its first divergence: a second pass over the weights at every step (~+25% of a "
-            "turn here). Off for live turns, on in the recordings.",
-        )
-        kernels = gr.Radio(
-            ["invariant", "native"],
-            value="invariant",
-            label="Kernels",
-            elem_id="kvd-kernels",
-            info="invariant: every row's bits independent of the call (one GEMM for all lanes and "
-            "replays; probed at start); native: the model's own kernels, replays repeat shapes",
-        )
-    with gr.Accordion("More panes (extra specs)", open=False):
-        extra = gr.Textbox(
-            label="Extra specs, comma-separated",
-            placeholder="kvdirect:budget=16:mode=fast",
-            elem_id="kvd-extra",
-            info="name[:key=value]…, or a class of your own: PATH.py:Class[:key=value]… (not on a "
-            "hosted Space); budget/spacing/mode above fill in what a spec leaves unset.",
-        )
-    return Controls(
-        preset, custom, device, dtype, picked, extra, budget_s, spacing, mode, rebuild, max_new, twins, kernels
-    )
-
-
-CLAIMS = data("docs/claims")
-
-
-def _claims_tab():
-    """The committed `bench reproduce` run (docs/claims/results.json): each claim, our measurement, a verdict in
-    words.  Every verdict, reason and table is computed here from the run's numbers, by the functions
-    `reproduce --render` uses; no stored verdict or report text is shown."""
-    try:
-        results = reproduce.load(CLAIMS)
-    except reproduce.ResultsError as e:
-        gr.Markdown(f"No report to show ({e}): run `python -m kvdirect_app.bench reproduce --quick --out docs/claims`.")
-        return
-    head, _, details = render.render(results).partition(render.DETAILS)
-    gr.HTML(cards_html(results), elem_id="kvd-claims-cards")
-    with gr.Row():
-        for name in ("agreement", "recompute", "patching"):
-            if (CLAIMS / f"{name}.png").is_file():
-                gr.Image(str(CLAIMS / f"{name}.png"), show_label=False, interactive=False)
-    with gr.Accordion("The table: every claim's figures and the whole reason", open=False):
-        again = f"python -m kvdirect_app.bench reproduce {'--quick ' if results['quick'] else ''}--out DIR"
-        gr.Markdown(
-            head.replace("Every number below", f"Reproduce it with `{again}`. Every number below"),
-            elem_id="kvd-claims-table",
-        )
-    with gr.Accordion("Details: every measured row", open=False):
-        gr.Markdown(re.sub(r"!\[[^\]]*\]\([^)]*\)", "", details))
 
 
 def _panes(first: Session) -> list[Pane]:
@@ -202,32 +66,6 @@ def first_screen() -> Session:
         return Session()
 
 
-def _recordings(first: Session):
-    """The sidebar's recordings: the shipped ones in a picker, the pace, a file of one's own."""
-    choices = playback.offered()
-    picker = gr.Dropdown(
-        choices,
-        value=playback.first_name(),
-        label="Recorded runs",
-        elem_id="kvd-recordings",
-        info="played back at the recorded pace (or faster); every number is the recorded one",
-    )
-    speed = gr.Radio(list(playback.SPEEDS), value=playback.DEFAULT_SPEED, label="Replay speed", elem_id="kvd-speed")
-    upload = gr.UploadButton(
-        "📂 Open a recording file (.json / .json.gz)",
-        file_types=[".json", ".gz"],
-        file_count="single",
-        type="filepath",
-        variant="secondary",
-        elem_id="kvd-upload",
-        visible=not hosted(),
-    )  # a hosted demo opens no visitor's file (`RecordingButtons.replay`)
-    return picker, speed, upload
-
-
-TABS = ("Chat", "Token map", "Time & agreement", "Frontier", "Geometry", "Tasks", "Claims", "Export", "Help")
-
-
 def build_demo(
     model: str | None = None, strategies: list[str] | None = None, budget: int = 64, max_new_tokens: int = 64
 ) -> gr.Blocks:
@@ -249,7 +87,7 @@ def build_demo(
             delete_callback=forget,
         )
         with gr.Sidebar(label="Settings", open=False, width=360, elem_id="kvd-side"):
-            controls = _controls(model, strategies, budget, max_new_tokens)
+            controls = settings_controls(model, strategies, budget, max_new_tokens)
             scenario = gr.Dropdown(
                 [(f"{name} · {s.get('about', '')}", name) for name, s in table.items()],
                 value=next(iter(table), None),
@@ -257,7 +95,7 @@ def build_demo(
                 elem_id="kvd-scenario",
             )
             play = gr.Button("▶ Play scenario", variant="secondary", elem_id="kvd-play", interactive=False)
-            picker, speed, upload = _recordings(empty)
+            picker, speed, upload = recordings_picker(empty)
         banner = gr.HTML(views.header_html(), elem_id="kvd-header")
         with gr.Tabs(elem_id="kvd-tabs"):
             with gr.Tab(TABS[0], elem_id="kvd-tab-chat"):
@@ -324,53 +162,19 @@ def build_demo(
                 memory = gr.Plot(memory_figure(empty), show_label=False, elem_id="kvd-memory")
                 panes = _panes(empty)
             with gr.Tab(TABS[1], elem_id="kvd-tab-map"):
-                with gr.Row():
-                    label0, other0, layer0 = views.telling_view(empty, empty.token_maps)
-                    map_label = gr.Dropdown(
-                        empty.shown, value=label0, label="Strategy", scale=3, elem_id="kvd-map-label"
-                    )
-                    map_other = gr.Dropdown(
-                        empty.shown, value=other0, label="…beside", scale=3, elem_id="kvd-map-other"
-                    )
-                    layers = len(next(iter(empty.token_maps.values()))["states"]) if empty.token_maps else 30
-                    map_layer = gr.Slider(
-                        0, max(1, layers - 1), value=layer0, step=1, label="Layer", scale=2, elem_id="kvd-map-layer"
-                    )
-                token_map = gr.HTML(runner.map_pair_html(empty, label0, layer0, other0), elem_id="kvd-token-map")
-                attention = gr.Plot(
-                    runner.attention_plot(empty, label0, layer0), show_label=False, elem_id="kvd-attention"
-                )
+                map_label, map_other, map_layer, token_map, attention = map_tab(empty)
             with gr.Tab(TABS[2], elem_id="kvd-tab-time"):
-                latency = gr.Plot(latency_figure(empty), show_label=False, elem_id="kvd-latency")
-                agreement = gr.Plot(agreement_figure(empty), show_label=False, elem_id="kvd-agreement")
+                latency, agreement = time_tab(empty)
             with gr.Tab(TABS[3], elem_id="kvd-tab-frontier"):
-                gr.Markdown(asset("frontier.md"))
-                with gr.Row():
-                    source = gr.Dropdown(
-                        [FRONTIER_CURRENT, *table], value=FRONTIER_CURRENT, scale=3, label="Conversation"
-                    )
-                    draw = gr.Button("Draw the frontier", variant="secondary", scale=1, elem_id="kvd-draw")
-                    cancel = gr.Button(
-                        "Cancel the drawing", variant="stop", scale=1, interactive=False, elem_id="kvd-frontier-cancel"
-                    )
-                frontier_status = gr.HTML("", elem_id="kvd-frontier-status")
-                frontier_plot = gr.Plot(frontier_figure([]), show_label=False, elem_id="kvd-frontier")
+                frontier = frontier_tab(table)
             with gr.Tab(TABS[4], elem_id="kvd-tab-geometry"):
                 geometry = gr.HTML(elem_id="kvd-geometry")
             with gr.Tab(TABS[5], elem_id="kvd-tasks"):
                 tasks_tab()
             with gr.Tab(TABS[6], elem_id="kvd-claims"):
-                _claims_tab()
+                claims_tab()
             with gr.Tab(TABS[7], elem_id="kvd-tab-export"):
-                gr.Markdown("Downloads hold the last finished (or stopped) turn's run.")
-                with gr.Row():
-                    downloads = [
-                        gr.DownloadButton(text, interactive=False, variant="secondary")
-                        for text in ("Run (JSON)", "Steps (CSV)", "Summary (CSV)", "Plots (HTML)")
-                    ]
-                    record = gr.DownloadButton(
-                        "Recording (.json.gz)", interactive=False, variant="secondary", elem_id="kvd-download-recording"
-                    )
+                downloads, record = export_tab()
             with gr.Tab(TABS[8], elem_id="kvd-about"):
                 gr.Markdown(asset("about.md"))
         actions = Actions(prompt, send, stop, regenerate, clear, scenario, play, recall)
@@ -395,14 +199,14 @@ def build_demo(
             actions,
             shown,
             panes,
-            FrontierTab(source, draw, cancel, frontier_status, frontier_plot),
+            frontier,
             Recordings(line, picker, speed, upload, replay, live, record),
         )
         handlers = Handlers(studio, demo)
         _wire(demo, studio, handlers)
         # The sidebar opens from the Chat tab too (its own toggle is a small arrow at the page's edge).
         settings.click(None, js="() => document.querySelector('#kvd-side .toggle-button').click()")
-        gr.api(runner.compare, api_name="compare")
+        gr.api(compare, api_name="compare")
     demo.kvd_handlers = handlers  # the tests drive the handlers directly too
     return demo
 

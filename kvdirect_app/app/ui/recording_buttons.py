@@ -29,7 +29,7 @@ class RecordingButtons:
     seen: Callable[[Session, gr.Request | None], None]  # notes a visitor's session (`Handlers._seen`)
     refuse: Callable[[Session, str], Iterator[dict]]  # warns and says why in the status (`Handlers._refuse`)
     render: Callable[..., dict]  # the page drawn from the session (`Handlers.render`)
-    run: Callable[..., Iterator[dict]]  # checks a run, then streams it (`Handlers._run`)
+    run: Callable[..., Iterator[dict]]  # checks a run, then streams it (`TurnButtons.run`)
 
     # --- recordings ------------------------------------------------------------
     def replay(

@@ -1,5 +1,6 @@
-"""Where the UI meets the engine's facade (`kvdirect_app/app/service.py`): playing turns, the frontier's plan, the
-`compare` API.  Plain Python: no torch here.
+"""Where the UI meets the engine's facade (`kvdirect_app/app/service.py`): playing turns on the compute thread,
+their progress and pace, the frontier's plan.  Plain Python: no torch here (the `compare` API is `compare_api`, the
+Token map tab's drawings `token_map_tab`).
 
 On Hugging Face ZeroGPU the generation functions run in a short-lived GPU
 worker (`spaces.GPU`), so no engine outlives a call there: each call rebuilds
@@ -12,31 +13,23 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import logging
 import os
 import queue
 import threading
-import traceback
 from typing import Callable, Iterator
-
-import gradio as gr
 
 from ...plain import rss
 from ...plain.errors import OutOfMemory, UserError
 from ...plain.frontier import frontier_figure, points_from_rows
 from ...plain.hosted import hosted
-from ...plain.limits import integer, limits
-from ...plain.recording import Recorder, attention_layer, map_layer
+from ...plain.recording import Recorder
 from ...plain.specs import external
 from ...plain.units import fmt_bytes
 from .. import service
-from . import views
-from .plots import attention_figure
-from .settings import KERNELS, REFERENCE, RunConfig, Settings, default_model, expand
+from .settings import REFERENCE, RunConfig, Settings, expand
 
 USER_ERRORS = (UserError,)
 OUT_OF_MEMORY = (OutOfMemory,)
-log = logging.getLogger(__name__)
 
 
 def gpu(fn):
@@ -378,130 +371,3 @@ def recorder(config: RunConfig, scenario: str | None, expect: tuple[int, str] | 
             "expect": list(expect) if expect else None,
         }
     )
-
-
-def token_map(talk: service.Conversation | None, maps: dict | None, label: str, layer: int) -> dict | None:
-    if maps is not None and label in maps:
-        states = maps[label]["states"]
-        if states and isinstance(states[0], str):  # a recording's compact map: one code per token
-            return map_layer(maps, label, layer)
-        return {"tokens": maps[label]["tokens"], "states": states[min(layer, len(states) - 1)]}
-    if talk is None:
-        return None
-    return talk.token_map(label, layer)
-
-
-def compare_specs(strategies: str, budget: int, spacing: int, mode: str = "") -> str:
-    """API strategies: names get the shared settings they declare; spacing 0 and mode "" keep the defaults.  A
-    file or module spec is refused before anything reads it, whatever the operator allowed the page: an API call
-    is web input, and a path it names may be a file it uploaded a moment before."""
-    entries = [e for e in strategies.split(",") if e.strip()]
-    for entry in entries:
-        if external(entry):
-            raise UserError(
-                f"strategies: {entry.strip()[:80]!r} names a file or module; the compare API runs "
-                "registered strategies only (code is never taken from a web request); allowed: "
-                "registered names like 'full,kvdirect:budget=64'"
-            )
-    return ",".join(expand(e, budget or None, spacing or None, mode or None) for e in entries)
-
-
-@gpu
-def compare(
-    prompt: str,
-    model: str = "",
-    strategies: str = "full,kvdirect:mode=exact",
-    budget: int = 64,
-    spacing: int = 0,
-    max_new_tokens: int = 64,
-    device: str = "auto",
-    dtype: str = "float32",
-    kernels: str = "invariant",
-) -> dict:
-    """Run `strategies` in lockstep on one prompt; returns the same JSON as `python -m kvdirect_app.bench run`.
-
-    `strategies` is comma-separated `name[:key=value]...`; a strategy that
-    declares `budget` or `spacing` and does not set it gets the value given
-    here (spacing 0: the strategy's default).  `model` "" is the default
-    preset.  `kernels`: "invariant" (batch-invariant, the default) or
-    "native"; the JSON's `kernels` says which ran and why.  Every input goes through `validate` and the memory guard; a bad
-    one is answered with its one-line message (never a traceback).
-    """
-    try:
-        if not isinstance(strategies, str):
-            raise UserError("strategies: expected text like 'full,kvdirect:budget=64'")
-        specs = compare_specs(
-            strategies,
-            integer("budget", budget, 1, 1 << 20),
-            integer("spacing", spacing, 0, 4096, "0: the strategy's default"),
-        )
-        tokens = integer("max_new_tokens", max_new_tokens, 1, limits().max_new_tokens)
-        if kernels not in KERNELS:
-            raise UserError(f"kernels: {str(kernels)[:40]!r} is not allowed; allowed: {', '.join(KERNELS)}")
-        return service.compare(prompt, model or default_model(), device, dtype, specs.split(","), tokens, kernels)
-    except USER_ERRORS as e:
-        raise gr.Error(str(e), print_exception=False) from None
-    except OUT_OF_MEMORY as e:
-        raise gr.Error(f"{e}; try fewer tokens or strategies", print_exception=False) from None
-    except Exception as e:  # a bug: logged here with its traceback, answered without it
-        log.error("compare failed:\n%s", traceback.format_exc())
-        raise gr.Error(
-            f"internal error ({type(e).__name__}); the server log has the details", print_exception=False
-        ) from None
-
-
-def map_pair_html(session, label: str | None, layer: int, other: str | None = None) -> str:
-    """The token map of `label` at `layer` (beside `other`'s, if given), the scenario's answer outlined; from the
-    session's engine, or from its recorded maps."""
-    if label is None:
-        return views.token_map_html(None, "", 0)
-    words = session.expect[1] if session.expect else None
-    parts = []
-    for name in dict.fromkeys([label] + ([other] if other and other != label else [])):
-        try:
-            data = token_map(session.engine, session.token_maps, name, int(layer))
-        except (IndexError, KeyError, StopIteration):
-            data = None
-        parts.append(views.token_map_html(data, name, int(layer), mark=words))
-    return views.side_by_side(parts, session.recorded_label)
-
-
-def attention_data(session, label: str) -> callable:
-    """`layer -> attention_map` of `label` (None where there is none): from a recording on screen (once it has been
-    played to its end), from the run's own snapshots, or from the session's engine."""
-    if session.recorded is not None:
-        if session.token_maps is None:  # still playing
-            return lambda layer: None
-        return lambda layer: attention_layer(session.recorded, label, layer)
-    maps = session.attention_maps
-    if maps is not None:
-        m = maps.get(label)
-        return lambda layer: (
-            None
-            if m is None
-            else {
-                **{k: m[k] for k in ("position", "turn", "tokens")},
-                "weights": m["layers"][min(layer, len(m["layers"]) - 1)],
-            }
-        )
-    talk = session.engine
-    if talk is None:
-        return lambda layer: None
-    return lambda layer: talk.attention_map(label, layer)
-
-
-def attention_plot(session, label: str | None, layer: int):
-    """The attention figure of the token map's strategy at `layer`, against the full cache."""
-    if label is None:
-        return attention_figure(session, None, 0, None, None)
-    try:
-        full = attention_data(session, REFERENCE)(int(layer))
-        other = attention_data(session, label)(int(layer)) if label != REFERENCE else None
-    except (IndexError, KeyError, StopIteration):
-        full = other = None
-    words = session.expect[1] if session.expect else None
-    marks = tuple(views.marked_tokens(d["tokens"], words) if d else set() for d in (full, other))
-    note = None
-    if full is None and session.recorded is not None and session.token_maps is not None:
-        note = "This recording holds no attention snapshot (it was made before they were recorded): ▶ Run it live"
-    return attention_figure(session, label, int(layer), full, other, marks, note, words)
