@@ -51,8 +51,8 @@ def compare(
     declares `budget` or `spacing` and does not set it gets the value given
     here (spacing 0: the strategy's default).  `model` "" is the default
     preset.  `kernels`: "invariant" (batch-invariant, the default) or
-    "native"; the JSON's `kernels` says which ran and why.  Every input goes through `validate` and the memory guard; a bad
-    one is answered with its one-line message (never a traceback).
+    "native"; the JSON's `kernels` says which ran and why.  Every input goes through `validate` and the memory
+    guard; a bad one is answered with its one-line message (never a traceback).
     """
     try:
         if not isinstance(strategies, str):

@@ -52,10 +52,10 @@ def forget(session: Session):
 class Handlers:
     """Every button's handler: drawing the page, clear and the token map here, each other reason in a part it holds,
     given what that part uses: `turn_buttons` (`turn_buttons.TurnButtons`: send, regenerate, a scenario, stop),
-    `queueing` (`line.Queueing`: the place in line), `model_choice` (`model_choice.ModelChoice`: loading a model), `recording_buttons`
-    (`recording_buttons.RecordingButtons`: replaying a recording, running it live) and `frontier_drawing`
-    (`frontier_drawing.FrontierDrawing`).  The parts' handlers are named here too (`self.load_model`, ...), as the
-    page wires them (`layout._wire`) and the tests call them."""
+    `queueing` (`line.Queueing`: the place in line), `model_choice` (`model_choice.ModelChoice`: loading a model),
+    `recording_buttons` (`recording_buttons.RecordingButtons`: replaying a recording, running it live) and
+    `frontier_drawing` (`frontier_drawing.FrontierDrawing`).  The parts' handlers are named here too (`self.load_model`,
+    ...), as the page wires them (`layout._wire`) and the tests call them."""
 
     def __init__(self, studio: Studio, demo: gr.Blocks | None = None):
         self.s, self.demo = studio, demo

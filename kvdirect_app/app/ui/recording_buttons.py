@@ -64,8 +64,8 @@ class RecordingButtons:
             yield {
                 self.studio.views.status: views.status(
                     f"Replaying would replace this conversation: its {len(session.user_turns)} live turn(s) and "
-                    f"{session.steps} steps on {session.config.model if session.config else 'this model'} (the Export tab "
-                    f"keeps them as files). {how} to replace it.",
+                    f"{session.steps} steps on {session.config.model if session.config else 'this model'} "
+                    f"(the Export tab keeps them as files). {how} to replace it.",
                     "info",
                 )
             }

@@ -363,7 +363,8 @@ def frontier(result: dict, task: str = ALL) -> go.Figure:
 def provenance(result: dict) -> str:
     return (
         f"measured {result['measured_at']} on {result['device']} ({result.get('processor', '?')}), "
-        f"{result['threads']} thread{'' if result['threads'] == 1 else 's'}, {result['kernels']} kernels, {result['model']}, "
+        f"{result['threads']} thread{'' if result['threads'] == 1 else 's'}, {result['kernels']} kernels, "
+        f"{result['model']}, "
         f"commit {result.get('commit') or '?'}"
     )
 

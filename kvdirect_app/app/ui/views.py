@@ -248,7 +248,8 @@ def pane_header(session: Session, label: str) -> str:
     elif summary.get("kv_exact") is not None and label != REFERENCE:
         if summary["kv_exact"] and not summary.get("rebuilt_token_layers"):
             notes.append(
-                '<span class="kvd-note" title="K/V equal, but nothing was rebuilt yet">K/V equal (nothing rebuilt yet)</span>'
+                '<span class="kvd-note" title="K/V equal, but nothing was rebuilt yet">'
+                "K/V equal (nothing rebuilt yet)</span>"
             )
         elif summary["kv_exact"]:
             notes.append(
@@ -267,7 +268,8 @@ def pane_header(session: Session, label: str) -> str:
         notes.append(f'<span class="kvd-memory-told">{_esc(told)}</span>')
     return (
         f'<div class="kvd-pane-head" style="border-left-color:{colour}">'
-        f'<div class="kvd-pane-title" title="{html.escape(session.about.get(label, {}).get("doc", ""))}"><span class="kvd-dot" style="background:{colour}"></span>'
+        f'<div class="kvd-pane-title" title="{html.escape(session.about.get(label, {}).get("doc", ""))}">'
+        f'<span class="kvd-dot" style="background:{colour}"></span>'
         f"{_esc(title(name))}{chips}</div>"
         f'<div class="kvd-stats">{" · ".join(stats) or "&nbsp;"}</div>'
         f'<div class="kvd-notes">{" ".join(notes) or "&nbsp;"}</div></div>'
