@@ -13,9 +13,10 @@ its allowed values).
 * `sweep(SweepConfig) -> dict`: every strategy at every budget, or at equal measured memory (`bench sweep`;
   the work itself is `sweeps.py`'s).
 * `tasks(TasksConfig) -> dict`: retrieval and QA scores per strategy x budget x context x depth (`bench tasks`;
-  the work itself is `tasks/scores.py`'s).
+  the work itself is `task_suite/runner.py`'s).
 * `breakeven(BreakevenConfig) -> dict`, `replay(ReplayConfig) -> dict`, `capacity(CapacityConfig) -> dict`:
-  AnchorKV's arithmetic, its cascade against naive replay, and parked sessions (`bench breakeven/replay/capacity`).
+  AnchorKV's arithmetic, its cascade against naive replay, and parked sessions (`bench breakeven/replay/capacity`;
+  the sessions parked and measured in `parking.py`).
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ from ..models.loading import load_model, resolve_dtype
 from ..models.prompts import Prompter, filler_ids
 from ..plain.errors import UserError
 from ..plain.scenarios import scenarios
-from ..strategies import parse_spec
 from ..strategies.anchorkv import AnchorKV, rebuild_all
 from . import sweeps
-from .task_suite.scores import run_tasks
+from .parking import capacity_strategies, park
+from .task_suite.runner import run_tasks
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -249,12 +250,12 @@ def sweep(config: SweepConfig, say: Callable[[str], None] = _stderr) -> dict:
 # --- tasks ---------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TasksConfig(_Config):
-    """Retrieval and QA scores for every strategy (`bench tasks`; `tasks/scores.py`).  Unset grid settings take
+    """Retrieval and QA scores for every strategy (`bench tasks`; `task_suite/runner.py`).  Unset grid settings take
     the default grid, or with `quick` the quick one (two contexts, three depths, two tasks, one budget)."""
 
     model: str = "smollm2-135m"
     strategies: str = "kvdirect,anchorkv,window,streaming_llm,h2o,snapkv,tova,knorm,pyramidkv"
-    budgets: str | None = None  # unset: the grid's (tasks/scores.py DEFAULT, QUICK), or none beside `ratios`
+    budgets: str | None = None  # unset: the grid's (task_suite/grid.py DEFAULT, QUICK), or none beside `ratios`
     ratios: str | None = None  # compression ratios (kvpress's), each lane's budget from its sample's prompt
     contexts: str | None = None
     depths: str | None = None
@@ -395,54 +396,6 @@ class CapacityConfig(_Config):
     threads: int | None = None
 
 
-def _capacity_strategies(geom, spacings: list[int], budget: int):
-    """Each strategy with the settings it runs with (its default rebuild mode), plus AnchorKV's deepest
-    spacing with ``rebuild=step``."""
-    specs = ["full", f"kvdirect:budget={budget}"]
-    specs += [f"anchorkv:spacing={s}:budget={budget}" for s in spacings]
-    specs.append(f"anchorkv:spacing={geom.num_layers}:budget={budget}:rebuild=step")
-    if any(layer.is_sliding for layer in geom.layers):
-        specs += [f"anchorkv:spacing={s}:anchors=dp:budget={budget}" for s in spacings if s > 1]
-    return [(spec, parse_spec(spec)) for spec in specs]
-
-
-def _session(loaded, strategy, n: int, threads: int | None):
-    """One session of `strategy` alone (no reference lane), `n` tokens of context, parked."""
-    engine = Engine(
-        loaded, [strategy], max_new_tokens=1, raw=True, threads=threads, compare=False, memory="trace"
-    )  # parked bytes and resume peaks: the allocator's (the claims report reads them)
-    for _ in engine.turn("context", ids=filler_ids(loaded.tokenizer, n)):
-        pass
-    engine.park()
-    return engine
-
-
-def _park(loaded, strategy, n: int, sessions: int, threads: int | None) -> dict:
-    """Park `sessions` sessions (at least one) in this process; bytes measured per session, then resume one
-    and time it and its next turn's first token."""
-    process = psutil.Process()
-    before = process.memory_info().rss
-    parked = [_session(loaded, strategy, n, threads) for _ in range(max(1, sessions))]
-    after = process.memory_info().rss
-    measured = [engine.reference.parks[-1]["bytes"] for engine in parked]
-    engine = parked[0]
-    resume = engine.resume()["lanes"][strategy.label]
-    result = None
-    for event in engine.turn(" Continue."):
-        if event["type"] == "step":
-            result = event["lanes"][strategy.label]
-            break
-    return {
-        "sessions_parked": len(parked),
-        "parked_bytes_measured": sum(measured) / len(measured),
-        "rss_growth_per_session": (after - before) / len(parked),
-        "resume_ms": resume["resume_ms"],
-        "resume_peak_bytes": resume["resume_peak_bytes"],
-        "next_ttft_ms": None if result is None else result["prefill_ms"],
-        "kernels": engine.kernels.report(),
-    }
-
-
 def capacity(config: CapacityConfig, say: Callable[[str], None] = _stderr) -> dict:
     """Parked bytes per session by formula at `context` and measured at min(context, measure_context) tokens,
     sessions that fit in memory, resume time and the next turn's first token."""
@@ -463,9 +416,9 @@ def capacity(config: CapacityConfig, say: Callable[[str], None] = _stderr) -> di
     full_bytes = geom.full_kv_bytes(config.context)
     n = min(config.context, config.measure_context, loaded.max_context - 1)
     rows, kernels = [], None
-    for name, strategy in _capacity_strategies(geom, spacings, config.budget):
+    for name, strategy in capacity_strategies(geom, spacings, config.budget):
         say(f"{name}: parking {max(1, config.measure)} session(s) of {n} tokens…")
-        m = _park(loaded, strategy, n, config.measure, config.threads)
+        m = park(loaded, strategy, n, config.measure, config.threads)
         kernels = m.pop("kernels")
         parked = strategy.formula_parked(geom, config.context)
         rows.append(

@@ -21,7 +21,7 @@ import argparse
 from ..benchmarks import task_suite
 from ..benchmarks.api import TasksConfig, tasks
 from ..benchmarks.executors import EXECUTORS
-from ..benchmarks.task_suite.scores import DEFAULT, MULTITURN, MULTITURN_QUICK, QUICK
+from ..benchmarks.task_suite.grid import DEFAULT, MULTITURN, MULTITURN_QUICK, QUICK
 from ..plain.units import fmt, fmt_bytes, table
 from .common import THREADS, TOKENS, WORKERS, whole, write_json
 

@@ -313,7 +313,7 @@ def test_each_turns_needle_is_at_its_measured_depth_and_the_needles_spread_over_
 
 
 def test_a_later_turn_fits_its_bound_in_tokens(tok):
-    from kvdirect_app.benchmarks.task_suite.scores import LATER_TOKENS
+    from kvdirect_app.benchmarks.task_suite.grid import LATER_TOKENS
     from kvdirect_app.models.prompts import Prompter
 
     class Loaded:

@@ -11,7 +11,9 @@ import pytest
 
 from kvdirect_app.app.ui import tasks_view
 from kvdirect_app.benchmarks import api as benchmarks
-from kvdirect_app.benchmarks.task_suite import scores
+from kvdirect_app.benchmarks.task_suite import runner
+from kvdirect_app.benchmarks.task_suite.grid import ratio_budget
+from kvdirect_app.benchmarks.task_suite.summary import summarise
 from kvdirect_app.cli import main
 from kvdirect_app.plain.schema import SchemaError, stamp, validate
 from kvdirect_app.strategies.window import Window
@@ -163,7 +165,7 @@ def test_the_shipped_result_is_a_valid_tasks_file_whose_exact_answers_equal_the_
         "knorm",
         "pyramidkv",
     }
-    assert scores.summarise(result["cells"], result["question"]) == {
+    assert summarise(result["cells"], result["question"]) == {
         "rows": result["rows"],
         "heatmap": result["heatmap"],
         **({"leaderboard": result["leaderboard"]} if result.get("ratios") else {}),
@@ -224,7 +226,7 @@ def test_a_task_cell_keeps_freed_blocks_in_the_heap_and_hands_them_back_after(mo
     assert inside * 4 < min(out, after), (out, inside, after)
 
     entered = []
-    real = scores.rss.kept_heap
+    real = runner.rss.kept_heap
 
     @contextmanager
     def counted():
@@ -232,7 +234,7 @@ def test_a_task_cell_keeps_freed_blocks_in_the_heap_and_hands_them_back_after(mo
             entered.append(ok)
             yield ok
 
-    monkeypatch.setattr(scores.rss, "kept_heap", counted)
+    monkeypatch.setattr(runner.rss, "kept_heap", counted)
     benchmarks.tasks(replace(TINY, depths="0", budgets="8", strategies="window"), say=lambda line: None)
     assert entered == [True]
 
@@ -244,7 +246,7 @@ def test_a_ratio_is_a_budget_from_each_samples_prompt_with_the_question_in_it(tm
     one (255) runs once and both lanes get its answer.  The leaderboard rows are kvpress's (strategy, ratio, task,
     score); the Tasks tab offers each budget and each ratio.  Mutations: round() for int() (128 kept); the lanes of a
     ratio shown at a budget that one sample's ratio budget happens to equal."""
-    assert (scores.ratio_budget(0.5, 510), scores.ratio_budget(0.75, 510), scores.ratio_budget(0.99, 50)) == (
+    assert (ratio_budget(0.5, 510), ratio_budget(0.75, 510), ratio_budget(0.99, 50)) == (
         255,
         127,
         1,
@@ -455,7 +457,7 @@ def test_the_shipped_multiturn_result_is_valid_and_its_exact_answers_equal_the_f
         "knorm",
         "pyramidkv",
     }
-    summary = scores.summarise(result["cells"], result["question"])
+    summary = summarise(result["cells"], result["question"])
     assert summary["by_turn"] == result["by_turn"] and summary["rows"] == result["rows"]
 
 
@@ -552,7 +554,7 @@ def test_the_measured_compression_stands_beside_the_nominal_one():
     holds a quarter: 0.75; none measured: None (not 0).  Mutation: the measured figure taken from the budget (as
     the nominal one is) made the first 0.969."""
     cells = [_cell({"full": 1000, "mine:budget=16": 1000, "window:budget=16": 250, "blind:budget=16": None})]
-    rows = {r["spec"]: r for r in scores.summarise(cells)["rows"]}
+    rows = {r["spec"]: r for r in summarise(cells)["rows"]}
     assert rows["mine:budget=16"]["compression_ratio"] == pytest.approx(1 - 16 / 512)
     assert rows["mine:budget=16"]["measured_compression"] == 0.0
     assert rows["window:budget=16"]["measured_compression"] == pytest.approx(0.75)

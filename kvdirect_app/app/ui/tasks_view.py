@@ -408,9 +408,9 @@ def head_html(result: dict) -> str:
 
 
 def measured(cells: list[dict], spec: str) -> float | None:
-    """The measured compression of lane `spec` over `cells` (`tasks.scores.measured_compression`: 1 - its held bytes
-    over the full cache's in the same cell, the mean), from each cell's bytes, so that a results file written before
-    the summary carried it shows it too; None where no memory was measured."""
+    """The measured compression of lane `spec` over `cells` (`task_suite.summary.measured_compression`: 1 - its held
+    bytes over the full cache's in the same cell, the mean), from each cell's bytes, so that a results file written
+    before the summary carried it shows it too; None where no memory was measured."""
     values = [
         1 - c["lanes"][spec]["held_bytes"] / c["lanes"][REFERENCE]["held_bytes"]
         for c in cells

@@ -1,7 +1,8 @@
 """Retrieval tasks after RULER, generated offline, and their scores: single-turn samples (`single_turn`), conversations
 on the same needles (`multi_turn`), what both are built from (`haystack`: the haystacks, the needles' places, the
 prompt fitted to a context length), a QA set for the long document (`qa`), the tokenizer of a preset without its
-model (`tokenizer`) and the `bench tasks` grid with its scores (`scores`).
+model (`tokenizer`), and `bench tasks`: its grid and settings (`grid`), its cells run (`runner`) and their scores
+summarised (`summary`).
 
 The generators' names are re-exported here: ``from kvdirect_app.benchmarks import task_suite`` then
 ``task_suite.sample(...)``, ``task_suite.conversation(...)``."""
