@@ -18,7 +18,7 @@ from .lanes import Lane
 # Whose bytes a saved context is (`Engine.turn(save_context=True)`): the engine's copy, kept for later turns, no lane's.
 CONTEXT = Owner("saved context", "engine")
 
-# An owner's work outside a pass, as a region of the observer (`Engine._work`).
+# An owner's work outside a pass, as a region of the observer (`lane_building.work_region`, held as `Engine._work`).
 Work = Callable[[Owner, str], ContextManager]
 
 

@@ -17,16 +17,18 @@ the formula (`lanes.ByteBook`); a prompt longer than `prefill_chunk` tokens
 is fed in pieces, with a progress event per piece.  Sessions can be parked
 between turns and resumed.
 
-The engine yields plain dict events and never imports gradio.  It is built of parts, one reason each: the turn and
-its steps (here), the state between turns (`between_turns.py`: park, resume, a saved context, the thread count's
-kernels), the lanes' token maps and attention snapshots (`token_maps.py`), a step's figures and the run's summary
-(`summary.py`'s `Report`).  The parts are plain functions and one object, each given what it reads; the engine
-keeps the state they change and its public methods hand them over.
+The engine yields plain dict events and never imports gradio.  It is built of parts, one reason each: its settings,
+its public methods and the run's record (here), its lanes built before the first step (`lane_building.py`), a turn
+and its steps (`turn_steps.py`'s `TurnSteps`), the state between turns (`between_turns.py`: park, resume, a saved
+context, the thread count's kernels), the lanes' token maps and attention snapshots (`token_maps.py`), a step's
+figures and the run's summary (`summary.py`'s `Report`).  The parts are plain functions and small held objects,
+each given what it reads; the engine keeps the state they change and its public methods hand them over.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Callable, Iterator
 
@@ -36,22 +38,21 @@ from ..kernels.invariant import Kernels
 from ..kernels.invariant import brief as kernels_brief
 from ..measure.instruments import MEMORY_MODES, Instruments
 from ..measure.memory import AllocationTracer
-from ..measure.observe import ENGINE, Observer, Owner, instrument, storage_sizes, watch
+from ..measure.observe import Observer
 from ..models.geometry import ModelGeometry
 from ..models.loading import LoadedModel
 from ..models.prompts import InputError, Prompter
-from ..models.threads import one_thread, pin, probe_determinism
-from ..plain.text import ReplyText
+from ..models.threads import pin, probe_determinism
 from ..strategies import Strategy
-from ..strategies.full import Full
-from . import between_turns, token_maps
+from . import between_turns, token_maps, turn_steps
 from .between_turns import CONTEXT
-from .forwards import Forwards, Item
+from .forwards import Forwards
 from .hooks import InputTap, model_lock
-from .lanes import ByteBook, Lane, TurnBytes, made_again
+from .lane_building import build_lane, build_lanes, work_region
+from .lanes import Lane
 from .lockstep import batch_linears
 from .summary import Report, memory_instrument, step_summary
-from .teacher_forcing import agree, observe
+from .turn_steps import TurnSteps
 
 __all__ = [
     "Engine",
@@ -121,6 +122,7 @@ class Engine:
         self.tracer = AllocationTracer(loaded.device, enabled=self.memory == "trace")
         self.observer = Observer(loaded.device, meter, self.tracer)
         weakref.finalize(self, self.observer.close)
+        self._work = functools.partial(work_region, self.observer, self.tracer)  # an owner's work outside a pass
         self.peak_source = {
             "allocator": "measured" if meter is not None and meter.has_peak else "formula",
             "trace": "trace",
@@ -143,22 +145,13 @@ class Engine:
         )
         self.determinism = probe_determinism(loaded.device, loaded.dtype, self.threads)
         # The model's, the probes' and the strategies' first instances' blocks are no run's; the lanes' strategies
-        # are built again inside their regions (`_lane`), after this.
+        # are built again inside their regions (`lane_building.build_lane`), after this.
         self.observer.count_unattributed_from_now()
         self.solo = not compare
-        if self.solo:  # one strategy as deployed alone: it drives the conversation, nothing is compared
-            if len(strategies) != 1:
-                raise InputError(f"--solo: runs exactly one strategy, got {len(strategies)}")
-            self.reference, self.lanes = self._lane(strategies[0]), []
-            self.show = [strategies[0].label]
-        else:
-            ref = Full()
-            specs = [s.spec() for s in strategies if s.spec() != ref.spec()]
-            if len(set(specs)) != len(specs):  # two lanes of one spec would share one owner's bytes
-                raise InputError(f"strategies: {next(x for x in specs if specs.count(x) > 1)!r} is listed twice")
-            self.reference = self._lane(ref)
-            self.lanes = [self._lane(s) for s in strategies if s.spec() != ref.spec()]
-            self.show = [s.label if s.spec() != ref.spec() else ref.label for s in strategies]
+        make = lambda strategy: build_lane(
+            strategy, self.model, loaded.device, self.observer, self._work, self.kernels, self.memory, self.peak_source
+        )
+        self.reference, self.lanes, self.show = build_lanes(strategies, self.solo, make)
         self.prompt_ids: list[int] = []
         self.turn_chunks: list[list[int]] = []
         self.turn_seconds: list[float] = []  # wall time of each turn, from its first forward to its last
@@ -178,6 +171,23 @@ class Engine:
             max_new_tokens,
         )
         self.observer.register(CONTEXT)
+        self.steps = TurnSteps(
+            loaded,
+            self.prompter,
+            self.geometry,
+            self.observer,
+            self.forwards,
+            self.report,
+            self.instruments,
+            self._work,
+            self.reference,
+            self.lanes,
+            self.memory,
+            self.solo,
+            self.twins,
+            max_new_tokens,
+            prefill_chunk,
+        )
 
     def about(self) -> dict:
         """Per shown strategy: the first line of its docstring and the settings it adapted (plain data, for a page
@@ -188,46 +198,16 @@ class Engine:
             out[lane.label] = {"doc": doc.splitlines()[0] if doc else "", "notes": list(lane.strategy.notes)}
         return out
 
-    def _lane(self, strategy: Strategy) -> Lane:
-        """The strategy's lane: the strategy made again from its settings inside the lane's own region, then its
-        cache, so that whatever it allocates when it is made (in `__post_init__`) is the lane's, never a baseline."""
-        lane = Lane(
-            strategy, None, strategy.label, ByteBook(measured=self.memory != "none", peak_source=self.peak_source)
-        )
-        self.observer.register(lane.owner)
-        with self._work(lane.owner, "build"):
-            lane.strategy = made_again(strategy)
-            lane.cache = watch(lane.strategy.build_cache(self.model))
-        lane.cache.model = self.model  # what its twins share (`StrategyCache.fork`)
-        lane.cache.use_kernels(self.kernels)
-        if self.loaded.device.type == "cuda" and self.memory in ("allocator", "trace"):
-            # The caching allocator rounds blocks: measured and formula compared like for like.
-            lane.book.held_sizes = lambda: list(storage_sizes(*lane.cache.state_tensors()).values())
-        return lane
-
-    @contextlib.contextmanager
-    def _work(self, owner: Owner, op: str):
-        """`owner`'s work outside a pass (building, forking, ending a turn, parking, resuming): a region of the
-        observer, traced in a session of its own with ``--memory trace`` (the session's start and fold are the
-        trace's work)."""
-        tracer, observer = self.tracer, self.observer
-        if tracer.enabled:
-            with observer.region(instrument("trace"), "session"):
-                tracer.start(owner.label)
-        try:
-            with observer.region(owner, op):
-                yield
-        finally:
-            if tracer.enabled:
-                with observer.region(instrument("trace"), "session"):
-                    tracer.stop()
-
     @property
     def all_lanes(self) -> list[Lane]:
         return [self.reference, *self.lanes]
 
     def _held(self, lane: Lane) -> int | None:
         return self.forwards.held(lane)
+
+    def _keep_context(self, saved: dict):
+        """The context a turn saved (`turn(save_context=True)`), for later turns `from_context`."""
+        self.saved_context = saved
 
     # --- the run -------------------------------------------------------------
     def turn(
@@ -258,22 +238,8 @@ class Engine:
         earlier questions and answers cut, and reads `question` alone as its prompt, nothing evicted (kvpress's
         multi-question mode: `bench tasks --multiturn --history drop`).
         """
-        if not text or not text.strip():
-            raise InputError("--prompt: empty prompt; give a non-empty user message")
         k = len(self.turn_chunks)
-        if ids is not None and k != 0:
-            raise InputError("token ids can only be given for the first turn")
-        if answer_prefix and k == 0:
-            raise InputError("an answer prefix opens a later turn; the first turn's ids hold its own")
-        if question is not None and not question:
-            raise InputError("question: empty; give the token ids read after the prompt, or None")
-        if save_context and question is None:
-            raise InputError("save_context: the context is what precedes a question; give question= too")
-        if from_context and (self.saved_context is None or question is None or answer_prefix):
-            raise InputError(
-                "from_context: needs a context saved by an earlier turn (save_context=True) and the "
-                "question's ids (question=), which hold their own answer prefix"
-            )
+        turn_steps.check_turn(k, text, ids, answer_prefix, question, save_context, from_context, self.saved_context)
         if k == 0:
             first = list(ids) if ids is not None else self.prompter.first(text)
             if len(first) >= self.loaded.max_context:
@@ -286,7 +252,7 @@ class Engine:
             tap = InputTap(self.model, self.loaded.device)
             try:
                 if k == 0 and self.instruments.compare:
-                    self._compare()
+                    turn_steps.compare(self.reference, self.lanes, self.observer)
                     yield {
                         "type": "start",
                         "strategies": self.show,
@@ -302,34 +268,27 @@ class Engine:
                 if self.parked:
                     self._resume(tap)
                     yield {"type": "resume", "lanes": {lane.label: lane.parks[-1] for lane in self.all_lanes}}
-                yield from self._turn(k, text, tap, answer_prefix, question, save_context, from_context)
+                yield from self.steps.turn(
+                    k,
+                    text,
+                    tap,
+                    self.prompt_ids,
+                    self.turn_chunks,
+                    self.turn_seconds,
+                    self._keep_context,
+                    self.saved_context,
+                    answer_prefix,
+                    question,
+                    save_context,
+                    from_context,
+                )
             finally:
                 tap.close()
                 for lane in self.all_lanes:
                     if lane.active:  # interrupted: all chosen tokens were fed, nothing is pending
                         lane.active = False
-                        self._end_turn(lane)
+                        self.steps.end_turn(lane)
                 pin(previous_threads)
-
-    def _end_turn(self, lane: Lane):
-        """The turn is over for this lane: drop what only the turn needed, then count what stays."""
-        for owner, cache in lane.caches():
-            with self._work(owner, "end_turn"):
-                cache.end_turn()
-        if lane.replies:
-            lane.texts[-1] = lane.replies[-1].final()
-        seen = lane.cache.get_seq_length()
-        held = self._held(lane)
-        formula = lane.strategy.formula_between_turns(self.geometry, seen, lane.forwards)
-        obs = self.observer
-        if self.memory != "none":
-            lane.book.declared(formula, obs.declared(lane.cache))
-        if self.memory == "trace" and obs.meter is not None:  # the meter beside the trace, between turns too
-            lane.book.audit("between turns", seen, obs.held(lane.owner), None, held, None)
-        lane.book.between_turns(seen, held, formula, obs.outside(lane.owner) if self.memory != "none" else None)
-        lane.keeping = False
-        if self.instruments.digests:
-            lane.kv_digest = obs.digest(lane.cache)
 
     @contextlib.contextmanager
     def kernel_scope(self):
@@ -347,131 +306,6 @@ class Engine:
                 yield self.park()
             yield from self.turn(text)
         yield {"type": "done", "result": self.results()}
-
-    def _prefill(self, k: int, items: list[Item], tap: InputTap, first_piece: int = 0) -> Iterator[dict]:
-        """Every lane's prompt, in pieces of at most `prefill_chunk` tokens; an event after each piece.
-        `first_piece`: the pieces already fed in this turn (a question read after the prompt continues them)."""
-        total = max(len(item.ids) for item in items)
-        size = self.prefill_chunk
-        for piece, start in enumerate(range(0, total, size)):
-            pieces = [
-                Item(item.lane, item.ids[start : start + size], item.twin, start + size < len(item.ids))
-                for item in items
-                if item.ids[start : start + size]
-            ]
-            self.forwards.run(pieces, tap, turn_start=True, piece=first_piece + piece)
-            if total > size:
-                yield {"type": "prefill", "turn": k, "done": min(start + size, total), "total": total}
-
-    def _turn(
-        self,
-        k: int,
-        text: str,
-        tap: InputTap,
-        answer_prefix: str = "",
-        question: list[int] | None = None,
-        save_context: bool = False,
-        from_context: bool = False,
-    ) -> Iterator[dict]:
-        ref, lanes = self.reference, self.lanes
-        if from_context:
-            between_turns.from_context(self.all_lanes, self.saved_context, self._work)
-            if self.instruments.compare and not self.solo:
-                self._compare()
-        tail = self.prompter.encode(answer_prefix, False) if answer_prefix else []
-        after = [] if from_context or question is None else list(question)  # read after the prompt, nothing evicted
-        chunk = lambda lane: (
-            list(question)
-            if from_context
-            else self.prompt_ids
-            if k == 0
-            else self.prompter.next(text, lane.pending) + tail
-        )
-        ref_chunk = chunk(ref)
-        if ref.cache.get_seq_length() + len(ref_chunk) + len(after) >= self.loaded.max_context:
-            raise InputError(f"turn {k + 1}: the conversation passes the model's context of {self.loaded.max_context}")
-        self.turn_chunks.append(ref_chunk + after)
-        yield {"type": "turn", "turn": k, "user": text, "chunk_ids": ref_chunk + after}
-        for lane in self.all_lanes:
-            lane.book.turns.append(TurnBytes(k))
-            lane.keeping = from_context
-        obs = self.observer
-        started = obs.now()
-        items = [Item(ref, ref_chunk)]
-        for lane in lanes:
-            items.append(Item(lane, chunk(lane)))
-            if lane.tf_cache is not None:
-                items.append(Item(lane, ref_chunk, twin=True))
-        yield from self._prefill(k, items, tap)
-        if save_context:
-            self.saved_context = between_turns.save_context(self.all_lanes, self.observer)
-        if after:
-            for lane in self.all_lanes:
-                lane.keeping = True
-            pieces = -(-len(ref_chunk) // self.prefill_chunk)
-            yield from self._prefill(k, [Item(item.lane, after, item.twin) for item in items], tap, pieces)
-        for lane in self.all_lanes:
-            lane.tokens.append([])
-            lane.texts.append("")
-            lane.replies.append(ReplyText(self.loaded.tokenizer))
-            lane.active, lane.pending = True, None
-        index = 0
-        inst = self.instruments
-        fork = self._fork if self.twins and inst.agreement else None
-        while ref.active or any(lane.active for lane in lanes):
-            step_started, mark = obs.now(), obs.mark()
-            ref_token = self._choose(ref, index) if ref.active else None
-            ref_logits = ref.logits if ref_token is not None else None
-            event = {"type": "step", "turn": k, "index": index, "lanes": {}}
-            # Agreement for every lane in one pass over the stacked logits, on one thread: per lane, a few small
-            # ops on a vocabulary's logits each woke the second thread and waited for the GIL behind the page's
-            # handler (113 ms a step in the app, 3 ms in the CLI).
-            with (
-                obs.region(instrument("agreement"), "agree") if inst.agreement else contextlib.nullcontext(),
-                one_thread(),
-            ):
-                compared = [(lane, observe(lane, ref_token, ref_logits, obs, fork, inst.agreement)) for lane in lanes]
-                compared = [(lane, logits) for lane, logits in compared if logits is not None]
-                if compared:
-                    obs.counts["agreement"] += len(compared)
-                    agree([lane for lane, _ in compared], [logits for _, logits in compared], ref_token, ref_logits)
-            for lane in lanes:
-                if lane.active:
-                    self._choose(lane, index)
-            items = []
-            if ref_token is not None and ref.active:
-                items.append(Item(ref, [ref_token]))
-            for lane in lanes:
-                token = lane.tokens[k][-1] if lane.tokens[k] and len(lane.tokens[k]) == index + 1 else None
-                if token is not None and lane.active:
-                    items.append(Item(lane, [token]))
-                if lane.tf_cache is not None and ref_token is not None and ref.active:
-                    items.append(Item(lane, [ref_token], twin=True))
-            fed = {item.lane.label for item in items if not item.twin}
-            self.forwards.run(items, tap, turn_start=False)
-            with obs.region(ENGINE, "events"):
-                for lane in self.all_lanes:
-                    if len(lane.tokens[k]) == index + 1:
-                        event["lanes"][lane.label] = self._lane_event(lane, k)
-            event.update(self.report.step_figures(step_started, mark, fed, self.all_lanes, len(self.turn_chunks)))
-            yield event
-            index += 1
-        self.turn_seconds.append(obs.now() - started)
-        for lane in self.all_lanes:
-            self._end_turn(lane)
-        yield {
-            "type": "turn_end",
-            "turn": k,
-            "texts": {lane.label: lane.texts[k] for lane in self.all_lanes},
-            "seconds": self.turn_seconds[-1],
-            "bytes": {lane.label: lane.book.turns[-1].summary() for lane in self.all_lanes},
-        }
-
-    def _compare(self):
-        """Every comparable lane's K/V compared with the reference's from now on."""
-        for lane in self.lanes:
-            if lane.strategy.kv_comparable:
-                self.observer.compare_with(lane.owner, self.reference.cache)
 
     # --- between turns (`between_turns.py`) ------------------------------------
     def park(self) -> dict:
@@ -550,31 +384,6 @@ class Engine:
             self.turn_chunks,
             self.turn_seconds,
         )
-
-    def _fork(self, lane: Lane):
-        """The lane's teacher-forced twin, forked from its cache at its first divergence (the twins' work)."""
-        self.observer.register(lane.twin)
-        with self._work(lane.twin, "fork"):
-            lane.tf_cache = lane.cache.fork()
-        if self.instruments.compare and lane.strategy.kv_comparable:
-            self.observer.compare_with(lane.twin, self.reference.cache)
-
-    def _choose(self, lane: Lane, index: int) -> int:
-        """Greedy token at `index` of the current turn; ends the lane's turn on EOS, the token limit or the context."""
-        with self.observer.region(ENGINE, "choose"):
-            token = int(torch.argmax(lane.logits))
-            lane.tokens[-1].append(token)
-        with self.observer.region(ENGINE, "detokenize"):
-            lane.texts[-1] = lane.replies[-1].add(token)
-        seen = lane.cache.get_seq_length()
-        if token in self.loaded.eos_ids:
-            lane.active = False
-        elif index + 1 >= self.max_new_tokens or seen + 1 >= self.loaded.max_context:
-            lane.active, lane.pending = False, token
-        return token
-
-    def _lane_event(self, lane: Lane, k: int) -> dict:
-        return self.report.lane_event(lane, k)
 
 
 def run_to_end(

@@ -20,9 +20,9 @@ import torch
 
 from kvdirect_app.app.ui.scoreboard import scoreboard_html
 from kvdirect_app.app.ui.session import Session
-from kvdirect_app.engine import lockstep
-from kvdirect_app.engine import runner as engine_module
+from kvdirect_app.engine import lockstep, turn_steps
 from kvdirect_app.engine.runner import Engine, run_to_end
+from kvdirect_app.engine.summary import Report
 from kvdirect_app.kernels.invariant import Kernels
 from kvdirect_app.kernels.replay import KVProjector, LayerReplayer
 from kvdirect_app.measure import observe
@@ -161,7 +161,7 @@ CASES = {
     ),
     "agreement": (
         "auto",
-        lambda mp, e, c: _delay(mp, engine_module, "agree", c),
+        lambda mp, e, c: _delay(mp, turn_steps, "agree", c),
         _owned("instrument", "agreement"),
         ("measurement", "agreement"),
     ),
@@ -227,7 +227,7 @@ CASES = {
     ),
     "events": (
         "auto",
-        lambda mp, e, c: _delay(mp, Engine, "_lane_event", c),
+        lambda mp, e, c: _delay(mp, Report, "lane_event", c),
         _owned("engine", op="events"),
         ("engine", "events"),
     ),
@@ -356,7 +356,7 @@ def _spied(monkeypatch) -> Counter:
     spy(AllocationTracer, "start", "trace")
     spy(psutil.Process, "memory_info", "rss")
     spy(StrategyCache, "fork")
-    spy(engine_module, "agree")
+    spy(turn_steps, "agree")
     spy(lockstep, "last_query_attention", "snapshot")
     return seen
 
