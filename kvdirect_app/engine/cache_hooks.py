@@ -49,6 +49,8 @@ class Ledger:
     starts_turn: bool = False  # the forward in progress is a turn's prompt (its first piece, when in pieces)
     prompt: bool = False  # the forward in progress is a turn's prompt or a piece of it
     more_prompt: bool = False  # more pieces of this prompt follow the forward in progress
+    keep: bool = False  # nothing is evicted in the forward in progress (`question_after`, once the context is in)
+    context_done: bool = False  # `question_after`: the context (the first prompt, all its pieces) has been fed
     prompt_total: int = 0  # tokens of the prompt `generate`'s prefill feeds, while it runs (else 0)
     prompt_left: int = 0  # of those, the tokens not yet fed
     q: int = 0  # tokens of the forward in progress
@@ -131,8 +133,10 @@ class CacheHooks:
         observer: Observer,
         geometry: ModelGeometry,
         device: torch.device,
+        question_after: bool = False,
     ):
         self.model, self.cache, self.strategy = model, cache, strategy
+        self.question_after = question_after  # kvpress's setting: the context compressed, the rest read, kept
         self.observer, self.geometry = observer, geometry
         self.ledger: Ledger = cache.ledger
         self.signature = inspect.signature(model.forward)
@@ -206,16 +210,19 @@ class CacheHooks:
         else:  # a direct forward: a prompt after decode steps starts a new turn
             starts = not led.forwards or (q > 1 and led.decoding)
             prompt, more = starts, False
+        keep = self.question_after and led.context_done
+        if keep and led.turns == 1 and not led.decoding:  # the question read after the context: the same turn
+            starts, prompt = False, True
         if starts and led.forwards:
             cache.end_turn()
-        led.starts_turn, led.prompt, led.more_prompt = starts, prompt, more
+        led.starts_turn, led.prompt, led.more_prompt, led.keep = starts, prompt, more, keep
         led.turns += starts
         led.q, led.step = q, set()
         led.started = time.perf_counter()
         self.tap.target(cache, region=lambda: observer.region(CACHE, "cache_update"))
         observer.reset_peaks([CACHE])
         with observer.region(CACHE, "other"):
-            cache.begin_step(ids[0].tolist(), more)
+            cache.begin_step(ids[0].tolist(), more, keep)
 
     def after(self, module, args, kwargs, output):
         """After a forward of the model (also one that raised): where it was this cache's, ended on the cache and
@@ -240,7 +247,9 @@ class CacheHooks:
             cache.end_step()
         led.tokens += q
         led.forward_s.append(time.perf_counter() - led.started)
-        led.forwards.append(Forward(q, prompt=led.prompt, open=led.more_prompt))
+        led.forwards.append(Forward(q, prompt=led.prompt, open=led.more_prompt, keep=led.keep))
+        if self.question_after and led.prompt and not led.more_prompt:
+            led.context_done = True  # the context's last piece is in: from here on nothing is evicted
         if led.prompt_total:
             led.prompt_left -= q
             led.decoding = led.prompt_total == 1  # as the unchunked prompt would leave it

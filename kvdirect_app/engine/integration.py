@@ -260,7 +260,9 @@ def _reporting(cache: StrategyCache) -> StrategyCache:
 
 
 @contextlib.contextmanager
-def strategy_cache(model: torch.nn.Module, spec: str, verify: bool = False) -> Iterator[StrategyCache]:
+def strategy_cache(
+    model: torch.nn.Module, spec: str, verify: bool = False, question_after: bool = False
+) -> Iterator[StrategyCache]:
     """A KV-cache strategy for `model.generate(..., cache=cache)` and `model(input_ids, cache=cache)`.
 
     Parameters
@@ -271,6 +273,11 @@ def strategy_cache(model: torch.nn.Module, spec: str, verify: bool = False) -> I
     verify : check every K/V the cache hands attention against a shadow full cache fed the same new K/V
         (`Verifier`): `report()["verified"]` says what was checked and what differed.  Costs a full cache's
         memory and a compare per layer and forward; off, nothing is checked (`"verified": None`).
+    question_after : kvpress's setting (its pipeline, and `bench tasks --question after`): the first prompt the
+        cache is fed (a forward, or `generate`'s prompt in one or more pieces) is the context and is compressed as
+        usual; every token after it (the question, then the answer, and any later turn) is read with nothing
+        evicted.  Feed the context alone first (``model(context_ids, cache=cache)``), then ``generate`` with the
+        context and the question: the question continues the context's turn, as in the engine.
 
     Yields the strategy's cache (a transformers `Cache`): pass it as `cache` (transformers 5's name) or
     `past_key_values` (the deprecated alias) to `generate` or to the model's forward, with batch size 1
@@ -309,7 +316,7 @@ def strategy_cache(model: torch.nn.Module, spec: str, verify: bool = False) -> I
         cache.ledger = Ledger()
         cache.geometry = geometry = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
         cache.verifier = verifier = Verifier(model) if verify else None
-        hooks = CacheHooks(model, cache, strategy, observer, geometry, device)
+        hooks = CacheHooks(model, cache, strategy, observer, geometry, device, question_after=question_after)
         hooks.install()
         yield cache
     finally:

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from kvdirect_app import strategy_cache
+from kvdirect_app.engine import Engine
 from kvdirect_app.engine.integration import CacheInUse, UnsupportedCall
 from kvdirect_app.models import compat
-from kvdirect_app.strategies import StrategyError
+from kvdirect_app.strategies import StrategyError, parse_spec
 
 from ..conftest import TINY_FAMILIES, all_sliding, tiny
 from ..specs import every
@@ -189,6 +190,23 @@ def test_the_readme_snippet_runs_as_written(smollm2, capsys):
     assert report["verified"]["exact"] and report["verified"]["checked_token_layers"] > 0
     assert report["bytes"]["formula_matches_held"]
     assert "'strategy': 'anchorkv:spacing=8'" in capsys.readouterr().out
+
+
+def test_the_readmes_question_after_snippet_runs_as_written(smollm2):
+    """The README's kvpress-setting block, executed after its first library block: one turn, the context
+    compressed (evictions), nothing evicted after it."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    first = re.search(r"```python\n(from kvdirect_app import strategy_cache\n.*?)```", readme, re.S).group(1)
+    block = re.search(r"```python\n(import torch\n\ncontext = .*?question_after=True.*?)```", readme, re.S).group(1)
+    scope: dict = {}
+    exec(compile(first.replace('"anchorkv:spacing=8:budget=64", verify=True', '"full"'), "README.md", "exec"), scope)
+    exec(compile(block, "README.md", "exec"), scope)
+    report = scope["cache"].report()
+    assert report["strategy"] == "snapkv:budget=32" and report["turns"] == 1, report
+    assert report["evicted_token_layers"] > 0 and scope["out"].shape[1] > len(scope["context"]), report
 
 
 def test_every_registered_strategy_runs_inside_generate():
@@ -756,3 +774,42 @@ def test_paged_generation_is_refused_instead_of_ignoring_the_cache():
         _one_line(info)
         assert cache.report()["forwards"] == 0
     assert "generate_batch" not in vars(model)
+
+
+QUESTION_AFTER = ("snapkv:budget=12", "tova:budget=12", "knorm:budget=12", "streaming_llm:budget=12", "h2o:budget=12")
+
+
+def _kept(cache) -> list:
+    return [None if getattr(layer, "positions", None) is None else layer.positions.tolist() for layer in cache.layers]
+
+
+@pytest.mark.parametrize("spec", QUESTION_AFTER)
+def test_question_after_through_generate_keeps_what_the_engines_question_after_keeps(spec):
+    """kvpress's setting in the library: the context (one forward) compressed, then `generate` with the context and
+    the question reads the question and the answer with nothing evicted.  The engine's `turn(ids=context,
+    question=...)` (what `bench tasks --question after` runs) on the same ids, native kernels, one lane: the same
+    answer tokens and the same positions kept in every layer and KV head.  Without `question_after` the question
+    is evicted from too (the kept positions differ).  Mutation that fails it: `keep` never set in the hooks."""
+    loaded = tiny("tiny-llama")
+    g = torch.Generator().manual_seed(55)
+    vocab = loaded.model.config.vocab_size
+    context = torch.randint(4, vocab, (40,), generator=g).tolist()
+    question = torch.randint(4, vocab, (6,), generator=g).tolist()
+    new = 5
+    engine = Engine(loaded, [parse_spec("full"), parse_spec(spec)], max_new_tokens=new, kernels="native", twins=False)
+    for _ in engine.turn("(context)", ids=context, question=question):
+        pass
+    lane = next(lane for lane in engine.lanes if lane.label == parse_spec(spec).label)
+    want_tokens, want_kept = engine.results()["strategies"][lane.label]["turn_token_ids"][0], _kept(lane.cache)
+    runs = {}
+    for after in (True, False):
+        with strategy_cache(loaded.model, spec, question_after=after) as cache:
+            loaded.model(torch.tensor([context]), cache=cache)
+            ids = torch.tensor([context + question])
+            out = loaded.model.generate(ids, cache=cache, max_new_tokens=new, do_sample=False, min_new_tokens=new)
+        runs[after] = (out[0, ids.shape[1] :].tolist(), _kept(cache), cache.report())
+    tokens, kept, report = runs[True]
+    assert tokens == want_tokens[: len(tokens)] and len(tokens) == new, (spec, tokens, want_tokens)
+    assert kept == want_kept, spec
+    assert report["turns"] == 1 and report["bytes"]["declared_matches_formula"], report
+    assert runs[False][1] != want_kept, spec
