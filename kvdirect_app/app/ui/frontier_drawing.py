@@ -3,7 +3,9 @@ whoever waits for the slot, cancellable (a part `handlers.Handlers` holds)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from .settings import Settings
 log = logging.getLogger(__name__)
 FRONTIER_CURRENT = "this conversation"
 FRONTIER_BUDGETS = (16, 64)
+POLL_S = 0.2  # how often the drawing looks whether its Cancel was pressed while a run computes
 
 
 @dataclass(eq=False)  # compared and hashed by identity: Gradio holds its bound methods as handlers
@@ -84,7 +87,7 @@ class FrontierDrawing:
                 left = "" if not i else f", about {runner.duration((time.monotonic() - t0) / i * (len(plan) - i))} left"
                 job.doing = f"run {i + 1} of {len(plan)}{left}"
                 yield busy(f"Run {i + 1}/{len(plan)}: {len(entries)} strategies on {len(turns)} turn(s){left}…")
-                ran = sweep.run(entries, lambda: session.frontier_cancel)
+                ran = yield from self._run(session, sweep, entries, busy)
                 if ran is None:
                     cancelled = True
                     break
@@ -113,9 +116,29 @@ class FrontierDrawing:
             f.plot: runner.frontier_plot(rows, sweep, source),
         }
 
-    def cancel_frontier(self, session: Session) -> str:
-        """The frontier drawing ends after the step in progress (its finished runs are drawn)."""
-        if not any(job.owner is session and job.what == FRONTIER_JOB for job in list(LINE.jobs)):
-            return views.status("No frontier drawing is running.", "info")
-        session.frontier_cancel = True
-        return views.status("Cancelling after the step in progress…", "busy")
+    def _run(self, session: Session, sweep, entries: list[tuple], busy) -> Iterator[dict]:
+        """One lockstep run on the compute thread (`runner.compute`, where every engine runs); its rows, or None
+        when Cancel (or the reader going away) ended it.  The drawing is the only writer of its status line: the
+        Cancel button only sets a flag, and this says "Cancelling…" when it sees it, so no answer of the button's
+        can arrive after the drawing's last word and overwrite it."""
+        gone = threading.Event()
+        future = runner.compute().submit(sweep.run, entries, lambda: session.frontier_cancel or gone.is_set())
+        told = False
+        try:
+            while not concurrent.futures.wait([future], timeout=POLL_S).done:
+                if session.frontier_cancel and not told:
+                    told = True
+                    yield {
+                        **busy("Cancelling after the step in progress…"),
+                        self.studio.frontier.cancel: gr.Button(interactive=False),
+                    }
+        finally:  # also when Gradio closes the drawing (the visitor left): the run ends after its step
+            gone.set()
+            concurrent.futures.wait([future])
+        return future.result()
+
+    def cancel_frontier(self, session: Session) -> None:
+        """The frontier drawing ends after the step in progress (its finished runs are drawn); the drawing says so
+        on its status line."""
+        if any(job.owner is session and job.what == FRONTIER_JOB for job in list(LINE.jobs)):
+            session.frontier_cancel = True

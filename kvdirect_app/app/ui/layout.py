@@ -305,9 +305,7 @@ def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
         show_progress="hidden",
         api_name="frontier",
     )
-    f.cancel.click(
-        h.cancel_frontier, inputs=[studio.session], outputs=[f.status], queue=False, api_visibility="private"
-    )
+    f.cancel.click(h.cancel_frontier, inputs=[studio.session], outputs=[], queue=False, api_visibility="private")
     demo.unload(h.closed)
     for trigger in (v.map_label.input, v.map_other.input, v.map_layer.release, v.map_layer.input):  # arrow keys too
         trigger(
