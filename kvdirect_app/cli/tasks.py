@@ -151,8 +151,10 @@ def register(subparsers) -> argparse.ArgumentParser:
         "compressed tokens' K/V a layer drops, e.g. 0.25,0.5,0.75,0.875): each lane's "
         "budget is max(1, int(tokens x (1 - ratio))) of its sample's context (--question "
         "after) or prompt (with-context); default "
-        f"{DEFAULT['ratios']}, --quick {QUICK['ratios']}; the JSON gets kvpress's "
-        "leaderboard rows (strategy, ratio, task, score) with the measured bytes",
+        f"{DEFAULT['ratios']}, --quick {QUICK['ratios']}; these lanes run kvpress's "
+        "settings where the name does not set them (SnapKV and PyramidKV window=64, "
+        "KNorm skip=0 decode=grow); the JSON gets kvpress's leaderboard rows (strategy, "
+        "spec, ratio, task, score) with the measured bytes",
     )
     p.add_argument(
         "--contexts",

@@ -226,6 +226,10 @@ class Strategy:
     # eviction strategy hands fewer and is not compared.
     kv_comparable: ClassVar[bool] = False
     registry: ClassVar[dict[str, type["Strategy"]]] = {}
+    # The settings under which this built-in strategy is its NVIDIA kvpress 0.5.5 press in kvpress's pipeline (the
+    # context compressed once, the question read after): only those that differ from ours.  `bench tasks`' lanes at a
+    # compression ratio run them (`parsing.kvpress_spec`); empty where ours already is, or kvpress has no press.
+    kvpress: ClassVar[dict[str, object]] = {}
 
     def __init_subclass__(cls, **kwargs):
         """A class that names itself (`name` in its own body) is registered under that name, unless another class
@@ -248,6 +252,16 @@ class Strategy:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value != f.default:
+                parts.append(f"{f.name}={str(value).lower() if isinstance(value, bool) else value}")
+        return ":".join(parts)
+
+    def full_spec(self, without: tuple[str, ...] = ()) -> str:
+        """The spec with every setting, defaults included (those in `without` left out), e.g.
+        `snapkv:budget=64:window=32:kernel=5:pooling=avg:decode=grow`: what ran, whatever the defaults become."""
+        parts = [self._source or self.name]
+        for f in dataclasses.fields(self):
+            if f.name not in without:
+                value = getattr(self, f.name)
                 parts.append(f"{f.name}={str(value).lower() if isinstance(value, bool) else value}")
         return ":".join(parts)
 

@@ -52,6 +52,7 @@ class KNorm(Scored):
     decode: str = "hold"
 
     name = "knorm"
+    kvpress = {"skip": 0, "decode": "grow"}  # kvpress's `KnormPress`: every layer, the prompt only
     per_head = True
 
     def __post_init__(self):

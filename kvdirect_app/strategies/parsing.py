@@ -63,6 +63,17 @@ def parse_spec(text: str) -> Strategy:
     return strategy
 
 
+def kvpress_spec(text: str) -> str:
+    """`text` with the settings under which the built-in strategy it names is its kvpress press (`Strategy.kvpress`)
+    added where `text` does not set them itself: `snapkv` -> `snapkv:window=64`, `snapkv:window=32` stays.  A class
+    of one's own is left as written."""
+    strategy = parse_spec(text)
+    if external(text):
+        return text
+    given = {pair.partition("=")[0] for pair in text.strip().split(":")[1:]}
+    return ":".join([text.strip()] + [f"{k}={v}" for k, v in type(strategy).kvpress.items() if k not in given])
+
+
 def parse_specs(text: str) -> list[Strategy]:
     """Comma-separated specs; duplicates are an error."""
     out, seen = [], set()

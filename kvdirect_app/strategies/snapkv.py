@@ -70,6 +70,7 @@ class SnapKV(Scored):
     decode: str = "grow"
 
     name = "snapkv"
+    kvpress = {"window": 64}  # kvpress's `SnapKVPress` (and `PyramidKVPress`): window_size=64, kernel_size=5
     per_head = True
     needs_attention = True
 

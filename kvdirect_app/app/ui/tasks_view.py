@@ -439,7 +439,8 @@ def turns_table_html(result: dict, setting: int | float | None, task: str = ALL)
         same = sum(sum(c["lanes"][spec]["equal_full_turns"]) for c in cells)
         turns = sum(len(c["lanes"][spec]["equal_full_turns"]) for c in cells)
         rows.append(
-            f"<tr><td>{html.escape(title(spec))}</td><td>{html.escape(r.get('kind', ''))}</td>"
+            f"<tr><td title='ran: {html.escape(r.get('full_spec', spec), quote=True)}'>{html.escape(title(spec))}</td>"
+            f"<td>{html.escape(r.get('kind', ''))}</td>"
             f"<td><b>{mean(spec, 'score_from_context'):.2f}</b></td><td>{mean(spec, 'score'):.2f}</td>"
             f"<td>{sum(c['lanes'][spec]['copies'] for c in cells)}/{asked}</td>"
             f"<td>{full_own:.2f} / {full_raw:.2f}</td><td>{same}/{turns}</td>{_compression(cells, spec, r)}"
@@ -453,7 +454,8 @@ def turns_table_html(result: dict, setting: int | float | None, task: str = ALL)
 
 
 def table_html(result: dict, budget: int | None, task: str = ALL) -> str:
-    """A row per lane at the budget: its score beside the full cache's, its compression ratio and measured peak."""
+    """A row per lane at the budget: its score beside the full cache's, its compression ratio and measured peak; the
+    lane's name, hovered, shows what it ran with every setting (at a ratio, kvpress's settings)."""
     cells = _cells(result, task)
     full = _score(cells, REFERENCE)
     rows = []
@@ -463,7 +465,8 @@ def table_html(result: dict, budget: int | None, task: str = ALL) -> str:
         below = sum(c["lanes"][spec]["score"] < c["lanes"][REFERENCE]["score"] for c in cells)
         same = sum(c["lanes"][spec]["equal_full"] for c in cells)
         rows.append(
-            f"<tr><td>{html.escape(title(spec))}</td><td>{html.escape(r.get('kind', ''))}</td>"
+            f"<tr><td title='ran: {html.escape(r.get('full_spec', spec), quote=True)}'>{html.escape(title(spec))}</td>"
+            f"<td>{html.escape(r.get('kind', ''))}</td>"
             f"<td><b>{s:.2f}</b></td><td>{full:.2f}</td><td>{below}/{len(cells)}</td>"
             f"<td>{same}/{len(cells)}</td>{_compression(cells, spec, r)}"
             f"<td>{fmt_bytes(r.get('held_bytes_mean'))}</td><td>{fmt_bytes(r.get('peak_bytes_mean'))}</td></tr>"

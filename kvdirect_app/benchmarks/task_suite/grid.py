@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...plain.errors import UserError
-from ...strategies import StrategyError, parse_spec
+from ...strategies import StrategyError, kvpress_spec, parse_spec
 from . import haystack, multi_turn
 
 ANSWER_TOKENS = 64  # the memory guard's bound on an answer (every task's max_new_tokens is below it)
@@ -78,7 +78,9 @@ class Plan:
     names: list[str]
     lanes: list[tuple[str, int | None, str]]
     ratios: list[float] = field(default_factory=list)
-    ratio_lanes: list[tuple[str, float, str]] = field(default_factory=list)  # (name, ratio, key) of a budgeted name
+    # (name, ratio, key, run) of a budgeted name; `run` is the name with kvpress's settings where it does not set
+    # them itself (`strategies.kvpress_spec`): the field's grid runs each method as its kvpress press behaves.
+    ratio_lanes: list[tuple[str, float, str, str]] = field(default_factory=list)
     turns: int | None = None  # --multiturn: turns per conversation (each cell is one conversation)
     asked: list[int] | None = None  # --asked: the turns that ask (the others chat); None: every turn
     question: str = "with-context"  # QUESTIONS
@@ -150,7 +152,7 @@ def plan(config) -> Plan:
                 raise TaskError(f"strategies: {name!r} sets budget itself; --budgets sets it, remove budget=")
         lanes = lane_specs(names, budgets)
         ratio_lanes = [
-            (name, r, f"{parse_spec(name).label}:ratio={r:g}")
+            (name, r, f"{parse_spec(name).label}:ratio={r:g}", kvpress_spec(name))
             for name in names
             if "budget" in parse_spec(name).settings()
             for r in ratios

@@ -81,9 +81,9 @@ def task_cell(cell: dict) -> dict:
     # (name, budget, ratio, key, spec): a lane at a ratio gets its budget from this sample's prompt; lanes whose
     # specs coincide (a ratio's budget equal to a listed budget) run once and share the answer.
     lanes = [(name, budget, None, spec, spec) for name, budget, spec in cell["lanes"]]
-    for name, ratio, key in cell.get("ratio_lanes", []):
+    for name, ratio, key, run in cell.get("ratio_lanes", []):
         budget = ratio_budget(ratio, compressed)
-        lanes.append((name, budget, ratio, key, parse_spec(f"{name}:budget={budget}").label))
+        lanes.append((name, budget, ratio, key, parse_spec(f"{run}:budget={budget}").label))
     specs = list(dict.fromkeys(spec for *_, spec in lanes))
     engine = Engine(
         loaded,
@@ -127,15 +127,18 @@ def task_cell(cell: dict) -> dict:
                 "copies": sum(copied),
                 "score_from_context": statistics.fmean(x for x in own if x is not None),
             }
+        ran = parse_spec(spec)
         answers[key] = {
             "strategy": name,
             "budget": budget,
             "ratio": ratio,
             "spec": spec,
+            # every setting, defaults included; at a ratio the budget is this sample's, so the ratio stands for it
+            "full_spec": ran.full_spec() if ratio is None else f"{ran.full_spec(('budget',))}:ratio={ratio:g}",
             "reply": replies[0],
             "score": statistics.fmean(x for x in scores if x is not None),
             **multi,
-            "exact": bool(parse_spec(spec).claims_exact),
+            "exact": bool(ran.claims_exact),
             "equal_full": all(equal),
             "kv_exact": r["kv_exact"],
             "held_bytes": r["state_bytes"]["between_turns_peak"],
@@ -168,7 +171,7 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
     top = max(p.contexts)
     # A lane at a ratio is checked, and bounded by the guard, at the budget it has on the longest context.
     checked = [s for _, _, s in p.lanes] + [
-        parse_spec(f"{n}:budget={ratio_budget(r, top)}").label for n, r, _ in p.ratio_lanes
+        parse_spec(f"{run}:budget={ratio_budget(r, top)}").label for _, r, _, run in p.ratio_lanes
     ]
     cap = replace(limits(), max_strategies=max(limits().max_strategies, len(checked)))
     req = validate.request(
@@ -272,7 +275,7 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
         f"{len(cells)} cells ({len(p.tasks)} tasks x {len(p.contexts)} contexts x "
         f"{f'conversations of {p.turns} turns' if p.turns else 'depths'} x {len(p.seeds)} seeds), "
         f"{len(p.lanes) + len(p.ratio_lanes) + 1} lanes each: "
-        f"{', '.join(['full'] + [s for _, _, s in p.lanes] + [k for _, _, k in p.ratio_lanes])}"
+        f"{', '.join(['full'] + [s for _, _, s in p.lanes] + [k if run == name else f'{k} (as {run})' for name, _, k, run in p.ratio_lanes])}"
     )
     t0 = time.perf_counter()
     if config.executor is None:

@@ -129,6 +129,8 @@ def _rows(cells: list[dict], ratios: bool, question: str = "with-context") -> li
         rows.append(
             {
                 "spec": spec,
+                # what ran, every setting named (cells from before it was recorded: the lane's key)
+                "full_spec": first.get("full_spec", spec),
                 "strategy": first["strategy"],
                 "budget": None if ratio else first["budget"],
                 **({"ratio": ratio} if ratios else {}),
@@ -157,7 +159,8 @@ def leaderboard(cells: list[dict], question: str = "with-context") -> list[dict]
     """kvpress's leaderboard form, for the lanes run at a compression ratio (and the full cache at 0): a row per
     strategy, ratio and task (the summary's row on that task's cells), its measured bytes beside the nominal
     ratio and the measured compression, and where the question was read (`question`); multi-turn rows carry the score
-    from the context too."""
+    from the context too.  `spec` names what ran, every setting included (kvpress's rows are keyed by the press's
+    name alone, whose defaults are not ours everywhere)."""
     keep = (
         "strategy",
         "score",
@@ -174,6 +177,7 @@ def leaderboard(cells: list[dict], question: str = "with-context") -> list[dict]
                 out.append(
                     {
                         **{k: row[k] for k in keep if k in row},
+                        "spec": row["full_spec"],
                         "ratio": row["ratio"] or 0.0,
                         "task": task,
                         "question": question,
