@@ -47,6 +47,7 @@ from kvdirect_app.app.ui import build_demo, tasks_view  # noqa: E402
 from kvdirect_app.app.ui.settings import default_names, title  # noqa: E402
 from kvdirect_app.app.ui.tabs import TABS  # noqa: E402
 from kvdirect_app.claims import reproduce  # noqa: E402
+from kvdirect_app.plain.frontier import Point, frontier_figure  # noqa: E402
 
 from ..conftest import launch_local  # noqa: E402
 
@@ -652,6 +653,29 @@ def test_the_frontier_tab_draws_on_a_tiny_model(visitor):
     )
     assert "points from" in page.inner_text("#kvd-frontier-status")
     assert page.locator("#kvd-frontier .scatterlayer .trace").count() > 0
+
+
+def test_the_frontier_caption_covers_no_marker_even_on_the_top_row(page):
+    """The reviewer's case: the caption ("marker size: ms per token ... outlined: on the Pareto front") was drawn over
+    the top row of markers.  A frontier whose points all agree 100%, from the cheapest to the dearest and with the
+    largest markers, drawn in Chromium: no marker's box meets the caption's.  Mutation that fails it: the caption
+    back at the plot area's top edge."""
+    points = [Point(f"s{i}", 1 << (20 + i), 1.0, 10.0 + 30 * i, 1.0) for i in range(8)]
+    page.set_content(frontier_figure(points, subtitle="a subtitle").to_html(include_plotlyjs=True, full_html=True))
+    page.wait_for_selector(".scatterlayer .point", timeout=30_000)
+    over = page.evaluate(
+        """() => {
+      const caption = [...document.querySelectorAll('svg text')]
+        .find(t => t.textContent.includes('outlined: on the Pareto front'));
+      if (!caption) return 'no caption';
+      const c = caption.getBoundingClientRect();
+      const hit = [...document.querySelectorAll('.scatterlayer .point')].filter(p => {
+        const r = p.getBoundingClientRect();
+        return r.left < c.right && c.left < r.right && r.top < c.bottom && c.top < r.bottom; });
+      return hit.length ? `${hit.length} marker(s) under the caption` : '';
+    }"""
+    )
+    assert not over, over
 
 
 def test_replay_streams_stops_and_plays_to_the_recorded_end(visitor, tmp_path):
