@@ -803,6 +803,25 @@ def test_a_send_behind_a_frontier_drawing_says_what_it_waits_for_and_the_drawing
     assert page.locator("#kvd-regenerate").is_enabled()
 
 
+def test_a_refused_send_keeps_its_reason_in_the_status_line(url, browser):
+    """The reviewer's case: a Send refused said why in a toast that vanishes, and the status line was blanked a
+    second later (the line's waiting loop ended with no value, which the page drew as an empty status).  Now the
+    reason stays in the status line, three ticks of that loop later too.  Mutation that fails it: `waiting` returns
+    without a value."""
+    page = open_page(browser, 1280, 720)
+    page.goto(url)
+    page.wait_for_selector("#kvd-send", timeout=60_000)
+    page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('ready')", timeout=180_000)
+    send(page, "x" * 100_001)
+    page.wait_for_function("document.querySelector('#kvd-status').innerText.includes('allowed:')", timeout=60_000)
+    page.wait_for_timeout(3_000)
+    said = status(page)
+    assert "allowed:" in said and "prompt:" in said, said
+    assert page.locator(".toast-body").count() >= 1  # and the toast beside it
+    assert not page.console_errors, page.console_errors
+    page.context.close()
+
+
 def test_two_visitors_at_once_the_second_is_told_what_runs_now(url, browser):
     """The reviewer's case: the second of two visitors sending at once read "position 2; 0 run(s) in progress, 1
     waiting ahead" while a run was in progress.  Now it reads what holds the slot (a turn of N panes, its step) and

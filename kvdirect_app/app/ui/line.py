@@ -158,6 +158,9 @@ class Queueing:
             time.sleep(WAITING_EVERY_S)
             now = self._waiting_status(session)
             if now is None:
+                # Leave the line as the run left it.  A generator that ends having yielded nothing hands Gradio no
+                # value, and the page then blanked the status: a refused Send's reason vanished a second later.
+                yield gr.skip()
                 return
             if now != said:
                 said = now
