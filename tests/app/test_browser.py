@@ -817,7 +817,14 @@ def test_a_refused_send_keeps_its_reason_in_the_status_line(url, browser):
     page.wait_for_timeout(3_000)
     said = status(page)
     assert "allowed:" in said and "prompt:" in said, said
-    assert page.locator(".toast-body").count() >= 1  # and the toast beside it
+    # The toast beside it is opaque and on top: the point at its middle is its own, on a solid white.
+    toast = page.evaluate(
+        """() => { const t = document.querySelector('.toast-body'); if (!t) return 'no toast';
+      const r = t.getBoundingClientRect(), s = getComputedStyle(t);
+      const top = document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2);
+      return [s.backgroundColor, s.opacity, t.contains(top)]; }"""
+    )
+    assert toast == ["rgb(255, 255, 255)", "1", True], toast
     assert not page.console_errors, page.console_errors
     page.context.close()
 
