@@ -271,11 +271,12 @@ def run_tasks(config, say: Callable[[str], None]) -> dict:
         for depth in p.depths_for(task)
         for seed in p.seeds
     ]
+    at_ratios = [k if run == name else f"{k} (as {run})" for name, _, k, run in p.ratio_lanes]
     say(
         f"{len(cells)} cells ({len(p.tasks)} tasks x {len(p.contexts)} contexts x "
         f"{f'conversations of {p.turns} turns' if p.turns else 'depths'} x {len(p.seeds)} seeds), "
         f"{len(p.lanes) + len(p.ratio_lanes) + 1} lanes each: "
-        f"{', '.join(['full'] + [s for _, _, s in p.lanes] + [k if run == name else f'{k} (as {run})' for name, _, k, run in p.ratio_lanes])}"
+        f"{', '.join(['full'] + [s for _, _, s in p.lanes] + at_ratios)}"
     )
     t0 = time.perf_counter()
     if config.executor is None:
