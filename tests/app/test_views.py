@@ -11,9 +11,10 @@ from kvdirect_app.app.ui.agreement_plot import agreement_figure
 from kvdirect_app.app.ui.export import write_exports
 from kvdirect_app.app.ui.latency_plot import latency_figure
 from kvdirect_app.app.ui.memory_plot import memory_figure
+from kvdirect_app.app.ui.plot_style import short_name
 from kvdirect_app.app.ui.session import Session
 from kvdirect_app.app.ui.settings import REFERENCE
-from kvdirect_app.app.ui.views import BYTE_SOURCES, messages, pane_header, reply_markup, token_map_html
+from kvdirect_app.app.ui.views import BYTE_SOURCES, messages, own_cost, pane_header, reply_markup, token_map_html
 from kvdirect_app.engine.runner import Engine
 from kvdirect_app.models.loading import byte_tokenizer, load_model
 from kvdirect_app.plain.palette import base_colour, colours
@@ -426,3 +427,23 @@ def test_the_latency_plot_draws_the_machines_roofline_against_the_shared_pass(ru
         assert latency_figure(session).layout.shapes == ()
     finally:
         session.roofline, session.recording = None, None
+
+
+def test_the_latency_plot_averages_the_scoreboards_turn_and_says_so(run):
+    """The reviewer's case: the Time & agreement tab's ms per pane differed from the scoreboard's (StreamingLLM 98
+    against 18 ms), with no word of which turns each averaged.  Now both average the current (or last) turn's decode
+    steps, a step a pane sat out counting as zero, and the axis says which (the fixture's three turns: the last).
+    Each pane's own ms agree with the scoreboard's.  Mutation that fails it: every turn's rows averaged."""
+    _, session = run
+    figure = latency_figure(session)
+    steps = session.step_means()
+    turn = session.step_times[-1]["turn"]
+    assert turn == 2 and f"mean of the {steps['steps']} decode steps of turn 3, as on the scoreboard" in (
+        figure.layout.xaxis.title.text
+    )
+    (totals,) = [t for t in figure.data if t.type == "scatter" and t.text and str(t.text[0]).endswith("ms own")]
+    drawn = dict(zip(totals.y, totals.x))
+    for label in session.shown:
+        name = short_name(session, label)
+        assert drawn[name] == pytest.approx(steps["own"][label], rel=1e-12, abs=1e-12), label
+        assert f"{drawn[name]:.0f}" == own_cost(session, label, None, steps)[0]  # the scoreboard's column

@@ -34,7 +34,10 @@ def latency_figure(session: Session) -> go.Figure:
             "Own ms per decode step, by part",
         )
     fig = go.Figure()
-    means = {label: session.lanes[label].op_means() for label in labels}
+    steps = session.step_means()
+    # The turn the scoreboard shows (the current, or last): the same steps, so the same own ms per pane.
+    turn = session.step_times[-1]["turn"] if session.step_times else None
+    means = {label: session.lanes[label].op_means(turn, steps["steps"] if steps else None) for label in labels}
     ops = [op for op in OP_ORDER if any(op in m for m in means.values())]
     ops += sorted({op for m in means.values() for op in m} - set(ops))
     names = [short_name(session, label) for label in reversed(labels)]  # first strategy on top
@@ -63,7 +66,6 @@ def latency_figure(session: Session) -> go.Figure:
             hoverinfo="skip",
         )
     )
-    steps = session.step_means()
     if steps is not None:  # the instruments' own bar, and the rest that is nobody's: never inside a pane's
         for k, (name, ms) in enumerate(sorted(steps["measurement"].items())):
             fig.add_trace(
@@ -154,7 +156,12 @@ def latency_figure(session: Session) -> go.Figure:
             )
         )
     fig.update_layout(barmode="stack")
-    fig.update_xaxes(title_text="ms per decode step (mean)", range=[0, 1.5 * max(totals, default=1)])
+    which = (
+        "every turn's decode steps (a recording without step times)"
+        if steps is None
+        else f"the {steps['steps']} decode steps of turn {turn + 1}, as on the scoreboard"
+    )
+    fig.update_xaxes(title_text=f"ms per decode step: mean of {which}", range=[0, 1.5 * max(totals, default=1)])
     return laid_out(
         fig, max(380, 130 + 44 * (len(labels) + 2 * (steps is not None))), "Own ms per decode step, by part", session
     )

@@ -87,11 +87,16 @@ class LaneView:
         formula that is wrong)."""
         return sum(row.get("agrees") is False for row in self.memory)
 
-    def op_means(self) -> dict[str, float]:
-        """Mean ms per decode step of each op the engine reports (every row has the same ops; a row without one,
-        as from an older recording, counts it as zero)."""
-        ops = dict.fromkeys(k for row in self.latency for k in row if k not in ("total", "step", "turn"))
-        return {op: sum(row.get(op, 0.0) for row in self.latency) / len(self.latency) for op in ops}
+    def op_means(self, turn: int | None = None, steps: int | None = None) -> dict[str, float]:
+        """Mean ms per decode step of each op the engine reports, over turn `turn`'s steps (None: every turn),
+        divided by `steps` where given (the turn's step count: a step the lane sat out counts as zero, as in
+        `Session.step_means`), else by the lane's own steps.  A row without an op, as from an older recording,
+        counts it as zero."""
+        rows = [row for row in self.latency if turn is None or row.get("turn") == turn]
+        if not rows:
+            return {}
+        ops = dict.fromkeys(k for row in rows for k in row if k not in ("total", "step", "turn"))
+        return {op: sum(row.get(op, 0.0) for row in rows) / (steps or len(rows)) for op in ops}
 
 
 @dataclass
