@@ -51,9 +51,12 @@ install: $(STAMP) $(MODELS_STAMP) $(LEDGER_STAMP) $(DOTS_STAMP)
 demo: install
 	$(BIN)/python app.py
 
-# Debian's Chromium for the browser tests (Playwright drives /usr/bin/chromium; it never downloads a browser).
+# Debian's Chromium for the browser tests (Playwright drives /usr/bin/chromium; it never downloads a browser), and
+# Debian's colour emoji font, so that the page's emoji draw as emoji there and in the screenshots, not as boxes.
+EMOJI_FONT := /usr/share/fonts/truetype/noto/NotoColorEmoji.ttf
 browser:
 	@test -x /usr/bin/chromium || { apt-get update && apt-get install -y --no-install-recommends chromium; }
+	@test -f $(EMOJI_FONT) || { apt-get update && apt-get install -y --no-install-recommends fonts-noto-color-emoji; }
 
 # The layout's checks (a few seconds): each layer imports only those below it and the plain layer no torch
 # (.importlinter), the formatter's layout and the linter (pyproject.toml's [tool.ruff]).

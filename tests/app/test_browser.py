@@ -655,6 +655,22 @@ def test_the_frontier_tab_draws_on_a_tiny_model(visitor):
     assert page.locator("#kvd-frontier .scatterlayer .trace").count() > 0
 
 
+def test_the_test_browser_draws_emoji_in_colour(page):
+    """The reviewer's case: the model's emoji and the buttons' icons rendered as boxes in the test browser (no
+    emoji font; `make browser` installs Debian's).  An emoji (a folder) drawn on a canvas has coloured pixels,
+    where a box would have only grey ones.  The page's own buttons use no emoji."""
+    page.set_content("<canvas id=c width=64 height=64></canvas>")
+    coloured = page.evaluate(
+        """() => { const x = document.getElementById('c').getContext('2d');
+      x.font = '48px sans-serif'; x.fillText('\\u{1F4C2}', 4, 52);
+      const d = x.getImageData(0, 0, 64, 64).data; let n = 0;
+      for (let i = 0; i < d.length; i += 4) if (d[i + 3] && Math.max(d[i], d[i + 1], d[i + 2]) -
+        Math.min(d[i], d[i + 1], d[i + 2]) > 60) n++;
+      return n; }"""
+    )
+    assert coloured > 100, f"{coloured} coloured pixels: no colour emoji font (make browser installs one)"
+
+
 def test_the_frontier_caption_covers_no_marker_even_on_the_top_row(page):
     """The reviewer's case: the caption ("marker size: ms per token ... outlined: on the Pareto front") was drawn over
     the top row of markers.  A frontier whose points all agree 100%, from the cheapest to the dearest and with the

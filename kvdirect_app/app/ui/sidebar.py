@@ -120,7 +120,7 @@ def recordings_picker(first: Session):
     )
     speed = gr.Radio(list(playback.SPEEDS), value=playback.DEFAULT_SPEED, label="Replay speed", elem_id="kvd-speed")
     upload = gr.UploadButton(
-        "📂 Open a recording file (.json / .json.gz)",
+        "Open a recording file (.json / .json.gz)",
         file_types=[".json", ".gz"],
         file_count="single",
         type="filepath",

@@ -102,7 +102,7 @@ def tasks_tab():
             models, value=first_model, label="Model (the shipped results)", scale=2, elem_id="kvd-tasks-model"
         )
         upload = gr.UploadButton(
-            "📂 Open a results file (bench tasks --json, with or without --multiturn)",
+            "Open a results file (bench tasks --json, with or without --multiturn)",
             file_types=[".json"],
             type="filepath",
             variant="secondary",
