@@ -431,6 +431,30 @@ def test_progress_says_tokens_read_steps_made_and_the_time_left_from_this_turns_
     assert runner.estimate_s(config, 100, 4)[0] == 100 * 0.01 + 4 * 0.5
 
 
+def test_the_time_left_follows_steps_that_slow_as_the_context_grows(monkeypatch):
+    """The reviewer's case: "about 2 s left" for 13 s while the steps slowed.  Steps of 100 + 20 i ms (each reads one
+    token more), with +-15 ms of noise: after 10 of at most 40, the 30 left take 17.7 s; the estimate is within 10%
+    of that (the mean of the steps so far said 5.7 s).  Steps that do not slow are not predicted to speed up.
+    Mutation that fails it: the mean of all steps times the steps left."""
+    from kvdirect_app.app.ui import runner
+    from kvdirect_app.app.ui.settings import RunConfig
+
+    monkeypatch.setattr(runner, "PACES", {})
+    progress = runner.Progress(RunConfig(TINY, "cpu", "float32", ("full",), max_new_tokens=40))
+    progress.add({"type": "turn", "turn": 0, "chunk_ids": [0] * 10}, now=0.0)
+    for i in range(10):
+        progress.add({"type": "step", "index": i, "step_ms": 100 + 20 * i + (15 if i % 2 else -15)}, now=1.0 + i)
+    truth = sum(100 + 20 * i for i in range(10, 40)) / 1e3
+    assert truth == pytest.approx(17.7)
+    assert progress.steps_left_s(40) == pytest.approx(truth, rel=0.1)
+    assert "about 18 s left" in progress.line(11.0), progress.line(11.0)
+    flat = runner.Progress(RunConfig(TINY, "cpu", "float32", ("full",), max_new_tokens=40))
+    flat.add({"type": "turn", "turn": 0, "chunk_ids": [0] * 10}, now=0.0)
+    for i in range(10):
+        flat.add({"type": "step", "index": i, "step_ms": 300 - 10 * i}, now=1.0 + i)
+    assert flat.steps_left_s(40) == pytest.approx(30 * sum(300 - 10 * i for i in range(2, 10)) / 8 / 1e3)
+
+
 def test_a_replay_asks_before_replacing_a_live_conversation(app):
     """Mutation: `replay` starts the recording without checking for live turns (the conversation is replaced at the
     first click)."""

@@ -140,6 +140,9 @@ def estimate_s(config: RunConfig, prompt_tokens: int, steps: int) -> tuple[float
     )
 
 
+RECENT_STEPS = 8  # the steps whose mean is the step-time model's level (`Progress.steps_left_s`)
+
+
 class Progress:
     """A turn's progress as the status says it: tokens of the message read, steps of the reply made, the time so
     far and the time left at the speed measured in this turn (or, before any, the last one's with these
@@ -170,6 +173,23 @@ class Progress:
                 "step_s": sum(self.step_ms) / len(self.step_ms) / 1e3,
             }
 
+    def steps_left_s(self, most: int) -> float:
+        """The time the steps after this one take, by a model of the step time: each step reads one token more
+        than the last, so the time grows with the context.  The slope is a least-squares line through this turn's
+        steps (never below 0); the level, the mean of the last few steps at their mean index.  With the mean of
+        all steps instead, a turn whose steps slowed said "about 2 s left" for 13 s."""
+        ms, left = self.step_ms, most - self.steps
+        if left <= 0:
+            return 0.0
+        n = len(ms)
+        mean_i, mean_ms = (n - 1) / 2, sum(ms) / n
+        spread = sum((i - mean_i) ** 2 for i in range(n))
+        slope = max(0.0, sum((i - mean_i) * (m - mean_ms) for i, m in enumerate(ms)) / spread) if spread else 0.0
+        recent = ms[-RECENT_STEPS:]
+        level_i, level = n - (len(recent) + 1) / 2, sum(recent) / len(recent)
+        # Steps n .. most-1 (0-based): their predicted times add up to left x the prediction at their mean index.
+        return left * (level + slope * ((n + most - 1) / 2 - level_i)) / 1e3
+
     def line(self, now: float) -> str:
         """ "reading the message, 1,024 of 4,476 tokens, 2 min 10 s so far, about 6 min 30 s left" (or "step 12 of at
         most 64, ...")."""
@@ -180,7 +200,7 @@ class Progress:
             sum(self.step_ms) / len(self.step_ms) / 1e3 if self.step_ms else self.pace["step_s"] if self.pace else None
         )
         if self.steps:
-            done, when = f"step {self.steps} of at most {most}", f"about {duration((most - self.steps) * step_s)} left"
+            done, when = f"step {self.steps} of at most {most}", f"about {duration(self.steps_left_s(most))} left"
         else:
             done = f"reading the message, {self.read:,} of {self.total:,} tokens"
             read_s = self.read_s if self.read_s is not None else self.pace["read_s"] if self.pace else None
