@@ -318,6 +318,8 @@ def test_stop_names_the_step_it_ends_after_and_the_status_never_shows_a_later_on
     import re
     import threading
 
+    import gradio as gr
+
     from kvdirect_app.app.ui import runner
     from kvdirect_app.app.ui.session import Session
 
@@ -343,12 +345,12 @@ def test_stop_names_the_step_it_ends_after_and_the_status_never_shows_a_later_on
         before.append(_status(demo, update))
         if session.steps >= 3:
             break
-    said = h.stop(session)
+    assert h.stop(session) == gr.skip()  # the turn says it, woken at once (its status line has one writer)
     pressed.set()
-    n = re.search(r"Stopping after step (\d+) of turn 1…", said)
-    assert n, said
-    n = int(n.group(1))
     after = _statuses(demo, run)
+    n = re.search(r"Stopping after step (\d+) of turn 1…", after[0])
+    assert n, after[0]
+    n = int(n.group(1))
     assert after[-1] == f"Stopped after step {n} of turn 1.", after[-1]
     for text in after:
         assert all(int(k) <= n for k in re.findall(r"step (\d+)", text)), text

@@ -353,7 +353,7 @@ class Pump:
             return self.target
 
     def __iter__(self) -> Iterator[dict | None]:
-        """The events; None after `tick` seconds without one (the reader redraws the time)."""
+        """The events; None after `tick` seconds without one, or when woken (the reader redraws its status)."""
         while True:
             try:
                 kind, item = self.queue.get(timeout=self.tick)
@@ -362,10 +362,17 @@ class Pump:
                 continue
             if kind == "event":
                 yield item
+            elif kind == "wake":
+                yield None
             elif kind == "error":
                 raise item
             else:
                 return
+
+    def wake(self):
+        """The reader gets a None at once, as after `tick` seconds without an event (it redraws its status: Stop's
+        word is said by the turn itself)."""
+        self.queue.put(("wake", None))
 
     def close(self):
         """Stop after the current step, when the reader goes away early (the engine's thread ends the turn)."""

@@ -345,8 +345,10 @@ class TurnButtons:
     def play_recall(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:
         yield from self.play_scenario(session, RECALL, request, **controls)
 
-    def stop(self, session: Session) -> str:
-        """The run ends after the step being computed now; the status names it, and names no later one after."""
+    def stop(self, session: Session):
+        """The run ends after the step being computed now; the status names it, and names no later one after.  A
+        turn says so itself, woken at once: its status line has one writer, since this button's answer could land
+        after the turn's last word ("Stopped …") and overwrite it."""
         session.asked = None
         if not session.busy:
             return views.status("Nothing is running.", "info")
@@ -355,4 +357,5 @@ class TurnButtons:
             return views.status("Stopping…", "busy")
         session.stopping = session.pump.stop_after()  # before the flag: the pump stops there, not at its next event
         session.stop_requested = True
-        return views.status(self._stopping(session), "busy")
+        session.pump.wake()
+        return gr.skip()
