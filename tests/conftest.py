@@ -114,6 +114,7 @@ GROUPS = {
     "test_public": "apps",
     "test_recordings": "apps",
     "test_uploads": "apps",
+    "test_panes_join": "apps",
     "test_smollm2": "test_kernels",
 }
 TINY_SHARED = {

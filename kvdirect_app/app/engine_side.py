@@ -216,6 +216,23 @@ def build_engine(
         )
 
 
+def rearrange(engine: Engine, specs: list[str]) -> list[dict]:
+    """The engine's panes made `specs`' (`service.Conversation.rearrange`): those no spec names leave, the new ones
+    join; their events ("drop", "join")."""
+    strategies = parse_specs(",".join(specs))
+    ref = engine.reference
+    labels = [s.label if s.spec() != ref.strategy.spec() else ref.label for s in strategies]
+    events = []
+    gone = [label for label in engine.show if label not in labels]
+    if gone:
+        events.append(engine.drop(gone))
+    new = [s for s, label in zip(strategies, labels) if label not in engine.show]
+    if new:
+        with memory():
+            events.append(engine.join(new))
+    return events
+
+
 @functools.cache
 def _machine(threads: int, dtype) -> dict:
     """This machine's GEMM rate and memory bandwidth (`roofline.machine`), measured once per thread count and dtype."""

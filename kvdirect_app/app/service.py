@@ -166,6 +166,21 @@ class Conversation:
         finally:
             events.close()
 
+    def rearrange(self, specs: list[str]) -> list[dict]:
+        """Between turns: the panes become `specs`' (one pane each, as at the start): the panes no spec names leave,
+        the new ones join; their events ("drop", "join").  Before the next turn, `catch_up` replays the earlier
+        turns for the new panes alone (the others keep their state)."""
+        return _engine().rearrange(self.engine, specs)
+
+    def catch_up(self) -> Iterator[dict]:
+        """The earlier turns replayed for the panes that joined (`Engine.catch_up`); closed early, they leave."""
+        events = self.engine.catch_up()
+        try:
+            with _engine().memory():
+                yield from events
+        finally:
+            events.close()
+
     def results(self) -> dict:
         return self.engine.results()
 

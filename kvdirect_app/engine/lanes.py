@@ -239,6 +239,7 @@ class Lane:
     # The last query of the latest turn's prompt: {"position": p, "turn": t, "layers": {layer: (handed (p+1,) bool,
     # probs (p+1,) fp32)}} (lockstep.last_query_attention), None before the first turn.
     attention: dict | None = None
+    joined: int = 0  # the turn it joined the conversation at (`Engine.join`): 0, there from the start
 
     def __post_init__(self):
         if self.owner is None:

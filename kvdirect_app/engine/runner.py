@@ -44,7 +44,7 @@ from ..models.loading import LoadedModel
 from ..models.prompts import InputError, Prompter
 from ..models.threads import pin, probe_determinism
 from ..strategies import Strategy
-from . import between_turns, token_maps, turn_steps
+from . import between_turns, joining, token_maps, turn_steps
 from .between_turns import CONTEXT
 from .forwards import Forwards
 from .hooks import InputTap, model_lock
@@ -152,7 +152,12 @@ class Engine:
             strategy, self.model, loaded.device, self.observer, self._work, self.kernels, self.memory, self.peak_source
         )
         self.reference, self.lanes, self.show = build_lanes(strategies, self.solo, make)
+        self._make = make
+        self.joining: list[Lane] = []  # lanes joined after the first turn, until `catch_up` has replayed it for them
         self.prompt_ids: list[int] = []
+        self.user_texts: list[str] = []  # each turn's message, as given
+        self.turn_runs: list[tuple[int, bool]] = []  # each turn's steps, and whether it was stopped before its end
+        self.plain = True  # every turn so far a message alone (no question after it, no answer prefix, no context)
         self.turn_chunks: list[list[int]] = []
         self.turn_seconds: list[float] = []  # wall time of each turn, from its first forward to its last
         self.parked = False
@@ -240,6 +245,8 @@ class Engine:
         """
         k = len(self.turn_chunks)
         turn_steps.check_turn(k, text, ids, answer_prefix, question, save_context, from_context, self.saved_context)
+        if self.joining:
+            raise InputError("turn: panes joined this conversation; replay its turns for them first (`catch_up`)")
         if k == 0:
             first = list(ids) if ids is not None else self.prompter.first(text)
             if len(first) >= self.loaded.max_context:
@@ -250,6 +257,7 @@ class Engine:
         with model_lock(self.model):
             previous_threads = torch.get_num_threads()
             tap = InputTap(self.model, self.loaded.device)
+            ran = 0  # the turn's steps
             try:
                 if k == 0 and self.instruments.compare:
                     turn_steps.compare(self.reference, self.lanes, self.observer)
@@ -268,7 +276,7 @@ class Engine:
                 if self.parked:
                     self._resume(tap)
                     yield {"type": "resume", "lanes": {lane.label: lane.parks[-1] for lane in self.all_lanes}}
-                yield from self.steps.turn(
+                for event in self.steps.turn(
                     k,
                     text,
                     tap,
@@ -281,14 +289,103 @@ class Engine:
                     question,
                     save_context,
                     from_context,
-                )
+                ):
+                    ran += event["type"] == "step"
+                    yield event
             finally:
                 tap.close()
+                if len(self.turn_chunks) > k:  # the turn began: what a pane joining later replays
+                    self.user_texts.append(text)
+                    self.turn_runs.append((ran, any(lane.active for lane in self.all_lanes)))
+                    self.plain &= not (answer_prefix or question is not None or save_context or from_context)
                 for lane in self.all_lanes:
                     if lane.active:  # interrupted: all chosen tokens were fed, nothing is pending
                         lane.active = False
                         self.steps.end_turn(lane)
                 pin(previous_threads)
+
+    # --- panes that join or leave (`joining.py`) ------------------------------------------------------------------
+    def join(self, strategies: list[Strategy]) -> dict:
+        """Between turns: lanes for `strategies` join the conversation (the full cache's spec only shows the
+        reference).  Before the next turn, `catch_up` replays the earlier turns for them alone.  Returns a "join"
+        event: the labels shown now, the new ones, what each is."""
+        new = [s for s in strategies if s.spec() != self.reference.strategy.spec()]
+        joining.check_join(
+            [s.label for s in strategies], self.lanes, self.reference, self.solo, self.parked, self.plain
+        )
+        lanes = [self._make(s) for s in new]
+        for lane in lanes:
+            lane.joined = len(self.turn_chunks)
+        self.lanes.extend(lanes)  # (the list `TurnSteps` holds: extended in place)
+        self.joining.extend(lane for lane in lanes if self.turn_chunks)
+        ref_spec = self.reference.strategy.spec()
+        added = [s.label if s.spec() != ref_spec else self.reference.label for s in strategies]
+        self.show.extend(label for label in added if label not in self.show)
+        about = self.about()
+        return {
+            "type": "join",
+            "strategies": list(self.show),
+            "added": added,
+            "turns": len(self.turn_chunks),
+            "about": {label: about[label] for label in added},
+        }
+
+    def drop(self, labels: list[str]) -> dict:
+        """Between turns: the panes shown as `labels` leave (their lanes and caches are dropped; the reference stays,
+        unshown).  Returns a "drop" event with the labels shown now."""
+        unknown = [label for label in labels if label not in self.show]
+        if unknown:
+            raise InputError(f"drop: {unknown[0]!r} is not shown; shown: {', '.join(self.show)}")
+        for label in labels:
+            self.show.remove(label)
+            lane = next((lane for lane in self.lanes if lane.label == label), None)
+            if lane is not None:
+                self.lanes.remove(lane)
+                for owner in (lane.owner, lane.twin):
+                    self.observer.compare_with(owner, None)
+                if lane in self.joining:
+                    self.joining.remove(lane)
+                lane.cache = lane.tf_cache = None
+        return {"type": "drop", "dropped": list(labels), "strategies": list(self.show)}
+
+    def catch_up(self) -> Iterator[dict]:
+        """The earlier turns replayed for the lanes that joined (`joining.catch_up`), the others untouched; then
+        their K/V are compared from the next turn on where they are on the reference's history.  Closed early (a
+        stop), the joining lanes leave again, and a "drop" event says so."""
+        lanes = list(self.joining)
+        if not lanes:
+            return
+        done = False
+        with model_lock(self.model):
+            previous_threads = torch.get_num_threads()
+            tap = InputTap(self.model, self.loaded.device)
+            try:
+                pin(self.threads)
+                yield from joining.catch_up(
+                    lanes,
+                    self.reference,
+                    self.steps,
+                    self.forwards,
+                    self.observer,
+                    self.prompter,
+                    tap,
+                    self.prompt_ids,
+                    self.user_texts,
+                    self.turn_chunks,
+                    self.turn_runs,
+                    self.twins,
+                    self.instruments.agreement,
+                )
+                done = True
+            finally:
+                tap.close()
+                pin(previous_threads)
+                self.joining = []
+                if not done:
+                    for lane in lanes:
+                        lane.active = False
+                    self.drop([lane.label for lane in lanes])
+        yield joining.caught_up(lanes, self.reference, self.observer, self.instruments.compare)
 
     @contextlib.contextmanager
     def kernel_scope(self):

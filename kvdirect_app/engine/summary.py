@@ -144,6 +144,9 @@ class Report:
             "kl_mean": 0.0 if is_ref else (lane.kl_sum / lane.tf_steps if lane.tf_steps else None),
             "max_abs_dlogit": 0.0 if is_ref else (lane.max_dlogit if lane.tf_steps else None),
             "teacher_forced_steps": None if is_ref or self.solo else lane.tf_steps,
+            # A pane that joined later (`Engine.join`): its agreement, KL and |dlogit| cover the turns from this one
+            # on; its tokens (and `token_match`) every turn.
+            "joined_at_turn": lane.joined,
             **kv,
             "kv_digest": lane.kv_digest,
             "canonical_spec": lane.strategy.spec(),

@@ -41,7 +41,7 @@ def agreement_figure(session: Session) -> go.Figure:
         subplot_titles=("same tokens as the full cache until ✕", "mean KL to the full cache (log)"),
     )
     palette = colours(session.shown)
-    positive = [r["kl"] for label in labels for r in session.lanes[label].agreement if r["kl"] > 0]
+    positive = [r["kl"] for label in labels for r in session.lanes[label].agreement if (r["kl"] or 0) > 0]
     floor = 10 ** (math.floor(math.log10(min(positive))) - 1) if positive else 1e-6
     names = [short_name(session, label) for label in labels]
     for label, name in zip(labels, names):
@@ -118,12 +118,20 @@ def agreement_figure(session: Session) -> go.Figure:
         fig.add_trace(
             go.Scatter(
                 x=[r["step"] for r in rows],
-                y=[r["kl"] if r["kl"] > 0 else floor for r in rows],
+                # (None: a joined pane's replayed steps, where no reference logits were kept: a gap)
+                y=[None if r["kl"] is None else r["kl"] if r["kl"] > 0 else floor for r in rows],
                 legendgroup=label,
                 name=name,
                 line=dict(color=c, width=2),
                 mode="lines",
-                customdata=[f"{r['kl']:.3g}" if r["kl"] > 0 else "0 (exact)" for r in rows],
+                customdata=[
+                    "not measured (replayed when the pane joined)"
+                    if r["kl"] is None
+                    else f"{r['kl']:.3g}"
+                    if r["kl"] > 0
+                    else "0 (exact)"
+                    for r in rows
+                ],
                 hovertemplate=f"{label}<br>KL %{{customdata}}<extra></extra>",
             ),
             row=2,

@@ -48,6 +48,7 @@ class Actions:
     scenario: gr.Dropdown
     play: gr.Button
     recall: gr.Button  # the recall scenario, one click from the prompt
+    next: gr.HTML  # what the next Send will replay, said as soon as a setting changes (`TurnButtons.next_send`)
 
 
 @dataclass

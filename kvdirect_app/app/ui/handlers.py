@@ -70,7 +70,7 @@ class Handlers:
         self.enqueue, self.waiting = self.queueing.enqueue, self.queueing.waiting
         self.load_model = self.model_choice.load_model
         t = self.turn_buttons
-        self.send, self.regenerate, self.stop = t.send, t.regenerate, t.stop
+        self.send, self.regenerate, self.stop, self.next_send = t.send, t.regenerate, t.stop, t.next_send
         self.play_scenario, self.play_recall = t.play_scenario, t.play_recall
         self.replay, self.run_live = self.recording_buttons.replay, self.recording_buttons.run_live
         self.frontier, self.cancel_frontier = self.frontier_drawing.frontier, self.frontier_drawing.cancel_frontier

@@ -124,6 +124,7 @@ def build_demo(
                     stop = gr.Button(
                         "■ Stop", variant="stop", scale=0, min_width=100, interactive=False, elem_id="kvd-stop"
                     )
+                next_send = gr.HTML("", elem_id="kvd-next")
                 with gr.Row(elem_id="kvd-recorded", equal_height=True):
                     recall = gr.Button(
                         "▶ Recall demo",
@@ -177,7 +178,7 @@ def build_demo(
                 downloads, record = export_tab()
             with gr.Tab(TABS[8], elem_id="kvd-about"):
                 gr.Markdown(asset("about.md"))
-        actions = Actions(prompt, send, stop, regenerate, clear, scenario, play, recall)
+        actions = Actions(prompt, send, stop, regenerate, clear, scenario, play, recall, next_send)
         shown = Views(
             status,
             board,
@@ -262,6 +263,18 @@ def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
     for trigger in (c.model.input, c.device.input, c.dtype.input, c.custom_model.submit):
         trigger(**load)
     run = dict(outputs=out, concurrency_id="generate", trigger_mode="once", show_progress="hidden")
+    # What the next Send will replay, said beside the box when a setting changes, and again after each run.
+    told = dict(
+        fn=h.next_send,
+        inputs=[studio.session],
+        inputs_kwargs=c.by_name(),
+        outputs=[a.next],
+        queue=False,
+        show_progress="hidden",
+        api_visibility="private",
+    )
+    for control in c.by_name().values():
+        control.change(**told)
 
     def queued(trigger, fn, inputs, **kw):
         """Say the run's place in line at once (no queue), then run it in the queue, and while it waits say again,
@@ -274,7 +287,7 @@ def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
             api_visibility="private",
             show_progress="hidden",
         )
-        first.success(fn, inputs=inputs, inputs_kwargs=c.by_name(), **run, **kw)
+        first.success(fn, inputs=inputs, inputs_kwargs=c.by_name(), **run, **kw).then(**told)
         first.success(
             h.waiting,
             inputs=[studio.session],
@@ -293,7 +306,7 @@ def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
     queued(a.play.click, h.play_scenario, [studio.session, a.scenario], api_name="play_scenario")
     queued(a.recall.click, h.play_recall, [studio.session], api_visibility="private")
     a.stop.click(h.stop, inputs=[studio.session], outputs=[v.status], queue=False, api_visibility="private")
-    a.clear.click(h.clear, inputs=[studio.session], outputs=out, api_visibility="private")
+    a.clear.click(h.clear, inputs=[studio.session], outputs=out, api_visibility="private").then(**told)
     f = studio.frontier
     f.draw.click(
         h.frontier,

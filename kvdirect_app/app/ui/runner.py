@@ -278,14 +278,20 @@ def frontier_plot(rows: list[dict], run: service.FrontierRun, source: str):
 
 
 @gpu
-def play(config: RunConfig, turns: list[str], talk: service.Conversation | None = None) -> Iterator[dict]:
-    """The engine's events for `turns`, then "done" with the results.
+def play(
+    config: RunConfig, turns: list[str], talk: service.Conversation | None = None, rearrange: bool = False
+) -> Iterator[dict]:
+    """The engine's events for `turns`, then "done" with the results; `rearrange`: first the conversation's panes
+    become `config`'s, the new ones replaying the earlier turns alone (`Conversation.rearrange`, `catch_up`).
 
     With no conversation (ZeroGPU), a fresh one is built here and the token
     maps are sent along, because the engine ends with the call.
     """
     own = talk is None
     talk = talk or conversation(config)
+    if rearrange:
+        yield from talk.rearrange(list(config.specs))
+        yield from talk.catch_up()
     for text in turns:
         yield from talk.turn(text)
     yield {"type": "done", "result": talk.results()}

@@ -48,6 +48,9 @@ class TurnReply:
         return len(self.text.rstrip("\ufffd"))
 
 
+JOINING = ("drop", "join", "catch_up_turn", "catch_up_step", "catch_up_turn_end", "caught_up")  # `Session._joining`
+
+
 @dataclass
 class LaneView:
     label: str
@@ -145,6 +148,7 @@ class Session:
     # This machine's best time for the live run's decode step's linears over its rows (`Conversation.roofline`):
     # the latency plot's line.  None for a recording (measured elsewhere) and off the CPU.
     roofline: dict | None = None
+    joining: tuple[int, int, int] | None = None  # panes joining: (turn, step, turns) of their replay (`catch_up_*`)
     last_plot: float = 0.0
     plot_cost: float = 0.0  # seconds the last live plots took to build (they share the cores with the engine)
 
@@ -200,8 +204,9 @@ class Session:
             self.lanes = {label: LaneView(label) for label in dict.fromkeys([REFERENCE, *self.shown])}
         elif kind == "turn":
             self.user_turns.append(event["user"])
-            self.seen.append({"t0": None, "t1": None, "steps": 0})
             self.position += len(event["chunk_ids"])
+            # (where the turn's steps and positions start: a pane joining later places its replayed steps there)
+            self.seen.append({"t0": None, "t1": None, "steps": 0, "step0": self.steps, "pos0": self.position})
             for lane in self.lanes.values():
                 lane.replies.append(TurnReply())
                 lane.active = True
@@ -221,12 +226,76 @@ class Session:
                     self.lanes[label].turns.append(figures)
             for lane in self.lanes.values():
                 lane.active = False
+        elif kind in JOINING:
+            self._joining(event)
         elif kind == "done":
             self.result = event["result"]
         elif kind == "token_maps":
             self.token_maps = event["maps"]
         elif kind == "attention_maps":
             self.attention_maps = event["maps"]
+
+    def _joining(self, event: dict):
+        """Panes leave ("drop") or join ("join") between turns; a joining pane's replay of the earlier turns
+        ("catch_up_turn", "catch_up_step", "catch_up_turn_end") fills its replies and bytes at the steps they
+        stand for, and its token match against the reference's tokens (no KL: `engine/joining.py`)."""
+        kind = event["type"]
+        if kind == "drop":
+            for label in event["dropped"]:
+                if label != REFERENCE:
+                    self.lanes.pop(label, None)
+            self.shown = list(event["strategies"])
+        elif kind == "join":
+            self.shown = list(event["strategies"])
+            self.about.update(event.get("about", {}))
+            for label in event["added"]:
+                self.lanes.setdefault(label, LaneView(label))
+        elif kind == "catch_up_turn":
+            self.joining = (event["turn"], 0, event["turns"])
+            for label in event["strategies"]:
+                self.lanes[label].replies.append(TurnReply())
+                self.lanes[label].active = True
+        elif kind == "catch_up_step":
+            turn, index = event["turn"], event["index"]
+            self.joining = (turn, index + 1, self.joining[2] if self.joining else turn + 1)
+            clock = self.seen[turn] if turn < len(self.seen) else {}
+            step, position = clock.get("step0", 0) + index + 1, clock.get("pos0", 0) + index + 1
+            ref = self.reference.replies[turn].tokens if self.reference and turn < len(self.reference.replies) else []
+            for label, ev in event["lanes"].items():
+                lane = self.lanes[label]
+                lane.replies[turn].add(ev["token_id"], ev["text"])
+                lane.active = ev["active"]
+                lane.memory.append(
+                    {
+                        "step": step,
+                        "position": position,
+                        "turn": turn,
+                        "index": index,
+                        "seen": ev["seen"],
+                        "persistent": ev["persistent_bytes"],
+                        "peak": ev["peak_bytes"],
+                        "formula": ev["formula_bytes"],
+                        "formula_peak": ev["formula_peak_bytes"],
+                        "peak_source": ev.get("peak_source"),
+                        "agrees": ev.get("formula_agrees"),
+                        "outside": ev.get("outside_bytes"),
+                    }
+                )
+                same = index < len(ref) and ev["token_id"] == ref[index]
+                if not same and lane.divergence is None:
+                    lane.divergence = (turn, index)
+                if index < len(ref):
+                    lane.total += 1
+                    lane.matched += same
+                    lane.agreement.append({"step": step, "match": lane.matched / lane.total, "kl": None})
+        elif kind == "catch_up_turn_end":
+            for label, text in event["texts"].items():
+                self.lanes[label].replies[event["turn"]].text = text
+                self.lanes[label].active = False
+            for label, figures in event.get("bytes", {}).items():
+                self.lanes[label].turns.append(figures)
+        elif kind == "caught_up":
+            self.joining = None
 
     def _step(self, event: dict):
         self.steps += 1

@@ -8,6 +8,7 @@ file shows up here without an edit.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ...plain.catalog import embedded_presets, hub_copy, is_test_model, offered_presets, presets, unavailable_reason
@@ -145,6 +146,18 @@ class RunConfig:
     raw: bool = False
     twins: bool = True  # teacher-forced twins: agreement and KL measured after a divergence too
     kernels: str = "invariant"  # batch-invariant GEMMs and block attention, or the model's own kernels
+
+
+def panes_only(old: RunConfig | None, new: RunConfig) -> bool:
+    """`new` differs from `old` in its panes alone (added, removed, reordered): the conversation keeps its engine,
+    the panes that leave are dropped and the new ones replay the earlier turns alone (`runner.play(rearrange=)`)."""
+    return old is not None and old.specs != new.specs and dataclasses.replace(old, specs=new.specs) == new
+
+
+def changed(old: RunConfig, new: RunConfig) -> list[str]:
+    """The settings that differ between two runs, by name (the panes as "strategies")."""
+    names = {"specs": "strategies", "max_new_tokens": "max new tokens"}
+    return [names.get(f, f) for f in RunConfig.__dataclass_fields__ if getattr(old, f) != getattr(new, f)]
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from .components import Studio
 from .line import LINE, Job
 from .pace import HEARTBEAT_S, PLOTS_EVERY_S, PLOTS_SHARE, UI_EVERY_S
 from .recording_buttons import RECALL
-from .session import Session
-from .settings import RunConfig, Settings
+from .session import JOINING, Session
+from .settings import REFERENCE, RunConfig, Settings, changed, panes_only
 
 log = logging.getLogger(__name__)
 LONG_PROMPT_TOKENS = 1000  # a run that reads more prompt tokens than this asks first, with its time and memory
@@ -52,9 +52,11 @@ class TurnButtons:
         expect: tuple[int, str] | None = None,
         scenario: str | None = None,
         job: Job | None = None,
+        rearrange: bool = False,
     ) -> Iterator[dict]:
         """Play `turns` (all of them on a fresh engine, else only the new one) and stream the panes; `job` says how
-        far it is to whoever waits for the slot."""
+        far it is to whoever waits for the slot.  `rearrange`: the conversation's panes become `config`'s first, the
+        new ones replaying the earlier turns alone; the run's config is the session's once the new turn starts."""
         job = job or Job("a turn")
         session.busy, session.stop_requested, session.stopping = True, False, None
         yield {
@@ -80,7 +82,7 @@ class TurnButtons:
                 played = turns[-1:]
             turns_before, steps_before = len(session.user_turns), session.steps
             events = session.pump = runner.Pump(
-                runner.play(config, played, session.engine), lambda: session.stop_requested, HEARTBEAT_S
+                runner.play(config, played, session.engine, rearrange), lambda: session.stop_requested, HEARTBEAT_S
             )
             last = 0.0
             for event in events:  # every event the engine produced, also those after a stop request
@@ -96,6 +98,10 @@ class TurnButtons:
                     session.recorder.add(event)
                     event = session.recorder.events[-1]
                 session.apply(event)
+                if rearrange and event["type"] == "turn":  # the new panes have caught up: this is their run now
+                    session.config = config
+                    if session.recorder is not None:  # ("Run it live" plays every pane from the start)
+                        session.recorder.meta["specs"] = list(config.specs)
                 progress.add(event, now)
                 doing = self._progress(session, progress, turns, fresh, now).rstrip("…")
                 job.doing = doing[:1].lower() + doing[1:]
@@ -103,7 +109,7 @@ class TurnButtons:
                 if budget is not None and not stopped and now - t_start > budget:
                     session.stop_requested = timed_out = True  # the engine's thread ends the turn after this step
                 first = event["type"] == "step" and event["index"] == 0
-                if event["type"] in ("turn", "turn_end", "prefill") or first or now - last >= UI_EVERY_S:
+                if event["type"] in ("turn", "turn_end", "prefill", *JOINING) or first or now - last >= UI_EVERY_S:
                     plots = event["type"] == "turn_end" or now - session.last_plot >= max(
                         PLOTS_EVERY_S, session.plot_cost / PLOTS_SHARE
                     )
@@ -164,7 +170,20 @@ class TurnButtons:
             if events is not None:
                 events.close()
             session.busy, session.pump = False, None
+            if rearrange and session.config is not config:
+                message = self._unjoined(session, message)
         yield self._final(session, message, kind)
+
+    @staticmethod
+    def _unjoined(session: Session, message: str) -> str:
+        """Stopped (or failed) before the new panes caught up: the engine took them back (`Engine.catch_up`); the
+        page shows the panes it still has, and the next Send rebuilds the conversation with the settings then."""
+        session.joining = None
+        if session.engine is not None:
+            session.shown = list(session.engine.shown)
+            session.lanes = {k: v for k, v in session.lanes.items() if k in session.shown or k == REFERENCE}
+        session.config = None
+        return f"{message} The new pane(s) were not added: the next Send rebuilds and replays every pane."
 
     @staticmethod
     def _stopping(session: Session) -> str:
@@ -175,6 +194,12 @@ class TurnButtons:
         """The status during a run; once Stop is pressed, only the step it ends after (no later number)."""
         if session.stopping is not None:
             return self._stopping(session)
+        if session.joining is not None:
+            turn, step, turns = session.joining
+            return (
+                f"Adding pane(s): replaying earlier turn {turn + 1}/{turns} for them alone, step {step} (the other "
+                "panes keep theirs)…"
+            )
         turn = len(session.user_turns)
         return f"Turn {turn}/{len(turns) if fresh else turn}: {progress.line(now)}…"
 
@@ -231,7 +256,8 @@ class TurnButtons:
             log.error("checking the run failed:\n%s", traceback.format_exc())
             yield from self.refuse(session, f"Cannot start: {type(e).__name__}: {str(e)[:200]}")
             return
-        fresh = config != session.config if fresh is None else fresh
+        rearrange = fresh is None and session.engine is not None and panes_only(session.config, config)
+        fresh = config != session.config and not rearrange if fresh is None else fresh
         reads = sum(cost["prompt_tokens"]) if fresh else cost["prompt_tokens"][-1]
         if ask is not None and reads > LONG_PROMPT_TOKENS:
             session.asked = ask
@@ -252,6 +278,7 @@ class TurnButtons:
                 expect if fresh else session.expect,
                 scenario if fresh else session.scenario,
                 job,
+                rearrange,
             )
         finally:
             LINE.ended(job)
@@ -302,6 +329,36 @@ class TurnButtons:
             True if session.recording else None,
             note,
             ask=None if again else ("send", prompt),
+        )
+
+    def next_send(self, session: Session, **controls) -> str:
+        """What the next Send will replay when the settings differ from the conversation's: the panes that join
+        (replaying the earlier turns alone) and leave, or a rebuild of every pane; "" when nothing would be
+        replayed or the settings are not valid (Send then says why)."""
+        turns = len(session.user_turns)
+        if session.busy or session.recording or not turns or session.config is None:
+            return ""
+        try:
+            config = Settings.from_controls(controls).run_config(session.config.raw)
+        except Exception:  # (any bad setting: Send refuses it with its reason)
+            return ""
+        old = session.config
+        if config == old:
+            return ""
+        earlier = f"the {turns} earlier turn{'s' if turns > 1 else ''}"
+        if session.engine is not None and panes_only(old, config):
+            added = [spec for spec in config.specs if spec not in old.specs]
+            removed = [spec for spec in old.specs if spec not in config.specs]
+            said = []
+            if added:
+                said.append(f"adds {', '.join(added)}, replaying {earlier} for {'it' if len(added) == 1 else 'them'}")
+            if removed:
+                said.append(f"removes {', '.join(removed)}")
+            what = " and ".join(said) or "shows the panes in the new order"
+            return views.notice(f"Next Send {what}; the other panes keep their state and are not recomputed.")
+        return views.notice(
+            f"Next Send rebuilds the conversation ({', '.join(changed(old, config))} changed) and replays {earlier} "
+            "in every pane."
         )
 
     def regenerate(self, session: Session, request: gr.Request = None, **controls) -> Iterator[dict]:

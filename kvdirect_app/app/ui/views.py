@@ -230,7 +230,7 @@ def pane_header(session: Session, label: str) -> str:
     if lane is not None and label != REFERENCE and lane.match is not None:
         cls = "good" if lane.match == 1.0 else "bad"
         stats.append(f'<span class="kvd-{cls}">match <b>{100 * lane.match:.0f}%</b></span>')
-        if lane.agreement:
+        if lane.agreement and lane.agreement[-1]["kl"] is not None:
             stats.append(
                 f'<span title="mean KL to the full cache, teacher-forced">KL {lane.agreement[-1]["kl"]:.2g}</span>'
             )
@@ -287,6 +287,11 @@ def _memory_told(session: Session, name: str) -> str:
 def without_paths(line: str) -> str:
     """A loader's progress line for the page: no folder of this machine in it."""
     return re.sub(r"\s+in\s+(/|~)\S+", "", line)
+
+
+def notice(message: str) -> str:
+    """A line beside the message box that says what the next action will do (`TurnButtons.next_send`)."""
+    return f'<div class="kvd-notice">{_esc(message)}</div>'
 
 
 def status(message: str, kind: str = "info", title: str = "") -> str:
