@@ -396,8 +396,10 @@ def test_the_status_shows_the_time_while_a_long_message_is_read_and_no_event_com
     h = demo.kvd_handlers
     real, reading = runner.play, threading.Event()
 
-    def slow(config, turns, talk=None):  # the engine, stalled after a turn begins as if reading a long piece
-        for event in real(config, turns, talk):
+    def slow(
+        config, turns, talk=None, rearrange=False
+    ):  # the engine, stalled after a turn begins as if reading a long piece
+        for event in real(config, turns, talk, rearrange):
             yield event
             if event["type"] == "turn":
                 reading.wait(timeout=60)
