@@ -65,3 +65,31 @@ def test_a_pane_added_after_two_turns_is_announced_and_replays_them_alone(visito
     final = done(page, 4)
     assert "Done: 4 turn(s); turn 4:" in final, final
     assert page.locator(".kvd-pane:visible").count() == panes
+
+
+def test_a_cut_name_in_a_dropdown_reads_whole_on_hover(url, browser):  # noqa: F811
+    """The Token map's strategy pickers are narrower than a spec such as `anchorkv:spacing=30:budget=64:rebuild=turn`:
+    the value, and each option of the open list, reads whole on hover (its title).  Mutation that fails it: the
+    page's start script without its hover handler."""
+    from .test_browser import open_page
+
+    page = open_page(browser, 1280, 720)
+    page.goto(url)
+    page.wait_for_selector("#kvd-send", timeout=60_000)
+    page.get_by_role("tab", name="Token map", exact=True).click()
+    picker = page.locator("#kvd-map-label input").first
+    picker.hover()
+    page.wait_for_timeout(200)
+    value = picker.input_value()
+    assert value and picker.get_attribute("title") == value, (value, picker.get_attribute("title"))
+    picker.click()
+    options = page.locator("li[role=option]")
+    assert options.count() >= 2
+    longest = max(range(options.count()), key=lambda i: len(options.nth(i).get_attribute("aria-label") or ""))
+    option = options.nth(longest)
+    option.hover()
+    page.wait_for_timeout(200)
+    name = option.get_attribute("aria-label")
+    assert ":" in name and option.get_attribute("title") == name, (name, option.get_attribute("title"))
+    assert not page.console_errors, page.console_errors
+    page.context.close()

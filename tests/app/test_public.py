@@ -443,6 +443,44 @@ def test_a_closed_tab_frees_its_engine(app):
     assert session.engine is None and "closed-tab" not in h.visitors
 
 
+def test_a_closed_tab_cancels_its_frontier_drawing(app, monkeypatch):
+    """A drawing whose tab was closed ran on for minutes (its generator yields nothing while a run computes, so Gradio
+    never closes it), holding the compute thread from every other visitor.  The run here waits for its stop flag (20 s
+    at most); closing the tab must raise it.  Mutation that fails it: `forget` without `frontier_cancel`."""
+    from kvdirect_app.app import service
+    from kvdirect_app.app.ui.frontier_drawing import FRONTIER_CURRENT
+
+    demo, _ = app
+    h = demo.kvd_handlers
+    session = Session()
+    prompt, controls = ui_controls({})
+    list(h.send(session, prompt, **controls))
+    seen = []
+
+    def held(self, entries, should_stop=None):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 20:
+            if should_stop():
+                seen.append("stopped")
+                return None
+            time.sleep(0.05)
+        seen.append("ran on")
+        return []
+
+    monkeypatch.setattr(service.FrontierRun, "run", held)
+    drawing = h.frontier(session, FRONTIER_CURRENT, **controls)
+    next(drawing)  # "Run 1/2: ..."
+
+    class Request:
+        session_hash = "closed-drawing-tab"
+
+    h._seen(session, Request())
+    h.closed(Request())
+    said = [u[h.s.frontier.status] for u in drawing if h.s.frontier.status in u]
+    words = html.unescape(said[-1]) if said else ""
+    assert seen == ["stopped"] and "Cancelled" in words, (seen, words)
+
+
 def test_a_model_switch_is_refused_while_a_turn_runs(app):
     demo, _ = app
     h = demo.kvd_handlers

@@ -42,11 +42,14 @@ def forget(session: Session):
     """A session's state expired or its tab closed: stop its run, drop its engine and caches (the page's state's
     `delete_callback`)."""
     if isinstance(session, Session):
-        session.stop_requested = True
         LINE.leave(session)
         if not session.busy:
             session.clear()
             runner.release_memory()
+        # Its turn and its frontier drawing end after their step (after `clear`, which would lower the flags): a
+        # drawing of a closed tab ran on for minutes (it yields nothing while a run computes, so Gradio never closes
+        # it), holding the compute thread from everyone.
+        session.stop_requested = session.frontier_cancel = True
 
 
 class Handlers:

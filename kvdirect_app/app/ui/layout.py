@@ -228,12 +228,18 @@ def launch_options() -> dict:
     )
     # The styles are drawn for a light page (projectors wash out dark ones): drop the dark class if the OS asked for it.
     # A pane's chat keeps its last reply in view (the first screen's recording has eight turns; a live reply grows),
-    # unless the visitor is reading it with the pointer on it.
+    # unless the visitor is reading it with the pointer on it.  A dropdown's value and its options, cut to their
+    # box's width (the Token map's strategies: `anchorkv:spacing=30:budget=64:rebuild=turn`), read whole on hover.
     start = """() => {
       document.body.classList.remove('dark'); document.documentElement.classList.remove('dark');
       const stick = () => document.querySelectorAll('.block.kvd-chat').forEach(chat => {
         if (!chat.matches(':hover')) chat.scrollTop = chat.scrollHeight; });
       new MutationObserver(stick).observe(document.body, {childList: true, subtree: true, characterData: true});
+      const whole = e => { const t = e.target;
+        if (!(t instanceof Element)) return;
+        const pick = t.closest('input[role=combobox], li[role=option]');
+        if (pick) pick.title = pick.tagName === 'INPUT' ? pick.value : pick.getAttribute('aria-label') || ''; };
+      document.addEventListener('mouseover', whole); document.addEventListener('focusin', whole);
     }"""
     return {
         "theme": theme,
@@ -306,7 +312,9 @@ def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
     queued(a.play.click, h.play_scenario, [studio.session, a.scenario], api_name="play_scenario")
     queued(a.recall.click, h.play_recall, [studio.session], api_visibility="private")
     a.stop.click(h.stop, inputs=[studio.session], outputs=[v.status], queue=False, api_visibility="private")
-    a.clear.click(h.clear, inputs=[studio.session], outputs=out, api_visibility="private").then(**told)
+    a.clear.click(h.clear, inputs=[studio.session], outputs=out, api_visibility="private", show_progress="hidden").then(
+        **told
+    )
     f = studio.frontier
     f.draw.click(
         h.frontier,

@@ -48,6 +48,25 @@ class TurnReply:
         return len(self.text.rstrip("\ufffd"))
 
 
+def memory_row(ev: dict, step: int, position: int, turn: int, index: int) -> dict:
+    """A lane's bytes after a step, from its step event, as the memory curve and the exports read them."""
+    return {
+        "step": step,
+        "position": position,
+        "turn": turn,
+        "index": index,
+        "seen": ev["seen"],
+        "persistent": ev["persistent_bytes"],
+        "peak": ev["peak_bytes"],
+        "formula": ev["formula_bytes"],
+        "formula_peak": ev["formula_peak_bytes"],
+        # (recordings made before the allocator's figures have neither)
+        "peak_source": ev.get("peak_source"),
+        "agrees": ev.get("formula_agrees"),
+        "outside": ev.get("outside_bytes"),
+    }
+
+
 JOINING = ("drop", "join", "catch_up_turn", "catch_up_step", "catch_up_turn_end", "caught_up")  # `Session._joining`
 
 
@@ -265,22 +284,7 @@ class Session:
                 lane = self.lanes[label]
                 lane.replies[turn].add(ev["token_id"], ev["text"])
                 lane.active = ev["active"]
-                lane.memory.append(
-                    {
-                        "step": step,
-                        "position": position,
-                        "turn": turn,
-                        "index": index,
-                        "seen": ev["seen"],
-                        "persistent": ev["persistent_bytes"],
-                        "peak": ev["peak_bytes"],
-                        "formula": ev["formula_bytes"],
-                        "formula_peak": ev["formula_peak_bytes"],
-                        "peak_source": ev.get("peak_source"),
-                        "agrees": ev.get("formula_agrees"),
-                        "outside": ev.get("outside_bytes"),
-                    }
-                )
+                lane.memory.append(memory_row(ev, step, position, turn, index))
                 same = index < len(ref) and ev["token_id"] == ref[index]
                 if not same and lane.divergence is None:
                     lane.divergence = (turn, index)
@@ -307,23 +311,7 @@ class Session:
             if ev is not None:
                 lane.replies[turn].add(ev["token_id"], ev["text"])
                 lane.active = ev["active"]
-                lane.memory.append(
-                    {
-                        "step": self.steps,
-                        "position": self.position,
-                        "turn": turn,
-                        "index": index,
-                        "seen": ev["seen"],
-                        "persistent": ev["persistent_bytes"],
-                        "peak": ev["peak_bytes"],
-                        "formula": ev["formula_bytes"],
-                        "formula_peak": ev["formula_peak_bytes"],
-                        # (recordings made before the allocator's figures have neither)
-                        "peak_source": ev.get("peak_source"),
-                        "agrees": ev.get("formula_agrees"),
-                        "outside": ev.get("outside_bytes"),
-                    }
-                )
+                lane.memory.append(memory_row(ev, self.steps, self.position, turn, index))
                 if ev["active"]:  # the token was fed: the step's timings are of this token's forward
                     lane.latency.append({"step": self.steps, "turn": turn, **ev["latency_ms"]})
             else:
