@@ -279,8 +279,11 @@ def _wire(demo: gr.Blocks, studio: Studio, h: Handlers):
         show_progress="hidden",
         api_visibility="private",
     )
-    for control in c.by_name().values():
-        control.change(**told)
+    # (Not on a model's controls: a model switch says itself what the next message replays, and its load changes the
+    # spacing slider's maximum, which a request sent at the switch would then exceed: an HTTP 500 from Gradio.)
+    for name, control in c.by_name().items():
+        if name not in ("model", "custom_model", "device", "dtype"):
+            control.change(**told)
 
     def queued(trigger, fn, inputs, **kw):
         """Say the run's place in line at once (no queue), then run it in the queue, and while it waits say again,
