@@ -115,6 +115,7 @@ GROUPS = {
     "test_recordings": "apps",
     "test_uploads": "apps",
     "test_panes_join": "apps",
+    "test_live_updates": "apps",
     "test_smollm2": "test_kernels",
 }
 TINY_SHARED = {

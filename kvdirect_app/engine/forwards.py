@@ -104,7 +104,7 @@ class Forwards:
     def run(self, items: list[Item], tap: InputTap, turn_start: bool, piece: int = 0):
         """Feed every item, the rows with the same token count in one pass (the reference first, the twins after
         the lanes); `piece` > 0 continues a prompt fed in pieces."""
-        pin(self.threads)
+        pin(self.threads, self.kernels.torch_threads)
         self.step_shared_ms = 0.0
         groups: dict[int, list[Item]] = {}
         for item in items:

@@ -360,7 +360,7 @@ class Engine:
             previous_threads = torch.get_num_threads()
             tap = InputTap(self.model, self.loaded.device)
             try:
-                pin(self.threads)
+                pin(self.threads, self.kernels.torch_threads)
                 yield from joining.catch_up(
                     lanes,
                     self.reference,
@@ -440,7 +440,7 @@ class Engine:
 
     @torch.inference_mode()
     def _resume(self, tap: InputTap):
-        pin(self.threads)
+        pin(self.threads, self.kernels.torch_threads)
         with self.kernel_scope():
             between_turns.resume_lanes(self.all_lanes, tap, self.observer, self._work, self.tracer, self.peak_source)
         self.parked = False

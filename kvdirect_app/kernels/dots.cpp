@@ -11,14 +11,29 @@
 // Threads split the output columns, never a reduction: each output is computed whole by one thread, so the
 // thread count changes who computes it, not its bits.  Each thread reads its columns' weights once for a block of
 // rows (a tile of up to 4 rows x 6 columns in registers), so a decode step's few rows cost one read of the weights.
-// OpenMP is torch's own (the same libgomp is loaded): the threads are torch's intra-op pool.
+//
+// The threads are a team of our own (`Team`), not OpenMP's: a call is cut into tasks (a chunk of column tiles; one
+// (query, head) of the attention) that the caller and the team's helpers claim one at a time from a shared count.
+// The caller starts at once and returns when every task is done; it waits only for a task a helper has claimed
+// and is computing, never for a helper that has not come: a helper whose core is busy with another process, or
+// that is still waking, joins late or not at all and the caller does its share.  (An OpenMP region waits at its
+// barrier for every thread of the team, whether or not that thread's core is free: beside one busy process a
+// step of ~200 regions took 2.9x as long.)  After its last task a helper spins for a short while (the next call of
+// a step usually comes within it), then sleeps until a call large enough to be worth waking it.
 //
 // Built with the machine's compiler by `dots.py` (no -ffast-math, -ffp-contract=off): no reassociation.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <omp.h>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <new>
+#include <pthread.h>
+#include <thread>
+#include <vector>
 #include <type_traits>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -91,27 +106,180 @@ struct Attn {
     int bf16;
 };
 
-// Each thread: its share of the column tiles, for every block of rows.  Kernel(call, r0, rows, c0, cols) computes
-// a rows x cols tile whole.
+
+// --- the team ---------------------------------------------------------------------------------------------------
+// One call at a time runs on the team (a second caller, from another thread, runs its call alone).  A call's state
+// is one 64-bit word: the call's number (high 32 bits) and the tasks not yet claimed (low 32); a task is claimed by
+// taking one off that count in the same call's number, so a helper late from an earlier call claims nothing of the
+// next.  The caller waits for `done` to reach the task count: only tasks claimed by someone count towards it.
+using TaskFn = void (*)(const void* ctx, int64_t task, int worker);
+
+// A call's work in units of about one multiply-add (a weight read from memory counts 4): one thread does some 40
+// units a nanosecond here (SmolLM2's 576 x 576 linear over 7 rows, 3.6 M units, in ~90 us).  A call of less work
+// than WAKE_WORK (~50 us) never wakes a sleeping helper: the wake-up would bring it after the call is done (a
+// spinning helper still takes a share of any call of two tasks or more).
+constexpr int64_t WAKE_WORK = 2 * 1024 * 1024;
+constexpr int SPIN_US = 100;  // a helper spins this long after its last task, then sleeps
+
+inline void relax() {
+#ifdef KV_X86
+    _mm_pause();
+#endif
+}
+
+class Team {
+  public:
+    // Runs fn(ctx, task, worker) for task 0 .. tasks-1 on the caller (worker 0) and on helpers 1 .. threads-1;
+    // `work`: the whole call's, in WAKE_WORK's units.
+    void run(int threads, int64_t tasks, int64_t work, TaskFn fn, const void* ctx) {
+        if (threads > tasks) threads = int(tasks);
+        std::unique_lock<std::mutex> own(submit_, std::try_to_lock);
+        if (threads <= 1 || !own.owns_lock()) {
+            for (int64_t i = 0; i < tasks; ++i) fn(ctx, i, 0);
+            return;
+        }
+        grow(threads - 1);
+        fn_ = fn, ctx_ = ctx;
+        workers_.store(threads, std::memory_order_relaxed);
+        const bool wake = work >= WAKE_WORK;
+        big_.store(wake, std::memory_order_relaxed);
+        done_.store(0, std::memory_order_relaxed);
+        const uint64_t call = (word_.load(std::memory_order_relaxed) >> 32) + 1;
+        word_.store((call << 32) | uint64_t(tasks), std::memory_order_seq_cst);  // publishes fn_, ctx_ and workers_
+        if (wake && sleeping_.load(std::memory_order_seq_cst) > 0) {
+            { std::lock_guard<std::mutex> lock(sleep_); }
+            wake_.notify_all();
+        }
+        int64_t mine = 0;
+        for (int64_t task; (task = claim(call, 0)) >= 0; ++mine) fn(ctx, task, 0);
+        done_.fetch_add(mine, std::memory_order_acq_rel);
+        while (done_.load(std::memory_order_acquire) < tasks) relax();  // only claimed tasks are left
+    }
+
+    static Team* instance();
+
+    // While set, helpers take no task: a helper whose core another process holds, as the tests make it.
+    static inline std::atomic<bool> held{false};
+
+  private:
+    // A task of call `call` (its index), or -1 when none is left (or the call is another's).
+    int64_t claim(uint64_t call, int worker) {
+        uint64_t word = word_.load(std::memory_order_acquire);
+        for (;;) {
+            const uint64_t left = word & 0xffffffffu;
+            if ((word >> 32) != call || left == 0) return -1;
+            if (worker >= workers_.load(std::memory_order_relaxed)) return -1;  // beyond this call's threads
+            if (word_.compare_exchange_weak(word, word - 1, std::memory_order_acq_rel, std::memory_order_acquire))
+                return int64_t(left - 1);
+        }
+    }
+
+    void grow(int helpers) {
+        while (int(helpers_.size()) < helpers) {
+            const int worker = int(helpers_.size()) + 1;
+            helpers_.emplace_back([this, worker] { help(worker); });
+            helpers_.back().detach();
+        }
+    }
+
+    void help(int worker) {
+        uint64_t seen = word_.load(std::memory_order_acquire) >> 32;
+        for (;;) {
+            uint64_t word = word_.load(std::memory_order_acquire);
+            if ((word >> 32) == seen) {  // no new call: spin a while, then sleep
+                const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_US);
+                int spins = 0;
+                while ((word = word_.load(std::memory_order_acquire)) >> 32 == seen) {
+                    relax();
+                    if (++spins % 64 == 0 && std::chrono::steady_clock::now() > until) break;
+                }
+                if ((word >> 32) == seen) {
+                    std::unique_lock<std::mutex> lock(sleep_);
+                    sleeping_.fetch_add(1, std::memory_order_seq_cst);
+                    wake_.wait(lock, [&] {
+                        word = word_.load(std::memory_order_seq_cst);
+                        return (word >> 32) != seen && big_.load(std::memory_order_relaxed);
+                    });
+                    sleeping_.fetch_sub(1, std::memory_order_seq_cst);
+                }
+            }
+            const uint64_t call = word >> 32;
+            seen = call;
+            while (held.load(std::memory_order_relaxed)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            int64_t mine = 0;
+            for (int64_t task; (task = claim(call, worker)) >= 0; ++mine) fn_(ctx_, task, worker);
+            if (mine) done_.fetch_add(mine, std::memory_order_acq_rel);
+        }
+    }
+
+    std::mutex submit_, sleep_;
+    std::condition_variable wake_;
+    std::vector<std::thread> helpers_;
+    std::atomic<uint64_t> word_{0};
+    std::atomic<int64_t> done_{0};
+    std::atomic<int> sleeping_{0};
+    TaskFn fn_ = nullptr;  // the call in progress: written before `word_` publishes it, read after a claim
+    const void* ctx_ = nullptr;
+    std::atomic<int> workers_{1};
+    std::atomic<bool> big_{false};  // the call in progress wakes sleeping helpers
+};
+
+// The process's team, made at its first call; never freed (its helpers are detached and sleep until the process
+// ends).  The child of a fork has none of the parent's helpers: it makes a team of its own.
+std::atomic<Team*> g_team{nullptr};
+std::mutex g_making;
+
+Team* Team::instance() {
+    Team* team = g_team.load(std::memory_order_acquire);
+    if (team != nullptr) return team;
+    std::lock_guard<std::mutex> lock(g_making);
+    team = g_team.load(std::memory_order_acquire);
+    if (team == nullptr) {
+        team = new Team();
+        static const int registered = pthread_atfork(nullptr, nullptr, [] {
+            new (&g_making) std::mutex();
+            g_team.store(nullptr, std::memory_order_relaxed);
+        });
+        (void)registered;
+        g_team.store(team, std::memory_order_release);
+    }
+    return team;
+}
+
+// A task of a linear: a chunk of column tiles, for every block of rows.  Tile(call, r0, rows, c0, cols) computes a
+// rows x cols tile whole.  A chunk is about CHUNK_WORK of work (a weight read counting 4, a multiply-add 1): a few
+// microseconds, so that a helper that joins late still takes a share, and one whose core is taken from it mid-task
+// holds the caller for one chunk at most.
+constexpr int64_t CHUNK_WORK = 256 * 1024;
+
+template <int COLS, typename Tile>
+struct Linear {
+    const Call* c;
+    Tile tile;
+    int64_t tiles, chunk, block;
+
+    static void task(const void* self, int64_t i, int) {
+        const Linear& L = *static_cast<const Linear*>(self);
+        const Call& c = *L.c;
+        const int64_t first = i * L.chunk, last = std::min(L.tiles, first + L.chunk);
+        for (int64_t r0 = 0; r0 < c.m; r0 += L.block) {
+            const int64_t r1 = std::min(c.m, r0 + L.block);
+            for (int64_t j = first; j < last; ++j) {
+                const int64_t c0 = j * COLS, cols = std::min<int64_t>(COLS, c.n - c0);
+                for (int64_t r = r0; r < r1; r += TILE_ROWS)
+                    L.tile(c, r, int(std::min<int64_t>(TILE_ROWS, r1 - r)), c0, int(cols));
+            }
+        }
+    }
+};
+
 template <int COLS, typename Tile>
 void run(const Call& c, int threads, Tile tile) {
     const int64_t tiles = (c.n + COLS - 1) / COLS;
     const int64_t block = std::max<int64_t>(TILE_ROWS, BLOCK_BYTES / (4 * c.k) / TILE_ROWS * TILE_ROWS);
-    if (threads < 1) threads = 1;
-    if (threads > tiles) threads = int(tiles);
-#pragma omp parallel num_threads(threads)
-    {
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int64_t first = tiles * t / T, last = tiles * (t + 1) / T;
-        for (int64_t r0 = 0; r0 < c.m; r0 += block) {
-            const int64_t r1 = std::min(c.m, r0 + block);
-            for (int64_t j = first; j < last; ++j) {
-                const int64_t c0 = j * COLS, cols = std::min<int64_t>(COLS, c.n - c0);
-                for (int64_t r = r0; r < r1; r += TILE_ROWS)
-                    tile(c, r, int(std::min<int64_t>(TILE_ROWS, r1 - r)), c0, int(cols));
-            }
-        }
-    }
+    const int64_t chunk = std::max<int64_t>(1, CHUNK_WORK / (c.k * COLS * (4 + c.m)));
+    const Linear<COLS, Tile> job{&c, tile, tiles, chunk, block};
+    Team::instance()->run(threads, (tiles + chunk - 1) / chunk, c.n * c.k * (4 + c.m), &Linear<COLS, Tile>::task, &job);
 }
 
 // --- scalar: the reference order, one lane at a time ------------------------------------------------------------
@@ -369,6 +537,9 @@ namespace avx512_attention {
 }  // namespace
 
 extern "C" {
+
+// Helpers hold off (1) or take tasks again (0): the tests' stand-in for a helper whose core is busy.
+void kv_team_hold(int on) { Team::held.store(on != 0); }
 
 // The paths this CPU runs: bit 1 scalar, bit 2 AVX2, bit 3 AVX-512.
 int kv_dots_paths() {

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..models.threads import team
 from . import native
 from .native import Unavailable
 
@@ -44,8 +45,8 @@ def build() -> Path:
         "the fixed-order kernels",
         CACHE_ENV,
         "dots",
-        ["-O3", "-fopenmp"],
-        ["-fopenmp"],
+        ["-O3", "-pthread"],
+        ["-pthread"],
         [SOURCE.with_name("dots_attention.inc")],
     )
 
@@ -70,6 +71,7 @@ def _library():
                     ctypes.c_int,
                 ]
                 lib.kv_dots_path.argtypes = [ctypes.c_int]
+                lib.kv_team_hold.argtypes = [ctypes.c_int]
                 lib.kv_attention.restype = ctypes.c_int
                 lib.kv_attention.argtypes = (
                     [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 13 + [ctypes.c_float] * 2 + [ctypes.c_int] * 3
@@ -80,6 +82,12 @@ def _library():
         if _LIB is None:
             raise Unavailable(_FAILED)
         return _LIB
+
+
+def hold_helpers(on: bool):
+    """The team's helpers take no task while `on` (the tests' stand-in for helpers whose cores another process
+    holds): every call is then computed by its caller alone, with the same bits."""
+    _library().kv_team_hold(int(on))
 
 
 def requested() -> str:
@@ -121,7 +129,7 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` in the fixed order: x (..., k) of the weight's dtype (or float32), weight
     (n, k) float32 or bfloat16 and contiguous (a layer's own), on the CPU; the result in the weight's dtype.  `name`
-    forces a path, `threads` the thread count (default torch's)."""
+    forces a path, `threads` the thread count (default the pinned one, `threads.team`)."""
     lib = _LIB or _library()
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         # What F.linear refuses, refused here too: a reshape to (-1, k) would read rows of another width.
@@ -158,7 +166,7 @@ def linear(
         n,
         out.data_ptr(),
         DTYPES[weight.dtype],
-        threads or torch.get_num_threads(),
+        threads or team(),
         PATHS[name or requested()],
     )
     if taken < 0:
@@ -203,7 +211,7 @@ def attention(
     ):
         raise ValueError(f"fixed-order attention: {dtype}, {key.dtype}, {value.dtype} on {query.device}")
     query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
-    threads = threads or torch.get_num_threads()
+    threads = threads or team()
     out = torch.empty(nq, heads, d, dtype=torch.float32)
     scratch = torch.empty(min(threads, nq * heads), t, dtype=torch.float32)
     taken = lib.kv_attention(

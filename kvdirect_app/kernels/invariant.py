@@ -212,6 +212,15 @@ class Kernels:
         return self.mode == "invariant"
 
     @property
+    def torch_threads(self) -> int:
+        """torch's own intra-op thread count in this run's forwards: 1 where the fixed-order kernels compute every
+        linear and the attention with the run's `threads` (their team never waits for a helper whose core another
+        process holds; torch's OpenMP barrier would: `threads.pin`), else the run's.  No bit depends on it: the
+        fixed-order kernels' bits do not depend on a thread count, and the rest of the invariant forward gives the
+        same bits at 1 and at the run's count (`probes`, `scripts/exactness_fresh.py`)."""
+        return 1 if self.invariant and self.dots is not None else self.threads
+
+    @property
     def verdicts(self) -> dict:
         return self.store.verdicts if self.store is not None else {}
 

@@ -25,15 +25,25 @@ import torch.nn.functional as F
 _PINNED = threading.local()  # .threads: the count `pin` set on this thread
 
 
-def pin(threads: int):
-    """Use `threads` intra-op threads on the calling thread (and MKL's, non-dynamic) from now on.
+def pin(threads: int, torch_threads: int | None = None):
+    """Use `threads` threads on the calling thread from now on: the fixed-order kernels' team (`team`) and torch's
+    intra-op pool (and MKL's, non-dynamic).  `torch_threads`: torch's own count where it is not `threads`: 1 where
+    the fixed-order kernels compute a run's linears and attention (`Kernels.torch_threads`), so that torch's
+    remaining ops never wait at an OpenMP barrier for a core that another process holds.
 
-    The first call on a thread always sets the count, also when torch already reports it: setting it is what
+    The first call on a thread always sets torch's count, also when torch already reports it: setting it is what
     turns MKL's dynamic threading off and gives MKL this thread's count (torch may have been imported before
     this package set MKL_DYNAMIC=FALSE)."""
-    if getattr(_PINNED, "threads", None) != threads or torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-        _PINNED.threads = threads
+    torch_threads = threads if torch_threads is None else torch_threads
+    if getattr(_PINNED, "threads", None) != torch_threads or torch.get_num_threads() != torch_threads:
+        torch.set_num_threads(torch_threads)
+        _PINNED.threads = torch_threads
+    _PINNED.team = threads
+
+
+def team() -> int:
+    """The fixed-order kernels' thread count on this thread: the last `pin`'s, else torch's."""
+    return getattr(_PINNED, "team", None) or torch.get_num_threads()
 
 
 @contextlib.contextmanager

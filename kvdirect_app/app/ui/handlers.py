@@ -33,6 +33,14 @@ __all__ = ["Handlers", "forget", "session_ttl_s"]
 log = logging.getLogger(__name__)
 
 
+_NONE = object()  # nothing sent yet
+
+
+def _plain(value) -> bool:
+    """A value a later update can be compared with (text, a chat's messages), not a component's update."""
+    return isinstance(value, (str, list))
+
+
 def session_ttl_s() -> int:
     """An idle session's engine and caches are freed after this long (Gradio's state time-to-live)."""
     return 15 * 60 if hosted() else 2 * 3600
@@ -107,7 +115,39 @@ class Handlers:
         kind: str = "info",
         plots: bool = False,
         final: bool = False,
+        live: bool = False,
     ) -> dict:
+        """The page drawn from `session`.  `live`: an update streamed while a run computes, as light as it can be:
+        only what changed since the last update (a pane's chat and header, the scoreboard, the status, the panes'
+        boxes where panes joined or left) and the plots when due; the buttons and controls keep the state the
+        run's first update gave them.  Each update shares the two cores with the engine (Gradio's serialising,
+        the browser's drawing)."""
+        out = self._draw(session, busy=busy, message=message, kind=kind, plots=plots, final=final)
+        if not live:
+            session.sent = {key: value for key, value in out.items() if _plain(value)}
+            session.sent_shown = tuple(session.shown)
+            return out
+        changed, keys = {}, self._live_keys(session)
+        for key, value in out.items():
+            if key in keys and (key is self.s.views.status or session.sent.get(key, _NONE) != value):
+                changed[key] = value
+                if _plain(value):
+                    session.sent[key] = value
+        return changed
+
+    def _live_keys(self, session: Session) -> set:
+        """What a live update may carry: the visible panes' chats and headers, the panes' boxes while panes join or
+        leave, the scoreboard, the status and the plots."""
+        v = self.s.views
+        keys = {v.board, v.status, v.memory, v.latency, v.agreement}
+        for pane in self.s.panes:
+            keys |= {pane.chat, pane.head}
+        if tuple(session.shown) != session.sent_shown:
+            keys |= {pane.box for pane in self.s.panes}
+            session.sent_shown = tuple(session.shown)
+        return keys
+
+    def _draw(self, session: Session, *, busy: bool, message, kind: str, plots: bool, final: bool) -> dict:
         a, v = self.s.actions, self.s.views
         out = {}
         for i, pane in enumerate(self.s.panes):

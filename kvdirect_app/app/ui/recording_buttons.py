@@ -85,6 +85,7 @@ class RecordingButtons:
                         session,
                         busy=True,
                         plots=plots,
+                        live=True,
                         kind="busy",
                         message=f"Replaying ({speed}): turn {len(session.user_turns)}, step "
                         f"{session.steps}; every number is the recorded one",

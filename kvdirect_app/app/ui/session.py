@@ -169,6 +169,8 @@ class Session:
     roofline: dict | None = None
     joining: tuple[int, int, int] | None = None  # panes joining: (turn, step, turns) of their replay (`catch_up_*`)
     last_plot: float = 0.0
+    sent: dict = field(default_factory=dict)  # component -> the text or messages the page was last sent (`render`)
+    sent_shown: tuple = ()  # the panes shown when the page was last drawn whole
     plot_cost: float = 0.0  # seconds the last live plots took to build (they share the cores with the engine)
 
     def clear(self):

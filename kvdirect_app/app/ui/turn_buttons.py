@@ -119,6 +119,7 @@ class TurnButtons:
                         message=self._progress(session, progress, turns, fresh, now),
                         kind="busy",
                         plots=plots,
+                        live=True,
                     )
                     last = now
         except runner.USER_ERRORS as e:
