@@ -21,7 +21,8 @@ package first:
   wake-up: SmolLM2's plain full cache took 61 ms a step, 36-40 ms with this (2-core CPU, main thread and a
   fresh thread alike).  libgomp spins only while the process's OpenMP teams hold no more threads than there
   are cores (else PASSIVE's sleep at once holds, the case above), so the app runs all of its torch work on
-  one compute thread (`ui.runner.compute`).
+  one compute thread (`ui.runner.compute`).  These two concern torch's own ops: the fixed-order kernels
+  (`kernels/dots.cpp`) run on a team of their own, and in the invariant mode torch's ops run at one thread.
 * Quiet profiler logs: the allocation tracer (`memory.py`) starts and stops
   the profiler for every traced block, and Kineto would print a line each
   time.

@@ -76,7 +76,9 @@ def compute() -> concurrent.futures.ThreadPoolExecutor:
     a process's teams hold more threads than there are cores, libgomp makes every waiting worker sleep at once
     instead of spinning for a moment (`GOMP_SPINCOUNT`, kvdirect_app/__init__.py).  A decode step is hundreds of
     short ops, each then waking the worker: SmolLM2's plain full cache takes 61 ms a step so, 36-40 ms with one
-    team (2-core CPU).  Engines built on Gradio's pooled handler threads left a team on each of them."""
+    team (2-core CPU).  Engines built on Gradio's pooled handler threads left a team on each of them.  (This holds
+    for the native kernels; the fixed-order kernels run on a team of their own and torch's ops at one thread
+    beside them, `Kernels.torch_threads`.)"""
     with _COMPUTE_LOCK:
         if not _COMPUTE:
             _COMPUTE.append(
