@@ -17,14 +17,16 @@ exactly what it would be alone:
 * each lane's cache gets its own row of K/V (`update`), its own attention
   input and residual (the input tap), and runs its own rebuilding, replay
   and scoring, as it would alone;
-* attention is each row's own call, timed as that row's, with the row's
-  K/V: the model's own attention function with the mask the model builds for
-  that row's cache (native; the layer's config points at a registered
-  function, `kvdirect_lanes`, for the pass, under the model's lock; a layer
-  holding fewer tokens than its type's first takes the mask's rightmost
-  columns, `fit_mask`), or the
-  fixed-order attention (invariant), whose bits for a query do not depend on
-  the call it is in;
+* attention, in a decode step under the fixed-order kernels, is one call for
+  every row at a layer (`_decode_in_one_call`): each (row, head) one task
+  computed as the row's own call would, with the row's K/V, the call's time
+  charged to the rows by the keys each reads; otherwise it is each row's own
+  call, timed as that row's, with the row's K/V: the model's own attention
+  function with the mask the model builds for that row's cache (native; the
+  layer's config points at a registered function, `kvdirect_lanes`, for the
+  pass, under the model's lock; a layer holding fewer tokens than its type's
+  first takes the mask's rightmost columns, `fit_mask`), or the invariant
+  attention, whose bits for a query do not depend on the call it is in;
 * norms, RoPE (positions are per row), activations and residual adds work
   row by row.
 
@@ -150,9 +152,11 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
     diverged) reuses that row's output: the same call would give the same bits."""
     batch: Batch = _LOCAL.batch
     j = module.layer_idx
+    q = query.shape[2]
+    if q == 1 and batch.kernels.lanes_in_one_call:
+        return _decode_in_one_call(batch, module, query, j, kwargs), None
     layer_type = batch.layer_types[j]
     outputs, done, weights = [], [], None
-    q = query.shape[2]
     block = batch.kernels.invariant
     for i, row in enumerate(batch.rows):
         # The lane's time; its workspace and output are activations, the shared pass's (a prompt's rows that reuse
@@ -194,6 +198,44 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
         with batch.owned(i, "attention"):  # what it handed attention (a rebuilt buffer) dropped as its own
             del k, v
     return torch.cat(outputs, dim=0), weights
+
+
+LANES_ATTENTION = "lanes' attention"  # the shared pass's op of a decode layer's one attention call for every lane
+
+
+def _decode_in_one_call(batch: Batch, module, query: torch.Tensor, j: int, kwargs) -> torch.Tensor:
+    """A decode step's attention at layer j for every row in one call of the fixed-order attention
+    (`Kernels.attention_lanes`): each (row, head) is one task computed as the row's own call would compute it,
+    with that row's K/V, so every row's bits are those of its own call.  The call's time is charged to the rows'
+    owners as their attention, each its share by the keys it reads (the work of a task); its workspace and output
+    are activations, the shared pass's.  The K/V a row handed attention (a rebuilt buffer) are dropped after the
+    call: the CPU's ledger and the trace untag a block wherever it is freed (this call runs on the CPU only)."""
+    rows, observer = batch.rows, batch.observer
+    keys, values = [], []
+    for row in rows:
+        k, v = row.kv.pop(j)
+        keys.append(k[0])
+        values.append(v[0])
+    part = (SHARED, LANES_ATTENTION)
+    before = observer.parts.get(part, 0.0)
+    with observer.region(SHARED, LANES_ATTENTION):
+        out = batch.kernels.attention_lanes(
+            query,
+            keys,
+            values,
+            [row.seen + 1 for row in rows],
+            kwargs.get("scaling", module.scaling),
+            kwargs.get("softcap"),
+            kwargs.get("sliding_window"),
+        )
+    spent = observer.parts[part] - before
+    work = [k.shape[-2] for k in keys]
+    for row, w in zip(rows, work):
+        observer.charge(part, (row.owner, "attention"), spent * w / sum(work))
+    for i, row in enumerate(rows):
+        if row.snapshot:
+            _snapshot(observer, row, j, query[i : i + 1], keys[i][None], module, kwargs)
+    return out
 
 
 def last_query_attention(

@@ -32,6 +32,7 @@
 #include <mutex>
 #include <new>
 #include <pthread.h>
+#include <vector>
 #include <thread>
 #include <vector>
 #include <type_traits>
@@ -104,6 +105,15 @@ struct Attn {
     int64_t heads, kv_heads, nq, t, d, q_sh, q_sq, k_sh, k_st, v_sh, v_st, end, window;
     float scaling, softcap;
     int bf16;
+};
+
+// Several lanes' attention in one call (a decode step's lanes at one layer): lane l's (query, head) tasks come
+// after those of the lanes before it, each computed by `attention_task` on that lane's own `Attn` as a call of its
+// own would (so a lane's bits are those of its own call), on the claiming worker's scratch row of `max_t` scores.
+struct Lanes {
+    const Attn* lanes;
+    int64_t count, per_lane, max_t;  // per_lane = nq * heads tasks, the same for every lane
+    float* scratch;                   // (threads, max_t) float32
 };
 
 
@@ -587,6 +597,37 @@ int kv_attention(const void* q, const void* k, const void* v, float* out, float*
     else
 #endif
         scalar_attention::attention_call(a, threads);
+    return taken;
+}
+
+// `count` lanes' causal attention at one layer, each as `kv_attention` would compute it alone: lane l reads its
+// queries at q[l] (strides q_sh, q_sq), its keys and values at k[l], v[l] (strides k_sh[l], k_st[l], v_sh[l],
+// v_st[l]), t[l] of them ending at end[l], and writes (nq, heads, d) float32 at out + l * nq * heads * d.  The
+// same heads, kv_heads, nq, d, window, scaling and softcap for every lane.  Returns the path taken, or -1.
+int kv_attention_lanes(int64_t count, const void* const* q, const void* const* k, const void* const* v,
+                       const int64_t* t, const int64_t* end, const int64_t* k_sh, const int64_t* k_st,
+                       const int64_t* v_sh, const int64_t* v_st, float* out, float* scratch, int64_t max_t,
+                       int64_t heads, int64_t kv_heads, int64_t nq, int64_t d, int64_t q_sh, int64_t q_sq,
+                       int64_t window, float scaling, float softcap, int bf16, int threads, int path) {
+    const int taken = kv_dots_path(path);
+    if (taken < 0 || d > MAX_HEAD_DIM || kv_heads < 1 || heads % kv_heads || count < 0) return -1;
+    std::vector<Attn> lanes;
+    lanes.reserve(count);
+    int64_t work = 0;
+    for (int64_t l = 0; l < count; ++l) {
+        if (nq > t[l] || t[l] > max_t || end[l] < t[l]) return -1;
+        lanes.push_back(Attn{q[l], k[l], v[l], out + l * nq * heads * d, scratch, heads, kv_heads, nq, t[l], d, q_sh,
+                             q_sq, k_sh[l], k_st[l], v_sh[l], v_st[l], end[l], window, scaling, softcap, bf16});
+        work += nq * heads * t[l] * d * 4;
+    }
+    if (count == 0) return taken;
+    const Lanes all{lanes.data(), count, nq * heads, max_t, scratch};
+#ifdef KV_X86
+    if (taken == AVX512) avx512_attention::lanes_call(all, work, threads);
+    else if (taken == AVX2) avx2_attention::lanes_call(all, work, threads);
+    else
+#endif
+        scalar_attention::lanes_call(all, work, threads);
     return taken;
 }
 

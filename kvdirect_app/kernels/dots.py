@@ -76,6 +76,14 @@ def _library():
                 lib.kv_attention.argtypes = (
                     [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 13 + [ctypes.c_float] * 2 + [ctypes.c_int] * 3
                 )
+                lib.kv_attention_lanes.restype = ctypes.c_int
+                lib.kv_attention_lanes.argtypes = (
+                    [ctypes.c_int64]
+                    + [ctypes.c_void_p] * 11
+                    + [ctypes.c_int64] * 8
+                    + [ctypes.c_float] * 2
+                    + [ctypes.c_int] * 3
+                )
                 _LIB = lib
             except (Unavailable, OSError) as e:
                 _FAILED = str(e)
@@ -243,6 +251,103 @@ def attention(
         raise ValueError(
             f"fixed-order attention: path {name or requested()}, head size {d} (at most 512), "
             f"{heads} heads over {kv_heads}, {nq} queries over {t} keys"
+        )
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _pointers(values: list[int]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(values))(*values)
+
+
+def _int64s(values: list[int]) -> ctypes.Array:
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def attention_lanes(
+    query: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    ends: list[int],
+    scaling: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    name: str | None = None,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """Several lanes' `attention` at one layer in one call: query (N, H, q, d), lane i's keys and values
+    `keys[i]`, `values[i]` (Hkv, T_i, d) ending at `ends[i]`.  Returns (N, q, H, d); row i has the bits of
+    ``attention(query[i], keys[i], values[i], ends[i], ...)``: each (lane, query, head) is one task computed as
+    that lane's own call computes it, whoever claims it (`kv_attention_lanes`)."""
+    lib = _LIB or _library()
+    lanes = len(keys)
+    if query.dim() != 4 or query.shape[0] != lanes or len(values) != lanes or len(ends) != lanes:
+        raise ValueError(
+            f"fixed-order lanes' attention: query {tuple(query.shape)} for {lanes} keys, {len(values)} values and "
+            f"{len(ends)} ends; allowed: query (N, H, q, d) and N of each"
+        )
+    _, heads, nq, d = query.shape
+    dtype = query.dtype
+    if dtype not in DTYPES or query.device.type != "cpu":
+        raise ValueError(f"fixed-order lanes' attention: a {dtype} query on {query.device}")
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    ks, vs = [], []
+    for i, (k, v) in enumerate(zip(keys, values)):
+        if (
+            k.dim() != 3
+            or k.shape != v.shape
+            or k.shape[2] != d
+            or k.dtype != dtype
+            or v.dtype != dtype
+            or {k.device.type, v.device.type} != {"cpu"}
+        ):
+            raise ValueError(
+                f"fixed-order lanes' attention: lane {i}'s key {tuple(k.shape)} {k.dtype}, value {tuple(v.shape)} "
+                f"{v.dtype} for a query (H, q, d) = {tuple(query.shape[1:])} {dtype}; allowed: (Hkv, T, d) of one "
+                "shape and the query's dtype, on the CPU"
+            )
+        ks.append(k if k.stride(-1) == 1 else k.contiguous())
+        vs.append(v if v.stride(-1) == 1 else v.contiguous())
+    kv_heads = ks[0].shape[0] if ks else 1
+    if any(k.shape[0] != kv_heads for k in ks) or heads % kv_heads:
+        raise ValueError(f"fixed-order lanes' attention: {heads} heads over key heads {[k.shape[0] for k in ks]}")
+    threads = threads or team()
+    t = [k.shape[1] for k in ks]
+    max_t = max(t, default=1)
+    out = torch.empty(lanes, nq, heads, d, dtype=torch.float32)
+    scratch = torch.empty(max(1, min(threads, lanes * nq * heads)), max_t, dtype=torch.float32)
+    size = query.element_size()
+    taken = lib.kv_attention_lanes(
+        lanes,
+        _pointers([query.data_ptr() + i * query.stride(0) * size for i in range(lanes)]),
+        _pointers([k.data_ptr() for k in ks]),
+        _pointers([v.data_ptr() for v in vs]),
+        _int64s(t),
+        _int64s(list(ends)),
+        _int64s([k.stride(0) for k in ks]),
+        _int64s([k.stride(1) for k in ks]),
+        _int64s([v.stride(0) for v in vs]),
+        _int64s([v.stride(1) for v in vs]),
+        out.data_ptr(),
+        scratch.data_ptr(),
+        max_t,
+        heads,
+        kv_heads,
+        nq,
+        d,
+        query.stride(1),
+        query.stride(2),
+        window or 0,
+        scaling,
+        softcap or 0.0,
+        DTYPES[dtype],
+        threads,
+        PATHS[name or requested()],
+    )
+    if taken < 0:
+        raise ValueError(
+            f"fixed-order lanes' attention: path {name or requested()}, head size {d} (at most 512), {heads} heads "
+            f"over {kv_heads}, {nq} queries over keys {t} ending at {list(ends)}"
         )
     return out if dtype == torch.float32 else out.to(dtype)
 

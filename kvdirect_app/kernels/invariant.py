@@ -366,6 +366,16 @@ class Kernels:
             return dots.attention(query, key, value, end, scaling, softcap, window, name=self.dots)
         return block_attention(query, key, value, end, scaling, softcap, window, rows=self._rows(query))
 
+    @property
+    def lanes_in_one_call(self) -> bool:
+        """Whether a decode pass's lanes take their attention at a layer in one call (`attention_lanes`): the
+        fixed-order attention, whose tasks are each one (lane, query, head) computed as that lane's own call would."""
+        return self.invariant and self.dots is not None
+
+    def attention_lanes(self, query, keys, values, ends, scaling: float, softcap=None, window=None) -> torch.Tensor:
+        """`dots.attention_lanes`: query (N, H, q, d), each lane's keys and values (Hkv, T_i, d) -> (N, q, H, d)."""
+        return dots.attention_lanes(query, keys, values, ends, scaling, softcap, window, name=self.dots)
+
     @contextlib.contextmanager
     def applied(self):
         """Inside: this run's kernels are the active ones (the invariant attention and the replays read them)."""

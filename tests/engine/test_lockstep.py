@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from kvdirect_app.engine.runner import Engine
+from kvdirect_app.kernels.invariant import Kernels
 from kvdirect_app.plain.text import ReplyText
 from kvdirect_app.strategies import parse_specs
 
-from ..runs import LOCKSTEP, TINY_FAMILIES, TINY_TURNS, all_sliding, one_by_one, run_once, tiny, tiny_union
+from ..runs import LOCKSTEP, TINY_FAMILIES, TINY_TURNS, _run, all_sliding, one_by_one, run_once, tiny, tiny_union
 
 SAME = (
     "token_ids",
@@ -74,6 +75,44 @@ def test_batched_lanes_on_smollm2(smollm2):
     batched_run = run_once(smollm2, specs, ["What is the capital of France?"], 8, steps=True, threads=1)
     one, batched = assert_same_bits(batched_run, specs)
     assert batched["strategies"]["kvdirect:budget=16"]["kv_exact"] is True
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma2"])
+def test_a_decode_layers_attention_in_one_call_gives_each_lane_the_bits_of_its_own_call(family, monkeypatch):
+    """Every built-in strategy and one from a file: a decode step's attention at a layer in one call for every lane
+    and twin (`lockstep._decode_in_one_call`) against each lane's own call (the path prompts take), the same
+    logits at every step, tokens, K/V and bytes; and each lane's attention is still its own part of the time."""
+    specs = ",".join((*LOCKSTEP, "examples/random_eviction.py:RandomEviction:budget=6"))
+    calls = []
+    in_one_call = Kernels.attention_lanes
+
+    def counted(self, query, *args, **kwargs):
+        calls.append(query.shape[0])
+        return in_one_call(self, query, *args, **kwargs)
+
+    def run():
+        return _run(tiny(family), specs, list(TINY_TURNS), 8, False, True, True, {"memory": "trace", "threads": 1})
+
+    monkeypatch.setattr(Kernels, "attention_lanes", counted)
+    batched = run()
+    assert max(calls) >= len(LOCKSTEP) + 1  # every lane's decode attention at a layer went through one call
+    monkeypatch.setattr(Kernels, "lanes_in_one_call", property(lambda self: False))
+    calls.clear()
+    alone = run()
+    assert not calls
+    assert len(alone.steps) == len(batched.steps) > 4
+    for a, b in zip(alone.steps, batched.steps):
+        assert a.keys() == b.keys()
+        for label, (logits, twin) in a.items():
+            assert torch.equal(logits, b[label][0]), label
+            assert (twin is None) == (b[label][1] is None) and (twin is None or torch.equal(twin, b[label][1])), label
+    for label, r in alone.result["strategies"].items():
+        rb = batched.result["strategies"][label]
+        assert {k: r[k] for k in SAME} == {k: rb[k] for k in SAME}, label
+        # Every figure of the bytes but Python's buffers (`outside_torch`): those a process's first run holds more
+        # of (caches filled once per process inside a lane's work), whichever path runs first.
+        assert {**r["state_bytes"], "outside_torch": None} == {**rb["state_bytes"], "outside_torch": None}, label
+        assert rb["latency_ms"]["decode_attention_ms_mean"] > 0, label
 
 
 def test_a_long_prompt_is_fed_in_pieces_the_same_for_every_lane():

@@ -28,11 +28,17 @@ def _calls(seed: int):
     for t in (5, 300, 2000):
         q = torch.randn(9, 1, 64, generator=gen)
         yield "attention", (q, torch.randn(3, t, 64, generator=gen), torch.randn(3, t, 64, generator=gen), t, 0.125)
+    lengths = (5, 300, 90, 2000, 64, 64, 64)  # seven lanes' attention at a layer in one call
+    keys = [torch.randn(3, t, 64, generator=gen) for t in lengths]
+    values = [torch.randn(3, t, 64, generator=gen) for t in lengths]
+    yield "lanes", (torch.randn(7, 9, 1, 64, generator=gen), keys, values, list(lengths), 0.125)
 
 
 def _run(kind, args, threads):
     if kind == "linear":
         return dots.linear(*args, threads=threads)
+    if kind == "lanes":
+        return dots.attention_lanes(*args, threads=threads)
     return dots.attention(*args, threads=threads)
 
 

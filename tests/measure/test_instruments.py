@@ -111,11 +111,17 @@ def _owned(kind, label=None, op=None):
 # (owner, op) -> bool, the step figure it must show in: ("lane", label), ("measurement", instrument), ("engine", op),
 # ("shared",), or None for a part that works outside the steps)
 CASES = {
-    "a lane's attention": (
+    "a lane's own attention call (a prompt's)": (
         "auto",
-        lambda mp, e, c: _delay(mp, Kernels, "attention", c, _inside(label=KVD, op="attention")),
-        lambda o, op: _lane(KVD)(o, op) and op == "attention",
-        ("lane", KVD),
+        lambda mp, e, c: _delay(mp, Kernels, "attention", c, _inside(label="full", op="attention")),
+        lambda o, op: _lane("full")(o, op) and op == "attention",
+        None,  # a prompt's: the lane's time to the first token, no decode step's
+    ),
+    "the lanes' attention in one call (a decode step's)": (
+        "auto",
+        lambda mp, e, c: _delay(mp, Kernels, "attention_lanes", c),
+        lambda o, op: o.kind in ("lane", "twin") and op == "attention",
+        ("lanes",),
     ),
     "a lane's cache update": (
         "auto",
@@ -173,8 +179,8 @@ CASES = {
     ),
     "twins' rows": (
         "auto",
-        lambda mp, e, c: _delay(mp, Kernels, "attention", c, _inside(kind="twin")),
-        _owned("twin", op="attention"),
+        lambda mp, e, c: _delay(mp, ScoredLayer, "update", c, _inside(kind="twin")),
+        _owned("twin", op="cache_update"),
         ("measurement", "twins"),
     ),
     "snapshot": (
@@ -269,6 +275,11 @@ def test_a_delay_in_one_part_of_a_step_shows_in_that_part_and_no_other(case, mon
             **{("measurement", k): v for k, v in step["measurement_ms"].items()},
             **{("engine", k): v for k, v in step["engine_ms"].items()},
         }
+        if where == ("lanes",):  # one call for every row, charged to each by the keys it reads: all of it, no more
+            shares = sum(step["lanes_ms"].values()) + step["measurement_ms"].get("twins", 0.0)
+            assert shares == pytest.approx(step["step_ms"]), step
+            assert not step["engine_ms"] and set(step["measurement_ms"]) <= {"twins"}, step
+            continue
         if where == ("shared",):  # charged by rows: the lanes' shares and the twins' add up to it
             shares = sum(step["lanes_ms"].values()) + step["measurement_ms"].get("twins", 0.0)
             assert shares == pytest.approx(step["shared_ms"]) == pytest.approx(step["step_ms"]), step
@@ -279,6 +290,9 @@ def test_a_delay_in_one_part_of_a_step_shows_in_that_part_and_no_other(case, mon
         assert not others, (step, others)
     shown = sum(s["shared_ms"] if where == ("shared",) else s["step_ms"] for s in steps)
     assert (shown > 0) == (where is not None), "the delay showed in the steps" if where is None else "it never did"
+    if where == ("lanes",):  # each lane's share by the keys it reads: the full cache's K/V, KV-Direct's all of them
+        lanes = {owner.label: s for (owner, op), s in landed.items() if owner.kind == "lane"}
+        assert lanes["full"] == pytest.approx(lanes[KVD]) and lanes["full"] > lanes[WINDOW] > 0, lanes
 
 
 def test_a_delay_outside_every_region_shows_as_the_steps_unattributed_time_and_nowhere_else(monkeypatch):
@@ -306,21 +320,20 @@ def test_the_observer_reads_the_real_clock():
     attention figure, and the unattributed rest does not take it."""
     engine = Engine(tiny("tiny-llama"), parse_specs(f"full,{KVD}"), max_new_tokens=3, threads=1, twins=False)
     slept = []
-    original = Kernels.attention
+    original = Kernels.attention_lanes
 
     def slow(self, *args, **kwargs):
-        if _inside(label=KVD, op="attention")():
-            time.sleep(DELAY)
-            slept.append(1)
+        time.sleep(DELAY)
+        slept.append(1)
         return original(self, *args, **kwargs)
 
-    Kernels.attention = slow
+    Kernels.attention_lanes = slow
     try:
         events = list(engine.run(TURNS[:1]))
     finally:
-        Kernels.attention = original
-    owner = engine.lanes[0].owner
-    assert slept and engine.observer.parts[owner, "attention"] >= DELAY * len(slept)
+        Kernels.attention_lanes = original
+    # Both lanes hand attention every token's K/V: each is charged half of every call.
+    assert slept and engine.observer.parts[engine.lanes[0].owner, "attention"] >= DELAY * len(slept) / 2
     steps = [e for e in events if e["type"] == "step"]
     assert all(e["unattributed_ms"] < 1e3 * DELAY for e in steps)
 
