@@ -133,6 +133,17 @@ def keep_top(scores: torch.Tensor, budget: int) -> torch.Tensor:
     return (scores.shape[-1] - 1 - order).sort(dim=-1).values
 
 
+def take(states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The kept candidates of states (1, n_kv, T, d), keep (1, G, K) from `keep_top` (G 1: every head keeps the
+    same; G n_kv: each its own): what ``states.gather(2, keep[..., None].expand(...))`` gives, the same copies, by
+    one `index_select` (a gather through an expanded index reads ~3x slower here)."""
+    _, n_kv, t, d = states.shape
+    if keep.shape[1] == 1:
+        return states.index_select(2, keep[0, 0])
+    rows = keep[0] + torch.arange(0, n_kv * t, t, device=keep.device).view(n_kv, 1)
+    return states.reshape(n_kv * t, d).index_select(0, rows.flatten()).view(1, n_kv, -1, d)
+
+
 @dataclass
 class Step:
     """What `score()` sees of one forward on one layer.
@@ -270,8 +281,7 @@ class ScoredLayer(CacheLayerMixin):
         self.prefill = self.prompt_open
         if evicts:
             keep = keep_top(scores, limit)  # (1, G, limit)
-            kv_index = keep.unsqueeze(-1).expand(1, keys.shape[1], -1, keys.shape[-1])
-            self.keys, self.values = keys.gather(2, kv_index), values.gather(2, kv_index)
+            self.keys, self.values = take(keys, keep), take(values, keep)
             self.positions = positions.gather(2, keep)
             self.buffers = {name: buf.gather(2, keep) for name, buf in step.buffers.items()}
         else:

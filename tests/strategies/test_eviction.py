@@ -19,7 +19,7 @@ from kvdirect_app import bench
 from kvdirect_app.engine.runner import Engine, InputTap, run_to_end
 from kvdirect_app.models import compat
 from kvdirect_app.strategies import parse_spec, parse_specs
-from kvdirect_app.strategies.scored import ScoredLayer
+from kvdirect_app.strategies.scored import ScoredLayer, keep_top, take
 
 from ..conftest import bad_spec_error
 from ..runs import LARGE_BUDGET, tiny, tiny_union
@@ -256,6 +256,20 @@ def _softmax_over(query, keys_by_pos, candidates, scaling, softcap=None):
 
 
 TURN_PLAN = [[9, 1, 1, 1, 1], [5, 1, 1, 1], [2, 1, 1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["per-layer", "per-head"])
+def test_the_kept_candidates_are_what_a_gather_takes(rows):
+    """`take` (one index_select) against the gather it stands for, with ties and protected tokens among the scores;
+    a mutation that takes one head's choice for every head (rows[0] for all) fails the per-head case."""
+    gen = torch.Generator().manual_seed(rows)
+    keys = torch.randn(1, 3, 40, 8, generator=gen)
+    scores = torch.randint(0, 5, (1, rows, 40), generator=gen).float()
+    scores[..., -3:] = math.inf
+    keep = keep_top(scores, 17)
+    index = keep.unsqueeze(-1).expand(1, 3, -1, 8)
+    assert torch.equal(take(keys, keep), keys.gather(2, index))
+    assert rows == 1 or not torch.equal(keep[0, 0], keep[0, 1])  # the heads chose apart
 
 
 def test_window_keeps_the_last_budget_tokens():
