@@ -129,6 +129,10 @@ using TaskFn = void (*)(const void* ctx, int64_t task, int worker);
 // than WAKE_WORK (~50 us) never wakes a sleeping helper: the wake-up would bring it after the call is done (a
 // spinning helper still takes a share of any call of two tasks or more).
 constexpr int64_t WAKE_WORK = 2 * 1024 * 1024;
+// The attention's work per element of a head a query reads (a key's score, its exponential, its value's share): one
+// thread takes ~1 ns for it here, 40 units (9 heads over 70 keys of 64, a decode step's call for one lane: ~48 us;
+// seven lanes in one call: ~270 us, worth a helper's wake-up).
+constexpr int64_t ATTENTION_UNITS = 40;
 constexpr int SPIN_US = 100;  // a helper spins this long after its last task, then sleeps
 
 inline void relax() {
@@ -600,25 +604,27 @@ int kv_attention(const void* q, const void* k, const void* v, float* out, float*
     return taken;
 }
 
-// `count` lanes' causal attention at one layer, each as `kv_attention` would compute it alone: lane l reads its
-// queries at q[l] (strides q_sh, q_sq), its keys and values at k[l], v[l] (strides k_sh[l], k_st[l], v_sh[l],
-// v_st[l]), t[l] of them ending at end[l], and writes (nq, heads, d) float32 at out + l * nq * heads * d.  The
-// same heads, kv_heads, nq, d, window, scaling and softcap for every lane.  Returns the path taken, or -1.
-int kv_attention_lanes(int64_t count, const void* const* q, const void* const* k, const void* const* v,
-                       const int64_t* t, const int64_t* end, const int64_t* k_sh, const int64_t* k_st,
-                       const int64_t* v_sh, const int64_t* v_st, float* out, float* scratch, int64_t max_t,
-                       int64_t heads, int64_t kv_heads, int64_t nq, int64_t d, int64_t q_sh, int64_t q_sq,
-                       int64_t window, float scaling, float softcap, int bf16, int threads, int path) {
+// `count` lanes' causal attention at one layer, each as `kv_attention` would compute it alone.  Lane l's row of
+// `table` (count x 9 int64): its queries' address (strides q_sh, q_sq), its keys' and values' addresses, its key
+// count t, the position its keys end at, then the keys' strides (head, token) and the values'; it writes (nq, heads,
+// d) float32 at out + l * nq * heads * d.  The same heads, kv_heads, nq, d, window, scaling and softcap for every
+// lane; `scratch` holds max_t scores a thread.  Returns the path taken, or -1.
+int kv_attention_lanes(int64_t count, const int64_t* table, float* out, float* scratch, int64_t max_t, int64_t heads,
+                       int64_t kv_heads, int64_t nq, int64_t d, int64_t q_sh, int64_t q_sq, int64_t window,
+                       float scaling, float softcap, int bf16, int threads, int path) {
     const int taken = kv_dots_path(path);
     if (taken < 0 || d > MAX_HEAD_DIM || kv_heads < 1 || heads % kv_heads || count < 0) return -1;
     std::vector<Attn> lanes;
     lanes.reserve(count);
     int64_t work = 0;
     for (int64_t l = 0; l < count; ++l) {
-        if (nq > t[l] || t[l] > max_t || end[l] < t[l]) return -1;
-        lanes.push_back(Attn{q[l], k[l], v[l], out + l * nq * heads * d, scratch, heads, kv_heads, nq, t[l], d, q_sh,
-                             q_sq, k_sh[l], k_st[l], v_sh[l], v_st[l], end[l], window, scaling, softcap, bf16});
-        work += nq * heads * t[l] * d * 4;
+        const int64_t* r = table + l * 9;
+        const int64_t t = r[3], end = r[4];
+        if (nq > t || t > max_t || end < t) return -1;
+        lanes.push_back(Attn{reinterpret_cast<const void*>(r[0]), reinterpret_cast<const void*>(r[1]),
+                             reinterpret_cast<const void*>(r[2]), out + l * nq * heads * d, scratch, heads, kv_heads,
+                             nq, t, d, q_sh, q_sq, r[5], r[6], r[7], r[8], end, window, scaling, softcap, bf16});
+        work += nq * heads * t * d * ATTENTION_UNITS;
     }
     if (count == 0) return taken;
     const Lanes all{lanes.data(), count, nq * heads, max_t, scratch};

@@ -79,7 +79,7 @@ def _library():
                 lib.kv_attention_lanes.restype = ctypes.c_int
                 lib.kv_attention_lanes.argtypes = (
                     [ctypes.c_int64]
-                    + [ctypes.c_void_p] * 11
+                    + [ctypes.c_void_p] * 3
                     + [ctypes.c_int64] * 8
                     + [ctypes.c_float] * 2
                     + [ctypes.c_int] * 3
@@ -255,14 +255,6 @@ def attention(
     return out if dtype == torch.float32 else out.to(dtype)
 
 
-def _pointers(values: list[int]) -> ctypes.Array:
-    return (ctypes.c_void_p * len(values))(*values)
-
-
-def _int64s(values: list[int]) -> ctypes.Array:
-    return (ctypes.c_int64 * len(values))(*values)
-
-
 def attention_lanes(
     query: torch.Tensor,
     keys: list[torch.Tensor],
@@ -291,43 +283,48 @@ def attention_lanes(
         raise ValueError(f"fixed-order lanes' attention: a {dtype} query on {query.device}")
     if query.stride(-1) != 1:
         query = query.contiguous()
-    ks, vs = [], []
+    kv_heads = keys[0].shape[0] if lanes and keys[0].dim() == 3 else 1
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"fixed-order lanes' attention: {heads} heads over {kv_heads} key heads")
+    kept, table, step = [], [], query.stride(0) * query.element_size()
     for i, (k, v) in enumerate(zip(keys, values)):
         if (
             k.dim() != 3
             or k.shape != v.shape
+            or k.shape[0] != kv_heads
             or k.shape[2] != d
             or k.dtype != dtype
             or v.dtype != dtype
-            or {k.device.type, v.device.type} != {"cpu"}
+            or k.device.type != "cpu"
+            or v.device.type != "cpu"
         ):
             raise ValueError(
                 f"fixed-order lanes' attention: lane {i}'s key {tuple(k.shape)} {k.dtype}, value {tuple(v.shape)} "
-                f"{v.dtype} for a query (H, q, d) = {tuple(query.shape[1:])} {dtype}; allowed: (Hkv, T, d) of one "
-                "shape and the query's dtype, on the CPU"
+                f"{v.dtype} for a query (H, q, d) = {tuple(query.shape[1:])} {dtype} over {kv_heads} key heads; "
+                "allowed: (Hkv, T, d) of one shape and the query's dtype, on the CPU"
             )
-        ks.append(k if k.stride(-1) == 1 else k.contiguous())
-        vs.append(v if v.stride(-1) == 1 else v.contiguous())
-    kv_heads = ks[0].shape[0] if ks else 1
-    if any(k.shape[0] != kv_heads for k in ks) or heads % kv_heads:
-        raise ValueError(f"fixed-order lanes' attention: {heads} heads over key heads {[k.shape[0] for k in ks]}")
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        kept += (k, v)  # alive until the call returns
+        table.append(
+            (
+                query.data_ptr() + i * step,
+                k.data_ptr(),
+                v.data_ptr(),
+                k.shape[1],
+                ends[i],
+                *k.stride()[:2],
+                *v.stride()[:2],
+            )
+        )
     threads = threads or team()
-    t = [k.shape[1] for k in ks]
-    max_t = max(t, default=1)
+    max_t = max((row[3] for row in table), default=1)
     out = torch.empty(lanes, nq, heads, d, dtype=torch.float32)
     scratch = torch.empty(max(1, min(threads, lanes * nq * heads)), max_t, dtype=torch.float32)
-    size = query.element_size()
+    rows = torch.tensor(table, dtype=torch.int64) if table else torch.zeros(0, 9, dtype=torch.int64)
     taken = lib.kv_attention_lanes(
         lanes,
-        _pointers([query.data_ptr() + i * query.stride(0) * size for i in range(lanes)]),
-        _pointers([k.data_ptr() for k in ks]),
-        _pointers([v.data_ptr() for v in vs]),
-        _int64s(t),
-        _int64s(list(ends)),
-        _int64s([k.stride(0) for k in ks]),
-        _int64s([k.stride(1) for k in ks]),
-        _int64s([v.stride(0) for v in vs]),
-        _int64s([v.stride(1) for v in vs]),
+        rows.data_ptr(),
         out.data_ptr(),
         scratch.data_ptr(),
         max_t,
@@ -347,7 +344,7 @@ def attention_lanes(
     if taken < 0:
         raise ValueError(
             f"fixed-order lanes' attention: path {name or requested()}, head size {d} (at most 512), {heads} heads "
-            f"over {kv_heads}, {nq} queries over keys {t} ending at {list(ends)}"
+            f"over {kv_heads}, {nq} queries over keys {[row[3] for row in table]} ending at {list(ends)}"
         )
     return out if dtype == torch.float32 else out.to(dtype)
 
