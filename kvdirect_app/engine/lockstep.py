@@ -143,7 +143,8 @@ def _same(a, b) -> bool:
 
 
 def lanes_attention(module, query, key, value, attention_mask, **kwargs):
-    """The registered attention function: each row's attention in a call of its own, with that row's K/V (and,
+    """The registered attention function.  A decode step under the fixed-order kernels: every row in one call
+    (`_decode_in_one_call`).  Otherwise each row's attention in a call of its own, with that row's K/V (and,
     native, its mask), in that row's region: no lane waits in another lane's call or is padded to its keys.
 
     Invariant kernels: the fixed-order attention (a query's bits depend only on it and the keys it sees, so a lane's

@@ -101,7 +101,6 @@ struct Attn {
     const void* k;    // (kv_heads, t, d): strides k_sh, k_st
     const void* v;    // (kv_heads, t, d): strides v_sh, v_st
     float* out;       // (nq, heads, d) float32
-    float* scratch;   // (threads, t) float32: each thread's scores
     int64_t heads, kv_heads, nq, t, d, q_sh, q_sq, k_sh, k_st, v_sh, v_st, end, window;
     float scaling, softcap;
     int bf16;
@@ -584,27 +583,8 @@ int kv_dots(const float* x, int64_t m, int64_t k, const void* w, const void* bia
     return taken;
 }
 
-// Causal attention, (nq, heads, d) float32 into `out`, each (query, head) computed whole by one thread in the fixed
-// order of dots_attention.inc.  The queries are the last nq of the positions end-t .. end-1 the keys hold;
-// window > 0: a sliding layer's; softcap > 0: the scores capped.  Returns the path taken, or -1.
-int kv_attention(const void* q, const void* k, const void* v, float* out, float* scratch, int64_t heads,
-                 int64_t kv_heads, int64_t nq, int64_t t, int64_t d, int64_t q_sh, int64_t q_sq, int64_t k_sh,
-                 int64_t k_st, int64_t v_sh, int64_t v_st, int64_t end, int64_t window, float scaling, float softcap,
-                 int bf16, int threads, int path) {
-    const int taken = kv_dots_path(path);
-    if (taken < 0 || d > MAX_HEAD_DIM || kv_heads < 1 || heads % kv_heads || nq > t) return -1;
-    const Attn a{q, k, v, out, scratch, heads, kv_heads, nq, t, d, q_sh, q_sq, k_sh, k_st, v_sh, v_st, end, window,
-                 scaling, softcap, bf16};
-#ifdef KV_X86
-    if (taken == AVX512) avx512_attention::attention_call(a, threads);
-    else if (taken == AVX2) avx2_attention::attention_call(a, threads);
-    else
-#endif
-        scalar_attention::attention_call(a, threads);
-    return taken;
-}
-
-// `count` lanes' causal attention at one layer, each as `kv_attention` would compute it alone.  Lane l's row of
+// `count` lanes' causal attention at one layer (one lane: a call of its own), each (query, head) computed whole by
+// one thread in the fixed order of dots_attention.inc, so a lane's bits do not depend on the others.  Lane l's row of
 // `table` (count x 9 int64): its queries' address (strides q_sh, q_sq), its keys' and values' addresses, its key
 // count t, the position its keys end at, then the keys' strides (head, token) and the values'; it writes (nq, heads,
 // d) float32 at out + l * nq * heads * d.  The same heads, kv_heads, nq, d, window, scaling and softcap for every
@@ -622,8 +602,8 @@ int kv_attention_lanes(int64_t count, const int64_t* table, float* out, float* s
         const int64_t t = r[3], end = r[4];
         if (nq > t || t > max_t || end < t) return -1;
         lanes.push_back(Attn{reinterpret_cast<const void*>(r[0]), reinterpret_cast<const void*>(r[1]),
-                             reinterpret_cast<const void*>(r[2]), out + l * nq * heads * d, scratch, heads, kv_heads,
-                             nq, t, d, q_sh, q_sq, r[5], r[6], r[7], r[8], end, window, scaling, softcap, bf16});
+                             reinterpret_cast<const void*>(r[2]), out + l * nq * heads * d, heads, kv_heads, nq, t, d,
+                             q_sh, q_sq, r[5], r[6], r[7], r[8], end, window, scaling, softcap, bf16});
         work += nq * heads * t * d * ATTENTION_UNITS;
     }
     if (count == 0) return taken;

@@ -72,10 +72,6 @@ def _library():
                 ]
                 lib.kv_dots_path.argtypes = [ctypes.c_int]
                 lib.kv_team_hold.argtypes = [ctypes.c_int]
-                lib.kv_attention.restype = ctypes.c_int
-                lib.kv_attention.argtypes = (
-                    [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 13 + [ctypes.c_float] * 2 + [ctypes.c_int] * 3
-                )
                 lib.kv_attention_lanes.restype = ctypes.c_int
                 lib.kv_attention_lanes.argtypes = (
                     [ctypes.c_int64]
@@ -196,8 +192,8 @@ def attention(
     """Causal attention in the fixed order (`dots_attention.inc`): query (H, q, d), key and value (Hkv, T, d), all
     float32 or all bfloat16, the last dimension contiguous; the queries are the last q of the positions end-T ..
     end-1 that the keys hold; `window` a sliding layer's, `softcap` the scores' cap.  Returns (q, H, d) in the
-    query's dtype.  A query's bits depend on it and the keys it sees only, at any thread count."""
-    lib = _LIB or _library()
+    query's dtype.  A query's bits depend on it and the keys it sees only, at any thread count: it is
+    `attention_lanes` of one lane."""
     if query.dim() != 3 or key.dim() != 3 or key.shape != value.shape or key.shape[2] != query.shape[2]:
         raise ValueError(
             f"fixed-order attention: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
@@ -210,49 +206,7 @@ def attention(
             f"fixed-order attention: {heads} heads over {kv_heads}, {nq} queries over {t} keys ending at "
             f"{end}; allowed: heads a multiple of the key heads, at most as many queries as keys, end >= T"
         )
-    dtype = query.dtype
-    if (
-        dtype not in DTYPES
-        or key.dtype != dtype
-        or value.dtype != dtype
-        or {query.device.type, key.device.type, value.device.type} != {"cpu"}
-    ):
-        raise ValueError(f"fixed-order attention: {dtype}, {key.dtype}, {value.dtype} on {query.device}")
-    query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
-    threads = threads or team()
-    out = torch.empty(nq, heads, d, dtype=torch.float32)
-    scratch = torch.empty(min(threads, nq * heads), t, dtype=torch.float32)
-    taken = lib.kv_attention(
-        query.data_ptr(),
-        key.data_ptr(),
-        value.data_ptr(),
-        out.data_ptr(),
-        scratch.data_ptr(),
-        heads,
-        kv_heads,
-        nq,
-        t,
-        d,
-        query.stride(0),
-        query.stride(1),
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        end,
-        window or 0,
-        scaling,
-        softcap or 0.0,
-        DTYPES[dtype],
-        threads,
-        PATHS[name or requested()],
-    )
-    if taken < 0:
-        raise ValueError(
-            f"fixed-order attention: path {name or requested()}, head size {d} (at most 512), "
-            f"{heads} heads over {kv_heads}, {nq} queries over {t} keys"
-        )
-    return out if dtype == torch.float32 else out.to(dtype)
+    return attention_lanes(query[None], [key], [value], [end], scaling, softcap, window, name, threads)[0]
 
 
 def attention_lanes(
