@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvdirect_app.app.ui.scoreboard import scoreboard_html
+from kvdirect_app.app.ui.scoreboard import _outside, scoreboard_html
 from kvdirect_app.app.ui.session import Session
 from kvdirect_app.engine.runner import Engine
 from kvdirect_app.measure import ledger, memory
@@ -118,6 +118,17 @@ def test_a_copy_kept_as_numpy_or_as_a_list_is_held_outside_torch_by_the_lane(way
     board = scoreboard_html(session)
     row = next(r for r in board.split("<tr")[1:] if f'title="{cls.name}:budget=4"' in r)
     assert "outside torch" in row and "kvd-outside" in row
+
+
+def test_a_pane_in_its_first_turn_weighs_its_outside_bytes_against_its_peak():
+    """Before its first turn ends a pane has no held figure: its bytes outside torch are weighed against its peak so
+    far, so the few KB a process's first calls cache stay off the board while a copy of the state's size shows.
+    Mutation it catches: the old rule (no held figure: always written out) fails the first assertion."""
+    first_turn = {"between": None, "peak": 1_700_000}
+    assert _outside({**first_turn, "outside": 5_000}) == ""
+    assert "kvd-outside" in _outside({**first_turn, "outside": 400_000})
+    assert "kvd-outside" in _outside({"between": 20_000, "peak": 1_700_000, "outside": 5_000})  # held, then peak
+    assert "kvd-outside" in _outside({"between": None, "peak": None, "outside": 5_000})  # nothing to weigh it by
 
 
 def test_a_tensor_made_on_a_thread_the_strategy_started_is_the_lanes(hiders):

@@ -75,7 +75,7 @@ def scoreboard_html(session: Session) -> str:
         between, source = byte_figure(
             f.get("between"), f.get("formula_between"), "held after the last finished turn", instrument
         )
-        between += _outside(f.get("outside"), f.get("between"))
+        between += _outside(f)
         sources["between"].add(source)
         peak, source = byte_figure(
             f.get("peak"),
@@ -131,14 +131,17 @@ def scoreboard_html(session: Session) -> str:
     return f'<table class="kvd-board">{head}{"".join(rows)}{_step_rows(session, bool(session.expect))}</table>'
 
 
-# Beside a pane's held bytes (its tensors'), what its work holds outside torch (numpy's data, Python's buffers) is
-# written out when it is this large a share of them (below it: a few KB of Python lists, its own bookkeeping).
-# Either way it is in the run's JSON (`state_bytes.outside_torch`).
+# Beside a pane's held bytes (its tensors' after the last finished turn; in its first turn, its peak so far), what
+# its work holds outside torch (numpy's data, Python's buffers) is written out when it is this large a share of them
+# (below it: a few KB of Python lists, its own bookkeeping, and the buffers a process's first calls cache, which a
+# first turn's panes would otherwise all show).  Either way it is in the run's JSON (`state_bytes.outside_torch`).
 OUTSIDE_SHOWN = 0.1
 
 
-def _outside(outside: int | None, held: int | None) -> str:
-    """The bytes a pane holds outside torch after the last step, beside its held figure."""
+def _outside(figures: dict) -> str:
+    """The bytes a pane holds outside torch after the last step (`Lane.turn_figures`), beside its held figure."""
+    outside = figures.get("outside")
+    held = figures.get("between") if figures.get("between") is not None else figures.get("peak")
     if not outside:
         return ""
     if held is not None and outside < OUTSIDE_SHOWN * held:
