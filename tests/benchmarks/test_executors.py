@@ -104,18 +104,18 @@ def threads_seen(cell: dict):
 
 
 def wait_for_file(cell: dict):
-    """Cell "slow" ends only once the file the other cell writes exists: it finishes last on any executor."""
+    """Cell "slow" ends only once the file at its `path` exists (the test writes it when the fast cell's line is
+    said), so it finishes last on any executor however loaded the machine; cell "fast" ends at once.  (Waiting for a
+    file the fast cell wrote itself raced: under load the slow cell's result could come back before the fast one's.)"""
     import time
     from pathlib import Path
 
-    path = Path(cell["path"])
     if cell["name"] == "slow":
         for _ in range(1200):
-            if path.exists():
+            if Path(cell["path"]).exists():
                 break
             time.sleep(0.05)
         return "slow"
-    path.write_text("done")
     return "fast"
 
 
@@ -220,9 +220,15 @@ def test_each_cell_is_said_as_it_finishes_with_the_time_left(executor, request, 
     every result was gathered, in the cells' order."""
     if executor == "ray":
         request.getfixturevalue("small_local_ray")
-    lines = []
-    cells = [{"name": "slow", "path": str(tmp_path / "flag")}, {"name": "fast", "path": str(tmp_path / "flag")}]
-    assert run_cells(wait_for_file, cells, executor, workers=2, say=lines.append) == ["slow", "fast"]
+    lines, said = [], tmp_path / "fast-said"
+
+    def say(line: str):
+        lines.append(line)
+        if "(fast)" in line:
+            said.write_text("said")
+
+    cells = [{"name": "slow", "path": str(said)}, {"name": "fast", "path": str(said)}]
+    assert run_cells(wait_for_file, cells, executor, workers=2, say=say) == ["slow", "fast"]
     assert [line.split(" in ")[0] for line in lines] == [
         "cell 2 of 2 (fast) done: 1 of 2",
         "cell 1 of 2 (slow) done: 2 of 2",
