@@ -146,7 +146,7 @@ class Recomputer:
             + ["k_proj", "v_proj"]
             + (["k_norm"] if key.norm is not None else [])
             + (
-                ["RoPE (family's apply_rotary_pos_emb, applied to (K, K) as the project's rebuild does)"]
+                ["RoPE (family's apply_rotary_pos_emb, to K with an empty query slot, as the project's rebuild does)"]
                 if key.rope is not None and key.rotary is not None
                 else []
             )

@@ -28,7 +28,11 @@ exactly what it would be alone:
   first takes the mask's rightmost columns, `fit_mask`), or the invariant
   attention, whose bits for a query do not depend on the call it is in;
 * norms, RoPE (positions are per row), activations and residual adds work
-  row by row.
+  row by row;
+* a cache layer rebuilding a query or key of a row's own tokens (a scorer's
+  query, a rebuilt key) takes what the pass computed for that row: the
+  projection's output row (`_invariant_forward`'s memo) and the row's cos/sin
+  (`compat.rotary_memo`), the same bits without computing them again.
 
 Timing and memory: what a row does alone (its cache's work, its attention,
 its setup) runs in a region of its owner (`observe.Observer.region`), timed
@@ -257,7 +261,8 @@ def last_query_attention(
     """
     n_kv = keys.shape[1]
     query_at = torch.tensor([end - 1], device=keys.device)
-    probs = attention_probs(query[:, :, -1:], keys, query_at, positions, scaling, softcap, window)
+    # Every key handed is at or before the query: only a window masks.
+    probs = attention_probs(query[:, :, -1:], keys, query_at, positions, scaling, softcap, window, causal=False)
     probs = probs.mean(dim=2)[0, :, 0]  # (n_kv, T): each KV head's group of query heads averaged
     pos = positions.long().expand(1, n_kv, positions.shape[-1])
     visible = (pos <= end - 1) if window is None else (pos <= end - 1) & (pos > end - 1 - window)
@@ -329,11 +334,12 @@ def _invariant_forward(kernels: Kernels, linear: torch.nn.Linear, n: int, memo: 
         return F.linear(x, linear.weight, linear.bias)
     if x.dim() == 3 and x.shape[1] == 1:
         done = memo.get(linear)
-        if done is not None and x.shape[0] == 1:
+        if done is not None and x.shape[0] == 1 and x.dtype == done[0].dtype:
             rows, out = done
-            for i in range(rows.shape[0]):
-                if torch.equal(rows[i], x[0]):
-                    return out[i : i + 1]
+            same = (rows == x).flatten(1).all(dim=1)  # what torch.equal says of each row, in one op for all
+            i = int(same.to(torch.uint8).argmax())  # the first equal row
+            if same[i]:
+                return out[i : i + 1]
         if x.shape[0] == n:  # the pass's decode call over every row
             out = kernels.linear(x, linear.weight, linear.bias)
             memo[linear] = (x, out)
@@ -402,6 +408,7 @@ def run_batch(model: torch.nn.Module, rows: list[Row], observer: Observer, tap, 
             observer.region(SHARED, "pass"),
             compat.attention_implementation(attn.config, LANES_IMPLEMENTATION),
             batch_linears(model, len(rows), kernels),
+            compat.rotary_memo(model, positions),
             kernels.applied(),
         ):
             logits = compat.forward_rows(model, ids, LaneCache(batch), positions)

@@ -154,7 +154,9 @@ class HeadProjection:
         self.rope = compat.rope_function(attn) if rotate else None
         self.rotary = compat.rotary_for_layer(model, spec.layer_type) if rotate else None
 
-    def finish(self, y: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def finish(self, y: torch.Tensor, position_ids: torch.Tensor | None, start: int = 0) -> torch.Tensor:
+        """y (1, T, H*d_h) -> (1, H, T, d_h), rotated at `position_ids` (1, T), or at start .. start+T-1 when None
+        (`Rotary.at`: the cos/sin of a pass in progress where it computed those positions)."""
         if self.norm is not None and self.norm_full_width:
             y = self.norm(y)
         y = y.view(*y.shape[:-1], -1, self.head_dim)
@@ -162,16 +164,20 @@ class HeadProjection:
             y = self.norm(y)
         y = y.transpose(1, 2)
         if self.rope is not None and self.rotary is not None:
-            cos, sin = self.rotary(y, position_ids)
-            _, y = self.rope(y, y, cos, sin)
+            if position_ids is None:
+                cos, sin = self.rotary.at(y, start, y.shape[2])
+            else:
+                cos, sin = self.rotary(y, position_ids)
+            # The family's own function, as the model rotates its keys; its query slot gets no heads (nothing
+            # computed there: the same bits for y, half the work).
+            _, y = self.rope(y[:, :0], y, cos, sin)
         return y
 
     def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x (1, T, d) at positions start..start+T-1 -> (1, H, T, d_h), as one GEMM (the run's kernels; the model's
         own inside `kernels.native()`)."""
-        positions = torch.arange(start, start + x.shape[1], device=x.device).unsqueeze(0)
         y = F.linear(x, self.linear.weight, self.linear.bias) if native_now() else self.linear(x)
-        return self.finish(y, positions)
+        return self.finish(y, None, start)
 
 
 class KVProjector:

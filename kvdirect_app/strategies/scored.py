@@ -128,8 +128,10 @@ def keep_top(scores: torch.Tensor, budget: int) -> torch.Tensor:
 
     scores (1, G, T) over candidates in position order (oldest first).
     """
-    newest_first = scores.flip(-1)
-    order = torch.sort(newest_first, dim=-1, descending=True, stable=True).indices[..., :budget]
+    if scores.shape[-1] == budget + 1:  # a decode step at the budget: each row's lowest goes, the oldest of a tie
+        kept = torch.arange(budget, device=scores.device)  # (what the sort keeps: argmin gives the first minimum)
+        return kept + (kept >= scores.argmin(dim=-1, keepdim=True))
+    order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices[..., :budget]  # newest first
     return (scores.shape[-1] - 1 - order).sort(dim=-1).values
 
 
@@ -231,8 +233,9 @@ class ScoredLayer(CacheLayerMixin):
             start = self.seen - n
             queries = self.projector.queries(inputs[:, -n:], start)
             query_positions = torch.arange(start, self.seen, device=keys.device)
+            projector, causal = self.projector, n > 1  # one query: every candidate is at or before it
             return attention_probs(
-                queries, keys, query_positions, positions, self.projector.scaling, self.projector.softcap
+                queries, keys, query_positions, positions, projector.scaling, projector.softcap, causal=causal
             )
 
         return attend

@@ -39,12 +39,15 @@ def attention_probs(
     scaling: float,
     softcap: float | None = None,
     window: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Causal attention probabilities in fp32, query heads grouped onto their KV head.
 
     queries (1, H, n, d_h), keys (1, n_kv, T, d_h), query_positions (n,),
     key_positions (1, G, T) with G 1 or n_kv; `window`: a sliding layer's (a query at p sees keys after
-    p - window).  Returns (1, n_kv, H // n_kv, n, T).
+    p - window).  `causal=False` where the caller knows every key is at or before every query (one query over its
+    candidates): without a window the mask would hide nothing, so none is built.
+    Returns (1, n_kv, H // n_kv, n, T).
     """
     _, heads, n, d_h = queries.shape
     n_kv = keys.shape[1]
@@ -52,6 +55,8 @@ def attention_probs(
     logits = torch.einsum("bkgnd,bktd->bkgnt", q, keys.float()) * scaling
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
+    if not causal and window is None:
+        return torch.softmax(logits, dim=-1)
     keys_at, query_at = key_positions.long()[:, :, None, None, :], query_positions.long()[None, None, None, :, None]
     visible = keys_at <= query_at
     if window is not None:

@@ -11,6 +11,7 @@ import torch
 
 from kvdirect_app.engine.runner import Engine
 from kvdirect_app.kernels.invariant import Kernels
+from kvdirect_app.models import compat
 from kvdirect_app.plain.text import ReplyText
 from kvdirect_app.strategies import parse_specs
 
@@ -113,6 +114,48 @@ def test_a_decode_layers_attention_in_one_call_gives_each_lane_the_bits_of_its_o
         # of (caches filled once per process inside a lane's work), whichever path runs first.
         assert {**r["state_bytes"], "outside_torch": None} == {**rb["state_bytes"], "outside_torch": None}, label
         assert rb["latency_ms"]["decode_attention_ms_mean"] > 0, label
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
+def test_a_pass_keeps_each_rows_rotary_for_a_rebuild_at_those_positions(family):
+    """Rows at different positions (lanes whose replies differ in length), one token or several each: inside the
+    pass, `Rotary.at` of a row's positions gives the cos/sin the pass computed for that row (a view of its tensor,
+    nothing computed again), bit-equal to computing them; other positions, and every position after the pass, are
+    computed."""
+    model = tiny(family).model
+    types = sorted({spec.layer_type for spec in compat.layer_specs(model.config)})
+    rotaries = {t: compat.rotary_for_layer(model, t) for t in types}
+    d = compat.text_config(model.config).hidden_size
+    for q in (1, 3):
+        starts = [7, 2, 11]
+        positions = torch.stack([torch.arange(s, s + q) for s in starts])
+        x = torch.zeros(len(starts), q, d)
+        alone = {(t, s): rotaries[t](x[:1], torch.arange(s, s + q)[None]) for t in types for s in [*starts, 4]}
+        with compat.rotary_memo(model, positions):
+            passed = {t: rotaries[t](x, positions) for t in types}  # what the model's forward does, once a type
+            for t in types:
+                for r, s in enumerate(starts):
+                    cos, sin = rotaries[t].at(x[:1], s, q)
+                    assert cos.data_ptr() == passed[t][0][r : r + 1].data_ptr(), (t, s)
+                    assert torch.equal(cos, alone[t, s][0]) and torch.equal(sin, alone[t, s][1]), (t, s)
+                cos, _ = rotaries[t].at(x[:1], 4, q)
+                assert torch.equal(cos, alone[t, 4][0]) and cos.data_ptr() != passed[t][0].data_ptr()
+        for t in types:
+            cos, _ = rotaries[t].at(x[:1], starts[0], q)
+            assert torch.equal(cos, alone[t, starts[0]][0]) and cos.data_ptr() != passed[t][0].data_ptr()
+
+
+def test_a_scorer_rebuilding_its_queries_in_a_pass_computes_no_rotary(monkeypatch):
+    """H2O rebuilds the queries of every prompt and decode step at every layer: in a batched pass they are at the
+    positions the pass rotated, so every one takes the pass's cos/sin (and the run's bits are those of lanes one
+    after another, `test_batched_lanes_give_the_same_bits_as_lanes_one_after_another`)."""
+    asked, computed = [], []
+    at, call = compat.Rotary.at, compat.Rotary.__call__
+    monkeypatch.setattr(compat.Rotary, "at", lambda self, *a: asked.append(a[1:]) or at(self, *a))
+    monkeypatch.setattr(compat.Rotary, "__call__", lambda self, *a: computed.append(1) or call(self, *a))
+    result = _run(tiny("tiny-llama"), "full,h2o:budget=4", list(TINY_TURNS), 6, False, True, True, {"threads": 1})
+    assert result.result["strategies"]["h2o:budget=4"]["first_divergence"] is not None  # its twin ran too
+    assert len(asked) > 2 * 6 * 2 and not computed
 
 
 def test_a_long_prompt_is_fed_in_pieces_the_same_for_every_lane():

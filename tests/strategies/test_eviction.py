@@ -20,6 +20,7 @@ from kvdirect_app.engine.runner import Engine, InputTap, run_to_end
 from kvdirect_app.models import compat
 from kvdirect_app.strategies import parse_spec, parse_specs
 from kvdirect_app.strategies.scored import ScoredLayer, keep_top, take
+from kvdirect_app.strategies.scored_attention import attention_probs
 
 from ..conftest import bad_spec_error
 from ..runs import LARGE_BUDGET, tiny, tiny_union
@@ -270,6 +271,41 @@ def test_the_kept_candidates_are_what_a_gather_takes(rows):
     index = keep.unsqueeze(-1).expand(1, 3, -1, 8)
     assert torch.equal(take(keys, keep), keys.gather(2, index))
     assert rows == 1 or not torch.equal(keep[0, 0], keep[0, 1])  # the heads chose apart
+
+
+def test_one_over_the_budget_drops_what_the_sort_drops():
+    """`keep_top`'s decode case (T = budget + 1: argmin) against its sort, over scores full of ties, protected and
+    -inf tokens, per layer and per head; a mutation dropping the newest of a tie, or keeping the dropped one, fails."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        rows, t = (1, 3)[trial % 2], 2 + trial % 40
+        scores = torch.randint(0, 3 + trial % 5, (1, rows, t), generator=gen).float()
+        scores[scores == 0] = -math.inf if trial % 3 == 0 else 0.0
+        scores[scores == 1] = math.inf if trial % 4 == 0 else 1.0
+        budget = t - 1
+        newest_first = scores.flip(-1)
+        order = torch.sort(newest_first, dim=-1, descending=True, stable=True).indices[..., :budget]
+        want = (t - 1 - order).sort(dim=-1).values
+        got = keep_top(scores, budget)
+        assert got.dtype == want.dtype and torch.equal(got, want), (trial, scores)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_one_query_over_keys_before_it_needs_no_mask(softcap):
+    """`attention_probs(causal=False)` (a scorer's one query over its candidates, all at or before it): the bits of
+    the masked call, for scattered kept positions and grouped heads; with a key after the query it would differ,
+    which is why only a caller that knows the positions says so."""
+    gen = torch.Generator().manual_seed(3)
+    queries, keys = torch.randn(1, 6, 1, 8, generator=gen), torch.randn(1, 2, 9, 8, generator=gen)
+    positions = torch.tensor([0, 1, 4, 5, 9, 12, 13, 17, 20], dtype=torch.int32).expand(1, 2, 9)
+    at = torch.tensor([20])
+    masked = attention_probs(queries, keys, at, positions, 0.35, softcap)
+    assert torch.equal(attention_probs(queries, keys, at, positions, 0.35, softcap, causal=False), masked)
+    early = torch.tensor([13])
+    assert not torch.equal(
+        attention_probs(queries, keys, early, positions, 0.35, softcap, causal=False),
+        attention_probs(queries, keys, early, positions, 0.35, softcap),
+    )
 
 
 def test_window_keeps_the_last_budget_tokens():
