@@ -41,7 +41,7 @@ from ..models.geometry import ModelGeometry
 from ..models.threads import pin
 from ..plain import rss
 from ..strategies.base import ContractError, Forward
-from ..strategies.scored import Scored, over_budget
+from ..strategies.scored import Scored, ScoredLayer, per_layer
 from .hooks import InputTap
 from .lanes import Lane
 from .lockstep import Row, run_batch
@@ -209,3 +209,24 @@ class Forwards:
                 obs.counts["rss"] += 1
                 self.rss = self.process.memory_info().rss
                 self.rss_peak = max(self.rss_peak or 0, self.rss)
+
+
+def over_budget(cache, seen: int, forwards: list) -> str | None:
+    """Why a scored strategy's cache holds more tokens than its budget allows after `forwards` (the engine asks,
+    outside the strategy's code, after every forward): the first evicting layer holding more than `Scored.stored`
+    gives it; None where every layer is within it."""
+    strategy = cache.strategy
+    layers = [layer for layer in cache.layers if isinstance(layer, ScoredLayer)]
+    if not layers:
+        return None
+    allowed = strategy.stored(seen, forwards, len(layers))
+    for layer in layers:
+        held = 0 if layer.keys is None else layer.keys.shape[-2]
+        limit = per_layer(allowed, layer.rank)
+        if held > limit:
+            return (
+                f"{strategy.label}: evicting layer {layer.rank + 1} of {layer.count} holds {held} tokens after "
+                f"{seen} seen, more than the {limit} its budget allows there; allowed: at most its budget "
+                "(`Scored.layer_budgets`, `limits`)"
+            )
+    return None

@@ -29,10 +29,11 @@ exactly what it would be alone:
   attention, whose bits for a query do not depend on the call it is in;
 * norms, RoPE (positions are per row), activations and residual adds work
   row by row;
-* a cache layer rebuilding a query or key of a row's own tokens (a scorer's
-  query, a rebuilt key) takes what the pass computed for that row: the
-  projection's output row (`_invariant_forward`'s memo) and the row's cos/sin
-  (`compat.rotary_memo`), the same bits without computing them again.
+* a scored layer that reads attention (H2O, TOVA, SnapKV) is handed its
+  row's queries as the pass computed them (`_settle`): its update is split
+  into `add` (the candidates, for attention) and `settle(queries)` (scores,
+  eviction) instead of rebuilding the queries from the attention input; the
+  same function of the same inputs, so the same bits.
 
 Timing and memory: what a row does alone (its cache's work, its attention,
 its setup) runs in a region of its owner (`observe.Observer.region`), timed
@@ -60,6 +61,7 @@ from ..kernels.replay import linear_rows
 from ..measure.observe import ENGINE, SHARED, Observer, Owner, instrument
 from ..models import compat
 from ..strategies import StrategyCache
+from ..strategies.scored import ScoredLayer
 from ..strategies.scored_attention import attention_probs, fit_mask
 
 LANES_IMPLEMENTATION = "kvdirect_lanes"
@@ -110,15 +112,15 @@ class _LaneLayer(compat.CacheLayerMixin):
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        observer, j = self.batch.observer, self.j
+        """Each row's K/V to its cache layer; a scored layer that reads attention only adds them here and is settled
+        with the pass's queries (`_settle`, when the attention function is called)."""
         for i, row in enumerate(self.batch.rows):
-            layer = row.cache.layers[j]
+            layer = row.cache.layers[self.j]
             with self.batch.owned(i, "cache_update"):
                 # A copy: each cache gets a tensor of its own, as its own forward would have given it.
-                row.kv[j] = layer.update(key_states[i : i + 1].clone(), value_states[i : i + 1].clone())
-            observer.compare(row.owner, j, layer, *row.kv[j])
-            if row.snapshot:
-                row.handed[j] = observer.handed.pop(id(layer), None)
+                k, v = key_states[i : i + 1].clone(), value_states[i : i + 1].clone()
+                split = isinstance(layer, ScoredLayer) and layer.takes_queries
+                row.kv[self.j] = layer.add(k, v) if split else layer.update(k, v)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -158,6 +160,7 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
     batch: Batch = _LOCAL.batch
     j = module.layer_idx
     q = query.shape[2]
+    _settle(batch, j, query)
     if q == 1 and batch.kernels.lanes_in_one_call:
         return _decode_in_one_call(batch, module, query, j, kwargs), None
     layer_type = batch.layer_types[j]
@@ -203,6 +206,21 @@ def lanes_attention(module, query, key, value, attention_mask, **kwargs):
         with batch.owned(i, "attention"):  # what it handed attention (a rebuilt buffer) dropped as its own
             del k, v
     return torch.cat(outputs, dim=0), weights
+
+
+def _settle(batch: Batch, j: int, query: torch.Tensor):
+    """Layer j of every row, its K/V added: a scored layer added only (`_LaneLayer.update`) scores its candidates
+    with its row's queries as the pass computed them (`ScoredLayer.settle`: no query rebuilt, the same bits) and
+    keeps the best, in the row's region as its update; then the instruments read what each row handed attention."""
+    observer = batch.observer
+    for i, row in enumerate(batch.rows):
+        layer = row.cache.layers[j]
+        if getattr(layer, "adding", None) is not None:
+            with batch.owned(i, "cache_update"):
+                layer.settle(query[i : i + 1])
+        observer.compare(row.owner, j, layer, *row.kv[j])
+        if row.snapshot:
+            row.handed[j] = observer.handed.pop(id(layer), None)
 
 
 LANES_ATTENTION = "lanes' attention"  # the shared pass's op of a decode layer's one attention call for every lane
@@ -324,26 +342,12 @@ def _rows_forward(linear: torch.nn.Linear, n: int, x: torch.Tensor) -> torch.Ten
     return F.linear(x, weight, bias)
 
 
-def _invariant_forward(kernels: Kernels, linear: torch.nn.Linear, n: int, memo: dict, x: torch.Tensor) -> torch.Tensor:
+def _invariant_forward(kernels: Kernels, linear: torch.nn.Linear, n: int, x: torch.Tensor) -> torch.Tensor:
     """`linear` in the invariant mode: every row of x in one call of the run's kernels (`Kernels.linear`); a prompt's
-    rows once per distinct lane (lanes that have not diverged share their first prompt).  A one-row call whose
-    row is a row of this layer's last decode call (a scorer rebuilding the query the pass computed) takes that
-    row's output: the same row gives the same bits, whatever the call (`memo`, emptied after the pass).  Inside
-    `kernels.native()` (a fast-mode rebuild), the model's own GEMM."""
+    rows once per distinct lane (lanes that have not diverged share their first prompt).  Inside `kernels.native()`
+    (a fast-mode rebuild), the model's own GEMM."""
     if native_now():
         return F.linear(x, linear.weight, linear.bias)
-    if x.dim() == 3 and x.shape[1] == 1:
-        done = memo.get(linear)
-        if done is not None and x.shape[0] == 1 and x.dtype == done[0].dtype:
-            rows, out = done
-            same = (rows == x).flatten(1).all(dim=1)  # what torch.equal says of each row, in one op for all
-            i = int(same.to(torch.uint8).argmax())  # the first equal row
-            if same[i]:
-                return out[i : i + 1]
-        if x.shape[0] == n:  # the pass's decode call over every row
-            out = kernels.linear(x, linear.weight, linear.bias)
-            memo[linear] = (x, out)
-            return out
     if x.dim() == 3 and x.shape[0] == n > 1 and x.shape[1] > 1:
         firsts, where = _unique_rows(x)
         if len(firsts) < n:
@@ -360,17 +364,15 @@ def batch_linears(model: torch.nn.Module, n: int, kernels: Kernels):
     linears = _LINEARS.get(model)
     if linears is None:  # found once per model, not at every step
         linears = _LINEARS[model] = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    memo: dict = {}
     for m in linears:
         m.forward = (
-            functools.partial(_invariant_forward, kernels, m, n, memo)
+            functools.partial(_invariant_forward, kernels, m, n)
             if kernels.invariant
             else functools.partial(_rows_forward, m, n)
         )
     try:
         yield
     finally:
-        memo.clear()
         for m in linears:
             del m.forward
 
@@ -408,7 +410,6 @@ def run_batch(model: torch.nn.Module, rows: list[Row], observer: Observer, tap, 
             observer.region(SHARED, "pass"),
             compat.attention_implementation(attn.config, LANES_IMPLEMENTATION),
             batch_linears(model, len(rows), kernels),
-            compat.rotary_memo(model, positions),
             kernels.applied(),
         ):
             logits = compat.forward_rows(model, ids, LaneCache(batch), positions)

@@ -155,8 +155,7 @@ class HeadProjection:
         self.rotary = compat.rotary_for_layer(model, spec.layer_type) if rotate else None
 
     def finish(self, y: torch.Tensor, position_ids: torch.Tensor | None, start: int = 0) -> torch.Tensor:
-        """y (1, T, H*d_h) -> (1, H, T, d_h), rotated at `position_ids` (1, T), or at start .. start+T-1 when None
-        (`Rotary.at`: the cos/sin of a pass in progress where it computed those positions)."""
+        """y (1, T, H*d_h) -> (1, H, T, d_h), rotated at `position_ids` (1, T), or at start .. start+T-1 when None."""
         if self.norm is not None and self.norm_full_width:
             y = self.norm(y)
         y = y.view(*y.shape[:-1], -1, self.head_dim)
@@ -165,9 +164,8 @@ class HeadProjection:
         y = y.transpose(1, 2)
         if self.rope is not None and self.rotary is not None:
             if position_ids is None:
-                cos, sin = self.rotary.at(y, start, y.shape[2])
-            else:
-                cos, sin = self.rotary(y, position_ids)
+                position_ids = torch.arange(start, start + y.shape[2], device=y.device).unsqueeze(0)
+            cos, sin = self.rotary(y, position_ids)
             # The family's own function, as the model rotates its keys; its query slot gets no heads (nothing
             # computed there: the same bits for y, half the work).
             _, y = self.rope(y[:, :0], y, cos, sin)

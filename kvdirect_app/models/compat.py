@@ -46,7 +46,6 @@ __all__ = [
     "rope_function",
     "Rotary",
     "rotary_for_layer",
-    "rotary_memo",
     "forward_step",
 ]
 
@@ -106,13 +105,9 @@ def _rotary_module(model: nn.Module) -> nn.Module | None:
     return getattr(base, "rotary_emb", None)
 
 
-_ROTARY_MEMO = "_kvdirect_rotary_memo"  # the rotary module's attribute while a pass keeps its cos/sin (`rotary_memo`)
-
-
 class Rotary:
     """The model's rotary embedding for layers of one type (Gemma 3: one base per type): `(x, position_ids) ->
-    (cos, sin)`; `at(x, start, n)` gives them for the positions start .. start+n-1, taken from the pass in progress
-    where it computed those very positions (`rotary_memo`), else computed as the call does."""
+    (cos, sin)`."""
 
     def __init__(self, module: nn.Module, layer_type: str):
         self.module = module
@@ -123,50 +118,11 @@ class Rotary:
             return self.module(x, position_ids)
         return self.module(x, position_ids, self.layer_type)
 
-    def at(self, x: torch.Tensor, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        memo = self.module.__dict__.get(_ROTARY_MEMO)
-        kept = memo.get((self.layer_type, start, n, x.dtype, x.device)) if memo else None
-        if kept is not None:
-            return kept
-        return self(x, torch.arange(start, start + n, device=x.device).unsqueeze(0))
-
 
 def rotary_for_layer(model: nn.Module, layer_type: str) -> Rotary | None:
     """The rotary embedding of layers of this type (`Rotary`); None for a model without one."""
     rotary = _rotary_module(model)
     return None if rotary is None else Rotary(rotary, layer_type)
-
-
-@contextlib.contextmanager
-def rotary_memo(model: nn.Module, positions: torch.Tensor):
-    """While a forward over rows at `positions` (N, q), each row consecutive, runs: the cos/sin the model computes
-    for them are kept row by row (views, the forward's own tensors) for `Rotary.at` of the same positions, dtype and
-    layer type, and emptied after.  The same function of the same positions gives the same bits, so a cache layer
-    rebuilding a query or key of the pass's tokens takes them instead of computing them again (one call of ~6 small
-    ops per layer and lane).  Not for a dynamic rope (its frequencies follow the longest position of the call)."""
-    rotary = _rotary_module(model)
-    kind = str(getattr(rotary, "rope_type", "default"))
-    if rotary is None or "dynamic" in kind or "longrope" in kind:
-        yield
-        return
-    memo: dict = {}
-    starts, q = positions[:, 0].tolist(), positions.shape[1]
-    own = rotary.forward
-
-    def forward(x, position_ids, *args, **kwargs):
-        cos, sin = own(x, position_ids, *args, **kwargs)
-        if position_ids is positions:
-            layer_type = args[0] if args else kwargs.get("layer_type")
-            for r, start in enumerate(starts):
-                memo.setdefault((layer_type, start, q, cos.dtype, cos.device), (cos[r : r + 1], sin[r : r + 1]))
-        return cos, sin
-
-    rotary.forward, rotary.__dict__[_ROTARY_MEMO] = forward, memo
-    try:
-        yield
-    finally:
-        del rotary.forward
-        rotary.__dict__.pop(_ROTARY_MEMO, None)
 
 
 def forward_step(model: nn.Module, input_ids: torch.Tensor, cache: Cache) -> torch.Tensor:

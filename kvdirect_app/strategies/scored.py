@@ -41,14 +41,18 @@ them:
   heads keep the same tokens).  Grouped-query heads: the attention of the
   query heads of one group is *averaged* onto their KV head.
 * Attention weights, for the strategies that need them, are computed inside
-  the cache layer, never by switching the model to eager attention: the engine
-  hands each layer its attention input (`capture`), `QueryProjector`
-  (`scored_attention.py`) rebuilds the queries from it (q_proj, q_norm where
-  the family has one, RoPE at the original positions, as
-  `replay.KVProjector` does for keys), and
-  `softmax(q K^T * module.scaling + causal mask)` is taken in fp32 over the
+  the cache layer, never by switching the model to eager attention:
+  `softmax(q K^T * module.scaling + causal mask)` in fp32 over the
   candidates, with Gemma 2's logit soft-capping (`tanh(x / cap) * cap`) where
-  the module has one.
+  the module has one.  The queries: the engine's pass, which holds them,
+  splits `update` into `add` (the candidates, for attention) and
+  `settle(queries)` (score, evict) and hands the layer its row's queries as
+  the model computed them; elsewhere (`generate`) `QueryProjector`
+  (`scored_attention.py`) rebuilds them from the attention input the engine
+  hands the layer (`capture`: q_proj, q_norm where the family has one, RoPE
+  at the original positions, as `replay.KVProjector` does for keys), the
+  same bits.  SnapKV's window at the end of a prompt fed in pieces reaches
+  back into earlier pieces: those queries are rebuilt.
 * Sliding-window layers (Gemma 2/3, Mistral) are left exactly as the full
   cache keeps them.
 
@@ -95,27 +99,6 @@ POSITION_BYTES = 4
 BUFFER_DTYPE = torch.float32
 BUFFER_BYTES = 4
 DECODES = ("grow", "hold")  # while decoding: keep every new token until the next prompt, or hold the budget
-
-
-def over_budget(cache, seen: int, forwards: list) -> str | None:
-    """Why a scored strategy's cache holds more tokens than its budget allows after `forwards` (the engine asks,
-    outside the strategy's code, after every forward): the first evicting layer holding more than `Scored.stored`
-    gives it; None where every layer is within it."""
-    strategy = cache.strategy
-    layers = [layer for layer in cache.layers if isinstance(layer, ScoredLayer)]
-    if not layers:
-        return None
-    allowed = strategy.stored(seen, forwards, len(layers))
-    for layer in layers:
-        held = 0 if layer.keys is None else layer.keys.shape[-2]
-        limit = per_layer(allowed, layer.rank)
-        if held > limit:
-            return (
-                f"{strategy.label}: evicting layer {layer.rank + 1} of {layer.count} holds {held} tokens after "
-                f"{seen} seen, more than the {limit} its budget allows there; allowed: at most its budget "
-                "(`Scored.layer_budgets`, `limits`)"
-            )
-    return None
 
 
 def per_layer(values: tuple | list, rank: int):
@@ -204,6 +187,7 @@ class ScoredLayer(CacheLayerMixin):
         self.prompt_tokens = 0
         self.prompt_tail: torch.Tensor | None = None  # (1, <= prompt_window, d): the open prompt's last inputs
         self.pending: torch.Tensor | None = None
+        self.adding: tuple | None = None  # a forward's candidates between `add` and `settle`
 
     def lazy_initialization(self, key_states, value_states):
         self.device = key_states.device
@@ -218,20 +202,21 @@ class ScoredLayer(CacheLayerMixin):
         }
         self.is_initialized = True
 
-    def _attend(
-        self, keys: torch.Tensor, positions: torch.Tensor, x: torch.Tensor | None, earlier: torch.Tensor | None
-    ):
+    def _attend(self, keys, positions, x: torch.Tensor | None, earlier, given: torch.Tensor | None):
         def attend(n: int) -> torch.Tensor:
-            if x is None:
-                raise RuntimeError(
-                    f"{self.strategy.name}: the attention input was not handed over; "
-                    "run the model through engine.InputTap"
-                )
-            inputs = x if earlier is None or n <= x.shape[1] else torch.cat([earlier, x], dim=1)
-            if n > inputs.shape[1]:
-                raise RuntimeError(f"{self.strategy.name}: {n} queries asked for, {inputs.shape[1]} kept")
             start = self.seen - n
-            queries = self.projector.queries(inputs[:, -n:], start)
+            if given is not None and n <= given.shape[2]:  # the forward's own queries, as the model computed them
+                queries = given[:, :, -n:]
+            else:
+                if x is None:
+                    raise RuntimeError(
+                        f"{self.strategy.name}: the attention input was not handed over; "
+                        "run the model through engine.InputTap"
+                    )
+                inputs = x if earlier is None or n <= x.shape[1] else torch.cat([earlier, x], dim=1)
+                if n > inputs.shape[1]:
+                    raise RuntimeError(f"{self.strategy.name}: {n} queries asked for, {inputs.shape[1]} kept")
+                queries = self.projector.queries(inputs[:, -n:], start)
             query_positions = torch.arange(start, self.seen, device=keys.device)
             projector, causal = self.projector, n > 1  # one query: every candidate is at or before it
             return attention_probs(
@@ -244,12 +229,24 @@ class ScoredLayer(CacheLayerMixin):
         """The strategy's scores of this step's candidates (`Scored.score`)."""
         return self.strategy.score(step)
 
+    @property
+    def takes_queries(self) -> bool:
+        """Whether a caller that holds the forward's queries may call `add`, then `settle(queries)`, in place of
+        `update`: a layer that scores with attention and whose class keeps this `update` (the engine's pass)."""
+        return self.projector is not None and type(self).update is ScoredLayer.update
+
     def update(self, key_states, value_states, *args, **kwargs):
+        candidates = self.add(key_states, value_states)
+        self.settle()
+        return candidates
+
+    def add(self, key_states, value_states) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update`'s first half: the forward's candidates (the held tokens, then its new ones) for attention."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        x, self.pending = self.pending, None
-        q = key_states.shape[-2]
-        rows = self.positions.shape[1]
+        if self.adding is not None:
+            raise RuntimeError(f"{self.strategy.name}: a forward's tokens were added before the last was settled")
+        q, rows = key_states.shape[-2], self.positions.shape[1]
         keys = torch.cat([self.keys, key_states], dim=-2)
         values = torch.cat([self.values, value_states], dim=-2)
         new_positions = torch.arange(self.seen, self.seen + q, dtype=POSITION_DTYPE, device=self.device)
@@ -257,21 +254,21 @@ class ScoredLayer(CacheLayerMixin):
         buffers = {name: torch.cat([buf, buf.new_zeros(1, rows, q)], dim=-1) for name, buf in self.buffers.items()}
         self.seen += q
         self.prompt_tokens = self.prompt_tokens + q if self.prefill else 0
+        self.adding = keys, values, positions, buffers, q
+        return keys, values
+
+    def settle(self, queries: torch.Tensor | None = None):
+        """`update`'s second half: the candidates scored and the best kept.  `queries` (1, H, q, d_h): the forward's
+        queries as the model computed them (post-RoPE), which `Step.attention` reads instead of rebuilding them."""
+        (keys, values, positions, buffers, q), self.adding = self.adding, None
+        x, self.pending = self.pending, None
         limits = self.strategy.limits(Forward(q, self.prefill, self.prompt_open, self.keep_all), self.seen, self.count)
         limit = None if limits is None else per_layer(limits, self.rank)
         evicts = limit is not None and keys.shape[-2] > limit
         earlier = self.prompt_tail
+        attend = None if self.projector is None else self._attend(keys, positions, x, earlier, queries)
         step = Step(
-            positions,
-            keys,
-            self.seen,
-            q,
-            self.prefill,
-            evicts,
-            self.prompt_tokens,
-            buffers,
-            self.state,
-            self._attend(keys, positions, x, earlier) if self.projector is not None else None,
+            positions, keys, self.seen, q, self.prefill, evicts, self.prompt_tokens, buffers, self.state, attend
         )
         scores = self.score(step)
         self._check(scores, step, limit)
@@ -289,7 +286,6 @@ class ScoredLayer(CacheLayerMixin):
             self.buffers = {name: buf.gather(2, keep) for name, buf in step.buffers.items()}
         else:
             self.keys, self.values, self.positions, self.buffers = keys, values, positions, step.buffers
-        return keys, values
 
     def _where(self, step: Step) -> str:
         what = "a prompt piece" if step.prefill else "a decode step" if step.q == 1 else "a forward"

@@ -11,9 +11,10 @@ import torch
 
 from kvdirect_app.engine.runner import Engine
 from kvdirect_app.kernels.invariant import Kernels
-from kvdirect_app.models import compat
 from kvdirect_app.plain.text import ReplyText
 from kvdirect_app.strategies import parse_specs
+from kvdirect_app.strategies.scored import ScoredLayer
+from kvdirect_app.strategies.scored_attention import QueryProjector
 
 from ..runs import LOCKSTEP, TINY_FAMILIES, TINY_TURNS, _run, all_sliding, one_by_one, run_once, tiny, tiny_union
 
@@ -116,46 +117,36 @@ def test_a_decode_layers_attention_in_one_call_gives_each_lane_the_bits_of_its_o
         assert rb["latency_ms"]["decode_attention_ms_mean"] > 0, label
 
 
-@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
-def test_a_pass_keeps_each_rows_rotary_for_a_rebuild_at_those_positions(family):
-    """Rows at different positions (lanes whose replies differ in length), one token or several each: inside the
-    pass, `Rotary.at` of a row's positions gives the cos/sin the pass computed for that row (a view of its tensor,
-    nothing computed again), bit-equal to computing them; other positions, and every position after the pass, are
-    computed."""
-    model = tiny(family).model
-    types = sorted({spec.layer_type for spec in compat.layer_specs(model.config)})
-    rotaries = {t: compat.rotary_for_layer(model, t) for t in types}
-    d = compat.text_config(model.config).hidden_size
-    for q in (1, 3):
-        starts = [7, 2, 11]
-        positions = torch.stack([torch.arange(s, s + q) for s in starts])
-        x = torch.zeros(len(starts), q, d)
-        alone = {(t, s): rotaries[t](x[:1], torch.arange(s, s + q)[None]) for t in types for s in [*starts, 4]}
-        with compat.rotary_memo(model, positions):
-            passed = {t: rotaries[t](x, positions) for t in types}  # what the model's forward does, once a type
-            for t in types:
-                for r, s in enumerate(starts):
-                    cos, sin = rotaries[t].at(x[:1], s, q)
-                    assert cos.data_ptr() == passed[t][0][r : r + 1].data_ptr(), (t, s)
-                    assert torch.equal(cos, alone[t, s][0]) and torch.equal(sin, alone[t, s][1]), (t, s)
-                cos, _ = rotaries[t].at(x[:1], 4, q)
-                assert torch.equal(cos, alone[t, 4][0]) and cos.data_ptr() != passed[t][0].data_ptr()
-        for t in types:
-            cos, _ = rotaries[t].at(x[:1], starts[0], q)
-            assert torch.equal(cos, alone[t, starts[0]][0]) and cos.data_ptr() != passed[t][0].data_ptr()
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_a_scorer_in_a_pass_is_handed_the_queries_it_would_rebuild(family, monkeypatch):
+    """H2O, TOVA and SnapKV and their twins, in a batched pass with rows at different positions (lanes that evict
+    hold fewer tokens, twins follow other tokens): each is handed its row's queries as the pass computed them
+    (`lockstep._settle`), at every prompt and decode step, bit-equal to rebuilding them from its attention input
+    (q_proj, the family's norm, RoPE at the row's positions), and no scorer rebuilds one.  Mutation: a row handed
+    its neighbour's queries fails."""
+    checked, rebuilt = [], []
+    settle, queries = ScoredLayer.settle, QueryProjector.queries
 
+    def checked_settle(self, given=None):
+        if given is not None:
+            q = self.adding[-1]
+            want = queries(self.projector, self.pending[:, -q:], self.seen - q)
+            assert torch.equal(given, want), (self.strategy.label, self.seen, q)
+            checked.append((self.strategy.name, q))
+        return settle(self, given)
 
-def test_a_scorer_rebuilding_its_queries_in_a_pass_computes_no_rotary(monkeypatch):
-    """H2O rebuilds the queries of every prompt and decode step at every layer: in a batched pass they are at the
-    positions the pass rotated, so every one takes the pass's cos/sin (and the run's bits are those of lanes one
-    after another, `test_batched_lanes_give_the_same_bits_as_lanes_one_after_another`)."""
-    asked, computed = [], []
-    at, call = compat.Rotary.at, compat.Rotary.__call__
-    monkeypatch.setattr(compat.Rotary, "at", lambda self, *a: asked.append(a[1:]) or at(self, *a))
-    monkeypatch.setattr(compat.Rotary, "__call__", lambda self, *a: computed.append(1) or call(self, *a))
-    result = _run(tiny("tiny-llama"), "full,h2o:budget=4", list(TINY_TURNS), 6, False, True, True, {"threads": 1})
-    assert result.result["strategies"]["h2o:budget=4"]["first_divergence"] is not None  # its twin ran too
-    assert len(asked) > 2 * 6 * 2 and not computed
+    monkeypatch.setattr(ScoredLayer, "settle", checked_settle)
+    monkeypatch.setattr(QueryProjector, "queries", lambda self, *a: rebuilt.append(a) or queries(self, *a))
+    loaded = tiny(family)
+    specs = "full,h2o:budget=4,tova:budget=4,snapkv:budget=4"
+    result = _run(loaded, specs, list(TINY_TURNS), 6, False, True, True, {"threads": 1}).result
+    assert not rebuilt
+    if all_sliding(loaded):  # no layer evicts
+        assert not checked
+        return
+    assert result["strategies"]["h2o:budget=4"]["first_divergence"] is not None  # twins were in the passes
+    assert {name for name, _ in checked} == {"h2o", "tova", "snapkv"}
+    assert {q for _, q in checked if q == 1} and {q for _, q in checked if q > 1}
 
 
 def test_a_long_prompt_is_fed_in_pieces_the_same_for_every_lane():

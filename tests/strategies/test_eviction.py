@@ -85,17 +85,17 @@ SMALL = [
 def test_a_small_budget_is_never_exceeded_and_bytes_match_the_formula(family, dtype, monkeypatch):
     budget = 6
     forwards = []
-    original = ScoredLayer.update
+    original = ScoredLayer.settle
 
-    def checked_update(self, key_states, value_states, *args, **kwargs):
-        out = original(self, key_states, value_states, *args, **kwargs)
+    def checked_settle(self, *args, **kwargs):  # `update`'s second half, or the pass's `settle(queries)`
+        candidates = self.adding[0].shape[-2]
+        original(self, *args, **kwargs)
         stored = self.keys.shape[-2]
         assert stored == min(self.seen, budget) and self.positions.shape[-1] == stored
-        assert out[0].shape[-2] >= stored  # attention saw everything stored plus the new tokens
+        assert candidates >= stored  # attention saw everything stored plus the new tokens
         forwards.append(stored)
-        return out
 
-    monkeypatch.setattr(ScoredLayer, "update", checked_update)
+    monkeypatch.setattr(ScoredLayer, "settle", checked_settle)
     loaded = tiny(family, dtype)
     engine = Engine(loaded, parse_specs(",".join(SMALL)), max_new_tokens=8, threads=THREADS)
     for event in engine.run(TURNS):
@@ -238,6 +238,24 @@ def _drive(spec, chunks, projector=None, seed=0, rank=0, count=1):
             seen += q
             yield layer, seen, all_k[:, :seen], all_q[:, :seen], q, i == 0
         layer.end_turn()
+
+
+def test_the_pass_splits_an_update_only_where_a_layer_takes_queries():
+    """The engine's pass calls `add`, then `settle(queries)` where a layer takes the pass's queries: one that scores
+    with attention (H2O), not one that reads none (StreamingLLM) nor a subclass that overrides `update` (it is
+    called through it).  A second `add` before `settle` is refused, naming the strategy."""
+    layer = parse_spec("h2o:budget=4").global_layer(Queries())
+    assert layer.takes_queries and not parse_spec("streaming_llm:budget=4").global_layer().takes_queries
+
+    class Own(type(layer)):
+        def update(self, *args, **kwargs):
+            return super().update(*args, **kwargs)
+
+    assert not Own(layer.strategy, layer.projector).takes_queries
+    k = torch.randn(1, N_KV, 1, D_H)
+    layer.add(k, k)
+    with pytest.raises(RuntimeError, match="h2o: a forward's tokens were added before the last was settled"):
+        layer.add(k, k)
 
 
 def _kept(layer):
