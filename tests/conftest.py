@@ -14,6 +14,8 @@ import tempfile
 
 import pytest
 
+import kvdirect_app  # noqa: F401  (its process settings, MKL's among them, are read when torch loads its libraries)
+
 # `make test` runs two workers on two cores: each computes on its share of them (a run that asks for more threads
 # still gets them), so that neither worker's OpenMP threads wait on threads the other one holds.  Set before torch
 # is imported; subprocesses (apps, bench children, process pools) inherit it.
