@@ -56,6 +56,26 @@ def test_snapkv_and_streamingllm_keep_kvpress_positions_in_every_layer_and_head_
         assert r.same_answer, (r.topic, r.ratio, r.answer, r.kvpress_answer)
 
 
+def assert_differs_only_at_ties(r, recording, values, tolerance: float, keeps_highest: bool):
+    """Each position that one of ours and kvpress's kept and the other did not sits at the cut of its selection
+    row: within `tolerance` (relative) of the row's `budget`-th value.  `values(context)` -> per layer (rows, T):
+    the values the press ranks (one row per KV head, or one for the layer)."""
+    context = next(p for p in recording["prompts"] if p["topic"] == r.topic)["context_ids"]
+    budget, ranked = ratio_budget(r.ratio, len(context)), values(context)
+    for layer in r.differing:
+        for head, (ours, theirs) in enumerate(zip(r.kept[layer], r.theirs[layer])):
+            row = ranked[layer][head if ranked[layer].shape[0] > 1 else 0]
+            cut = row.sort(descending=keeps_highest).values[budget - 1].item()
+            for position in ours ^ theirs:
+                assert abs(row[position].item() - cut) <= tolerance * abs(cut), (
+                    r.topic,
+                    r.ratio,
+                    layer,
+                    head,
+                    position,
+                )
+
+
 TOVA_TIE = 1e-5  # relative: ~80 float32 steps of a probability, where the kernels that computed it differ
 
 
@@ -68,22 +88,15 @@ def test_tova_keeps_kvpress_positions_except_at_a_tie_and_answers_alike(smollm2,
     mine = [r for r in runs if r.press == "tova"]
     assert len(mine) == 9 and all(r.same_answer for r in mine), [(r.topic, r.ratio) for r in mine]
     assert all(r.layers_equal >= 29 for r in mine), [(r.topic, r.ratio, r.differing) for r in mine]
-    attentions = {}
+
+    def scores(context):  # per layer (1, T): the last query's attention, averaged over heads
+        with torch.no_grad(), compat.attention_implementation(smollm2.model.config, "eager"):
+            out = smollm2.model(torch.tensor([context]), output_attentions=True, use_cache=False)
+        return [a[0, :, -1].float().mean(dim=0, keepdim=True) for a in out.attentions]
+
     for r in mine:
-        if not r.differing:
-            continue
-        context = next(p for p in recording["prompts"] if p["topic"] == r.topic)["context_ids"]
-        if r.topic not in attentions:
-            with torch.no_grad(), compat.attention_implementation(smollm2.model.config, "eager"):
-                out = smollm2.model(torch.tensor([context]), output_attentions=True, use_cache=False)
-            attentions[r.topic] = [a[0, :, -1].float().mean(dim=0) for a in out.attentions]  # (T,) per layer
-        budget = ratio_budget(r.ratio, len(context))
-        for layer in r.differing:
-            scores = attentions[r.topic][layer]
-            cut = scores.sort(descending=True).values[budget - 1].item()
-            ours, theirs = r.kept[layer][0], r.theirs[layer][0]  # one selection per layer
-            for position in ours ^ theirs:
-                assert abs(scores[position].item() - cut) <= TOVA_TIE * cut, (r.topic, r.ratio, layer, position)
+        if r.differing:
+            assert_differs_only_at_ties(r, recording, scores, TOVA_TIE, keeps_highest=True)
 
 
 def test_knorm_differs_only_where_two_keys_norms_tie(smollm2, recording, runs):
@@ -94,20 +107,16 @@ def test_knorm_differs_only_where_two_keys_norms_tie(smollm2, recording, runs):
     mine = [r for r in runs if r.press == "knorm"]
     assert len(mine) == 9 and all(r.same_answer for r in mine)
     assert all(r.layers_equal >= 29 for r in mine), [(r.topic, r.ratio, r.differing) for r in mine]
-    for r in mine:
-        if not r.differing:
-            continue
-        context = next(p for p in recording["prompts"] if p["topic"] == r.topic)["context_ids"]
+
+    def norms(context):  # per layer (n_kv, T): each key's norm
         cache = DynamicCache()
         with torch.no_grad():
             smollm2.model(torch.tensor([context]), cache=cache)
-        budget = ratio_budget(r.ratio, len(context))
-        for layer in r.differing:
-            norms = cache.layers[layer].keys[0].float().norm(dim=-1)
-            for head, (ours, theirs) in enumerate(zip(r.kept[layer], r.theirs[layer])):
-                cut = norms[head].sort().values[budget - 1].item()
-                for position in ours ^ theirs:
-                    assert abs(norms[head, position].item() - cut) <= 1e-6 * cut, (r.topic, r.ratio, layer, head)
+        return [layer.keys[0].float().norm(dim=-1) for layer in cache.layers]
+
+    for r in mine:
+        if r.differing:
+            assert_differs_only_at_ties(r, recording, norms, 1e-6, keeps_highest=False)
 
 
 def test_pyramidkv_selects_as_kvpress_and_spends_other_budgets_per_layer(runs):
