@@ -25,7 +25,7 @@ package first:
   (`kernels/dots.cpp`) run on a team of their own, and in the invariant mode torch's ops run at one thread.
 * ``MKL_DISABLE_FAST_MM=1``: MKL's memory manager keeps the buffers of its calls for reuse, per thread and
   call shape, and no one frees them; on an Intel Xeon a prompt's `einsum` (a scorer's attention, the attention
-  snapshot) left 4.3 MB of the C allocator in use at each new prompt length, bytes the memory cross-check
+  snapshot) left 4.2 MiB of the C allocator in use at each new prompt length, bytes the memory cross-check
   reports as held by no lane (`measure/ledger.CrossCheck`).  With it, MKL frees them after each call (an AMD
   EPYC, where MKL takes other paths, kept none either way).
 * Quiet profiler logs: the allocation tracer (`memory.py`) starts and stops
