@@ -31,7 +31,7 @@ PANE_MAX_PX = 320  # a pane's chat at most: the last 64-token reply whole (~290 
 def _panes(first: Session) -> list[Pane]:
     """One column per pane: earlier turns clamped to two lines (hover or focus shows all of them), the last reply
     in full (a 64-token reply fits `PANE_MAX_PX`; a longer conversation scrolls, kept at its end); the first
-    screen's recording fills them."""
+    screen's recording fills them.  A reply is Markdown, never LaTeX (`latex_delimiters=[]`)."""
     panes = []
     with gr.Row(elem_id="kvd-panes"):
         for i in range(max_panes()):
@@ -49,6 +49,9 @@ def _panes(first: Session) -> list[Pane]:
                     elem_classes="kvd-chat",
                     placeholder="Replies stream here.",
                     feedback_options=None,
+                    # No LaTeX: Gradio's default typesets $$...$$ by scanning every message at every streamed update;
+                    # the replies show their tokens as they are, and a turn streams ~1.5 s sooner (docs/perf.md).
+                    latex_delimiters=[],
                 )
             panes.append(Pane(box, head, chat))
     return panes
