@@ -2,7 +2,8 @@
 
 Each layer class's own `update` (and a scored layer's `add` and `settle`) is wrapped by a clock for the run, so the
 figures are the calls as they run between the linears, not alone: mean microseconds a call and milliseconds a step,
-by class, over the decode steps of one 48-token reply to `bench roofline`'s prompt on SmolLM2-135M.
+by class (a scored layer's by its strategy too, `ScoredLayer:h2o`), over the decode steps of one 48-token reply to
+`bench roofline`'s prompt on SmolLM2-135M.
 
     .venv/bin/python scripts/lane_pieces.py [--threads 2] [--json OUT]
 
@@ -54,7 +55,8 @@ def main() -> None:
             try:
                 return original(self, *a, **k)
             finally:
-                key = (type(self).__name__, name)
+                strategy = getattr(self, "strategy", None)  # a scored layer: by strategy, which differ most
+                key = (type(self).__name__ + ("" if strategy is None else f":{strategy.name}"), name)
                 seconds[key] += time.perf_counter() - start
                 calls[key] += 1
 
